@@ -1,0 +1,85 @@
+"""Torch reference implementation of the paged gather/scatter.
+
+``gather_blocks`` copies the listed blocks of every layer into one contiguous buffer of shape
+``[num_layers, len(block_ids), *block_shape]``; ``scatter_blocks`` copies such a buffer back into
+the listed blocks, in place. Runs wherever torch runs (CPU and CUDA, any dtype, caches of any
+strides) and is the definition the Triton kernels are tested against. One ``index_select`` /
+``index_copy_`` per layer; on CUDA that is ``num_layers`` launches per call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ._checks import BlockIds, check_block_ids, check_buffer, check_caches, output_buffer
+from .layout import CacheLayout, chunk_nbytes
+
+__all__ = ["chunk_nbytes", "gather_blocks", "scatter_blocks"]
+
+
+def gather_blocks(
+    layer_caches: Sequence[torch.Tensor],
+    block_ids: BlockIds,
+    layout: CacheLayout,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Copy blocks ``block_ids`` of every layer cache into one contiguous buffer.
+
+    Args:
+        layer_caches: One tensor per layer, all of the same shape, dtype and device.
+        block_ids: Blocks to copy, in buffer order; repeats are allowed.
+        layout: Which cache dimension indexes blocks.
+        out: Optional contiguous destination of shape
+            ``[len(layer_caches), len(block_ids), *layout.block_shape(cache.shape)]``.
+
+    Returns:
+        ``out`` (or a new tensor); ``result[l, i]`` is block ``block_ids[i]`` of layer ``l``.
+
+    Raises:
+        ValueError: on mismatched caches, ids out of range, or a wrongly shaped ``out``.
+    """
+    first = check_caches(layer_caches, layout)
+    ids = check_block_ids(block_ids, layout.num_blocks(first.shape), unique=False)
+    shape = layout.buffer_shape(first.shape, len(layer_caches), ids.numel())
+    result = output_buffer(out, shape, first)
+    index = ids.to(first.device)
+    dim = layout.block_dim
+    for layer, cache in enumerate(layer_caches):
+        # Moving the block dim to the front makes the selection land in buffer order, and
+        # index_select's out= writes it straight into the buffer without a temporary.
+        torch.index_select(cache.movedim(dim, 0), 0, index, out=result[layer])
+    return result
+
+
+def scatter_blocks(
+    buffer: torch.Tensor,
+    layer_caches: Sequence[torch.Tensor],
+    block_ids: BlockIds,
+    layout: CacheLayout,
+) -> None:
+    """Copy a gathered buffer back into blocks ``block_ids`` of every layer cache, in place.
+
+    The exact reverse of :func:`gather_blocks`: ``buffer[l, i]`` is written to block
+    ``block_ids[i]`` of layer ``l``; no other block is touched.
+
+    Args:
+        buffer: Shape ``[len(layer_caches), len(block_ids), *block_shape]``, same dtype and
+            device as the caches (any strides).
+        layer_caches: One tensor per layer, all of the same shape, dtype and device.
+        block_ids: Destination blocks, in buffer order; each id at most once.
+        layout: Which cache dimension indexes blocks.
+
+    Raises:
+        ValueError: on mismatched caches or buffer, ids out of range, or repeated ids.
+    """
+    first = check_caches(layer_caches, layout)
+    ids = check_block_ids(block_ids, layout.num_blocks(first.shape), unique=True)
+    shape = layout.buffer_shape(first.shape, len(layer_caches), ids.numel())
+    check_buffer(buffer, shape, first, name="buffer")
+    index = ids.to(first.device)
+    dim = layout.block_dim
+    for layer, cache in enumerate(layer_caches):
+        # movedim returns a view, so index_copy_ writes into the cache's own storage.
+        cache.movedim(dim, 0).index_copy_(0, index, buffer[layer])

@@ -1,0 +1,124 @@
+"""Protobuf messages in and out, shared by the sync and async clients."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import grpc
+
+from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.buffers import byte_view, writable_byte_view
+from kvstore.errors import (
+    DeadlineExceededError,
+    InvalidRequestError,
+    KVStoreError,
+    error_from_status,
+)
+from kvstore.keys import Namespace
+from kvstore.store import LookupResult, PutResult
+
+#: Soft size of one streamed Put message; a single larger block still goes out whole.
+REQUEST_TARGET_BYTES = 4 * 1024**2
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", -1),
+    ("grpc.max_send_message_length", -1),
+]
+
+
+def namespace_bytes(namespace: Namespace | bytes | None) -> bytes:
+    """The 16-byte fingerprint of a namespace (or the fingerprint itself)."""
+    if namespace is None:
+        raise InvalidRequestError(
+            "this call needs a namespace: pass namespace=Namespace(model=...) to the client"
+        )
+    return namespace.fingerprint() if isinstance(namespace, Namespace) else bytes(namespace)
+
+
+def map_rpc_error(exc: grpc.RpcError) -> KVStoreError:
+    """The kvstore exception for a failed call."""
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return DeadlineExceededError(f"deadline exceeded: {details}")
+    return error_from_status(code, details)
+
+
+def lookup_request(namespace: bytes, keys: Sequence[bytes]) -> pb.LookupRequest:
+    """A Lookup request."""
+    return pb.LookupRequest(namespace=namespace, keys=list(keys))
+
+
+def lookup_result(response: pb.LookupResponse) -> LookupResult:
+    """The domain result of a Lookup response."""
+    return LookupResult(response.hits, list(response.tiers))
+
+
+def put_requests(
+    namespace: bytes, keys: Sequence[bytes], values: Sequence[Any]
+) -> Iterator[pb.PutRequest]:
+    """The messages of one Put stream, about :data:`REQUEST_TARGET_BYTES` each."""
+    if len(keys) != len(values):
+        raise InvalidRequestError(f"{len(keys)} keys but {len(values)} values")
+    views = [byte_view(value) for value in values]  # check every value before sending any
+    blocks: list[pb.Block] = []
+    size = 0
+    first = True
+    for key, view in zip(keys, views, strict=True):
+        blocks.append(pb.Block(key=key, value=bytes(view)))
+        size += len(view)
+        if size >= REQUEST_TARGET_BYTES:
+            yield pb.PutRequest(namespace=namespace if first else b"", blocks=blocks)
+            blocks, size, first = [], 0, False
+    if blocks or first:
+        yield pb.PutRequest(namespace=namespace if first else b"", blocks=blocks)
+
+
+def put_result(response: pb.PutResponse) -> PutResult:
+    """The domain result of a Put response."""
+    return PutResult(response.stored, response.already_present, response.dropped)
+
+
+def get_request(namespace: bytes, keys: Sequence[bytes]) -> pb.GetRequest:
+    """A Get request."""
+    return pb.GetRequest(namespace=namespace, keys=list(keys))
+
+
+def collect_get(responses: Iterable[pb.GetResponse], count: int) -> list[bytes | None]:
+    """Payloads in request order from a Get stream (``None`` for misses)."""
+    values: list[bytes | None] = [None] * count
+    for response in responses:
+        add_get_response(values, response)
+    return values
+
+
+def add_get_response(values: list[bytes | None], response: pb.GetResponse) -> None:
+    """Fold one streamed Get message into ``values``."""
+    for result in response.results:
+        if result.found:
+            values[result.index] = result.value
+
+
+def fill_buffers(values: Sequence[bytes | None], buffers: Sequence[Any]) -> list[bool]:
+    """Copy each found value into its buffer; a value whose size differs counts as a miss."""
+    if len(values) != len(buffers):
+        raise InvalidRequestError(f"{len(values)} keys but {len(buffers)} buffers")
+    views = [writable_byte_view(buffer) for buffer in buffers]
+    filled = []
+    for value, view in zip(values, views, strict=True):
+        if value is None or len(value) != len(view):
+            filled.append(False)
+            continue
+        view[:] = value
+        filled.append(True)
+    return filled
+
+
+def stats_dict(response: pb.StatsResponse) -> dict[str, Any]:
+    """``{"tiers": {name: {...}}, "counters": {...}, "blocks": n}`` from a Stats response."""
+    return {
+        "tiers": {tier.name: dict(tier.values) for tier in response.tiers},
+        "counters": dict(response.counters),
+        "blocks": response.blocks,
+    }

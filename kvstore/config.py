@@ -1,0 +1,244 @@
+"""Configuration: a few frozen dataclasses and one loader.
+
+Every setting has one dotted name (``dram.capacity``), one environment variable
+(``KVSTORE_DRAM_CAPACITY``) and, for the common ones, one ``kvstore serve`` flag
+(``--dram-capacity``). :func:`load_config` merges, later winning::
+
+    built-in defaults  <  TOML file (--config / KVSTORE_CONFIG)  <  environment  <  flags
+
+Sizes accept plain bytes or ``KiB/MiB/GiB/TiB`` (and ``KB/MB/GB/TB``, decimal) suffixes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from kvstore.errors import ConfigError
+
+__all__ = [
+    "Config",
+    "DramConfig",
+    "NvmeConfig",
+    "ServerConfig",
+    "format_size",
+    "load_config",
+    "parse_size",
+]
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: str | int) -> int:
+    """Parse ``"512MiB"``, ``"4GiB"``, ``"1.5GB"`` or ``1048576`` into a number of bytes."""
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"a size must be >= 0, got {value}")
+        return value
+    match = _SIZE.match(value)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ConfigError(
+            f"cannot parse size {value!r}: use bytes or a number with one of "
+            "KiB, MiB, GiB, TiB, KB, MB, GB, TB"
+        )
+    number = match.group(1)
+    # Whole numbers stay integers: a float would round sizes above 2**53.
+    if "." not in number:
+        return int(number) * _UNITS[unit]
+    return int(float(number) * _UNITS[unit])
+
+
+def format_size(num_bytes: float) -> str:
+    """Render a byte count with a binary unit, e.g. ``1.5 GiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(num_bytes) < 1024:
+            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
+        num_bytes /= 1024
+    return f"{num_bytes:.1f} TiB"
+
+
+def _available_memory() -> int:
+    """Bytes of memory available to new allocations (``MemAvailable``), or 4 GiB if unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 * 1024**3
+
+
+def default_dram_capacity() -> int:
+    """A quarter of available memory, capped at 16 GiB and rounded down to a MiB."""
+    return min(_available_memory() // 4, 16 * 1024**3) // 1024**2 * 1024**2
+
+
+def default_data_dir() -> str:
+    """``$XDG_DATA_HOME/kvstore`` (``~/.local/share/kvstore``): where embedded nvme data lives."""
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return str(Path(base) / "kvstore")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The gRPC endpoint and request limits."""
+
+    listen: str = "127.0.0.1:50051"
+    max_block_bytes: int = 64 * 1024**2
+    max_keys_per_request: int = 8192
+    shutdown_grace_s: float = 5.0
+    workers: int = 4
+
+    def __post_init__(self) -> None:
+        host, sep, port = self.listen.rpartition(":")
+        if not sep or not host or not re.fullmatch(r"[0-9]{1,5}", port) or int(port) > 65535:
+            raise ConfigError(f"server.listen must be HOST:PORT, got {self.listen!r}")
+        _positive("server.max_block_bytes", self.max_block_bytes)
+        _positive("server.max_keys_per_request", self.max_keys_per_request)
+        _positive("server.workers", self.workers)
+        if self.shutdown_grace_s < 0:
+            raise ConfigError(f"server.shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+
+
+@dataclass(frozen=True)
+class DramConfig:
+    """The host-memory arena. ``capacity`` 0 disables the tier."""
+
+    capacity: int = field(default_factory=default_dram_capacity)
+    page_size: int = 64 * 1024
+
+    def __post_init__(self) -> None:
+        if self.capacity < 0:
+            raise ConfigError(f"dram.capacity must be >= 0, got {self.capacity}")
+        _positive("dram.page_size", self.page_size)
+        if self.page_size % 4096:
+            raise ConfigError(f"dram.page_size must be a multiple of 4096, got {self.page_size}")
+
+
+@dataclass(frozen=True)
+class NvmeConfig:
+    """The LMDB tier. ``path`` empty disables the tier."""
+
+    path: str = field(default_factory=lambda: str(Path(default_data_dir()) / "nvme"))
+    capacity: int = 8 * 1024**3
+
+    def __post_init__(self) -> None:
+        if self.path and self.capacity < 1024**2:
+            raise ConfigError(f"nvme.capacity must be at least 1MiB, got {self.capacity}")
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole configuration of one ``kvstore serve`` process."""
+
+    server: ServerConfig = field(default_factory=ServerConfig)
+    dram: DramConfig = field(default_factory=DramConfig)
+    nvme: NvmeConfig = field(default_factory=NvmeConfig)
+
+
+_SECTIONS: dict[str, type[Any]] = {"server": ServerConfig, "dram": DramConfig, "nvme": NvmeConfig}
+_SIZE_SETTINGS = {"server.max_block_bytes", "dram.capacity", "dram.page_size", "nvme.capacity"}
+
+
+def setting_names() -> list[str]:
+    """Every dotted setting name, e.g. ``dram.capacity``."""
+    return [f"{s}.{f.name}" for s, cls in _SECTIONS.items() for f in fields(cls)]
+
+
+def env_var(setting: str) -> str:
+    """The environment variable of a setting: ``dram.capacity`` → ``KVSTORE_DRAM_CAPACITY``."""
+    return "KVSTORE_" + setting.replace(".", "_").upper()
+
+
+def _coerce(setting: str, raw: Any) -> Any:
+    section, name = setting.split(".")
+    kind = {f.name: f.type for f in fields(_SECTIONS[section])}[name]
+    try:
+        if setting in _SIZE_SETTINGS:
+            return parse_size(raw if isinstance(raw, int) else str(raw))
+        if kind in ("int", int):
+            return int(raw)
+        if kind in ("float", float):
+            return float(raw)
+        return str(raw)
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"{setting}: cannot use {raw!r} ({exc})") from exc
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
+    """Build a :class:`Config` from defaults, a TOML file, the environment and flag overrides.
+
+    ``overrides`` maps dotted setting names to values (``None`` values are ignored), which is what
+    the CLI passes for the flags it was given. Unknown names in the file or the overrides are an
+    error that lists the known ones.
+    """
+    env = os.environ if env is None else env
+    merged: dict[str, Any] = {}
+    path = path if path is not None else env.get("KVSTORE_CONFIG") or None
+    if path is not None:
+        try:
+            with open(path, "rb") as handle:
+                document = tomllib.load(handle)
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+        for section, values in document.items():
+            if section not in _SECTIONS or not isinstance(values, dict):
+                raise ConfigError(f"unknown config section [{section}]; known: {sorted(_SECTIONS)}")
+            for name, value in values.items():
+                merged[f"{section}.{name}"] = value
+    known = setting_names()
+    for setting in known:
+        if env_var(setting) in env:
+            merged[setting] = env[env_var(setting)]
+    for setting, value in (overrides or {}).items():
+        if value is not None:
+            merged[setting] = value
+    unknown = sorted(set(merged) - set(known))
+    if unknown:
+        raise ConfigError(f"unknown settings {unknown}; known: {known}")
+    config = Config()
+    for section, cls in _SECTIONS.items():
+        values = {
+            s.split(".")[1]: _coerce(s, v) for s, v in merged.items() if s.startswith(section + ".")
+        }
+        if values:
+            config = replace(config, **{section: cls(**{**_as_dict(config, section), **values})})
+    return config
+
+
+def _as_dict(config: Config, section: str) -> dict[str, Any]:
+    current = getattr(config, section)
+    return {f.name: getattr(current, f.name) for f in fields(current)}
+
+
+def _positive(name: str, value: int) -> None:
+    if value <= 0:
+        raise ConfigError(f"{name} must be > 0, got {value}")

@@ -1,0 +1,143 @@
+"""The gRPC servicer: translation between protobuf messages and :class:`TieredStore` calls.
+
+No store logic lives here. Each method turns a request into domain arguments, calls the store and
+turns the result (or a :class:`~kvstore.errors.KVStoreError`) into a response (or a status code
+with a message that says what was wrong).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore.errors import InvalidRequestError, KVStoreError, status_of
+from kvstore.store import TieredStore
+
+__all__ = ["RESPONSE_TARGET_BYTES", "KVStoreServicer"]
+
+logger = logging.getLogger(__name__)
+
+#: Soft size of one streamed Get message; a single larger block still goes out whole.
+RESPONSE_TARGET_BYTES = 4 * 1024**2
+
+T = TypeVar("T")
+
+
+async def _guard(
+    context: grpc.aio.ServicerContext[Any, Any], call: Callable[[], Awaitable[T]]
+) -> T:
+    """Run ``call``; map kvstore errors to their status, anything else to INTERNAL."""
+    try:
+        return await call()
+    except KVStoreError as exc:
+        await context.abort(status_of(exc), str(exc))
+    except Exception as exc:
+        logger.exception("unexpected failure serving a request")
+        await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
+    raise AssertionError("unreachable: context.abort raises")
+
+
+class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generated, untyped
+    """Serves ``kvstore.v1.KVStore`` from one :class:`TieredStore`."""
+
+    def __init__(self, store: TieredStore) -> None:
+        self.store = store
+
+    async def Lookup(
+        self, request: pb.LookupRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.LookupResponse:
+        """Count the leading stored keys."""
+
+        async def call() -> pb.LookupResponse:
+            result = self.store.lookup(list(request.keys), request.namespace)
+            return pb.LookupResponse(hits=result.hits, tiers=result.tiers)
+
+        return await _guard(context, call)
+
+    async def Put(
+        self,
+        request_iterator: AsyncIterator[pb.PutRequest],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> pb.PutResponse:
+        """Collect the whole streamed batch, then store it."""
+
+        async def call() -> pb.PutResponse:
+            namespace: bytes | None = None
+            keys: list[bytes] = []
+            values: list[bytes] = []
+            async for message in request_iterator:
+                if namespace is None:
+                    namespace = message.namespace
+                elif message.namespace and message.namespace != namespace:
+                    raise InvalidRequestError("one Put stream named two namespaces")
+                for block in message.blocks:
+                    keys.append(block.key)
+                    values.append(block.value)
+                if len(keys) > self.store.max_keys_per_request:
+                    raise InvalidRequestError(
+                        f"more than {self.store.max_keys_per_request} keys in one request"
+                    )
+            result = await self.store.put(keys, values, namespace or b"")
+            return pb.PutResponse(
+                stored=result.stored, already_present=result.already_present, dropped=result.dropped
+            )
+
+        return await _guard(context, call)
+
+    async def Get(
+        self, request: pb.GetRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[pb.GetResponse]:
+        """Stream results in request order, about :data:`RESPONSE_TARGET_BYTES` a message."""
+        results = await _guard(
+            context, lambda: self.store.get(list(request.keys), request.namespace)
+        )
+        batch: list[pb.GetResult] = []
+        size = 0
+        for index, result in enumerate(results):
+            if result.payload is None:
+                batch.append(pb.GetResult(index=index, found=False))
+            else:
+                batch.append(
+                    pb.GetResult(
+                        index=index, found=True, value=bytes(result.payload), tier=result.tier
+                    )
+                )
+                size += len(result.payload)
+            if size >= RESPONSE_TARGET_BYTES:
+                yield pb.GetResponse(results=batch)
+                batch, size = [], 0
+        if batch:
+            yield pb.GetResponse(results=batch)
+
+    async def Delete(
+        self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.DeleteResponse:
+        """Remove blocks from every tier."""
+
+        async def call() -> pb.DeleteResponse:
+            return pb.DeleteResponse(deleted=await self.store.delete(list(request.keys)))
+
+        return await _guard(context, call)
+
+    async def Stats(
+        self, request: pb.StatsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.StatsResponse:
+        """Tier usage and counters."""
+
+        async def call() -> pb.StatsResponse:
+            stats = self.store.stats()
+            return pb.StatsResponse(
+                tiers=[
+                    pb.TierStats(name=name, values=values)
+                    for name, values in stats["tiers"].items()
+                ],
+                counters=stats["counters"],
+                blocks=stats["blocks"],
+            )
+
+        return await _guard(context, call)

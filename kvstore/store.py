@@ -1,0 +1,410 @@
+"""``TieredStore``: the store's logic, below the gRPC layer and above the tiers.
+
+Tiers are ordered fastest first (``dram``, then ``nvme``, ...). The store decides everything that
+moves bytes between them; tiers only hold bytes:
+
+* **put** lands a block in the fastest tier that can make room for it. Making room evicts that
+  tier's least recently used blocks, and eviction *demotes*: the victim is written to the next tier
+  down (unless it is already there) before its pages are freed. A block evicted from the last tier
+  leaves the store.
+* **get** serves each key from the fastest tier holding it; a hit below the top tier is returned
+  at once and *promoted* into the tiers above in the background. The hierarchy is inclusive: a
+  promoted block keeps its copy below, so demoting it again later costs nothing.
+* **lookup** answers from an in-memory index (no I/O): how many leading keys are present, and the
+  tier of each.
+
+Every block is stored with its namespace fingerprint. A put of a key already held under another
+namespace is refused (``NamespaceMismatchError``) before anything is stored; a get or lookup under
+the wrong namespace is a miss. Requests are validated whole before any state changes, so a bad
+request never loses or alters what is stored.
+
+Concurrency: everything runs on one asyncio event loop. Reads need no lock (the index is only
+changed on the loop thread and a DRAM read does not await); operations that change placement
+(put, delete, promotion) hold one lock, because demotion awaits slower tiers mid-way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstore.block import BlockHeader
+from kvstore.buffers import byte_view
+from kvstore.errors import CapacityError, InvalidRequestError, NamespaceMismatchError
+from kvstore.eviction import RecencyIndex
+from kvstore.keys import KEY_BYTES, NAMESPACE_BYTES
+from kvstore.tiers.base import Tier
+
+__all__ = ["GetResult", "LookupResult", "PutResult", "TieredStore"]
+
+logger = logging.getLogger(__name__)
+
+# How many extra LRU blocks to evict when a tier reports "no room" despite its accounting
+# (LMDB's map can fill with B-tree and free pages before our estimate says so).
+_MAX_WRITE_RETRIES = 8
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """``hits`` leading keys are present; ``tiers[i]`` is where key ``i`` is ("" if absent)."""
+
+    hits: int
+    tiers: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    """How a put went: newly stored, already present (skipped), or dropped for lack of room."""
+
+    stored: int = 0
+    already_present: int = 0
+    dropped: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class GetResult:
+    """One key's answer to a get: the payload and the tier it came from, or a miss."""
+
+    payload: bytes | memoryview | None
+    tier: str = ""
+
+    @property
+    def found(self) -> bool:
+        """True for a hit."""
+        return self.payload is not None
+
+
+@dataclass(slots=True)
+class _Meta:
+    namespace: bytes
+    length: int
+
+
+@dataclass
+class _Counters:
+    values: Counter[str] = field(default_factory=Counter)
+
+    def add(self, name: str, amount: int = 1) -> None:
+        self.values[name] += amount
+
+
+class TieredStore:
+    """Blocks across an ordered list of tiers, with LRU demotion and promotion."""
+
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        *,
+        max_block_bytes: int = 64 * 1024**2,
+        max_keys_per_request: int = 8192,
+    ) -> None:
+        if not tiers:
+            raise ValueError("a TieredStore needs at least one tier")
+        self.tiers = list(tiers)
+        self.max_block_bytes = max_block_bytes
+        self.max_keys_per_request = max_keys_per_request
+        self._recency = [RecencyIndex() for _ in self.tiers]
+        self._meta: dict[bytes, _Meta] = {}
+        self._pins: Counter[bytes] = Counter()
+        self._lock = asyncio.Lock()
+        self._background: set[asyncio.Task[None]] = set()
+        self._counters = _Counters()
+        self._tier_hits: Counter[str] = Counter()
+        self._evictions: Counter[str] = Counter()
+
+    # -- start-up -------------------------------------------------------------------------
+
+    def load_index(self) -> int:
+        """Rebuild the index from tiers that kept their blocks across a restart.
+
+        Returns the number of blocks found. Call once, before serving.
+        """
+        found = 0
+        for level, tier in enumerate(self.tiers):
+            for header in tier.scan():
+                meta = self._meta.get(header.key)
+                if meta is not None and meta.namespace != header.namespace:
+                    logger.error("key %s is in two namespaces; ignoring a copy", header.key.hex())
+                    continue
+                self._meta[header.key] = _Meta(header.namespace, header.length)
+                self._recency[level].add(header.key, tier.footprint(header.length))
+                found += 1
+        logger.info("index rebuilt: %d block(s) on restartable tiers", found)
+        return found
+
+    # -- validation ------------------------------------------------------------------------
+
+    def _check_keys(self, keys: Sequence[bytes], namespace: bytes | None) -> None:
+        if not keys:
+            raise InvalidRequestError("the request names no keys")
+        if len(keys) > self.max_keys_per_request:
+            raise InvalidRequestError(
+                f"{len(keys)} keys in one request; the limit is {self.max_keys_per_request}"
+            )
+        for index, key in enumerate(keys):
+            if len(key) != KEY_BYTES:
+                raise InvalidRequestError(
+                    f"key {index} is {len(key)} bytes; keys are {KEY_BYTES} bytes"
+                )
+        if namespace is not None and len(namespace) != NAMESPACE_BYTES:
+            raise InvalidRequestError(
+                f"namespace fingerprint is {len(namespace)} bytes; it must be {NAMESPACE_BYTES}"
+            )
+
+    def _level_of(self, key: bytes) -> int | None:
+        for level, recency in enumerate(self._recency):
+            if key in recency:
+                return level
+        return None
+
+    # -- lookup ----------------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[bytes], namespace: bytes) -> LookupResult:
+        """How many leading ``keys`` are stored under ``namespace``, and the tier of each key."""
+        self._check_keys(keys, namespace)
+        tiers: list[str] = []
+        hits = -1
+        for index, key in enumerate(keys):
+            meta = self._meta.get(key)
+            level = None if meta is None or meta.namespace != namespace else self._level_of(key)
+            if level is None:
+                tiers.append("")
+                if hits < 0:
+                    hits = index
+            else:
+                tiers.append(self.tiers[level].name)
+        self._counters.add("lookups")
+        return LookupResult(len(keys) if hits < 0 else hits, tiers)
+
+    # -- put -------------------------------------------------------------------------------
+
+    async def put(
+        self, keys: Sequence[bytes], values: Sequence[Any], namespace: bytes
+    ) -> PutResult:
+        """Store blocks; keys already present are left as they are (chained keys name content).
+
+        The whole request is checked first (key and value shapes, limits, namespaces); a bad one
+        raises and changes nothing.
+        """
+        self._check_keys(keys, namespace)
+        if len(values) != len(keys):
+            raise InvalidRequestError(f"{len(keys)} keys but {len(values)} values")
+        views = [byte_view(value) for value in values]
+        self._check_sizes(views)
+        for index, key in enumerate(keys):
+            meta = self._meta.get(key)
+            if meta is not None and meta.namespace != namespace:
+                raise NamespaceMismatchError(
+                    f"key {index} ({key.hex()}) is stored under namespace {meta.namespace.hex()}, "
+                    f"not {namespace.hex()}"
+                )
+        stored = present = dropped = 0
+        async with self._lock:
+            for key, view in zip(keys, views, strict=True):
+                if key in self._meta:
+                    present += 1
+                    self._touch(key)
+                    continue
+                header = BlockHeader.for_payload(key, namespace, view)
+                if await self._place(header, view, 0, len(self.tiers)) is None:
+                    dropped += 1
+                else:
+                    stored += 1
+        self._counters.add("puts")
+        self._counters.add("blocks_put", stored)
+        self._counters.add("bytes_put", sum(len(v) for v in views))
+        self._counters.add("put_dropped", dropped)
+        return PutResult(stored, present, dropped)
+
+    def _check_sizes(self, views: Sequence[memoryview]) -> None:
+        largest = max(self.tiers, key=lambda tier: tier.capacity)
+        total = 0
+        for index, view in enumerate(views):
+            if len(view) == 0:
+                raise InvalidRequestError(f"value {index} is empty")
+            if len(view) > self.max_block_bytes:
+                raise CapacityError(
+                    f"value {index} is {len(view)} bytes; the block limit is "
+                    f"{self.max_block_bytes} bytes"
+                )
+            if largest.footprint(len(view)) > largest.capacity:
+                raise CapacityError(
+                    f"value {index} is {len(view)} bytes; no tier can hold it (largest tier "
+                    f"{largest.name} holds {largest.capacity} bytes)"
+                )
+            total += largest.footprint(len(view))
+        capacity = sum(tier.capacity for tier in self.tiers)
+        if total > capacity:
+            raise CapacityError(
+                f"the request holds {total} bytes; all tiers together hold {capacity} bytes"
+            )
+
+    async def _place(
+        self, header: BlockHeader, payload: memoryview, start: int, stop: int
+    ) -> str | None:
+        """Write a block into the fastest tier in ``[start, stop)`` that can make room for it.
+
+        Returns the tier's name, or ``None`` if none could. Must hold ``self._lock``.
+        """
+        for level in range(start, stop):
+            tier = self.tiers[level]
+            footprint = tier.footprint(header.length)
+            if footprint > tier.capacity:
+                continue
+            if not await self._make_room(level, footprint - (tier.capacity - tier.used)):
+                continue
+            for _ in range(_MAX_WRITE_RETRIES):
+                if await tier.write(header, payload):
+                    self._meta[header.key] = _Meta(header.namespace, header.length)
+                    self._recency[level].add(header.key, footprint)
+                    return tier.name
+                # The tier's own limit bit before our estimate: evict one more block and retry.
+                if not await self._make_room(level, 1):
+                    break
+        return None
+
+    async def _make_room(self, level: int, needed: int) -> bool:
+        """Evict (demoting) LRU blocks of tier ``level`` until ``needed`` bytes are free."""
+        victims = self._recency[level].victims(needed, exclude=self._pins)
+        if victims is None:
+            return False
+        for victim in victims:
+            await self._demote(victim, level)
+        return True
+
+    async def _demote(self, key: bytes, level: int) -> None:
+        """Move a block out of tier ``level`` into a lower tier, or out of the store."""
+        tier = self.tiers[level]
+        self._evictions[tier.name] += 1
+        lower = next(
+            (lv for lv in range(level + 1, len(self.tiers)) if key in self._recency[lv]), None
+        )
+        if lower is None and level + 1 < len(self.tiers):
+            block = (await tier.read([key]))[0]
+            if block is not None and await self._place(
+                block.header, memoryview(block.payload), level + 1, len(self.tiers)
+            ):
+                self._counters.add("demotions")
+        self._recency[level].discard(key)
+        await tier.remove([key])
+        if self._level_of(key) is None:
+            self._meta.pop(key, None)
+            self._counters.add("evicted_from_store")
+
+    # -- get -------------------------------------------------------------------------------
+
+    async def get(self, keys: Sequence[bytes], namespace: bytes) -> list[GetResult]:
+        """Each key's payload and the tier that served it; misses where absent or mismatched."""
+        self._check_keys(keys, namespace)
+        results = [GetResult(None)] * len(keys)
+        by_level: dict[int, list[int]] = {}
+        for index, key in enumerate(keys):
+            meta = self._meta.get(key)
+            if meta is None:
+                continue
+            if meta.namespace != namespace:
+                self._counters.add("namespace_mismatches")
+                continue
+            level = self._level_of(key)
+            if level is not None:
+                by_level.setdefault(level, []).append(index)
+        for level in sorted(by_level):
+            tier = self.tiers[level]
+            wanted = [keys[index] for index in by_level[level]]
+            blocks = await tier.read(wanted)
+            for index, key, block in zip(by_level[level], wanted, blocks, strict=True):
+                if block is None:  # vanished or failed verification: the tier dropped it
+                    self._forget_in(level, key)
+                    continue
+                results[index] = GetResult(block.payload, tier.name)
+                self._tier_hits[tier.name] += 1
+                self._recency[level].touch(key)
+                if level > 0:
+                    self._spawn(self._promote(block.header, block.payload, level))
+        found = sum(result.found for result in results)
+        self._counters.add("gets")
+        self._counters.add("hits", found)
+        self._counters.add("misses", len(keys) - found)
+        return results
+
+    def _forget_in(self, level: int, key: bytes) -> None:
+        self._recency[level].discard(key)
+        if self._level_of(key) is None:
+            self._meta.pop(key, None)
+
+    async def _promote(self, header: BlockHeader, payload: bytes | memoryview, level: int) -> None:
+        async with self._lock:
+            current = self._level_of(header.key)
+            if current is None or current < level:  # deleted, or already promoted meanwhile
+                return
+            if await self._place(header, memoryview(payload), 0, level):
+                self._counters.add("promotions")
+
+    def _touch(self, key: bytes) -> None:
+        for recency in self._recency:
+            recency.touch(key)
+
+    def _spawn(self, coroutine: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task[None]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("background move failed", exc_info=task.exception())
+
+    async def drain(self) -> None:
+        """Wait until background promotions have finished (tests and shutdown use this)."""
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
+
+    # -- delete, pins, stats ---------------------------------------------------------------
+
+    async def delete(self, keys: Sequence[bytes]) -> int:
+        """Remove blocks from every tier; returns how many were present."""
+        self._check_keys(keys, None)
+        removed = 0
+        async with self._lock:
+            for key in keys:
+                if self._meta.pop(key, None) is None:
+                    continue
+                removed += 1
+                for level, tier in enumerate(self.tiers):
+                    if key in self._recency[level]:
+                        self._recency[level].discard(key)
+                        await tier.remove([key])
+        self._counters.add("deletes", removed)
+        return removed
+
+    def pin(self, keys: Sequence[bytes]) -> None:
+        """Keep ``keys`` from being evicted until :meth:`unpin` (reference counted)."""
+        self._pins.update(keys)
+
+    def unpin(self, keys: Sequence[bytes]) -> None:
+        """Undo one :meth:`pin` of each key."""
+        self._pins.subtract(keys)
+        for key in keys:
+            if self._pins[key] <= 0:
+                del self._pins[key]
+
+    def stats(self) -> dict[str, Any]:
+        """Per-tier usage and counters, plus store-wide counters."""
+        tiers = {}
+        for level, tier in enumerate(self.tiers):
+            entry = tier.stats()
+            entry["hits"] = self._tier_hits[tier.name]
+            entry["evictions"] = self._evictions[tier.name]
+            entry["indexed_blocks"] = len(self._recency[level])
+            tiers[tier.name] = entry
+        return {"tiers": tiers, "counters": dict(self._counters.values), "blocks": len(self._meta)}
+
+    async def close(self) -> None:
+        """Let background moves finish, then close every tier."""
+        await self.drain()
+        for tier in self.tiers:
+            await tier.close()

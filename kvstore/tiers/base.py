@@ -1,0 +1,84 @@
+"""The one small interface every storage tier implements.
+
+A tier holds bytes and nothing else: it does not decide what to evict, where a block goes next or
+when to promote it. :class:`kvstore.store.TieredStore` makes those decisions and calls::
+
+    footprint(length) -> int       bytes a block of ``length`` payload bytes would occupy here
+    used                           bytes occupied now (never more than ``capacity``)
+    await write(header, payload)   store one block; False when there is no room right now
+    await read(keys)               verified blocks (or None) for a batch of keys
+    await remove(keys)             forget blocks; absent keys are ignored
+    scan()                         headers of blocks that survived a restart (persistent tiers)
+    stats()                        counters for ``Stats``
+    await close()
+
+Reads never return unverified bytes from a medium that can rot (disk, network): such a tier checks
+the block header and checksum, and a block that fails is deleted, counted in ``corrupt_blocks`` and
+reported as ``None``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from kvstore.block import BlockHeader
+
+__all__ = ["Buffer", "StoredBlock", "Tier"]
+
+Buffer = bytes | bytearray | memoryview
+"""A contiguous, byte-addressed payload (``memoryview(x).cast("B")`` works on it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoredBlock:
+    """A block read back from a tier: its header and its verified payload."""
+
+    header: BlockHeader
+    payload: bytes | memoryview
+
+
+class Tier(ABC):
+    """A place that holds blocks: ``dram``, ``nvme``, ``redis``, ``hbm``."""
+
+    #: The tier's name as reported by ``Lookup`` and ``Stats``.
+    name: str
+    #: Bytes this tier may occupy.
+    capacity: int
+
+    @abstractmethod
+    def footprint(self, length: int) -> int:
+        """Bytes a block with ``length`` payload bytes occupies in this tier."""
+
+    @property
+    @abstractmethod
+    def used(self) -> int:
+        """Bytes occupied now, by the same measure as :meth:`footprint`."""
+
+    @abstractmethod
+    async def write(self, header: BlockHeader, payload: Buffer) -> bool:
+        """Store a block, replacing any block under the same key.
+
+        Returns False, having changed nothing, when the tier has no room for it right now; the
+        caller evicts and tries again, or places the block elsewhere.
+        """
+
+    @abstractmethod
+    async def read(self, keys: Sequence[bytes]) -> list[StoredBlock | None]:
+        """Read a batch of blocks; ``None`` for a key that is absent or failed verification."""
+
+    @abstractmethod
+    async def remove(self, keys: Sequence[bytes]) -> None:
+        """Delete blocks; keys that are not present are ignored."""
+
+    def scan(self) -> Iterator[BlockHeader]:
+        """Headers of the blocks already present when the tier opened (none for volatile tiers)."""
+        return iter(())
+
+    @abstractmethod
+    def stats(self) -> dict[str, int]:
+        """Counters of this tier (``capacity``, ``used``, ``blocks`` and tier-specific ones)."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook, most tiers need nothing
+        """Release resources; the tier is unusable afterwards."""

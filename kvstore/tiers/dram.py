@@ -1,0 +1,199 @@
+"""The ``dram`` tier: one preallocated host-memory arena.
+
+The arena is a single shared-memory mapping (a ``memfd``), allocated once at start-up and cut into
+pages by :class:`~kvstore.tiers.pages.PageAllocator`; a put copies the payload into free pages and
+allocates nothing else in steady state. Capacity is counted in whole pages, so the bytes the tier
+occupies never exceed ``capacity``, and the space lost to rounding up the last page of each block is
+reported as ``wasted_bytes``. Living in a memfd lets co-located clients map the same pages later.
+
+DRAM is trusted memory, so reads are not re-checksummed (that would halve their speed); the header
+is kept beside the pages and goes with the block when it is demoted to a tier that can rot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvstore.block import BlockHeader
+from kvstore.buffers import byte_view
+from kvstore.tiers.base import Buffer, StoredBlock, Tier
+from kvstore.tiers.pages import Extent, PageAllocator
+
+__all__ = ["DramTier"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Resident:
+    header: BlockHeader
+    extents: list[Extent]
+
+
+class DramTier(Tier):
+    """Blocks in a page-allocated, memfd-backed host arena."""
+
+    name = "dram"
+
+    def __init__(self, capacity: int, page_size: int = 64 * 1024) -> None:
+        if page_size <= 0:
+            raise ValueError(f"page_size must be > 0, got {page_size}")
+        self.page_size = page_size
+        num_pages = capacity // page_size
+        self.capacity = num_pages * page_size
+        self._fd = -1
+        if self.capacity:
+            self._fd = os.memfd_create("kvstore-dram", os.MFD_CLOEXEC)
+            os.ftruncate(self._fd, self.capacity)
+            self._mapping: mmap.mmap | None = mmap.mmap(self._fd, self.capacity)
+            self._arena = np.frombuffer(self._mapping, dtype=np.uint8)
+        else:
+            self._mapping = None
+            self._arena = np.empty(0, dtype=np.uint8)
+        self._pages = PageAllocator(num_pages)
+        self._blocks: dict[bytes, _Resident] = {}
+        self._payload_bytes = 0
+
+    @property
+    def fd(self) -> int:
+        """The memfd holding the arena (``-1`` when the tier has no capacity)."""
+        return self._fd
+
+    def footprint(self, length: int) -> int:
+        """Whole pages: ``ceil(length / page_size) * page_size``."""
+        return -(-length // self.page_size) * self.page_size
+
+    @property
+    def used(self) -> int:
+        """Bytes of pages handed out."""
+        return self._pages.used_pages * self.page_size
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._blocks
+
+    def extents(self, key: bytes) -> list[tuple[int, int]]:
+        """Byte ranges ``(offset, length)`` of ``key``'s payload in the arena, in order."""
+        resident = self._blocks[key]
+        remaining = resident.header.length
+        ranges = []
+        for first, count in resident.extents:
+            size = min(count * self.page_size, remaining)
+            ranges.append((first * self.page_size, size))
+            remaining -= size
+        return ranges
+
+    def write_sync(self, header: BlockHeader, payload: Buffer) -> bool:
+        """:meth:`write` without the coroutine, for callers already on the event loop."""
+        data = np.frombuffer(byte_view(payload), dtype=np.uint8)
+        if len(data) != header.length:
+            raise ValueError(f"payload is {len(data)} bytes, header says {header.length}")
+        old = self._blocks.pop(header.key, None)
+        if old is not None:
+            self._forget(old)
+        extents = self._pages.allocate(self.footprint(header.length) // self.page_size)
+        if extents is None:
+            return False
+        self._blocks[header.key] = _Resident(header, extents)
+        self._payload_bytes += header.length
+        copied = 0
+        for offset, size in self.extents(header.key):
+            self._arena[offset : offset + size] = data[copied : copied + size]
+            copied += size
+        return True
+
+    async def write(self, header: BlockHeader, payload: Buffer) -> bool:
+        """Copy a block into free pages; False if too few pages are free."""
+        return self.write_sync(header, payload)
+
+    def read_sync(self, key: bytes) -> StoredBlock | None:
+        """One block copied out of the arena, or ``None``."""
+        resident = self._blocks.get(key)
+        if resident is None:
+            return None
+        ranges = self.extents(key)
+        if len(ranges) == 1:
+            offset, size = ranges[0]
+            return StoredBlock(resident.header, self._arena[offset : offset + size].tobytes())
+        out = bytearray(resident.header.length)
+        copied = 0
+        for offset, size in ranges:
+            out[copied : copied + size] = self._arena[offset : offset + size].data
+            copied += size
+        return StoredBlock(resident.header, bytes(out))
+
+    def copy_into(self, key: bytes, destination: memoryview) -> bool:
+        """Copy ``key``'s payload straight into ``destination``; False if absent or sizes differ."""
+        resident = self._blocks.get(key)
+        if resident is None or len(destination) != resident.header.length:
+            return False
+        target = np.frombuffer(destination, dtype=np.uint8)
+        copied = 0
+        for offset, size in self.extents(key):
+            target[copied : copied + size] = self._arena[offset : offset + size]
+            copied += size
+        return True
+
+    def view(self, key: bytes) -> memoryview | None:
+        """A zero-copy view of a single-run payload, else ``None``; valid until the block moves."""
+        resident = self._blocks.get(key)
+        if resident is None or len(resident.extents) != 1:
+            return None
+        offset, size = self.extents(key)[0]
+        return self._arena[offset : offset + size].data
+
+    async def read(self, keys: Sequence[bytes]) -> list[StoredBlock | None]:
+        """Copies of the payloads of ``keys``."""
+        return [self.read_sync(key) for key in keys]
+
+    def header(self, key: bytes) -> BlockHeader | None:
+        """The header of a resident block, or ``None``."""
+        resident = self._blocks.get(key)
+        return None if resident is None else resident.header
+
+    def remove_sync(self, keys: Sequence[bytes]) -> None:
+        """:meth:`remove` without the coroutine."""
+        for key in keys:
+            resident = self._blocks.pop(key, None)
+            if resident is not None:
+                self._forget(resident)
+
+    async def remove(self, keys: Sequence[bytes]) -> None:
+        """Free the pages of ``keys``."""
+        self.remove_sync(keys)
+
+    def scan(self) -> Iterator[BlockHeader]:
+        """Headers of resident blocks (the arena does not survive a restart, so at start: none)."""
+        return iter([resident.header for resident in self._blocks.values()])
+
+    def stats(self) -> dict[str, int]:
+        """Capacity, usage, block count, payload bytes, rounding waste and fragmentation."""
+        return {
+            "capacity": self.capacity,
+            "used": self.used,
+            "blocks": len(self._blocks),
+            "payload_bytes": self._payload_bytes,
+            "wasted_bytes": self.used - self._payload_bytes,
+            "page_size": self.page_size,
+            "free_runs": self._pages.free_runs,
+        }
+
+    async def close(self) -> None:
+        """Unmap the arena and close the memfd."""
+        self._blocks.clear()
+        self._arena = np.empty(0, dtype=np.uint8)
+        if self._mapping is not None:
+            # A view may still be exported; then the mapping dies with the process.
+            with contextlib.suppress(BufferError):
+                self._mapping.close()
+            self._mapping = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def _forget(self, resident: _Resident) -> None:
+        self._pages.release(resident.extents)
+        self._payload_bytes -= resident.header.length

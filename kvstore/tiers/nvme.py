@@ -1,0 +1,214 @@
+"""The ``nvme`` tier: an LMDB environment on local disk that survives restarts.
+
+Each block is one LMDB value, ``header ‖ payload`` (see :mod:`kvstore.block`), under its 16-byte
+key. Every read verifies the header and checksum; a value that fails is deleted, counted in
+``corrupt_blocks`` and reported as a miss, so bytes that rotted on disk are never returned.
+
+Capacity is enforced twice: the tier counts the pages its values occupy against ``capacity`` (so
+the store evicts before LMDB fills up), and an LMDB ``MapFullError`` (B-tree pages, free pages held
+by readers) makes :meth:`write` return False so that the store evicts more, never an error to the
+client. Other disk errors (a full file system, I/O errors) are counted in ``write_errors`` and the
+block is simply not kept here.
+
+LMDB calls block, so they run on a small thread pool; bookkeeping stays on the event loop thread.
+Commits are not fsynced (``sync=False``): a killed process loses nothing that was committed, and a
+power loss can lose recent blocks, which for a cache is a miss, not an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import lmdb
+
+from kvstore.block import HEADER_BYTES, BlockHeader, CorruptBlockError, decode_value
+from kvstore.buffers import byte_view
+from kvstore.keys import KEY_BYTES
+from kvstore.tiers.base import Buffer, StoredBlock, Tier
+
+__all__ = ["NvmeTier"]
+
+logger = logging.getLogger(__name__)
+
+_LMDB_PAGE = 4096
+# Head-room kept free of blocks for LMDB's own pages (B-tree, free list, readers' old snapshots).
+_HEADROOM_FRACTION = 0.1
+
+
+class NvmeTier(Tier):
+    """Blocks as checksummed values in an LMDB environment."""
+
+    name = "nvme"
+
+    def __init__(self, path: str | Path, capacity: int) -> None:
+        self.path = Path(path)
+        self.map_size = capacity
+        self.capacity = int(capacity * (1 - _HEADROOM_FRACTION))
+        self._lengths: dict[bytes, int] = {}
+        self._used = 0
+        self.corrupt_blocks = 0
+        self.write_errors = 0
+        self.read_errors = 0
+        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvstore-nvme")
+        self._env = self._open()
+
+    def _open(self) -> Any:
+        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            return self._open_env()
+        except lmdb.Error as exc:
+            # An unreadable environment must not stop the node from serving: keep it for
+            # inspection and start empty.
+            aside = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
+            logger.error("cannot open LMDB at %s (%s); moving it to %s", self.path, exc, aside)
+            shutil.move(str(self.path), str(aside))
+            self.path.mkdir(parents=True)
+            return self._open_env()
+
+    def _open_env(self) -> Any:
+        return lmdb.open(
+            str(self.path),
+            map_size=self.map_size,
+            sync=False,
+            metasync=False,
+            readahead=False,
+            meminit=False,
+            max_readers=256,
+        )
+
+    def footprint(self, length: int) -> int:
+        """LMDB overflow pages for ``header ‖ payload`` plus the leaf entry."""
+        return -(-(HEADER_BYTES + length + KEY_BYTES + 16) // _LMDB_PAGE) * _LMDB_PAGE
+
+    @property
+    def used(self) -> int:
+        """Bytes of LMDB pages the stored values occupy (estimated from their sizes)."""
+        return self._used
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._lengths
+
+    async def _run(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def write(self, header: BlockHeader, payload: Buffer) -> bool:
+        """Commit one block; False when LMDB's map is full or the disk refuses the write."""
+        value = header.pack() + bytes(byte_view(payload))
+        try:
+            await self._run(self._put, header.key, value)
+        except lmdb.MapFullError:
+            return False
+        except lmdb.Error as exc:
+            self.write_errors += 1
+            logger.warning("nvme write of %s failed: %s", header.key.hex(), exc)
+            return False
+        self._account(header.key, header.length)
+        return True
+
+    def _put(self, key: bytes, value: bytes) -> None:
+        with self._env.begin(write=True) as txn:
+            txn.put(key, value)
+
+    async def read(self, keys: Sequence[bytes]) -> list[StoredBlock | None]:
+        """Read and verify a batch in one read transaction; corrupt values become misses."""
+        try:
+            blocks, corrupt = await self._run(self._get_many, list(keys))
+        except lmdb.Error as exc:
+            self.read_errors += 1
+            logger.warning("nvme read failed: %s", exc)
+            return [None] * len(keys)
+        if corrupt:
+            self.corrupt_blocks += len(corrupt)
+            logger.error("dropping %d corrupt nvme block(s): %s", len(corrupt), corrupt)
+            await self.remove([bytes.fromhex(key) for key in corrupt])
+        return blocks  # type: ignore[no-any-return]
+
+    def _get_many(self, keys: list[bytes]) -> tuple[list[StoredBlock | None], list[str]]:
+        blocks: list[StoredBlock | None] = []
+        corrupt: list[str] = []
+        with self._env.begin(buffers=True) as txn:
+            for key in keys:
+                value = txn.get(key)
+                if value is None:
+                    blocks.append(None)
+                    continue
+                try:
+                    header, payload = decode_value(key, value)
+                except CorruptBlockError:
+                    corrupt.append(key.hex())
+                    blocks.append(None)
+                    continue
+                blocks.append(StoredBlock(header, bytes(payload)))
+        return blocks, corrupt
+
+    async def remove(self, keys: Sequence[bytes]) -> None:
+        """Delete values; keys that are absent are ignored."""
+        present = [key for key in keys if key in self._lengths]
+        for key in present:
+            self._forget(key)
+        try:
+            await self._run(self._delete_many, list(keys))
+        except lmdb.Error as exc:
+            logger.warning("nvme delete failed: %s", exc)
+
+    def _delete_many(self, keys: list[bytes]) -> None:
+        with self._env.begin(write=True) as txn:
+            for key in keys:
+                txn.delete(key)
+
+    def scan(self) -> Iterator[BlockHeader]:
+        """Headers of the blocks on disk; values with a broken header are deleted on the way."""
+        broken: list[bytes] = []
+        headers: list[BlockHeader] = []
+        with self._env.begin(buffers=True) as txn:
+            for key, value in txn.cursor():
+                key = bytes(key)
+                try:
+                    header = BlockHeader.unpack(value[:HEADER_BYTES])
+                    if header.key != key or len(value) != HEADER_BYTES + header.length:
+                        raise CorruptBlockError("header does not match the stored value")
+                except CorruptBlockError:
+                    broken.append(key)
+                    continue
+                headers.append(header)
+        if broken:
+            self.corrupt_blocks += len(broken)
+            logger.error("dropping %d nvme value(s) with a broken header", len(broken))
+            self._delete_many(broken)
+        for header in headers:
+            self._account(header.key, header.length)
+        return iter(headers)
+
+    def stats(self) -> dict[str, int]:
+        """Capacity, usage, blocks and error counters."""
+        return {
+            "capacity": self.capacity,
+            "used": self._used,
+            "blocks": len(self._lengths),
+            "corrupt_blocks": self.corrupt_blocks,
+            "write_errors": self.write_errors,
+            "read_errors": self.read_errors,
+            "map_size": self.map_size,
+        }
+
+    async def close(self) -> None:
+        """Wait for pending LMDB calls, then close the environment."""
+        self._executor.shutdown(wait=True)
+        self._env.close()
+
+    def _account(self, key: bytes, length: int) -> None:
+        self._forget(key)
+        self._lengths[key] = length
+        self._used += self.footprint(length)
+
+    def _forget(self, key: bytes) -> None:
+        length = self._lengths.pop(key, None)
+        if length is not None:
+            self._used -= self.footprint(length)

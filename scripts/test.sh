@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Set up everything from a fresh clone and run the whole test suite: the one test command.
+#
+#   bash scripts/test.sh            # lint, type-check, stale-proto check, tests
+#   KVSTORE_SKIP_VLLM=1 bash scripts/test.sh   # leave out the real-vLLM suite
+#
+# Installs redis-server (Debian) if missing, creates .venv with the local CPU torch wheel and the
+# package with its test extra, then runs ruff, mypy, the generated-code check and pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v redis-server >/dev/null 2>&1; then
+    echo "--- installing redis-server"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+fi
+
+bash scripts/setup.sh
+PY=.venv/bin/python
+
+echo "--- ruff"
+.venv/bin/ruff check kvstore kernels tests benchmarks scripts
+.venv/bin/ruff format --check kvstore kernels tests benchmarks scripts
+echo "--- mypy"
+.venv/bin/mypy kvstore kernels
+echo "--- generated code"
+$PY scripts/gen_proto.py --check
+echo "--- pytest"
+$PY -m pytest -m "not vllm" -q -p no:cacheprovider

@@ -1,0 +1,253 @@
+"""The torch reference against caches built block by block, plus validation and dispatch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+import kvstore_kernels
+import pytest
+import torch
+from kernel_cases import block, make_caches, patterned, same_bytes
+from kvstore_kernels import CPU_LAYOUT, CUDA_LAYOUT, CacheLayout, chunk_nbytes, reference
+
+MID_LAYOUT = CacheLayout("test-mid", block_dim=2)
+
+# (layout, shape of one block); the cache is those blocks stacked along layout.block_dim.
+LAYOUTS = [
+    pytest.param(CUDA_LAYOUT, (2, 4, 2, 8), id="cuda"),  # [2, bs, heads, head]
+    pytest.param(CPU_LAYOUT, (2, 4, 16), id="cpu"),  # [heads, bs, 2*head]
+    pytest.param(MID_LAYOUT, (3, 2, 4, 4), id="mid"),  # blocks in the middle dimension
+]
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+NUM_BLOCKS = 7
+_BAD_IMPL = cast(Any, "cuda")  # deliberately outside the Impl literal
+
+
+def _hand_built(
+    layout: CacheLayout, block_shape: Sequence[int], dtype: torch.dtype, num_layers: int
+) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+    """Caches assembled from explicit per-block tensors, independently of index_select."""
+    blocks = [
+        [patterned(block_shape, dtype, seed=100 * layer + b) for b in range(NUM_BLOCKS)]
+        for layer in range(num_layers)
+    ]
+    caches = [torch.stack(per_layer, dim=layout.block_dim) for per_layer in blocks]
+    return caches, blocks
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("layout", "block_shape"), LAYOUTS)
+def test_gather_matches_hand_built_blocks(
+    layout: CacheLayout, block_shape: tuple[int, ...], dtype: torch.dtype
+) -> None:
+    caches, blocks = _hand_built(layout, block_shape, dtype, num_layers=3)
+    ids = [5, 0, 3, 5]  # a repeat is legal for a gather
+    out = reference.gather_blocks(caches, ids, layout)
+    assert out.shape == (3, len(ids), *block_shape)
+    assert out.is_contiguous()
+    expected = torch.stack([torch.stack([per_layer[b] for b in ids]) for per_layer in blocks])
+    assert same_bytes(out, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("layout", "block_shape"), LAYOUTS)
+def test_scatter_writes_only_targeted_blocks(
+    layout: CacheLayout, block_shape: tuple[int, ...], dtype: torch.dtype
+) -> None:
+    caches, blocks = _hand_built(layout, block_shape, dtype, num_layers=2)
+    ids = [6, 1, 4]
+    buffer = patterned((2, len(ids), *block_shape), dtype, seed=999)
+    reference.scatter_blocks(buffer, caches, ids, layout)
+    for layer, cache in enumerate(caches):
+        for b in range(NUM_BLOCKS):
+            want = buffer[layer, ids.index(b)] if b in ids else blocks[layer][b]
+            assert same_bytes(block(cache, layout, b), want), (layer, b)
+
+
+def test_gather_into_given_out_and_tensor_ids() -> None:
+    caches = make_caches(2, (2, 5, 4, 2, 8), torch.bfloat16, seed=1)
+    out = torch.empty((2, 3, 2, 4, 2, 8), dtype=torch.bfloat16)
+    ids = torch.tensor([4, 0, 2], dtype=torch.int32)
+    result = kvstore_kernels.gather_blocks(caches, ids, CUDA_LAYOUT, out)
+    assert result is out
+    assert same_bytes(out, reference.gather_blocks(caches, [4, 0, 2], CUDA_LAYOUT))
+
+
+def test_empty_block_list() -> None:
+    caches = make_caches(2, (4, 2, 3, 8), torch.float16, seed=2)
+    before = [c.clone() for c in caches]
+    out = kvstore_kernels.gather_blocks(caches, [], CPU_LAYOUT)
+    assert out.shape == (2, 0, 2, 3, 8)
+    kvstore_kernels.scatter_blocks(out, caches, [], CPU_LAYOUT)
+    assert all(same_bytes(a, b) for a, b in zip(caches, before, strict=True))
+
+
+def test_non_contiguous_caches_and_buffer() -> None:
+    # K/V halves allocated block-major and viewed as [2, num_blocks, ...], as some backends do.
+    raws = make_caches(2, (5, 2, 4, 2, 8), torch.float16, seed=3)
+    caches = [raw.transpose(0, 1) for raw in raws]
+    out = reference.gather_blocks(caches, [3, 1], CUDA_LAYOUT)
+    assert same_bytes(out[1, 0], raws[1][3])
+    buffer = patterned((2, 2, 2, 4, 2, 8), torch.float16, seed=4)
+    reference.scatter_blocks(
+        buffer.transpose(2, 3).contiguous().transpose(2, 3), caches, [0, 4], CUDA_LAYOUT
+    )
+    assert same_bytes(raws[0][4], buffer[0, 1])
+
+
+def _caches() -> list[torch.Tensor]:
+    return make_caches(2, (2, 4, 4, 2, 8), torch.float16, seed=5)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda c: reference.gather_blocks(c, [4], CUDA_LAYOUT), r"out of range \[0, 4\)"),
+        (lambda c: reference.gather_blocks(c, [-1], CUDA_LAYOUT), "out of range"),
+        (lambda c: reference.gather_blocks(c, torch.tensor([0, 9]), CUDA_LAYOUT), "out of range"),
+        (lambda c: reference.gather_blocks(c, cast(Any, [0.5]), CUDA_LAYOUT), "must be integers"),
+        (lambda c: reference.gather_blocks(c, torch.tensor([0.0]), CUDA_LAYOUT), "integer dtype"),
+        (
+            lambda c: reference.gather_blocks(c, torch.zeros(1, 1, dtype=torch.int64), CUDA_LAYOUT),
+            "1-D",
+        ),
+        (lambda c: reference.gather_blocks([], [0], CUDA_LAYOUT), "empty"),
+        (lambda c: reference.gather_blocks(c[0], [0], CUDA_LAYOUT), "not one tensor"),
+        (lambda c: reference.gather_blocks([c[0], c[1][:, :3]], [0], CUDA_LAYOUT), "layer_caches"),
+        (lambda c: reference.gather_blocks([c[0], c[1].float()], [0], CUDA_LAYOUT), "layer_caches"),
+        (lambda c: reference.gather_blocks(c, [0], CPU_LAYOUT), "4-D"),
+        (lambda c: reference.gather_blocks(c, [0], CacheLayout("x", 5)), "only 5 dims"),
+        (
+            lambda c: reference.gather_blocks(c, [0], CUDA_LAYOUT, torch.empty(2, 2)),
+            "out has shape",
+        ),
+        (
+            lambda c: reference.gather_blocks(
+                c, [0], CUDA_LAYOUT, torch.empty(2, 1, 2, 4, 2, 8, dtype=torch.float32)
+            ),
+            "out is torch.float32",
+        ),
+        (
+            lambda c: reference.gather_blocks(
+                c,
+                [0],
+                CUDA_LAYOUT,
+                torch.empty(2, 1, 2, 4, 8, 2, dtype=torch.float16).transpose(4, 5),
+            ),
+            "contiguous",
+        ),
+        (
+            lambda c: reference.scatter_blocks(
+                torch.empty(2, 2, 2, 4, 2, 8, dtype=torch.float16), c, [1, 1], CUDA_LAYOUT
+            ),
+            "repeat",
+        ),
+        (
+            lambda c: reference.scatter_blocks(
+                torch.empty(2, 1, 2, 4, 2, 8, dtype=torch.float16), c, [0, 1], CUDA_LAYOUT
+            ),
+            "buffer has shape",
+        ),
+        (lambda c: kvstore_kernels.gather_blocks(c, [0], CUDA_LAYOUT, impl=_BAD_IMPL), "impl must"),
+    ],
+)
+def test_invalid_arguments_raise_value_error(
+    call: Callable[[list[torch.Tensor]], object], message: str
+) -> None:
+    caches = _caches()
+    before = [c.clone() for c in caches]
+    with pytest.raises(ValueError, match=message):
+        call(caches)
+    assert all(same_bytes(a, b) for a, b in zip(caches, before, strict=True))
+
+
+def test_cache_layout_description() -> None:
+    assert CUDA_LAYOUT.block_dim == 1
+    assert CPU_LAYOUT.block_dim == 0
+    shape = (2, 100, 16, 8, 128)
+    assert CUDA_LAYOUT.num_blocks(shape) == 100
+    assert CUDA_LAYOUT.block_shape(shape) == (2, 16, 8, 128)
+    assert CPU_LAYOUT.block_shape((100, 8, 16, 256)) == (8, 16, 256)
+    assert CUDA_LAYOUT.buffer_shape(shape, num_layers=32, num_ids=16) == (32, 16, 2, 16, 8, 128)
+    for bad in [("", 0), ("x", -1)]:
+        with pytest.raises(ValueError):
+            CacheLayout(*bad)
+    with pytest.raises(ValueError, match="ndim"):
+        CacheLayout("x", block_dim=2, ndim=2)
+    with pytest.raises(AttributeError):
+        setattr(CUDA_LAYOUT, "block_dim", 0)  # noqa: B010 (frozen: must raise)
+
+
+def test_chunk_nbytes_matches_gathered_buffer() -> None:
+    # 256-token chunk of a 32-layer model, block_size 16, 8 KV heads of 128, fp16: 32 MiB.
+    assert chunk_nbytes((2, 1000, 16, 8, 128), torch.float16, 32, 16, CUDA_LAYOUT) == 32 << 20
+    caches = make_caches(3, (6, 2, 4, 16), torch.bfloat16, seed=6)
+    out = reference.gather_blocks(caches, [0, 2, 5], CPU_LAYOUT)
+    assert chunk_nbytes(caches[0].shape, torch.bfloat16, 3, 3, CPU_LAYOUT) == out.nbytes
+    with pytest.raises(ValueError):
+        chunk_nbytes((6, 2), torch.float16, -1, 1, CPU_LAYOUT)
+
+
+def test_public_api() -> None:
+    assert set(kvstore_kernels.__all__) == {
+        "BlockIds",
+        "CPU_LAYOUT",
+        "CUDA_LAYOUT",
+        "CacheLayout",
+        "Impl",
+        "chunk_nbytes",
+        "gather_blocks",
+        "scatter_blocks",
+    }
+    for name in kvstore_kernels.__all__:
+        assert getattr(kvstore_kernels, name) is not None
+
+
+def test_auto_uses_reference_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    real_gather, real_scatter = reference.gather_blocks, reference.scatter_blocks
+
+    def gather(*args: Any) -> torch.Tensor:
+        calls.append("gather")
+        return real_gather(*args)
+
+    def scatter(*args: Any) -> None:
+        calls.append("scatter")
+        real_scatter(*args)
+
+    monkeypatch.setattr(reference, "gather_blocks", gather)
+    monkeypatch.setattr(reference, "scatter_blocks", scatter)
+    caches = _caches()
+    out = kvstore_kernels.gather_blocks(caches, [1], CUDA_LAYOUT)
+    kvstore_kernels.scatter_blocks(out, caches, [2], CUDA_LAYOUT, impl="torch")
+    assert calls == ["gather", "scatter"]
+
+
+def test_package_imports_and_runs_without_triton() -> None:
+    script = textwrap.dedent(
+        """
+        import sys
+        sys.modules["triton"] = None  # makes `import triton` raise ImportError
+        import torch
+        import kvstore_kernels as k
+        caches = [torch.arange(24.0).reshape(4, 2, 3, 1)]
+        out = k.gather_blocks(caches, [3, 1], k.CPU_LAYOUT)
+        assert out[0, 0].eq(caches[0][3]).all()
+        try:
+            k.gather_blocks(caches, [0], k.CPU_LAYOUT, impl="triton")
+        except ValueError as exc:
+            assert "triton" in str(exc)
+        else:
+            raise AssertionError("impl='triton' should fail without triton")
+        print("ok")
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "ok"

@@ -1,0 +1,40 @@
+"""Triton kernels vs the torch reference on CPU tensors, under ``TRITON_INTERPRET=1``.
+
+The cases live in ``interp_cases.py`` and run in one subprocess, so the interpreter setting
+never reaches triton in this process (triton reads it when a kernel is defined).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from interp_cases import CASES
+
+SCRIPT = Path(__file__).with_name("interp_cases.py")
+
+
+@pytest.fixture(scope="module")
+def interp_results() -> dict[str, str]:
+    pytest.importorskip("triton", reason="triton is not installed (it is in the 'test' extra)")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results: dict[str, str] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return results
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_triton_matches_reference_interpreted(interp_results: dict[str, str], case: str) -> None:
+    assert interp_results.get(case) == "ok", interp_results.get(case, "case did not run")

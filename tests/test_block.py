@@ -1,0 +1,237 @@
+"""Tests of the self-describing block header in :mod:`kvstore.block`.
+
+A stored value is ``header ‖ payload``; anything that is not exactly what was put under a key
+(bit flips, truncation, another key's value) must raise :class:`CorruptBlockError`.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import xxhash
+
+from kvstore.block import (
+    HEADER_BYTES,
+    MAGIC,
+    BlockHeader,
+    CorruptBlockError,
+    checksum,
+    decode_value,
+    encode_header,
+)
+from kvstore.keys import ChunkHasher, Namespace
+
+KEY = bytes(range(16))
+OTHER_KEY = bytes(range(16, 32))
+NS = bytes(range(100, 116))
+OTHER_NS = bytes(range(200, 216))
+PAYLOAD = bytes((i * 37 + 11) % 256 for i in range(4096 + 3))
+
+
+def stored(key: bytes = KEY, namespace: bytes = NS, payload: bytes = PAYLOAD) -> bytes:
+    return encode_header(key, namespace, payload) + payload
+
+
+def flip(value: bytes, byte: int, bit: int = 0) -> bytes:
+    mutable = bytearray(value)
+    mutable[byte] ^= 1 << bit
+    return bytes(mutable)
+
+
+# --- header layout --------------------------------------------------------------------------------
+
+
+def test_header_is_exactly_64_bytes() -> None:
+    assert HEADER_BYTES == 64
+    assert len(encode_header(KEY, NS, PAYLOAD)) == 64
+    assert len(encode_header(KEY, NS, b"")) == 64
+    assert len(BlockHeader(KEY, NS, 2**64 - 1, 2**64 - 1).pack()) == 64
+
+
+def test_header_layout_matches_documentation() -> None:
+    raw = encode_header(KEY, NS, PAYLOAD)
+    assert raw[0:4] == MAGIC == b"KVB1"
+    assert struct.unpack_from("<HH", raw, 4) == (1, 0)
+    assert raw[8:24] == KEY
+    assert raw[24:40] == NS
+    assert struct.unpack_from("<Q", raw, 40)[0] == len(PAYLOAD)
+    expected = xxhash.xxh3_64_intdigest(raw[:48] + PAYLOAD)
+    assert struct.unpack_from("<Q", raw, 48)[0] == expected
+    assert raw[56:64] == bytes(8)
+
+
+def test_pack_unpack_round_trip() -> None:
+    header = BlockHeader.for_payload(KEY, NS, PAYLOAD)
+    assert header.key == KEY and header.namespace == NS and header.length == len(PAYLOAD)
+    assert header.checksum == checksum(KEY, NS, PAYLOAD)
+    assert BlockHeader.unpack(header.pack()) == header
+    assert BlockHeader.unpack(memoryview(header.pack() + PAYLOAD)) == header
+    arbitrary = BlockHeader(OTHER_KEY, OTHER_NS, 12345, 2**63 + 7)
+    assert BlockHeader.unpack(arbitrary.pack()) == arbitrary
+
+
+def test_unpack_returns_bytes_not_views() -> None:
+    header = BlockHeader.unpack(memoryview(bytearray(stored())))
+    assert type(header.key) is bytes and type(header.namespace) is bytes
+
+
+def test_encode_header_rejects_wrong_key_or_namespace_length() -> None:
+    with pytest.raises(ValueError, match="16-byte"):
+        encode_header(KEY[:15], NS, PAYLOAD)
+    with pytest.raises(ValueError, match="16-byte"):
+        encode_header(KEY, NS + b"x", PAYLOAD)
+
+
+# --- decode_value ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("payload", [b"", b"x", PAYLOAD, bytes(1 << 20)])
+def test_decode_round_trip(payload: bytes) -> None:
+    header, view = decode_value(KEY, stored(payload=payload))
+    assert bytes(view) == payload
+    assert header == BlockHeader.for_payload(KEY, NS, payload)
+
+
+def test_decode_accepts_memoryview_and_bytearray() -> None:
+    value = bytearray(stored())
+    _, view = decode_value(KEY, memoryview(value))
+    assert bytes(view) == PAYLOAD
+    _, view = decode_value(KEY, value)
+    assert bytes(view) == PAYLOAD
+
+
+def test_decode_payload_is_zero_copy() -> None:
+    value = bytearray(stored())
+    _, view = decode_value(KEY, value)
+    assert isinstance(view, memoryview)
+    value[HEADER_BYTES] ^= 0xFF
+    assert view[0] == PAYLOAD[0] ^ 0xFF
+
+
+def test_real_keys_and_fingerprint_round_trip() -> None:
+    namespace = Namespace(model="m", dtype="float16")
+    key = ChunkHasher(4, namespace).keys(range(4))[0]
+    value = encode_header(key, namespace.fingerprint(), PAYLOAD) + PAYLOAD
+    header, view = decode_value(key, value)
+    assert header.namespace == namespace.fingerprint()
+    assert bytes(view) == PAYLOAD
+
+
+@pytest.mark.parametrize("byte", [0, 1, len(PAYLOAD) // 2, len(PAYLOAD) - 1])
+@pytest.mark.parametrize("bit", [0, 7])
+def test_flipped_payload_bit_is_detected(byte: int, bit: int) -> None:
+    with pytest.raises(CorruptBlockError, match="checksum"):
+        decode_value(KEY, flip(stored(), HEADER_BYTES + byte, bit))
+
+
+@pytest.mark.parametrize("byte", range(8, 24))
+def test_flipped_key_bit_in_header_is_detected(byte: int) -> None:
+    value = flip(stored(), byte, byte % 8)
+    with pytest.raises(CorruptBlockError):
+        decode_value(KEY, value)
+    # Even a reader asking for the corrupted key is refused: the checksum covers the key.
+    corrupted_key = value[8:24]
+    with pytest.raises(CorruptBlockError, match="checksum"):
+        decode_value(corrupted_key, value)
+
+
+@pytest.mark.parametrize("byte", [24, 31, 39])
+def test_flipped_namespace_bit_is_detected(byte: int) -> None:
+    with pytest.raises(CorruptBlockError, match="checksum"):
+        decode_value(KEY, flip(stored(), byte, 3))
+
+
+@pytest.mark.parametrize("byte", [40, 41, 47])
+def test_flipped_length_bit_is_detected(byte: int) -> None:
+    with pytest.raises(CorruptBlockError):
+        decode_value(KEY, flip(stored(), byte))
+
+
+@pytest.mark.parametrize("byte", [48, 52, 55])
+def test_flipped_checksum_bit_is_detected(byte: int) -> None:
+    with pytest.raises(CorruptBlockError, match="checksum"):
+        decode_value(KEY, flip(stored(), byte, 5))
+
+
+@pytest.mark.parametrize("byte", [0, 1, 2, 3])
+def test_wrong_magic_is_detected(byte: int) -> None:
+    with pytest.raises(CorruptBlockError, match="magic"):
+        decode_value(KEY, flip(stored(), byte, 1))
+
+
+def test_wrong_version_is_detected() -> None:
+    value = bytearray(stored())
+    struct.pack_into("<H", value, 4, 2)
+    with pytest.raises(CorruptBlockError, match="version"):
+        decode_value(KEY, bytes(value))
+
+
+@pytest.mark.parametrize("byte", [6, 7])
+def test_flipped_flags_bit_is_detected(byte: int) -> None:
+    with pytest.raises(CorruptBlockError):
+        decode_value(KEY, flip(stored(), byte))
+
+
+@pytest.mark.parametrize("cut", [1, 7, len(PAYLOAD)])
+def test_truncated_payload_is_detected(cut: int) -> None:
+    with pytest.raises(CorruptBlockError, match="header says"):
+        decode_value(KEY, stored()[:-cut])
+
+
+@pytest.mark.parametrize("length", [0, 1, 40, HEADER_BYTES - 1])
+def test_truncated_header_is_detected(length: int) -> None:
+    with pytest.raises(CorruptBlockError, match="shorter than a header"):
+        decode_value(KEY, stored()[:length])
+
+
+def test_trailing_bytes_are_detected() -> None:
+    with pytest.raises(CorruptBlockError, match="header says"):
+        decode_value(KEY, stored() + b"\x00")
+
+
+def test_value_stored_under_another_key_is_detected() -> None:
+    with pytest.raises(CorruptBlockError, match=OTHER_KEY.hex()):
+        decode_value(KEY, stored(key=OTHER_KEY))
+
+
+def test_header_from_one_payload_does_not_verify_another() -> None:
+    other = bytes(reversed(PAYLOAD))
+    value = encode_header(KEY, NS, PAYLOAD) + other
+    with pytest.raises(CorruptBlockError, match="checksum"):
+        decode_value(KEY, value)
+
+
+def test_verify_checks_length_then_checksum() -> None:
+    header = BlockHeader.for_payload(KEY, NS, PAYLOAD)
+    header.verify(PAYLOAD)
+    with pytest.raises(CorruptBlockError, match="header says"):
+        header.verify(PAYLOAD[:-1])
+    with pytest.raises(CorruptBlockError, match="checksum"):
+        header.verify(flip(PAYLOAD, 0))
+
+
+# --- checksum -------------------------------------------------------------------------------------
+
+
+def test_checksum_covers_key_namespace_and_payload() -> None:
+    base = checksum(KEY, NS, PAYLOAD)
+    assert checksum(KEY, NS, PAYLOAD) == base
+    assert checksum(OTHER_KEY, NS, PAYLOAD) != base
+    assert checksum(KEY, OTHER_NS, PAYLOAD) != base
+    assert checksum(KEY, NS, flip(PAYLOAD, 100)) != base
+    assert checksum(KEY, NS, PAYLOAD + b"\x00") != base
+
+
+def test_checksum_covers_namespace_in_stored_values() -> None:
+    # A header rewritten to claim another namespace (same key, same payload) is refused.
+    value = bytearray(stored())
+    value[24:40] = OTHER_NS
+    with pytest.raises(CorruptBlockError, match="checksum"):
+        decode_value(KEY, bytes(value))
+    # A genuine value under the other namespace has a different header.
+    assert stored(namespace=OTHER_NS)[:HEADER_BYTES] != stored()[:HEADER_BYTES]
+
+
+def test_checksum_accepts_memoryview() -> None:
+    assert checksum(KEY, NS, memoryview(PAYLOAD)) == checksum(KEY, NS, PAYLOAD)
