@@ -103,7 +103,7 @@ def default_data_dir() -> str:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """The gRPC endpoint and request limits."""
+    """The gRPC endpoint, request limits, and ``workers`` threads for blocking disk I/O."""
 
     listen: str = "127.0.0.1:50051"
     max_block_bytes: int = 64 * 1024**2

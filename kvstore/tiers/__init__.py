@@ -20,7 +20,7 @@ def build_tiers(config: Config) -> list[Tier]:
     if config.dram.capacity:
         tiers.append(DramTier(config.dram.capacity, config.dram.page_size))
     if config.nvme.path:
-        tiers.append(NvmeTier(config.nvme.path, config.nvme.capacity))
+        tiers.append(NvmeTier(config.nvme.path, config.nvme.capacity, config.server.workers))
     if not tiers:
         raise ValueError("no tier is enabled: give dram a capacity or nvme a path")
     return tiers

@@ -47,7 +47,7 @@ class NvmeTier(Tier):
 
     name = "nvme"
 
-    def __init__(self, path: str | Path, capacity: int) -> None:
+    def __init__(self, path: str | Path, capacity: int, io_threads: int = 2) -> None:
         self.path = Path(path)
         self.map_size = capacity
         self.capacity = int(capacity * (1 - _HEADROOM_FRACTION))
@@ -56,7 +56,9 @@ class NvmeTier(Tier):
         self.corrupt_blocks = 0
         self.write_errors = 0
         self.read_errors = 0
-        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvstore-nvme")
+        self._executor = ThreadPoolExecutor(
+            max_workers=io_threads, thread_name_prefix="kvstore-nvme"
+        )
         self._env = self._open()
 
     def _open(self) -> Any:

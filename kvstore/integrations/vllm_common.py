@@ -1,0 +1,317 @@
+"""What both halves of the vLLM connector share: settings, the step plan, namespaces, a breaker.
+
+The scheduler half (:mod:`kvstore.integrations.vllm_scheduler`) decides, and the worker half
+(:mod:`kvstore.integrations.vllm_worker`) moves bytes; the only thing that travels between them is
+one :class:`KVStoreConnectorMetadata` per engine step, so everything in it is plain picklable data.
+
+A stored value is one *chunk*: ``chunk_size`` tokens of every layer, laid out as the gather kernel
+writes it, ``[num_layers, chunk_size // block_size, *block_shape]``, where a block is one slice of
+the engine's per-layer paged cache along its block dimension, copied whole.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from kvstore.client import KVStoreClient
+from kvstore.errors import (
+    ConfigError,
+    DeadlineExceededError,
+    KVStoreError,
+    StoreUnavailableError,
+)
+from kvstore.keys import ChunkHasher, HashAlgorithm, Namespace
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+__all__ = [
+    "DEFAULT_CHUNK_SIZE",
+    "Breaker",
+    "ConnectorSettings",
+    "EngineShape",
+    "KVStoreConnectorMetadata",
+    "LoadSpec",
+    "SaveSpec",
+    "engine_shape",
+    "make_hasher",
+    "warm_up",
+]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CHUNK_SIZE = 256
+SECRET_ENV = "KVSTORE_HASH_SECRET"
+
+_KNOWN_KEYS = frozenset(
+    {
+        "target",
+        "chunk_size",
+        "tenant",
+        "timeout_s",
+        "lookup_timeout_s",
+        "retry_after_s",
+        "hash_algorithm",
+        "secret",
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorSettings:
+    """The connector's part of ``kv_connector_extra_config``.
+
+    Attributes:
+        target: ``HOST:PORT`` of the ``kvstore serve`` process.
+        chunk_size: Tokens per stored chunk; a multiple of the engine's block size.
+        tenant: Isolates one tenant's blocks from another's (part of the namespace).
+        timeout_s: Deadline of each get and put.
+        lookup_timeout_s: Deadline of a scheduler lookup. A request waits at most this long for
+            its answer (the scheduler keeps running other requests meanwhile); after it, the
+            request goes ahead as a miss.
+        retry_after_s: After the store fails a call, how long to treat it as down (answer
+            misses, skip saves) before trying it again.
+        hash_algorithm: ``"xxh3_128"`` or ``"sha256"``.
+        secret: Key-derivation secret; defaults to the ``KVSTORE_HASH_SECRET`` environment
+            variable. Every replica sharing a store must use the same one.
+    """
+
+    target: str
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    tenant: str = ""
+    timeout_s: float = 5.0
+    lookup_timeout_s: float = 0.5
+    retry_after_s: float = 5.0
+    hash_algorithm: HashAlgorithm = "xxh3_128"
+    secret: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.target or ":" not in self.target:
+            raise ConfigError(f"target must be 'HOST:PORT', got {self.target!r}")
+        if self.chunk_size < 1:
+            raise ConfigError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        for name in ("timeout_s", "lookup_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.retry_after_s < 0:
+            raise ConfigError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any]) -> ConnectorSettings:
+        """Read and validate the settings; unknown keys are an error (they are usually typos)."""
+        unknown = set(extra) - _KNOWN_KEYS
+        if unknown:
+            raise ConfigError(
+                f"unknown kv_connector_extra_config keys {sorted(unknown)}; "
+                f"allowed: {sorted(_KNOWN_KEYS)}"
+            )
+        if "target" not in extra:
+            raise ConfigError("kv_connector_extra_config needs 'target': 'HOST:PORT'")
+        try:
+            return cls(
+                target=str(extra["target"]),
+                chunk_size=int(extra.get("chunk_size", DEFAULT_CHUNK_SIZE)),
+                tenant=str(extra.get("tenant", "")),
+                timeout_s=float(extra.get("timeout_s", 5.0)),
+                lookup_timeout_s=float(extra.get("lookup_timeout_s", 0.5)),
+                retry_after_s=float(extra.get("retry_after_s", 5.0)),
+                hash_algorithm=extra.get("hash_algorithm", "xxh3_128"),
+                secret=str(extra.get("secret", os.environ.get(SECRET_ENV, ""))),
+            )
+        except (TypeError, ValueError) as exc:
+            if isinstance(exc, ConfigError):
+                raise
+            raise ConfigError(f"bad kv_connector_extra_config value: {exc}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class EngineShape:
+    """What the engine's configuration says about its paged KV cache."""
+
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    dtype: str
+    layout: str
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+
+
+def engine_shape(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, pp_rank: int
+) -> EngineShape:
+    """Describe the engine's KV cache from its configuration (the same on both halves).
+
+    Raises:
+        ConfigError: for caches this connector cannot store safely (several cache groups, as
+            hybrid models have, or a non-attention spec).
+    """
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ConfigError(
+            f"KVStoreConnector supports one KV cache group, this model has {len(groups)}"
+        )
+    spec = groups[0].kv_cache_spec
+    for name in ("num_kv_heads", "head_size", "dtype", "block_size"):
+        if not hasattr(spec, name):
+            raise ConfigError(f"KVStoreConnector needs an attention KV cache, got {spec!r}")
+    parallel = vllm_config.parallel_config
+    return EngineShape(
+        block_size=int(spec.block_size),
+        num_layers=len(groups[0].layer_names),
+        num_kv_heads=int(spec.num_kv_heads),
+        head_size=int(spec.head_size),
+        dtype=str(spec.dtype).removeprefix("torch."),
+        layout=_cache_layout(vllm_config, spec),
+        tp_size=int(parallel.tensor_parallel_size),
+        pp_rank=pp_rank,
+        pp_size=int(parallel.pipeline_parallel_size),
+    )
+
+
+def _cache_layout(vllm_config: VllmConfig, spec: Any) -> str:
+    """A string naming everything that decides the bytes inside one block.
+
+    On CPU the order inside a block belongs to the attention kernel, which picks an ISA-specific
+    variant (AMX, AVX-512, NEON, ...); two engines that disagree on it must never share blocks, so
+    the ISA is part of the name. vLLM exposes that choice only through a private helper, hence the
+    guarded import: if it moves, the name says "unknown" and such engines still share only with
+    each other.
+    """
+    device = str(vllm_config.device_config.device_type)
+    kv_layout = str(getattr(vllm_config.cache_config, "kv_cache_layout", None) or "default")
+    parts = [f"vllm-{device}", f"block{spec.block_size}", f"kv{kv_layout}"]
+    if device == "cpu":
+        try:
+            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+            isa = _get_attn_isa(
+                spec.dtype, spec.block_size, spec.head_size, vllm_config.cache_config.cache_dtype
+            )
+        except Exception as exc:  # any failure only narrows sharing; it never corrupts
+            logger.warning("cannot tell the CPU attention ISA (%s); naming it 'unknown'", exc)
+            isa = "unknown"
+        parts.append(f"isa-{isa}")
+    return "/".join(parts)
+
+
+def base_namespace(
+    vllm_config: VllmConfig, shape: EngineShape, settings: ConnectorSettings, tp_rank: int
+) -> Namespace:
+    """The engine-wide namespace (no LoRA, no cache salt) for one tensor-parallel rank."""
+    model = vllm_config.model_config
+    return Namespace(
+        model=str(model.model),
+        revision=str(model.revision or "main"),
+        num_layers=shape.num_layers,
+        num_kv_heads=shape.num_kv_heads,
+        head_size=shape.head_size,
+        dtype=shape.dtype,
+        # Pipeline stages hold different layers; naming the stage keeps them apart.
+        cache_layout=f"{shape.layout}/pp{shape.pp_rank}of{shape.pp_size}",
+        tp_rank=tp_rank,
+        tp_size=shape.tp_size,
+        tenant=settings.tenant,
+    )
+
+
+def make_hasher(
+    settings: ConnectorSettings, base: Namespace, lora_id: str, cache_salt: str
+) -> ChunkHasher:
+    """The chunk hasher for requests with this LoRA adapter and cache salt."""
+    namespace = Namespace(
+        **{
+            **{name: getattr(base, name) for name in base.__dataclass_fields__},
+            "lora_id": lora_id,
+            "cache_salt": cache_salt,
+        }
+    )
+    return ChunkHasher(
+        settings.chunk_size,
+        namespace,
+        secret=settings.secret.encode(),
+        algorithm=settings.hash_algorithm,
+    )
+
+
+@dataclass(slots=True)
+class LoadSpec:
+    """Load chunks ``keys`` of one request into its blocks.
+
+    ``block_ids[i * blocks_per_chunk + j]`` receives block ``j`` of chunk ``i``, or nothing where
+    it is ``-1`` (blocks the engine already holds from its own prefix cache).
+    """
+
+    req_id: str
+    keys: list[bytes]
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
+class SaveSpec:
+    """Store chunks ``keys`` of one request, read from ``block_ids`` (all blocks of each chunk)."""
+
+    req_id: str
+    keys: list[bytes]
+    block_ids: list[int]
+
+
+@dataclass
+class KVStoreConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]  # untyped base
+    """The plan for one engine step, built by the scheduler half for the workers."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+
+class Breaker:
+    """Remembers that the store failed, so that for a while nothing waits on it again.
+
+    A dead store must cost the engine nothing: without this, every lookup would wait for its
+    own connection attempt and every save for its own deadline.
+    """
+
+    def __init__(self, retry_after_s: float) -> None:
+        self._retry_after_s = retry_after_s
+        self._down_until = 0.0
+        self._lock = threading.Lock()
+
+    def is_open(self) -> bool:
+        """True while the store is considered down."""
+        return time.monotonic() < self._down_until
+
+    def trip(self, error: BaseException) -> None:
+        """Record a failure; the first one of an outage is logged."""
+        with self._lock:
+            if not self.is_open():
+                logger.warning(
+                    "kvstore unavailable (%s); treating it as down for %.1f s",
+                    error,
+                    self._retry_after_s,
+                )
+            self._down_until = time.monotonic() + self._retry_after_s
+
+
+def warm_up(client: KVStoreClient, breaker: Breaker, timeout: float) -> None:
+    """Open the client's connection with one cheap call; a dead store opens the breaker.
+
+    Run it on a background thread at start-up: the first call on a fresh gRPC channel pays for
+    the connection, which would otherwise land on the first request's critical path.
+    """
+    try:
+        client.stats(timeout=timeout)
+    except (StoreUnavailableError, DeadlineExceededError) as exc:
+        breaker.trip(exc)
+    except KVStoreError as exc:
+        logger.warning("kvstore: first call failed: %s", exc)

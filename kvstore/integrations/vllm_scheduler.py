@@ -1,0 +1,306 @@
+"""The scheduler half of the vLLM connector: which prompt chunks to load, which to save.
+
+It never moves KV bytes and never waits on the store for long. A request's first call to
+:meth:`SchedulerSide.get_num_new_matched_tokens` starts ONE batched ``Lookup`` of all its
+loadable chunk keys on a small thread pool and waits a few milliseconds for it; if the answer is
+not there yet it tells vLLM "not known yet" (``None``), and vLLM asks again on a later step while
+it schedules other requests. A lookup that fails or outlives ``lookup_timeout_s`` is a miss.
+
+Per step, :meth:`SchedulerSide.build_connector_meta` hands the workers the loads recorded by
+``update_state_after_alloc`` and the saves of every prompt chunk that this step completes and the
+store lacks. A request that had saves planned is reported as "still saving" by
+``request_finished``; the workers report it done through ``get_finished`` once they no longer read
+its blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvstore.client import KVStoreClient
+from kvstore.errors import (
+    ConfigError,
+    DeadlineExceededError,
+    KVStoreError,
+    StoreUnavailableError,
+)
+from kvstore.integrations.vllm_common import (
+    Breaker,
+    ConnectorSettings,
+    KVStoreConnectorMetadata,
+    LoadSpec,
+    SaveSpec,
+    base_namespace,
+    engine_shape,
+    make_hasher,
+    warm_up,
+)
+from kvstore.keys import ChunkHasher
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["SchedulerSide"]
+
+logger = logging.getLogger(__name__)
+
+# How long one scheduler call may wait for a lookup before answering "not known yet". A loopback
+# lookup takes well under this, so the usual request is decided on its first pass; a slow store
+# costs each scheduler step at most this much.
+_INLINE_WAIT_S = 0.005
+# A chunk planned for saving is not planned again for this long (another request with the same
+# prefix in the same batch would otherwise store it twice); after it, a chunk the store still
+# lacks (say, its put failed) may be saved again.
+_RECENT_SAVE_S = 30.0
+_RECENT_SAVE_MAX = 1 << 16
+
+
+@dataclass(slots=True)
+class _RequestState:
+    """What the scheduler half knows about one request."""
+
+    keys: list[bytes]  # every full prompt chunk
+    loadable: int  # chunks that may be loaded: at least one prompt token is always computed
+    future: Future[int] | None = None
+    deadline: float = 0.0
+    hits: int | None = None  # leading chunks the store holds, once known
+    load_from: int = 0  # num_computed_tokens vLLM presented with the answer
+    saved: int = 0  # chunks [0, saved) are in the store or planned for saving
+    has_saves: bool = False
+    prompt_len: int = 0
+
+
+class SchedulerSide:
+    """The scheduler half of :class:`kvstore.integrations.vllm.KVStoreConnector`."""
+
+    def __init__(
+        self,
+        settings: ConnectorSettings,
+        vllm_config: VllmConfig,
+        kv_cache_config: KVCacheConfig,
+    ) -> None:
+        self._settings = settings
+        shape = engine_shape(vllm_config, kv_cache_config, pp_rank=0)
+        if settings.chunk_size % shape.block_size:
+            raise ConfigError(
+                f"chunk_size {settings.chunk_size} must be a multiple of the engine's block size "
+                f"{shape.block_size}"
+            )
+        self._block_size = shape.block_size
+        self._blocks_per_chunk = settings.chunk_size // shape.block_size
+        # Lookups use rank 0's keys: every rank saves the same chunks, and a rank whose own
+        # chunk is missing reports a failed load, which vLLM recomputes.
+        self._base = base_namespace(vllm_config, shape, settings, tp_rank=0)
+        self._client = KVStoreClient(
+            settings.target, namespace=self._base, timeout=settings.timeout_s
+        )
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvstore-lookup")
+        self._breaker = Breaker(settings.retry_after_s)
+        self._hashers: dict[tuple[str, str], ChunkHasher] = {}
+        self._requests: dict[str, _RequestState] = {}
+        self._pending_loads: list[LoadSpec] = []
+        self._recent_saves: OrderedDict[bytes, float] = OrderedDict()
+        self._kv_cache_manager: KVCacheManager | None = None
+        # Connect now, off the critical path: the first call on a fresh channel pays for it.
+        self._pool.submit(warm_up, self._client, self._breaker, settings.lookup_timeout_s)
+        logger.info(
+            "kvstore connector (scheduler) -> %s, chunk %d tokens, namespace %s",
+            settings.target,
+            settings.chunk_size,
+            self._base,
+        )
+
+    def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
+        """Keep the cache manager: it has the block ids a save reads from."""
+        self._kv_cache_manager = manager
+
+    # -- lookups ----------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Tokens beyond ``num_computed_tokens`` the store can supply; ``None`` = not known yet."""
+        state = self._state(request)
+        if state.loadable == 0:
+            return 0, False
+        hits = self._poll_lookup(state)
+        if hits is None:
+            return None, False
+        hit_tokens = min(hits, state.loadable) * self._settings.chunk_size
+        if hit_tokens <= num_computed_tokens:
+            return 0, False
+        state.load_from = num_computed_tokens
+        return hit_tokens - num_computed_tokens, False
+
+    def _state(self, request: Request) -> _RequestState:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            keys = self._keys(request)
+            prompt_len = len(request.prompt_token_ids or ())
+            chunk = self._settings.chunk_size
+            state = _RequestState(
+                keys=keys,
+                loadable=min(len(keys), max(prompt_len - 1, 0) // chunk),
+                prompt_len=prompt_len,
+            )
+            self._requests[request.request_id] = state
+        return state
+
+    def _keys(self, request: Request) -> list[bytes]:
+        tokens = request.prompt_token_ids
+        # Multimodal placeholders and prompt embeddings are not described by token ids alone,
+        # so such requests would alias other prompts' keys: they neither load nor save.
+        if tokens is None or request.mm_features or getattr(request, "prompt_embeds", None):
+            return []
+        lora = request.lora_request
+        lora_id = f"{lora.lora_name}@{lora.lora_path}" if lora is not None else ""
+        salt = request.cache_salt or ""
+        hasher = self._hashers.get((lora_id, salt))
+        if hasher is None:
+            hasher = make_hasher(self._settings, self._base, lora_id, salt)
+            self._hashers[(lora_id, salt)] = hasher
+        return [bytes(key) for key in hasher.keys(tokens)]
+
+    def _poll_lookup(self, state: _RequestState) -> int | None:
+        if state.hits is not None:
+            return state.hits
+        if state.future is None:
+            if self._breaker.is_open():
+                state.hits = 0
+                return 0
+            timeout = self._settings.lookup_timeout_s
+            state.future = self._pool.submit(self._lookup, state.keys[: state.loadable], timeout)
+            # The RPC's own deadline normally ends it; this covers a call stuck before it.
+            state.deadline = time.monotonic() + 2 * timeout
+        try:
+            hits = state.future.result(timeout=_INLINE_WAIT_S)
+        except TimeoutError:
+            if time.monotonic() < state.deadline:
+                return None
+            logger.warning("kvstore lookup still pending after its deadline; treating as a miss")
+            state.future.cancel()
+            hits = 0
+        except (StoreUnavailableError, DeadlineExceededError) as exc:
+            self._breaker.trip(exc)
+            hits = 0
+        except KVStoreError as exc:
+            logger.warning("kvstore lookup failed, treating as a miss: %s", exc)
+            hits = 0
+        state.future = None
+        state.hits = hits
+        state.saved = max(state.saved, hits)
+        return hits
+
+    def _lookup(self, keys: list[bytes], timeout: float) -> int:
+        started = time.perf_counter()
+        hits = self._client.lookup(keys, timeout=timeout)
+        logger.debug(
+            "kvstore lookup: %d keys -> %d hits in %.2f ms",
+            len(keys),
+            hits,
+            (time.perf_counter() - started) * 1e3,
+        )
+        return hits
+
+    # -- the step plan -----------------------------------------------------------------------
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        """Record the load of ``num_external_tokens`` tokens into the request's new blocks."""
+        if num_external_tokens <= 0:
+            return
+        state = self._requests.get(request.request_id)
+        if state is None:  # vLLM asked another connector; nothing of ours to load
+            return
+        chunk, bs = self._settings.chunk_size, self._block_size
+        start, end = state.load_from, state.load_from + num_external_tokens
+        first_chunk, end_chunk = start // chunk, math.ceil(end / chunk)
+        first_block, end_block = start // bs, math.ceil(end / bs)
+        (block_ids,) = blocks.get_block_ids()
+        targets = [
+            block_ids[b] if first_block <= b < end_block and b < len(block_ids) else -1
+            for b in range(first_chunk * self._blocks_per_chunk, end_chunk * self._blocks_per_chunk)
+        ]
+        self._pending_loads.append(
+            LoadSpec(request.request_id, state.keys[first_chunk:end_chunk], targets)
+        )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVStoreConnectorMetadata:
+        """This step's loads (recorded since the last call) and saves; resets the loads."""
+        meta = KVStoreConnectorMetadata(
+            loads=self._pending_loads,
+            preempted_req_ids=set(scheduler_output.preempted_req_ids or ()),
+        )
+        self._pending_loads = []
+        scheduled = scheduler_output.num_scheduled_tokens
+        now = time.monotonic()
+        if not self._breaker.is_open():
+            for new in scheduler_output.scheduled_new_reqs:
+                done = new.num_computed_tokens + scheduled.get(new.req_id, 0)
+                self._plan_save(meta, new.req_id, done, now)
+            cached = scheduler_output.scheduled_cached_reqs
+            for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens, strict=True):
+                self._plan_save(meta, req_id, computed + scheduled.get(req_id, 0), now)
+        return meta
+
+    def _plan_save(
+        self, meta: KVStoreConnectorMetadata, req_id: str, computed: int, now: float
+    ) -> None:
+        """Plan saving the prompt chunks that are complete once this step has run."""
+        state = self._requests.get(req_id)
+        if state is None or self._kv_cache_manager is None:
+            return
+        ready = min(computed, state.prompt_len) // self._settings.chunk_size
+        ready = min(ready, len(state.keys))
+        if ready <= state.saved:
+            return
+        (block_ids,) = self._kv_cache_manager.get_block_ids(req_id)
+        if len(block_ids) < ready * self._blocks_per_chunk:
+            return  # cannot happen for computed tokens; never save from blocks we lack
+        keys: list[bytes] = []
+        ids: list[int] = []
+        bpc = self._blocks_per_chunk
+        for index in range(state.saved, ready):
+            key = state.keys[index]
+            if now - self._recent_saves.get(key, -math.inf) < _RECENT_SAVE_S:
+                continue
+            self._remember_save(key, now)
+            keys.append(key)
+            ids.extend(block_ids[index * bpc : (index + 1) * bpc])
+        state.saved = ready
+        if keys:
+            meta.saves.append(SaveSpec(req_id, keys, ids))
+            state.has_saves = True
+
+    def _remember_save(self, key: bytes, now: float) -> None:
+        self._recent_saves[key] = now
+        self._recent_saves.move_to_end(key)
+        while len(self._recent_saves) > _RECENT_SAVE_MAX:
+            self._recent_saves.popitem(last=False)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """True while the workers may still read this request's blocks for a save."""
+        state = self._requests.pop(request.request_id, None)
+        if state is None:
+            return False, None
+        if state.future is not None:
+            state.future.cancel()
+        return state.has_saves, None
+
+    def shutdown(self) -> None:
+        """Stop the lookup pool and close the client."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._client.close()
