@@ -40,7 +40,8 @@ class KVStoreClient:
     ) -> None:
         self.target = target
         self.timeout = timeout
-        self._namespace = namespace
+        # Fingerprinting hashes JSON; do it once, not on every call.
+        self._namespace = None if namespace is None else _wire.namespace_bytes(namespace)
         self._channel = grpc.insecure_channel(target, options=_wire.CHANNEL_OPTIONS)
         self._stub = pb_grpc.KVStoreStub(self._channel)
 
@@ -132,7 +133,8 @@ class AsyncKVStoreClient:
     ) -> None:
         self.target = target
         self.timeout = timeout
-        self._namespace = namespace
+        # Fingerprinting hashes JSON; do it once, not on every call.
+        self._namespace = None if namespace is None else _wire.namespace_bytes(namespace)
         self._channel = grpc.aio.insecure_channel(target, options=_wire.CHANNEL_OPTIONS)
         self._stub = pb_grpc.KVStoreStub(self._channel)
 

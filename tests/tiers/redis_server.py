@@ -1,0 +1,143 @@
+"""A real ``redis-server`` subprocess for tests: start, kill, restart on the same port, pause.
+
+Not a conftest: test modules import :class:`RedisServer` and wrap it in their own fixture.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from types import TracebackType
+
+import redis
+
+__all__ = ["RedisServer", "free_port", "redis_server_binary"]
+
+
+def redis_server_binary() -> str | None:
+    """Path of ``redis-server``, or None where it is not installed."""
+    return shutil.which("redis-server") or (
+        "/usr/bin/redis-server" if os.path.exists("/usr/bin/redis-server") else None
+    )
+
+
+def free_port() -> int:
+    """A loopback TCP port nobody listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class RedisServer:
+    """One non-persistent redis-server on ``127.0.0.1:port`` with its files in ``directory``."""
+
+    def __init__(self, directory: Path, port: int | None = None) -> None:
+        binary = redis_server_binary()
+        if binary is None:
+            raise RuntimeError("redis-server is not installed")
+        self.binary = binary
+        self.directory = directory
+        self.port = port or free_port()
+        self.log_path = directory / f"redis-{self.port}.log"
+        self._process: subprocess.Popen[bytes] | None = None
+        self._paused = False
+
+    @property
+    def url(self) -> str:
+        """``redis://127.0.0.1:PORT/0``."""
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> RedisServer:
+        """Start the server and wait until it answers PING."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            self._process = subprocess.Popen(self._command(), stdout=log, stderr=subprocess.STDOUT)
+        self._wait_ready(timeout)
+        return self
+
+    def _command(self) -> list[str]:
+        # No RDB snapshots and no AOF: a killed server comes back empty, like a real crash
+        # of a cache that nobody persists.
+        options = {"port": str(self.port), "bind": "127.0.0.1", "save": "", "appendonly": "no"}
+        flags = [part for name, value in options.items() for part in (f"--{name}", value)]
+        return [self.binary, *flags, "--dir", str(self.directory)]
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        client = redis.Redis(port=self.port, socket_timeout=0.5, socket_connect_timeout=0.5)
+        try:
+            while True:
+                assert self._process is not None
+                if self._process.poll() is not None:
+                    raise RuntimeError(
+                        f"redis-server exited with {self._process.returncode}: "
+                        f"{self.log_path.read_text(errors='replace')[-2000:]}"
+                    )
+                try:
+                    if client.ping():
+                        return
+                except redis.RedisError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server on port {self.port} did not answer PING")
+                time.sleep(0.02)
+        finally:
+            client.close()
+
+    def client(self) -> redis.Redis:
+        """A synchronous client for poking at raw keys."""
+        return redis.Redis(port=self.port, socket_timeout=2)
+
+    def kill(self) -> None:
+        """SIGKILL the server: a crash, connections reset, data gone."""
+        self.resume()
+        if self._process is not None:
+            self._process.kill()
+            self._process.wait()
+            self._process = None
+
+    def restart(self, timeout: float = 10.0) -> None:
+        """Kill it if it runs, then start a fresh (empty) server on the same port."""
+        self.kill()
+        self.start(timeout)
+
+    def pause(self) -> None:
+        """SIGSTOP the server: a stall, connections stay open but nothing answers."""
+        if self._process is not None and not self._paused:
+            self._process.send_signal(signal.SIGSTOP)
+            self._paused = True
+
+    def resume(self) -> None:
+        """SIGCONT a paused server."""
+        if self._process is not None and self._paused:
+            self._process.send_signal(signal.SIGCONT)
+            self._paused = False
+
+    def stop(self) -> None:
+        """Terminate the server (SIGTERM, then SIGKILL after a few seconds)."""
+        self.resume()
+        if self._process is None:
+            return
+        self._process.terminate()
+        try:
+            self._process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+        self._process = None
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
