@@ -18,8 +18,8 @@ from kvstore.errors import (
 from kvstore.keys import Namespace
 from kvstore.store import LookupResult, PutResult
 
-#: Soft size of one streamed Put message; a single larger block still goes out whole.
-REQUEST_TARGET_BYTES = 4 * 1024**2
+#: Soft size of one streamed Put or Get message; a single larger block still goes out whole.
+MESSAGE_TARGET_BYTES = 4 * 1024**2
 
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", -1),
@@ -58,7 +58,7 @@ def lookup_result(response: pb.LookupResponse) -> LookupResult:
 def put_requests(
     namespace: bytes, keys: Sequence[bytes], values: Sequence[Any]
 ) -> Iterator[pb.PutRequest]:
-    """The messages of one Put stream, about :data:`REQUEST_TARGET_BYTES` each."""
+    """The messages of one Put stream, about :data:`MESSAGE_TARGET_BYTES` each."""
     if len(keys) != len(values):
         raise InvalidRequestError(f"{len(keys)} keys but {len(values)} values")
     views = [byte_view(value) for value in values]  # check every value before sending any
@@ -68,7 +68,7 @@ def put_requests(
     for key, view in zip(keys, views, strict=True):
         blocks.append(pb.Block(key=key, value=bytes(view)))
         size += len(view)
-        if size >= REQUEST_TARGET_BYTES:
+        if size >= MESSAGE_TARGET_BYTES:
             yield pb.PutRequest(namespace=namespace if first else b"", blocks=blocks)
             blocks, size, first = [], 0, False
     if blocks or first:

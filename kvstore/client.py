@@ -91,7 +91,8 @@ class KVStoreClient:
         """Remove ``keys`` from every tier; returns how many were present."""
         try:
             response = self._stub.Delete(
-                pb.DeleteRequest(keys=list(keys)), timeout=self._deadline(timeout)
+                pb.DeleteRequest(keys=list(keys), namespace=_wire.namespace_bytes(self._namespace)),
+                timeout=self._deadline(timeout),
             )
         except grpc.RpcError as exc:
             raise _wire.map_rpc_error(exc) from exc
@@ -190,7 +191,8 @@ class AsyncKVStoreClient:
         """Remove ``keys`` from every tier; returns how many were present."""
         try:
             response = await self._stub.Delete(
-                pb.DeleteRequest(keys=list(keys)), timeout=self._deadline(timeout)
+                pb.DeleteRequest(keys=list(keys), namespace=_wire.namespace_bytes(self._namespace)),
+                timeout=self._deadline(timeout),
             )
         except grpc.RpcError as exc:
             raise _wire.map_rpc_error(exc) from exc

@@ -365,14 +365,20 @@ class TieredStore:
 
     # -- delete, pins, stats ---------------------------------------------------------------
 
-    async def delete(self, keys: Sequence[bytes]) -> int:
-        """Remove blocks from every tier; returns how many were present."""
-        self._check_keys(keys, None)
+    async def delete(self, keys: Sequence[bytes], namespace: bytes | None = None) -> int:
+        """Remove blocks from every tier; returns how many were removed.
+
+        With a ``namespace``, only blocks stored under it are removed (a client cannot delete
+        another namespace's blocks); ``None`` is the operator's delete of any namespace.
+        """
+        self._check_keys(keys, namespace)
         removed = 0
         async with self._lock:
             for key in keys:
-                if self._meta.pop(key, None) is None:
+                meta = self._meta.get(key)
+                if meta is None or (namespace is not None and meta.namespace != namespace):
                     continue
+                del self._meta[key]
                 removed += 1
                 for level, tier in enumerate(self.tiers):
                     if key in self._recency[level]:

@@ -17,17 +17,15 @@ import grpc
 from grpc_health.v1 import _async as health_async
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore._wire import MESSAGE_TARGET_BYTES
 from kvstore.config import Config
-from kvstore.server.servicer import KVStoreServicer
+from kvstore.server.servicer import SERVICE_NAME, KVStoreServicer, add_to_server
 from kvstore.store import TieredStore
 from kvstore.tiers import build_tiers
 
 __all__ = ["SERVICE_NAME", "RunningServer", "run_server", "start_server"]
 
 logger = logging.getLogger(__name__)
-
-SERVICE_NAME = "kvstore.v1.KVStore"
 
 
 def build_store(config: Config) -> TieredStore:
@@ -62,9 +60,9 @@ class RunningServer:
 async def start_server(config: Config) -> RunningServer:
     """Build the store and start serving it; returns once the port is bound."""
     store = build_store(config)
-    # A Put message may carry one block of max_block_bytes plus framing; leave room so that an
-    # oversized block reaches the store's own check and gets its clearer message.
-    message_limit = 2 * config.server.max_block_bytes + 1024**2
+    # Clients and the Get stream pack messages up to a soft target plus one whole block; leave
+    # room beyond that so an oversized block reaches the store's own check and its clearer message.
+    message_limit = 2 * config.server.max_block_bytes + MESSAGE_TARGET_BYTES + 1024**2
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", message_limit),
@@ -72,7 +70,7 @@ async def start_server(config: Config) -> RunningServer:
             ("grpc.so_reuseport", 0),
         ]
     )
-    pb_grpc.add_KVStoreServicer_to_server(KVStoreServicer(store), server)
+    add_to_server(KVStoreServicer(store), server)
     health = health_async.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     port = server.add_insecure_port(config.server.listen)

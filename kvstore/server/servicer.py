@@ -12,18 +12,19 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore._wire import MESSAGE_TARGET_BYTES
 from kvstore.errors import InvalidRequestError, KVStoreError, status_of
-from kvstore.store import TieredStore
+from kvstore.store import GetResult, TieredStore
 
-__all__ = ["RESPONSE_TARGET_BYTES", "KVStoreServicer"]
+__all__ = ["KVStoreServicer", "add_to_server"]
 
 logger = logging.getLogger(__name__)
 
-#: Soft size of one streamed Get message; a single larger block still goes out whole.
-RESPONSE_TARGET_BYTES = 4 * 1024**2
+SERVICE_NAME = "kvstore.v1.KVStore"
 
 T = TypeVar("T")
 
@@ -36,6 +37,8 @@ async def _guard(
         return await call()
     except KVStoreError as exc:
         await context.abort(status_of(exc), str(exc))
+    except DecodeError as exc:  # a streamed message that is not protobuf
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable request: {exc}")
     except Exception as exc:
         logger.exception("unexpected failure serving a request")
         await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
@@ -48,12 +51,18 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
     def __init__(self, store: TieredStore) -> None:
         self.store = store
 
+    @staticmethod
+    def _decoded(request: Any) -> None:
+        if isinstance(request, _Undecodable):
+            raise InvalidRequestError(f"undecodable request: {request.reason}")
+
     async def Lookup(
         self, request: pb.LookupRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.LookupResponse:
         """Count the leading stored keys."""
 
         async def call() -> pb.LookupResponse:
+            self._decoded(request)
             result = self.store.lookup(list(request.keys), request.namespace)
             return pb.LookupResponse(hits=result.hits, tiers=result.tiers)
 
@@ -71,6 +80,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
             keys: list[bytes] = []
             values: list[bytes] = []
             async for message in request_iterator:
+                self._decoded(message)
                 if namespace is None:
                     namespace = message.namespace
                 elif message.namespace and message.namespace != namespace:
@@ -92,10 +102,13 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
     async def Get(
         self, request: pb.GetRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.GetResponse]:
-        """Stream results in request order, about :data:`RESPONSE_TARGET_BYTES` a message."""
-        results = await _guard(
-            context, lambda: self.store.get(list(request.keys), request.namespace)
-        )
+        """Stream results in request order, about :data:`MESSAGE_TARGET_BYTES` a message."""
+
+        async def call() -> list[GetResult]:
+            self._decoded(request)
+            return await self.store.get(list(request.keys), request.namespace)
+
+        results = await _guard(context, call)
         batch: list[pb.GetResult] = []
         size = 0
         for index, result in enumerate(results):
@@ -108,7 +121,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
                     )
                 )
                 size += len(result.payload)
-            if size >= RESPONSE_TARGET_BYTES:
+            if size >= MESSAGE_TARGET_BYTES:
                 yield pb.GetResponse(results=batch)
                 batch, size = [], 0
         if batch:
@@ -120,7 +133,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
         """Remove blocks from every tier."""
 
         async def call() -> pb.DeleteResponse:
-            return pb.DeleteResponse(deleted=await self.store.delete(list(request.keys)))
+            self._decoded(request)
+            deleted = await self.store.delete(list(request.keys), request.namespace)
+            return pb.DeleteResponse(deleted=deleted)
 
         return await _guard(context, call)
 
@@ -141,3 +156,58 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
             )
 
         return await _guard(context, call)
+
+
+class _Undecodable:
+    """Stands in for a request whose bytes are not the expected protobuf message."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def _tolerant(message_type: type[Message]) -> Callable[[bytes], Any]:
+    """A deserializer that hands undecodable bytes to the handler instead of failing in grpc.
+
+    grpc answers a raising deserializer with UNKNOWN; letting the handler see it gives the client
+    INVALID_ARGUMENT with a message, as for every other malformed request.
+    """
+
+    def parse(data: bytes) -> Any:
+        try:
+            return message_type.FromString(data)
+        except DecodeError as exc:
+            return _Undecodable(str(exc))
+
+    return parse
+
+
+def add_to_server(servicer: KVStoreServicer, server: grpc.aio.Server) -> None:
+    """Register ``servicer`` on ``server`` under ``kvstore.v1.KVStore`` with tolerant parsing."""
+    handlers = {
+        "Lookup": grpc.unary_unary_rpc_method_handler(
+            servicer.Lookup,
+            request_deserializer=_tolerant(pb.LookupRequest),
+            response_serializer=pb.LookupResponse.SerializeToString,
+        ),
+        "Put": grpc.stream_unary_rpc_method_handler(
+            servicer.Put,
+            request_deserializer=_tolerant(pb.PutRequest),
+            response_serializer=pb.PutResponse.SerializeToString,
+        ),
+        "Get": grpc.unary_stream_rpc_method_handler(
+            servicer.Get,
+            request_deserializer=_tolerant(pb.GetRequest),
+            response_serializer=pb.GetResponse.SerializeToString,
+        ),
+        "Delete": grpc.unary_unary_rpc_method_handler(
+            servicer.Delete,
+            request_deserializer=_tolerant(pb.DeleteRequest),
+            response_serializer=pb.DeleteResponse.SerializeToString,
+        ),
+        "Stats": grpc.unary_unary_rpc_method_handler(
+            servicer.Stats,
+            request_deserializer=_tolerant(pb.StatsRequest),
+            response_serializer=pb.StatsResponse.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

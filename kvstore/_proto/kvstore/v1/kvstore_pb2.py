@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvstore/v1/kvstore.proto\x12\nkvstore.v1\"0\n\rLookupRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"-\n\x0eLookupResponse\x12\x0c\n\x04hits\x18\x01 \x01(\r\x12\r\n\x05tiers\x18\x02 \x03(\t\"#\n\x05\x42lock\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\r\n\x05value\x18\x02 \x01(\x0c\"B\n\nPutRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12!\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x11.kvstore.v1.Block\"G\n\x0bPutResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x17\n\x0f\x61lready_present\x18\x02 \x01(\r\x12\x0f\n\x07\x64ropped\x18\x03 \x01(\r\"-\n\nGetRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"F\n\tGetResult\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05\x66ound\x18\x02 \x01(\x08\x12\r\n\x05value\x18\x03 \x01(\x0c\x12\x0c\n\x04tier\x18\x04 \x01(\t\"5\n\x0bGetResponse\x12&\n\x07results\x18\x01 \x03(\x0b\x32\x15.kvstore.v1.GetResult\"\x1d\n\rDeleteRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"{\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x31\n\x06values\x18\x02 \x03(\x0b\x32!.kvstore.v1.TierStats.ValuesEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\xb1\x01\n\rStatsResponse\x12$\n\x05tiers\x18\x01 \x03(\x0b\x32\x15.kvstore.v1.TierStats\x12\x39\n\x08\x63ounters\x18\x02 \x03(\x0b\x32\'.kvstore.v1.StatsResponse.CountersEntry\x12\x0e\n\x06\x62locks\x18\x03 \x01(\x04\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32\xbd\x02\n\x07KVStore\x12?\n\x06Lookup\x12\x19.kvstore.v1.LookupRequest\x1a\x1a.kvstore.v1.LookupResponse\x12\x38\n\x03Put\x12\x16.kvstore.v1.PutRequest\x1a\x17.kvstore.v1.PutResponse(\x01\x12\x38\n\x03Get\x12\x16.kvstore.v1.GetRequest\x1a\x17.kvstore.v1.GetResponse0\x01\x12?\n\x06\x44\x65lete\x12\x19.kvstore.v1.DeleteRequest\x1a\x1a.kvstore.v1.DeleteResponse\x12<\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x19.kvstore.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvstore/v1/kvstore.proto\x12\nkvstore.v1\"0\n\rLookupRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"-\n\x0eLookupResponse\x12\x0c\n\x04hits\x18\x01 \x01(\r\x12\r\n\x05tiers\x18\x02 \x03(\t\"#\n\x05\x42lock\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\r\n\x05value\x18\x02 \x01(\x0c\"B\n\nPutRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12!\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x11.kvstore.v1.Block\"G\n\x0bPutResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x17\n\x0f\x61lready_present\x18\x02 \x01(\r\x12\x0f\n\x07\x64ropped\x18\x03 \x01(\r\"-\n\nGetRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"F\n\tGetResult\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05\x66ound\x18\x02 \x01(\x08\x12\r\n\x05value\x18\x03 \x01(\x0c\x12\x0c\n\x04tier\x18\x04 \x01(\t\"5\n\x0bGetResponse\x12&\n\x07results\x18\x01 \x03(\x0b\x32\x15.kvstore.v1.GetResult\"0\n\rDeleteRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x11\n\tnamespace\x18\x02 \x01(\x0c\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"{\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x31\n\x06values\x18\x02 \x03(\x0b\x32!.kvstore.v1.TierStats.ValuesEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\xb1\x01\n\rStatsResponse\x12$\n\x05tiers\x18\x01 \x03(\x0b\x32\x15.kvstore.v1.TierStats\x12\x39\n\x08\x63ounters\x18\x02 \x03(\x0b\x32\'.kvstore.v1.StatsResponse.CountersEntry\x12\x0e\n\x06\x62locks\x18\x03 \x01(\x04\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32\xbd\x02\n\x07KVStore\x12?\n\x06Lookup\x12\x19.kvstore.v1.LookupRequest\x1a\x1a.kvstore.v1.LookupResponse\x12\x38\n\x03Put\x12\x16.kvstore.v1.PutRequest\x1a\x17.kvstore.v1.PutResponse(\x01\x12\x38\n\x03Get\x12\x16.kvstore.v1.GetRequest\x1a\x17.kvstore.v1.GetResponse0\x01\x12?\n\x06\x44\x65lete\x12\x19.kvstore.v1.DeleteRequest\x1a\x1a.kvstore.v1.DeleteResponse\x12<\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x19.kvstore.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -52,19 +52,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETRESPONSE']._serialized_start=434
   _globals['_GETRESPONSE']._serialized_end=487
   _globals['_DELETEREQUEST']._serialized_start=489
-  _globals['_DELETEREQUEST']._serialized_end=518
-  _globals['_DELETERESPONSE']._serialized_start=520
-  _globals['_DELETERESPONSE']._serialized_end=553
-  _globals['_STATSREQUEST']._serialized_start=555
-  _globals['_STATSREQUEST']._serialized_end=569
-  _globals['_TIERSTATS']._serialized_start=571
-  _globals['_TIERSTATS']._serialized_end=694
-  _globals['_TIERSTATS_VALUESENTRY']._serialized_start=649
-  _globals['_TIERSTATS_VALUESENTRY']._serialized_end=694
-  _globals['_STATSRESPONSE']._serialized_start=697
-  _globals['_STATSRESPONSE']._serialized_end=874
-  _globals['_STATSRESPONSE_COUNTERSENTRY']._serialized_start=827
-  _globals['_STATSRESPONSE_COUNTERSENTRY']._serialized_end=874
-  _globals['_KVSTORE']._serialized_start=877
-  _globals['_KVSTORE']._serialized_end=1194
+  _globals['_DELETEREQUEST']._serialized_end=537
+  _globals['_DELETERESPONSE']._serialized_start=539
+  _globals['_DELETERESPONSE']._serialized_end=572
+  _globals['_STATSREQUEST']._serialized_start=574
+  _globals['_STATSREQUEST']._serialized_end=588
+  _globals['_TIERSTATS']._serialized_start=590
+  _globals['_TIERSTATS']._serialized_end=713
+  _globals['_TIERSTATS_VALUESENTRY']._serialized_start=668
+  _globals['_TIERSTATS_VALUESENTRY']._serialized_end=713
+  _globals['_STATSRESPONSE']._serialized_start=716
+  _globals['_STATSRESPONSE']._serialized_end=893
+  _globals['_STATSRESPONSE_COUNTERSENTRY']._serialized_start=846
+  _globals['_STATSRESPONSE_COUNTERSENTRY']._serialized_end=893
+  _globals['_KVSTORE']._serialized_start=896
+  _globals['_KVSTORE']._serialized_end=1213
 # @@protoc_insertion_point(module_scope)

@@ -87,7 +87,7 @@ class KVStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Delete(self, request, context):
-        """Remove blocks from every tier.
+        """Remove blocks from every tier; only blocks stored under the request's namespace.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,221 @@
+"""Fixtures of the integration tests: a real ``kvstore serve`` subprocess on a free loopback port.
+
+Nothing here is mocked. :class:`ServerProcess` runs ``python -m kvstore.cli serve`` with an nvme
+directory of its own, waits for the ``kvstore serving on ADDR`` line and stops the process with a
+signal, asserting that a graceful stop exits 0. Fixtures:
+
+* ``server_factory`` / ``module_server_factory``: start servers with given flags and environment;
+  every server they started is killed at the end of the test (or module) if still running.
+* ``server``: a default server for one test; ``client``: a :class:`KVStoreClient` on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+
+import pytest
+
+from kvstore import KVStoreClient, Namespace
+
+READY_LINE = "kvstore serving on "
+START_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 20.0
+
+#: The namespace the ``client`` fixture uses.
+NAMESPACE = Namespace(model="integration-test", num_layers=2, num_kv_heads=2, head_size=64)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class ServerProcess:
+    """One ``kvstore serve`` subprocess; :meth:`start` again after a stop reuses its nvme dir."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        flags: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        *,
+        nvme_path: Path | None = None,
+    ) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.workdir = workdir
+        self.nvme_path = nvme_path if nvme_path is not None else workdir / "nvme"
+        self.flags = list(flags)
+        self.env = dict(env or {})
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.target = ""
+        self.returncode: int | None = None
+        self._starts = 0
+
+    @property
+    def stdout_path(self) -> Path:
+        return self.workdir / f"serve-{self._starts}.out"
+
+    @property
+    def stderr_path(self) -> Path:
+        return self.workdir / f"serve-{self._starts}.err"
+
+    def stderr(self) -> str:
+        """What the current (or last) run wrote to stderr: the server's log."""
+        with contextlib.suppress(OSError):
+            return self.stderr_path.read_text(errors="replace")
+        return ""
+
+    def start(self) -> ServerProcess:
+        """Start on a fresh free port and wait for the ready line; fail with the server's log."""
+        assert self.proc is None or self.proc.poll() is not None, "already running"
+        self._starts += 1
+        listen = f"127.0.0.1:{free_port()}"
+        command = [
+            sys.executable,
+            "-m",
+            "kvstore.cli",
+            "serve",
+            "--listen",
+            listen,
+            "--nvme-path",
+            str(self.nvme_path),
+            *self.flags,
+        ]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        with self.stdout_path.open("wb") as out, self.stderr_path.open("wb") as err:
+            self.proc = subprocess.Popen(command, stdout=out, stderr=err, env=env)
+        self.returncode = None
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            text = self.stdout_path.read_text(errors="replace")
+            if READY_LINE in text and text.endswith("\n"):
+                line = next(line for line in text.splitlines() if READY_LINE in line)
+                self.target = line.split(READY_LINE, 1)[1].strip()
+                return self
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                state = (
+                    f"exited with {self.proc.returncode}"
+                    if self.proc.poll() is not None
+                    else f"not ready after {START_TIMEOUT_S:.0f}s"
+                )
+                self.kill()
+                raise RuntimeError(
+                    f"kvstore serve {' '.join(command[4:])} {state}\n"
+                    f"--- stdout ---\n{text}\n--- stderr ---\n{self.stderr()}"
+                )
+            time.sleep(0.02)
+
+    @property
+    def running(self) -> bool:
+        """True while the process has not exited."""
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        """Send ``sig`` and wait; SIGTERM and SIGINT must shut down gracefully with exit code 0."""
+        assert self.proc is not None, "never started"
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            self.returncode = self.proc.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(
+                f"kvstore serve ignored {signal.Signals(sig).name} for {STOP_TIMEOUT_S:.0f}s\n"
+                f"{self.stderr()}"
+            ) from None
+        if sig in (signal.SIGTERM, signal.SIGINT):
+            assert self.returncode == 0, (
+                f"kvstore serve exited {self.returncode} on {signal.Signals(sig).name}\n"
+                f"{self.stderr()}"
+            )
+        return self.returncode
+
+    def restart(self) -> ServerProcess:
+        """SIGTERM (asserting a clean exit), then start again on the same nvme directory."""
+        self.stop()
+        return self.start()
+
+    def kill(self) -> None:
+        """SIGKILL, no questions asked (also the cleanup of every fixture)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.returncode = self.proc.wait()
+
+    def client(
+        self, namespace: Namespace | bytes | None = NAMESPACE, **kwargs: float
+    ) -> KVStoreClient:
+        """A blocking client on this server."""
+        return KVStoreClient(self.target, namespace=namespace, **kwargs)
+
+
+ServerFactory = Callable[..., ServerProcess]
+
+
+@contextlib.contextmanager
+def _factory(root: Path) -> Iterator[ServerFactory]:
+    started: list[ServerProcess] = []
+
+    def start(
+        *flags: str,
+        env: Mapping[str, str] | None = None,
+        dram_capacity: str = "64MiB",
+        nvme_capacity: str = "64MiB",
+        nvme_path: Path | None = None,
+    ) -> ServerProcess:
+        process = ServerProcess(
+            root / f"server-{len(started)}",
+            ["--dram-capacity", dram_capacity, "--nvme-capacity", nvme_capacity, *flags],
+            env,
+            nvme_path=nvme_path,
+        )
+        started.append(process)
+        return process.start()
+
+    try:
+        yield start
+    finally:
+        for process in started:
+            process.kill()
+
+
+@pytest.fixture
+def server_factory(tmp_path: Path) -> Iterator[ServerFactory]:
+    """``server_factory(*flags, env=..., dram_capacity=..., nvme_capacity=...)`` for one test."""
+    with _factory(tmp_path) as start:
+        yield start
+
+
+@pytest.fixture(scope="module")
+def module_server_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerFactory]:
+    """Like ``server_factory``, for servers shared by the tests of one module."""
+    with _factory(tmp_path_factory.mktemp("servers")) as start:
+        yield start
+
+
+@pytest.fixture
+def server(server_factory: ServerFactory) -> ServerProcess:
+    """A fresh ``kvstore serve`` (64 MiB dram, 64 MiB nvme) for one test."""
+    return server_factory()
+
+
+@pytest.fixture
+def client(server: ServerProcess) -> Iterator[KVStoreClient]:
+    """A :class:`KVStoreClient` in :data:`NAMESPACE` on ``server``."""
+    with server.client() as kv:
+        yield kv
+
+
+@pytest.fixture
+def unused_target() -> str:
+    """A loopback ``HOST:PORT`` on which nothing listens."""
+    return f"127.0.0.1:{free_port()}"
