@@ -26,4 +26,4 @@ echo "--- mypy"
 echo "--- generated code"
 $PY scripts/gen_proto.py --check
 echo "--- pytest"
-$PY -m pytest -m "not vllm" -q -p no:cacheprovider
+$PY -m pytest -m "not vllm" -q -p no:cacheprovider --ignore=tests/vllm
