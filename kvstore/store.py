@@ -195,15 +195,16 @@ class TieredStore:
             raise InvalidRequestError(f"{len(keys)} keys but {len(values)} values")
         views = [byte_view(value) for value in values]
         self._check_sizes(views)
-        for index, key in enumerate(keys):
-            meta = self._meta.get(key)
-            if meta is not None and meta.namespace != namespace:
-                raise NamespaceMismatchError(
-                    f"key {index} ({key.hex()}) is stored under namespace {meta.namespace.hex()}, "
-                    f"not {namespace.hex()}"
-                )
         stored = present = dropped = 0
         async with self._lock:
+            # Checked under the lock so that no concurrent put can slip a key in between.
+            for index, key in enumerate(keys):
+                meta = self._meta.get(key)
+                if meta is not None and meta.namespace != namespace:
+                    raise NamespaceMismatchError(
+                        f"key {index} ({key.hex()}) is stored under namespace "
+                        f"{meta.namespace.hex()}, not {namespace.hex()}"
+                    )
             for key, view in zip(keys, views, strict=True):
                 if key in self._meta:
                     present += 1
@@ -255,7 +256,7 @@ class TieredStore:
             footprint = tier.footprint(header.length)
             if footprint > tier.capacity:
                 continue
-            if not await self._make_room(level, footprint - (tier.capacity - tier.used)):
+            if not await self._make_room(level, footprint):
                 continue
             for _ in range(_MAX_WRITE_RETRIES):
                 if await tier.write(header, payload):
@@ -263,16 +264,29 @@ class TieredStore:
                     self._recency[level].add(header.key, footprint)
                     return tier.name
                 # The tier's own limit bit before our estimate: evict one more block and retry.
-                if not await self._make_room(level, 1):
+                if not await self._evict(level, 1):
                     break
         return None
 
-    async def _make_room(self, level: int, needed: int) -> bool:
-        """Evict (demoting) LRU blocks of tier ``level`` until ``needed`` bytes are free."""
+    async def _make_room(self, level: int, footprint: int) -> bool:
+        """Evict (demoting) LRU blocks of tier ``level`` until ``footprint`` bytes are free."""
+        tier = self.tiers[level]
+        return await self._evict(level, footprint - (tier.capacity - tier.used)) and (
+            tier.capacity - tier.used >= footprint
+        )
+
+    async def _evict(self, level: int, needed: int) -> bool:
+        """Demote LRU blocks of tier ``level`` worth at least ``needed`` bytes.
+
+        Returns False, having evicted nothing, if unpinned blocks cannot add up to ``needed``.
+        """
         victims = self._recency[level].victims(needed, exclude=self._pins)
         if victims is None:
             return False
         for victim in victims:
+            # Demotion awaits, so a reader may have pinned a later victim in the meantime.
+            if victim in self._pins or victim not in self._recency[level]:
+                continue
             await self._demote(victim, level)
         return True
 
@@ -289,8 +303,9 @@ class TieredStore:
                 block.header, memoryview(block.payload), level + 1, len(self.tiers)
             ):
                 self._counters.add("demotions")
+        if not await tier.remove([key]):
+            return  # still on the medium: keep indexing it rather than orphan it
         self._recency[level].discard(key)
-        await tier.remove([key])
         if self._level_of(key) is None:
             self._meta.pop(key, None)
             self._counters.add("evicted_from_store")
@@ -366,7 +381,7 @@ class TieredStore:
     # -- delete, pins, stats ---------------------------------------------------------------
 
     async def delete(self, keys: Sequence[bytes], namespace: bytes | None = None) -> int:
-        """Remove blocks from every tier; returns how many were removed.
+        """Remove blocks from every tier; returns how many are gone from the store.
 
         With a ``namespace``, only blocks stored under it are removed (a client cannot delete
         another namespace's blocks); ``None`` is the operator's delete of any namespace.
@@ -378,12 +393,14 @@ class TieredStore:
                 meta = self._meta.get(key)
                 if meta is None or (namespace is not None and meta.namespace != namespace):
                     continue
-                del self._meta[key]
-                removed += 1
                 for level, tier in enumerate(self.tiers):
-                    if key in self._recency[level]:
+                    if key in self._recency[level] and await tier.remove([key]):
                         self._recency[level].discard(key)
-                        await tier.remove([key])
+                if self._level_of(key) is None:
+                    del self._meta[key]
+                    removed += 1
+                else:  # a tier could not delete it; it stays visible instead of coming back later
+                    self._counters.add("delete_failures")
         self._counters.add("deletes", removed)
         return removed
 

@@ -7,7 +7,7 @@ when to promote it. :class:`kvstore.store.TieredStore` makes those decisions and
     used                           bytes occupied now (never more than ``capacity``)
     await write(header, payload)   store one block; False when there is no room right now
     await read(keys)               verified blocks (or None) for a batch of keys
-    await remove(keys)             forget blocks; absent keys are ignored
+    await remove(keys)             delete blocks; False if the medium refused (they remain)
     scan()                         headers of blocks that survived a restart (persistent tiers)
     stats()                        counters for ``Stats``
     await close()
@@ -69,8 +69,12 @@ class Tier(ABC):
         """Read a batch of blocks; ``None`` for a key that is absent or failed verification."""
 
     @abstractmethod
-    async def remove(self, keys: Sequence[bytes]) -> None:
-        """Delete blocks; keys that are not present are ignored."""
+    async def remove(self, keys: Sequence[bytes]) -> bool:
+        """Delete blocks; keys that are not present are ignored.
+
+        Returns False if the medium refused the delete, in which case the blocks are still held
+        (and still counted in :attr:`used`).
+        """
 
     def scan(self) -> Iterator[BlockHeader]:
         """Headers of the blocks already present when the tier opened (none for volatile tiers)."""

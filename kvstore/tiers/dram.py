@@ -91,12 +91,18 @@ class DramTier(Tier):
         data = np.frombuffer(byte_view(payload), dtype=np.uint8)
         if len(data) != header.length:
             raise ValueError(f"payload is {len(data)} bytes, header says {header.length}")
-        old = self._blocks.pop(header.key, None)
-        if old is not None:
-            self._forget(old)
-        extents = self._pages.allocate(self.footprint(header.length) // self.page_size)
-        if extents is None:
+        pages = self.footprint(header.length) // self.page_size
+        old = self._blocks.get(header.key)
+        reusable = sum(extent.pages for extent in old.extents) if old is not None else 0
+        # Decide before freeing anything: False must leave a block being replaced intact. The
+        # allocator succeeds whenever enough pages are free, so this check is exact.
+        if pages > self._pages.free_pages + reusable:
             return False
+        if old is not None:
+            del self._blocks[header.key]
+            self._forget(old)
+        extents = self._pages.allocate(pages)
+        assert extents is not None
         self._blocks[header.key] = _Resident(header, extents)
         self._payload_bytes += header.length
         copied = 0
@@ -161,9 +167,10 @@ class DramTier(Tier):
             if resident is not None:
                 self._forget(resident)
 
-    async def remove(self, keys: Sequence[bytes]) -> None:
-        """Free the pages of ``keys``."""
+    async def remove(self, keys: Sequence[bytes]) -> bool:
+        """Free the pages of ``keys``; always succeeds."""
         self.remove_sync(keys)
+        return True
 
     def scan(self) -> Iterator[BlockHeader]:
         """Headers of resident blocks (the arena does not survive a restart, so at start: none)."""

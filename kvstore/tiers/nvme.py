@@ -38,8 +38,11 @@ __all__ = ["NvmeTier"]
 logger = logging.getLogger(__name__)
 
 _LMDB_PAGE = 4096
-# Head-room kept free of blocks for LMDB's own pages (B-tree, free list, readers' old snapshots).
-_HEADROOM_FRACTION = 0.1
+# Head-room kept free of blocks for LMDB's own pages: B-tree and free-list pages, and pages freed
+# by recent transactions, which LMDB reuses only once no reader can still see them. Deletes need
+# pages too, so a map filled to the brim could not even free space.
+_HEADROOM_FRACTION = 0.2
+_MIN_HEADROOM = 256 * 1024
 
 
 class NvmeTier(Tier):
@@ -50,12 +53,14 @@ class NvmeTier(Tier):
     def __init__(self, path: str | Path, capacity: int, io_threads: int = 2) -> None:
         self.path = Path(path)
         self.map_size = capacity
-        self.capacity = int(capacity * (1 - _HEADROOM_FRACTION))
+        headroom = max(int(capacity * _HEADROOM_FRACTION), min(_MIN_HEADROOM, capacity // 2))
+        self.capacity = capacity - headroom
         self._lengths: dict[bytes, int] = {}
         self._used = 0
         self.corrupt_blocks = 0
         self.write_errors = 0
         self.read_errors = 0
+        self.delete_errors = 0
         self._executor = ThreadPoolExecutor(
             max_workers=io_threads, thread_name_prefix="kvstore-nvme"
         )
@@ -127,6 +132,7 @@ class NvmeTier(Tier):
             logger.warning("nvme read failed: %s", exc)
             return [None] * len(keys)
         if corrupt:
+            corrupt = sorted(set(corrupt))  # a key asked for twice is still one bad block
             self.corrupt_blocks += len(corrupt)
             logger.error("dropping %d corrupt nvme block(s): %s", len(corrupt), corrupt)
             await self.remove([bytes.fromhex(key) for key in corrupt])
@@ -150,15 +156,18 @@ class NvmeTier(Tier):
                 blocks.append(StoredBlock(header, bytes(payload)))
         return blocks, corrupt
 
-    async def remove(self, keys: Sequence[bytes]) -> None:
+    async def remove(self, keys: Sequence[bytes]) -> bool:
         """Delete values; keys that are absent are ignored."""
-        present = [key for key in keys if key in self._lengths]
-        for key in present:
-            self._forget(key)
         try:
             await self._run(self._delete_many, list(keys))
         except lmdb.Error as exc:
-            logger.warning("nvme delete failed: %s", exc)
+            # The values are still on disk: keep counting their space, and say so.
+            self.delete_errors += 1
+            logger.warning("nvme delete of %d block(s) failed: %s", len(keys), exc)
+            return False
+        for key in keys:
+            self._forget(key)
+        return True
 
     def _delete_many(self, keys: list[bytes]) -> None:
         with self._env.begin(write=True) as txn:
@@ -197,6 +206,7 @@ class NvmeTier(Tier):
             "corrupt_blocks": self.corrupt_blocks,
             "write_errors": self.write_errors,
             "read_errors": self.read_errors,
+            "delete_errors": self.delete_errors,
             "map_size": self.map_size,
         }
 

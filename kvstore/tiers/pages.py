@@ -32,6 +32,8 @@ class PageAllocator:
         # Free runs indexed by both ends so that a released run merges in O(1).
         self._run_at: dict[int, int] = {0: num_pages} if num_pages else {}
         self._run_ending: dict[int, int] = {num_pages: 0} if num_pages else {}
+        # Extents handed out (first page -> length), so a bad or double release is caught.
+        self._handed_out: dict[int, int] = {}
 
     @property
     def used_pages(self) -> int:
@@ -73,8 +75,9 @@ class PageAllocator:
             if count <= 0:
                 continue
             end = first + count
-            if first in self._run_at or end in self._run_ending:
-                raise ValueError(f"double release of pages {first}..{end}")
+            if self._handed_out.get(first) != count:
+                raise ValueError(f"double release (or never handed out): pages {first}..{end}")
+            del self._handed_out[first]
             self.free_pages += count
             before = self._run_ending.pop(first, None)
             if before is not None:  # merge with the free run that ends where this one starts
@@ -95,4 +98,5 @@ class PageAllocator:
             self._run_at[rest] = length - count
             self._run_ending[first + length] = rest
         self.free_pages -= count
+        self._handed_out[first] = count
         return Extent(first, count)

@@ -308,12 +308,16 @@ class RedisTier(Tier):
             await self.remove(corrupt)
         return blocks
 
-    async def remove(self, keys: Sequence[bytes]) -> None:
-        """Delete blocks (``UNLINK``, freed off Redis's main thread); skipped while down."""
+    async def remove(self, keys: Sequence[bytes]) -> bool:
+        """Delete blocks (``UNLINK``, freed off Redis's main thread); skipped while down.
+
+        Always True: a block this node failed to unlink still expires with its TTL, and the
+        shared tier is not indexed locally, so nothing is orphaned.
+        """
         for key in keys:
             self._forget(key)
         if not keys or not self.up:
-            return
+            return True
         names = [self._name(key) for key in keys]
 
         async def unlink(client: _Client) -> Any:
@@ -321,6 +325,7 @@ class RedisTier(Tier):
             return await client.unlink(*names)
 
         await self._call("remove", unlink)
+        return True
 
     async def exists(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each block is in Redis now (from any node); all False while down."""
