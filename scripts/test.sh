@@ -27,3 +27,9 @@ echo "--- generated code"
 $PY scripts/gen_proto.py --check
 echo "--- pytest"
 $PY -m pytest -m "not vllm" -q -p no:cacheprovider --ignore=tests/vllm
+
+if [ "${KVSTORE_SKIP_VLLM:-0}" != "1" ]; then
+    echo "--- vLLM suite (real engine; KVSTORE_SKIP_VLLM=1 leaves it out)"
+    bash scripts/setup-vllm.sh
+    KVSTORE_REQUIRE_VLLM=1 .venv-vllm/bin/python -m pytest tests/vllm -q -p no:cacheprovider
+fi

@@ -62,7 +62,7 @@ __all__ = ["ConnectorSettings", "KVStoreConnector", "KVStoreConnectorMetadata"]
 logger = logging.getLogger(__name__)
 
 
-class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyped here
+class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
     """A ``KVConnectorBase_V1`` that shares prompt KV between engines through kvstore.
 
     vLLM creates one per process: the scheduler's instance delegates to a

@@ -15,9 +15,11 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import xxhash
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from kvstore.client import KVStoreClient
@@ -43,6 +45,7 @@ __all__ = [
     "SaveSpec",
     "engine_shape",
     "make_hasher",
+    "rank_keys",
     "warm_up",
 ]
 
@@ -50,6 +53,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_SIZE = 256
 SECRET_ENV = "KVSTORE_HASH_SECRET"
+_RANK_TAG = b"kvstore-rank-key-v1\x00"
 
 _KNOWN_KEYS = frozenset(
     {
@@ -161,7 +165,8 @@ def engine_shape(
         raise ConfigError(
             f"KVStoreConnector supports one KV cache group, this model has {len(groups)}"
         )
-    spec = groups[0].kv_cache_spec
+    # Only attention specs have these fields; checked below, as the base type lacks them.
+    spec: Any = groups[0].kv_cache_spec
     for name in ("num_kv_heads", "head_size", "dtype", "block_size"):
         if not hasattr(spec, name):
             raise ConfigError(f"KVStoreConnector needs an attention KV cache, got {spec!r}")
@@ -244,6 +249,23 @@ def make_hasher(
     )
 
 
+def rank_keys(
+    keys: Sequence[bytes], namespace: Namespace, tp_rank: int, pp_rank: int
+) -> list[bytes]:
+    """The keys under which one tensor-parallel rank / pipeline stage stores its shard.
+
+    The scheduler names chunks once, in rank 0's namespace, and every worker receives those
+    names; each other rank must store its own shard under names of its own, or ranks would
+    overwrite each other's blocks. Its key is the scheduler's key hashed with the rank's own
+    namespace fingerprint (which includes the rank), so names stay unique per rank and per
+    namespace while rank 0 keeps the scheduler's names that lookups check.
+    """
+    if tp_rank == 0 and pp_rank == 0:
+        return list(keys)
+    salt = _RANK_TAG + namespace.fingerprint()
+    return [xxhash.xxh3_128_digest(salt + key) for key in keys]
+
+
 @dataclass(slots=True)
 class LoadSpec:
     """Load chunks ``keys`` of one request into its blocks.
@@ -267,7 +289,7 @@ class SaveSpec:
 
 
 @dataclass
-class KVStoreConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]  # untyped base
+class KVStoreConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc, unused-ignore]  # untyped base
     """The plan for one engine step, built by the scheduler half for the workers."""
 
     loads: list[LoadSpec] = field(default_factory=list)

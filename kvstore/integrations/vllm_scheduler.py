@@ -160,7 +160,11 @@ class SchedulerSide:
         tokens = request.prompt_token_ids
         # Multimodal placeholders and prompt embeddings are not described by token ids alone,
         # so such requests would alias other prompts' keys: they neither load nor save.
-        if tokens is None or request.mm_features or getattr(request, "prompt_embeds", None):
+        if (
+            tokens is None
+            or request.mm_features
+            or getattr(request, "prompt_embeds", None) is not None
+        ):
             return []
         lora = request.lora_request
         lora_id = f"{lora.lora_name}@{lora.lora_path}" if lora is not None else ""

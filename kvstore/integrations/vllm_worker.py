@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 # The kernels live in kernels/ and install as kvstore_kernels through a package-dir mapping that
 # mypy's import search does not follow (an editable install's finder hook).
-import kvstore_kernels  # type: ignore[import-not-found]
+import kvstore_kernels  # type: ignore[import-not-found, unused-ignore]
 import torch
 
 from kvstore.client import KVStoreClient
@@ -44,6 +44,7 @@ from kvstore.integrations.vllm_common import (
     LoadSpec,
     base_namespace,
     engine_shape,
+    rank_keys,
     warm_up,
 )
 
@@ -123,6 +124,7 @@ class WorkerSide:
         self._blocks_per_chunk = settings.chunk_size // shape.block_size
         self._num_blocks = int(kv_cache_config.num_blocks)
         self._layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
+        self._tp_rank, self._pp_rank = tp_rank, pp_rank
         self._namespace = base_namespace(vllm_config, shape, settings, tp_rank=tp_rank)
         self._client = KVStoreClient(
             settings.target, namespace=self._namespace, timeout=settings.timeout_s
@@ -213,6 +215,10 @@ class WorkerSide:
             else 0
         )
 
+    def _keys(self, keys: list[bytes]) -> list[bytes]:
+        """This rank's names for the scheduler's chunk keys."""
+        return rank_keys(keys, self._namespace, self._tp_rank, self._pp_rank)
+
     def _kernel_ids(self, block_ids: Sequence[int]) -> list[int]:
         ratio = self._ratio
         if ratio == 1:
@@ -229,7 +235,7 @@ class WorkerSide:
         if not self._caches:
             self._fail_loads(meta.loads)
             return
-        keys = [key for spec in meta.loads for key in spec.keys]
+        keys = self._keys([key for spec in meta.loads for key in spec.keys])
         buffer = torch.empty(
             (len(keys), *self._chunk_shape), dtype=self._caches[0].dtype, device="cpu"
         )
@@ -346,7 +352,7 @@ class WorkerSide:
                 self._ungathered[spec.req_id] += 1
                 self._saving.add(spec.req_id)
             self._gather_queue.put(
-                _SaveJob(spec.req_id, spec.keys, self._kernel_ids(spec.block_ids))
+                _SaveJob(spec.req_id, self._keys(spec.keys), self._kernel_ids(spec.block_ids))
             )
         load, self._load = self._load, None
         if load is not None:

@@ -1,0 +1,148 @@
+"""Run one vLLM engine in this process over prompts from a JSON file; write its results as JSON.
+
+Tests and benchmarks start this script as a subprocess so that every engine is its own process,
+as separate replicas would be::
+
+    python tests/vllm/engine_runner.py --model DIR --prompts IN.json --out OUT.json \\
+        [--connector none|kvstore|example] [--target HOST:PORT] [--storage-path DIR] \\
+        [--chunk-size N] [--max-tokens N] [--sequential]
+
+``IN.json`` is a list of token-id lists. ``OUT.json`` gets ``{"startup_s": ..., "results":
+[{"tokens": [...], "num_cached_tokens": N, "latency_s": S}, ...]}`` in prompt order. Sampling is
+greedy with ``ignore_eos``, so outputs are deterministic and always ``--max-tokens`` long.
+``--sequential`` submits prompts one at a time (``latency_s`` is then that request's own
+latency; with ``--max-tokens 1`` it is its time to first token); otherwise they go as one batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import logging.config
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def kv_transfer_config(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The ``kv_transfer_config`` for the chosen connector, or ``None`` for none."""
+    if args.connector == "none":
+        return None
+    if args.connector == "example":
+        return {
+            "kv_connector": "ExampleConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": args.storage_path},
+        }
+    extra: dict[str, Any] = {
+        "target": args.target,
+        "chunk_size": args.chunk_size,
+        "timeout_s": args.timeout_s,
+    }
+    return {
+        "kv_connector": "KVStoreConnector",
+        "kv_connector_module_path": "kvstore.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--prompts", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--connector", choices=["none", "kvstore", "example"], default="none")
+    parser.add_argument("--target", default="127.0.0.1:50051")
+    parser.add_argument("--storage-path", default="/tmp/kvstore-example-connector")
+    parser.add_argument("--chunk-size", type=int, default=256)
+    parser.add_argument("--timeout-s", type=float, default=5.0)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--sequential", action="store_true")
+    parser.add_argument("--warmup", type=int, default=0, help="token length of a warm-up prompt")
+    parser.add_argument("--kvstore-log-level", default="INFO")
+    args = parser.parse_args()
+    _configure_logging(Path(args.out).with_suffix(".logging.json"), args.kvstore_log_level)
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts: list[list[int]] = json.loads(Path(args.prompts).read_text())
+    started = time.perf_counter()
+    llm = LLM(
+        model=args.model,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=True,
+        enforce_eager=True,  # skips a ~45 s torch.compile warm-up on this CPU
+        seed=0,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_transfer_config=kv_transfer_config(args),
+    )
+    startup_s = time.perf_counter() - started
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    if args.warmup:
+        # A prompt sharing nothing with the real ones: the first forward pass of an engine pays
+        # one-off costs (allocations, kernel selection) that are no part of a request's latency.
+        llm.generate([TokensPrompt(prompt_token_ids=[5] * args.warmup)], params, use_tqdm=False)
+    results: list[dict[str, Any]] = []
+    if args.sequential:
+        for tokens in prompts:
+            t0 = time.perf_counter()
+            (out,) = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)
+            results.append(_result(out, time.perf_counter() - t0))
+    else:
+        t0 = time.perf_counter()
+        outs = llm.generate(
+            [TokensPrompt(prompt_token_ids=t) for t in prompts], params, use_tqdm=False
+        )
+        elapsed = time.perf_counter() - t0
+        results.extend(_result(out, elapsed) for out in outs)
+    Path(args.out).write_text(json.dumps({"startup_s": startup_s, "results": results}))
+    # The engine's worker processes must not outlive this one, whatever happens next.
+    llm.llm_engine.engine_core.shutdown()
+
+
+def _configure_logging(path: Path, kvstore_level: str) -> None:
+    """Make every engine process (they are spawned) log vLLM's and the connector's records.
+
+    vLLM configures only its own logger, in each process, from ``VLLM_LOGGING_CONFIG_PATH``;
+    a config naming the ``kvstore`` logger too is the one way to see the connector's lines.
+    """
+    if "VLLM_LOGGING_CONFIG_PATH" in os.environ:
+        return
+    handler = {"class": "logging.StreamHandler", "formatter": "plain", "stream": "ext://sys.stdout"}
+    config = {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {
+            "plain": {"format": "%(asctime)s %(process)d %(name)s %(levelname)s %(message)s"}
+        },
+        "handlers": {"plain": handler},
+        "loggers": {
+            "vllm": {"handlers": ["plain"], "level": "INFO", "propagate": False},
+            "kvstore": {"handlers": ["plain"], "level": kvstore_level, "propagate": False},
+        },
+    }
+    path.write_text(json.dumps(config))
+    os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(path)
+    logging.config.dictConfig(config)
+
+
+def _result(out: Any, latency_s: float) -> dict[str, Any]:
+    return {
+        "tokens": list(out.outputs[0].token_ids),
+        "num_cached_tokens": int(out.num_cached_tokens or 0),
+        "latency_s": latency_s,
+    }
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""A real ``kvstore serve`` process on a free loopback port, for the vLLM tests and benchmarks."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class StoreProcess:
+    """A ``kvstore serve`` subprocess (dram + nvme tiers) on a free loopback port."""
+
+    def __init__(self, workdir: Path) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.target = f"127.0.0.1:{free_port()}"
+        self.log = workdir / "store.log"
+        command = [
+            sys.executable,
+            "-c",
+            "import sys; from kvstore.cli import main; sys.exit(main())",
+            "serve",
+            "--listen",
+            self.target,
+            "--nvme-path",
+            str(workdir / "nvme"),
+            "--dram-capacity",
+            "1GiB",
+        ]
+        with self.log.open("wb") as log:
+            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        from kvstore import KVStoreClient, KVStoreError
+
+        deadline = time.monotonic() + 30
+        with KVStoreClient(self.target, timeout=1.0) as client:
+            while True:
+                try:
+                    client.stats()
+                    return
+                except KVStoreError:
+                    if self.proc.poll() is not None or time.monotonic() > deadline:
+                        self.stop()
+                        pytest.fail(f"kvstore serve did not start:\n{self.log.read_text()}")
+                    time.sleep(0.2)
+
+    def stats(self) -> dict[str, Any]:
+        """The server's stats."""
+        from kvstore import KVStoreClient
+
+        with KVStoreClient(self.target, timeout=5.0) as client:
+            return client.stats()
+
+    def stop(self) -> None:
+        """Stop the server (SIGTERM, then SIGKILL after 15 s)."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()

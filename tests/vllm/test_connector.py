@@ -1,0 +1,282 @@
+"""The connector's two halves driven directly, without an engine: planning, loads, saves, failures.
+
+The engine's configuration and scheduler objects are small stand-ins carrying only the fields the
+connector reads; the store is a real ``kvstore serve`` and the KV caches are real CPU tensors in
+vLLM's CPU layout. What the engine itself does with the plans is covered by test_vllm_e2e.py.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+if os.environ.get("KVSTORE_REQUIRE_VLLM") != "1":
+    pytest.importorskip("vllm", reason="vLLM's CPU build is not installed")
+
+import torch
+from store_process import StoreProcess, free_port
+
+from kvstore.errors import ConfigError
+from kvstore.integrations.vllm_common import (
+    ConnectorSettings,
+    KVStoreConnectorMetadata,
+    LoadSpec,
+    base_namespace,
+    engine_shape,
+    rank_keys,
+)
+from kvstore.integrations.vllm_scheduler import SchedulerSide
+from kvstore.integrations.vllm_worker import WorkerSide
+
+pytestmark = pytest.mark.vllm
+
+BLOCK = 32
+CHUNK = 64  # two blocks per chunk
+LAYERS = 3
+NUM_BLOCKS = 40
+
+
+def _vllm_config(model: str = "test-model") -> Any:
+    return SimpleNamespace(
+        model_config=SimpleNamespace(model=model, revision=None),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        device_config=SimpleNamespace(device_type="cpu"),
+        cache_config=SimpleNamespace(kv_cache_layout=None, cache_dtype="auto"),
+    )
+
+
+def _kv_cache_config() -> Any:
+    spec = SimpleNamespace(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.bfloat16)
+    group = SimpleNamespace(
+        layer_names=[f"layers.{i}.attn" for i in range(LAYERS)], kv_cache_spec=spec
+    )
+    return SimpleNamespace(num_blocks=NUM_BLOCKS, kv_cache_groups=[group])
+
+
+def _settings(target: str, **extra: Any) -> ConnectorSettings:
+    return ConnectorSettings.from_extra_config({"target": target, "chunk_size": CHUNK, **extra})
+
+
+def _request(req_id: str, tokens: list[int], salt: str | None = None) -> Any:
+    return SimpleNamespace(
+        request_id=req_id,
+        prompt_token_ids=tokens,
+        mm_features=[],
+        prompt_embeds=None,
+        lora_request=None,
+        cache_salt=salt,
+    )
+
+
+def _caches(seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    shape = (NUM_BLOCKS, 2, BLOCK, 64)  # vLLM CPU: [blocks, kv heads, block size, 2 * head size]
+    return {
+        f"layers.{i}.attn": torch.randn(shape, generator=gen).to(torch.bfloat16)
+        for i in range(LAYERS)
+    }
+
+
+class _Blocks:
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+
+    def get_block_ids(self) -> tuple[list[int]]:
+        return (self.ids,)
+
+
+class _Manager:
+    def __init__(self) -> None:
+        self.blocks: dict[str, list[int]] = {}
+
+    def get_block_ids(self, req_id: str) -> tuple[list[int]]:
+        return (self.blocks[req_id],)
+
+
+def _output(new: list[tuple[str, int, int]], finished: set[str] | None = None) -> Any:
+    """A scheduler output with new requests ``(req_id, num_computed, num_scheduled)``."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, num_computed_tokens=c) for r, c, _ in new],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+        num_scheduled_tokens={r: n for r, _, n in new},
+        preempted_req_ids=set(),
+        finished_req_ids=finished or set(),
+    )
+
+
+def _answer(side: SchedulerSide, request: Any, computed: int) -> int | None:
+    """Ask until the lookup has answered (the first call may say "not known yet")."""
+    deadline = time.monotonic() + 5
+    while True:
+        tokens, is_async = side.get_num_new_matched_tokens(request, computed)
+        assert is_async is False
+        if tokens is not None or time.monotonic() > deadline:
+            return tokens
+
+
+def _drain(worker: WorkerSide, req_ids: set[str]) -> set[str]:
+    """Report ``req_ids`` finished until the worker says their saves have read their blocks."""
+    done: set[str] = set()
+    deadline = time.monotonic() + 10
+    while done != req_ids and time.monotonic() < deadline:
+        finished, _ = worker.get_finished(req_ids)
+        done |= finished or set()
+        time.sleep(0.01)
+    return done
+
+
+def _wait_stored(side: SchedulerSide, request: Any, chunks: int) -> None:
+    """Wait for the put thread: a fresh lookup of the request must see ``chunks`` chunks."""
+    deadline = time.monotonic() + 10
+    keys = side._state(request).keys[:chunks]
+    while side._client.lookup(keys) < chunks:
+        assert time.monotonic() < deadline, "saved chunks never reached the store"
+        time.sleep(0.02)
+
+
+@pytest.fixture()
+def pair(store: StoreProcess) -> Iterator[tuple[SchedulerSide, WorkerSide, _Manager]]:
+    settings = _settings(store.target)
+    scheduler = SchedulerSide(settings, _vllm_config(), _kv_cache_config())
+    manager = _Manager()
+    scheduler.bind_kv_cache_manager(manager)  # type: ignore[arg-type]
+    worker = WorkerSide(settings, _vllm_config(), _kv_cache_config())
+    yield scheduler, worker, manager
+    worker.shutdown()
+    scheduler.shutdown()
+
+
+def test_settings_are_validated() -> None:
+    with pytest.raises(ConfigError, match="target"):
+        ConnectorSettings.from_extra_config({})
+    with pytest.raises(ConfigError, match="unknown"):
+        ConnectorSettings.from_extra_config({"target": "h:1", "chunk_sise": 256})
+    with pytest.raises(ConfigError, match="chunk_size"):
+        ConnectorSettings.from_extra_config({"target": "h:1", "chunk_size": 0})
+    with pytest.raises(ConfigError, match="multiple of the engine's block size"):
+        SchedulerSide(_settings("127.0.0.1:1", chunk_size=48), _vllm_config(), _kv_cache_config())
+
+
+def test_save_then_load_round_trips_blocks(
+    pair: tuple[SchedulerSide, WorkerSide, _Manager],
+) -> None:
+    scheduler, worker, manager = pair
+    tokens = list(range(100, 100 + 3 * CHUNK + 5))  # three whole chunks and a tail
+    source = _caches(1)
+    worker.register_kv_caches(source)
+
+    # Replica A: a miss, then the prefill step saves the three whole chunks.
+    req_a = _request("a", tokens)
+    assert _answer(scheduler, req_a, 0) == 0
+    manager.blocks["a"] = list(range(7, 7 + 7))
+    meta = scheduler.build_connector_meta(_output([("a", 0, len(tokens))]))
+    assert [len(s.keys) for s in meta.saves] == [3]
+    assert meta.saves[0].block_ids == list(range(7, 13))
+    worker.wait_for_save(meta)
+    assert scheduler.request_finished(req_a, manager.blocks["a"]) == (True, None)
+    assert _drain(worker, {"a"}) == {"a"}
+    _wait_stored(scheduler, req_a, 3)
+
+    # Replica B (fresh caches): its local cache holds the first block, the store the rest.
+    target = _caches(2)
+    untouched = {name: t.clone() for name, t in target.items()}
+    worker.register_kv_caches(target)
+    req_b = _request("b", [*tokens[: 3 * CHUNK], 1, 2, 3])
+    assert _answer(scheduler, req_b, BLOCK) == 3 * CHUNK - BLOCK
+    b_blocks = [30, 20, 21, 22, 23, 24, 25]
+    scheduler.update_state_after_alloc(req_b, _Blocks(b_blocks), 3 * CHUNK - BLOCK)  # type: ignore[arg-type]
+    manager.blocks["b"] = b_blocks
+    meta = scheduler.build_connector_meta(_output([("b", 3 * CHUNK, 3)]))
+    assert meta.saves == []  # everything B could save is in the store already
+    (load,) = meta.loads
+    assert load.block_ids == [-1, 20, 21, 22, 23, 24]  # block 30 is B's own: never written
+    worker.start_load_kv(meta)
+    for name in target:
+        worker.wait_for_layer_load(name)
+    worker.wait_for_save(meta)
+    assert worker.get_block_ids_with_load_errors() == set()
+    for name in target:
+        for a_block, b_block in zip(range(8, 13), range(20, 25), strict=True):
+            assert torch.equal(target[name][b_block], source[name][a_block])
+        assert torch.equal(target[name][30], untouched[name][30])
+        assert torch.equal(target[name][25], untouched[name][25])
+    assert scheduler.request_finished(req_b, b_blocks) == (False, None)
+
+
+def test_failed_load_is_reported_and_leaves_blocks_alone(
+    pair: tuple[SchedulerSide, WorkerSide, _Manager],
+) -> None:
+    scheduler, worker, _ = pair
+    target = _caches(3)
+    untouched = {name: t.clone() for name, t in target.items()}
+    worker.register_kv_caches(target)
+    # Plan a load of chunks the store never held (as after an eviction since the lookup).
+    missing = scheduler._state(_request("x", list(range(5000, 5000 + 2 * CHUNK + 1)))).keys
+    meta = KVStoreConnectorMetadata(loads=[LoadSpec("x", missing, [1, 2, 3, 4])])
+    worker.start_load_kv(meta)
+    for name in target:
+        worker.wait_for_layer_load(name)
+    worker.wait_for_save(meta)
+    assert worker.get_block_ids_with_load_errors() == {1, 2, 3, 4}
+    assert worker.get_block_ids_with_load_errors() == set()  # reported once
+    for name in target:
+        assert torch.equal(target[name], untouched[name])
+
+
+def test_salt_separates_keys(pair: tuple[SchedulerSide, WorkerSide, _Manager]) -> None:
+    scheduler, _, _ = pair
+    tokens = list(range(2 * CHUNK + 1))
+    plain = scheduler._state(_request("p", tokens)).keys
+    salted = scheduler._state(_request("s", tokens, salt="tenant-7")).keys
+    assert len(plain) == len(salted) == 2
+    assert not set(plain) & set(salted)
+
+
+def test_dead_store_costs_nothing() -> None:
+    settings = _settings(f"127.0.0.1:{free_port()}", lookup_timeout_s=0.5)
+    scheduler = SchedulerSide(settings, _vllm_config(), _kv_cache_config())
+    try:
+        started = time.monotonic()
+        for i in range(20):
+            request = _request(f"r{i}", list(range(i, i + 4 * CHUNK)))
+            assert _answer(scheduler, request, 0) == 0
+        assert time.monotonic() - started < 3
+    finally:
+        scheduler.shutdown()
+
+
+def test_slow_lookup_answers_not_known_yet(
+    pair: tuple[SchedulerSide, WorkerSide, _Manager],
+) -> None:
+    scheduler, _, _ = pair
+    release = time.monotonic() + 0.3
+    real = scheduler._client.lookup
+
+    def slow_lookup(keys: Any, timeout: float | None = None) -> int:
+        time.sleep(max(0.0, release - time.monotonic()))
+        return int(real(keys, timeout=timeout))
+
+    scheduler._client.lookup = slow_lookup  # type: ignore[method-assign]
+    request = _request("slow", list(range(7, 7 + 2 * CHUNK + 1)))
+    started = time.monotonic()
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (None, False)
+    assert time.monotonic() - started < 0.1  # the scheduler was not held up
+    assert _answer(scheduler, request, 0) == 0
+
+
+def test_each_rank_stores_under_its_own_keys() -> None:
+    config = _vllm_config()
+    config.parallel_config.tensor_parallel_size = 2
+    settings = _settings("127.0.0.1:1")
+    shape = engine_shape(config, _kv_cache_config(), pp_rank=0)
+    keys = [bytes([i]) * 16 for i in range(3)]
+    rank0 = rank_keys(keys, base_namespace(config, shape, settings, tp_rank=0), 0, 0)
+    rank1 = rank_keys(keys, base_namespace(config, shape, settings, tp_rank=1), 1, 0)
+    assert rank0 == keys  # rank 0 keeps the names the scheduler looks up
+    assert len(set(rank1)) == 3 and not set(rank1) & set(keys)
+    assert all(len(k) == 16 for k in rank1)
