@@ -20,12 +20,12 @@ reported as ``None``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvstore.block import BlockHeader
 
-__all__ = ["Buffer", "StoredBlock", "Tier"]
+__all__ = ["Buffer", "SizeLedger", "StoredBlock", "Tier"]
 
 Buffer = bytes | bytearray | memoryview
 """A contiguous, byte-addressed payload (``memoryview(x).cast("B")`` works on it)."""
@@ -86,3 +86,33 @@ class Tier(ABC):
 
     async def close(self) -> None:  # noqa: B027 - optional hook, most tiers need nothing
         """Release resources; the tier is unusable afterwards."""
+
+
+class SizeLedger:
+    """The payload length of every block a tier holds, and the bytes they occupy together.
+
+    For tiers that cannot ask their medium how full it is (LMDB, Redis) and count it themselves.
+    """
+
+    def __init__(self, footprint: Callable[[int], int]) -> None:
+        self._footprint = footprint
+        self._lengths: dict[bytes, int] = {}
+        self.used = 0
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._lengths
+
+    def __len__(self) -> int:
+        return len(self._lengths)
+
+    def add(self, key: bytes, length: int) -> None:
+        """Record ``key`` with ``length`` payload bytes, replacing any earlier record."""
+        self.discard(key)
+        self._lengths[key] = length
+        self.used += self._footprint(length)
+
+    def discard(self, key: bytes) -> None:
+        """Forget ``key`` if recorded."""
+        length = self._lengths.pop(key, None)
+        if length is not None:
+            self.used -= self._footprint(length)

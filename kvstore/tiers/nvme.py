@@ -31,7 +31,7 @@ import lmdb
 from kvstore.block import HEADER_BYTES, BlockHeader, CorruptBlockError, decode_value
 from kvstore.buffers import byte_view
 from kvstore.keys import KEY_BYTES
-from kvstore.tiers.base import Buffer, StoredBlock, Tier
+from kvstore.tiers.base import Buffer, SizeLedger, StoredBlock, Tier
 
 __all__ = ["NvmeTier"]
 
@@ -55,8 +55,7 @@ class NvmeTier(Tier):
         self.map_size = capacity
         headroom = max(int(capacity * _HEADROOM_FRACTION), min(_MIN_HEADROOM, capacity // 2))
         self.capacity = capacity - headroom
-        self._lengths: dict[bytes, int] = {}
-        self._used = 0
+        self._ledger = SizeLedger(self.footprint)
         self.corrupt_blocks = 0
         self.write_errors = 0
         self.read_errors = 0
@@ -97,10 +96,10 @@ class NvmeTier(Tier):
     @property
     def used(self) -> int:
         """Bytes of LMDB pages the stored values occupy (estimated from their sizes)."""
-        return self._used
+        return self._ledger.used
 
     def __contains__(self, key: bytes) -> bool:
-        return key in self._lengths
+        return key in self._ledger
 
     async def _run(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -116,7 +115,7 @@ class NvmeTier(Tier):
             self.write_errors += 1
             logger.warning("nvme write of %s failed: %s", header.key.hex(), exc)
             return False
-        self._account(header.key, header.length)
+        self._ledger.add(header.key, header.length)
         return True
 
     def _put(self, key: bytes, value: bytes) -> None:
@@ -166,7 +165,7 @@ class NvmeTier(Tier):
             logger.warning("nvme delete of %d block(s) failed: %s", len(keys), exc)
             return False
         for key in keys:
-            self._forget(key)
+            self._ledger.discard(key)
         return True
 
     def _delete_many(self, keys: list[bytes]) -> None:
@@ -194,15 +193,15 @@ class NvmeTier(Tier):
             logger.error("dropping %d nvme value(s) with a broken header", len(broken))
             self._delete_many(broken)
         for header in headers:
-            self._account(header.key, header.length)
+            self._ledger.add(header.key, header.length)
         return iter(headers)
 
     def stats(self) -> dict[str, int]:
         """Capacity, usage, blocks and error counters."""
         return {
             "capacity": self.capacity,
-            "used": self._used,
-            "blocks": len(self._lengths),
+            "used": self._ledger.used,
+            "blocks": len(self._ledger),
             "corrupt_blocks": self.corrupt_blocks,
             "write_errors": self.write_errors,
             "read_errors": self.read_errors,
@@ -214,13 +213,3 @@ class NvmeTier(Tier):
         """Wait for pending LMDB calls, then close the environment."""
         self._executor.shutdown(wait=True)
         self._env.close()
-
-    def _account(self, key: bytes, length: int) -> None:
-        self._forget(key)
-        self._lengths[key] = length
-        self._used += self.footprint(length)
-
-    def _forget(self, key: bytes) -> None:
-        length = self._lengths.pop(key, None)
-        if length is not None:
-            self._used -= self.footprint(length)

@@ -58,7 +58,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvstore.block import HEADER_BYTES, BlockHeader, CorruptBlockError, decode_value
 from kvstore.buffers import byte_view
-from kvstore.tiers.base import Buffer, StoredBlock, Tier
+from kvstore.tiers.base import Buffer, SizeLedger, StoredBlock, Tier
 
 __all__ = ["RedisTier"]
 
@@ -129,8 +129,7 @@ class RedisTier(Tier):
         self._up = True
         self._closed = False
         self._reconnect_task: asyncio.Task[None] | None = None
-        self._lengths: dict[bytes, int] = {}
-        self._used = 0
+        self._ledger = SizeLedger(self.footprint)
         self.outages = 0
         self.writes_dropped = 0
         self.reads_skipped = 0
@@ -226,7 +225,7 @@ class RedisTier(Tier):
     @property
     def used(self) -> int:
         """Bytes this node wrote and has not seen disappear: an estimate, not Redis's usage."""
-        return self._used
+        return self._ledger.used
 
     def _name(self, key: bytes) -> bytes:
         return self._prefix + key.hex().encode()
@@ -263,7 +262,7 @@ class RedisTier(Tier):
                 self.writes_dropped += 1
                 stored.append(False)
                 continue
-            self._account(header.key, header.length)
+            self._ledger.add(header.key, header.length)
             self.blocks_written += 1
             stored.append(True)
         return stored
@@ -292,7 +291,7 @@ class RedisTier(Tier):
         for key, value in zip(keys, values, strict=True):
             if value is None:
                 # Expired, evicted by Redis or removed by another node: stop counting it.
-                self._forget(key)
+                self._ledger.discard(key)
                 blocks.append(None)
                 continue
             try:
@@ -315,7 +314,7 @@ class RedisTier(Tier):
         shared tier is not indexed locally, so nothing is orphaned.
         """
         for key in keys:
-            self._forget(key)
+            self._ledger.discard(key)
         if not keys or not self.up:
             return True
         names = [self._name(key) for key in keys]
@@ -352,8 +351,8 @@ class RedisTier(Tier):
         """Capacity, this node's estimate of usage, availability and error counters."""
         return {
             "capacity": self.capacity,
-            "used": self._used,
-            "blocks": len(self._lengths),
+            "used": self._ledger.used,
+            "blocks": len(self._ledger),
             "up": int(self.up),
             "outages": self.outages,
             "blocks_written": self.blocks_written,
@@ -371,15 +370,3 @@ class RedisTier(Tier):
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
         await self._discard(self._client)
-
-    # -- accounting -------------------------------------------------------------------------
-
-    def _account(self, key: bytes, length: int) -> None:
-        self._forget(key)
-        self._lengths[key] = length
-        self._used += self.footprint(length)
-
-    def _forget(self, key: bytes) -> None:
-        length = self._lengths.pop(key, None)
-        if length is not None:
-            self._used -= self.footprint(length)
