@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -377,6 +378,34 @@ class TieredStore:
         """Wait until background promotions have finished (tests and shutdown use this)."""
         while self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
+
+    # -- shutdown --------------------------------------------------------------------------
+
+    async def persist(self, budget_s: float) -> int:
+        """Copy blocks held only in volatile tiers down into the first persistent tier.
+
+        Most recently used blocks go first, and copying stops after ``budget_s`` seconds, so a
+        graceful shutdown keeps as much of the hot set as its grace period allows. Returns the
+        number of blocks copied.
+        """
+        target = next((lv for lv, tier in enumerate(self.tiers) if tier.persistent), None)
+        if target is None:
+            return 0
+        deadline = time.monotonic() + budget_s
+        copied = 0
+        async with self._lock:
+            for level in range(target):
+                for key in reversed(list(self._recency[level])):
+                    if time.monotonic() > deadline:
+                        return copied
+                    if key in self._recency[target]:
+                        continue
+                    block = (await self.tiers[level].read([key]))[0]
+                    if block is not None and await self._place(
+                        block.header, memoryview(block.payload), target, target + 1
+                    ):
+                        copied += 1
+        return copied
 
     # -- delete, pins, stats ---------------------------------------------------------------
 

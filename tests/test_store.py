@@ -658,3 +658,29 @@ async def test_concurrent_requests_never_return_wrong_bytes(store: TieredStore) 
     numbers = list(range(36))
     for n, found in zip(numbers, await get_bytes(store, numbers), strict=True):
         assert found is None or found == payload(n, (n % 3 + 1) * PAGE - n)
+
+
+async def test_persist_saves_dram_only_blocks_for_a_restart(tmp_path: Path) -> None:
+    path = tmp_path / "nvme"
+    first = make_store(path, dram_pages=4)
+    await put_blocks(first, range(6))  # two demoted to nvme, four only in dram
+    assert tiers_of(first, range(6)).count("dram") == 4
+    assert await first.persist(budget_s=30.0) == 4
+    assert await first.persist(budget_s=30.0) == 0  # nothing left to save
+    await first.close()
+
+    second = make_store(path, dram_pages=4)
+    try:
+        assert second.load_index() == 6
+        assert await get_bytes(second, range(6)) == [payload(n) for n in range(6)]
+    finally:
+        await second.close()
+
+
+async def test_persist_without_a_persistent_tier_saves_nothing() -> None:
+    store = make_store(None, dram_pages=4)
+    try:
+        await put_blocks(store, range(2))
+        assert await store.persist(budget_s=30.0) == 0
+    finally:
+        await store.close()

@@ -50,9 +50,15 @@ class RunningServer:
     grace_s: float
 
     async def stop(self) -> None:
-        """Refuse new calls, let in-flight ones finish, then close the store."""
+        """Refuse new calls, let in-flight ones finish, save DRAM to NVMe, close the store.
+
+        Saving the hot set (most recently used first, for up to ``grace_s`` seconds) makes a
+        restart on the same NVMe directory warm even when everything fitted in DRAM.
+        """
         await self.health.enter_graceful_shutdown()
         await self.server.stop(self.grace_s)
+        saved = await self.store.persist(self.grace_s)
+        logger.info("saved %d block(s) from volatile tiers to disk", saved)
         await self.store.close()
         logger.info("kvstore stopped")
 

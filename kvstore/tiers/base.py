@@ -46,6 +46,8 @@ class Tier(ABC):
     name: str
     #: Bytes this tier may occupy.
     capacity: int
+    #: Whether blocks survive a restart of the process (and :meth:`scan` finds them again).
+    persistent: bool = False
 
     @abstractmethod
     def footprint(self, length: int) -> int:

@@ -49,6 +49,7 @@ class NvmeTier(Tier):
     """Blocks as checksummed values in an LMDB environment."""
 
     name = "nvme"
+    persistent = True
 
     def __init__(self, path: str | Path, capacity: int, io_threads: int = 2) -> None:
         self.path = Path(path)
