@@ -86,7 +86,8 @@ class NvmeTier(Tier):
             sync=False,
             metasync=False,
             readahead=False,
-            meminit=False,
+            # meminit stays on: without it LMDB writes uninitialised heap (other tenants'
+            # payloads) into the slack of pages on disk.
             max_readers=256,
         )
 
