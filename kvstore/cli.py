@@ -3,7 +3,8 @@
 ::
 
     kvstore serve [--config FILE] [--listen HOST:PORT] [--dram-capacity SIZE] [--nvme-path DIR]
-                  [--nvme-capacity SIZE] [--max-block-bytes SIZE] [--log-level LEVEL]
+                  [--nvme-capacity SIZE] [--max-block-bytes SIZE] [--redis-url URL]
+                  [--redis-ttl SECONDS] [--log-level LEVEL]
     kvstore stats [--target HOST:PORT] [--json]
     kvstore demo  [--target HOST:PORT] [--wait SECONDS]
 
@@ -42,6 +43,8 @@ _SERVE_FLAGS = {
     "nvme_path": "nvme.path",
     "nvme_capacity": "nvme.capacity",
     "max_block_bytes": "server.max_block_bytes",
+    "redis_url": "redis.url",
+    "redis_ttl": "redis.ttl_s",
 }
 
 
@@ -57,6 +60,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--nvme-path", help="LMDB directory ('' disables the tier)")
     serve.add_argument("--nvme-capacity", help="LMDB size limit, e.g. 100GiB")
     serve.add_argument("--max-block-bytes", help="largest accepted block, e.g. 64MiB")
+    serve.add_argument(
+        "--redis-url", help="shared redis tier, redis://HOST:PORT/DB or redis+cluster://HOST:PORT"
+    )
+    serve.add_argument("--redis-ttl", help="seconds a block lives in redis (default 3600)")
     serve.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
 
     stats = commands.add_parser("stats", help="print tier usage and counters of a server")

@@ -25,6 +25,7 @@ __all__ = [
     "Config",
     "DramConfig",
     "NvmeConfig",
+    "RedisConfig",
     "ServerConfig",
     "format_size",
     "load_config",
@@ -150,15 +151,37 @@ class NvmeConfig:
 
 
 @dataclass(frozen=True)
+class RedisConfig:
+    """The shared ``redis`` tier. ``url`` empty disables it (``redis://``, ``redis+cluster://``)."""
+
+    url: str = ""
+    ttl_s: float = 3600.0
+    op_timeout_s: float = 0.5
+    key_prefix: str = "kvstore:v1:"
+
+    def __post_init__(self) -> None:
+        if self.ttl_s <= 0:
+            raise ConfigError(f"redis.ttl_s must be > 0, got {self.ttl_s}")
+        if self.op_timeout_s <= 0:
+            raise ConfigError(f"redis.op_timeout_s must be > 0, got {self.op_timeout_s}")
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole configuration of one ``kvstore serve`` process."""
 
     server: ServerConfig = field(default_factory=ServerConfig)
     dram: DramConfig = field(default_factory=DramConfig)
     nvme: NvmeConfig = field(default_factory=NvmeConfig)
+    redis: RedisConfig = field(default_factory=RedisConfig)
 
 
-_SECTIONS: dict[str, type[Any]] = {"server": ServerConfig, "dram": DramConfig, "nvme": NvmeConfig}
+_SECTIONS: dict[str, type[Any]] = {
+    "server": ServerConfig,
+    "dram": DramConfig,
+    "nvme": NvmeConfig,
+    "redis": RedisConfig,
+}
 _SIZE_SETTINGS = {"server.max_block_bytes", "dram.capacity", "dram.page_size", "nvme.capacity"}
 
 

@@ -13,6 +13,12 @@ moves bytes between them; tiers only hold bytes:
 * **lookup** answers from an in-memory index (no I/O): how many leading keys are present, and the
   tier of each.
 
+A *shared* tier (``redis``, seen by every node of a cluster; at most one, and last) is not part of
+that hierarchy: the store never places blocks there or evicts them from it. Instead every newly
+stored block is written through to it in the background, a get looks there (one batched read) for
+keys the local index lacks and promotes what it finds, and :meth:`TieredStore.lookup_shared` asks
+it which of the keys missing locally exist elsewhere in the cluster.
+
 Every block is stored with its namespace fingerprint. A put of a key already held under another
 namespace is refused (``NamespaceMismatchError``) before anything is stored; a get or lookup under
 the wrong namespace is a miss. Requests are validated whole before any state changes, so a bad
@@ -38,7 +44,8 @@ from kvstore.buffers import byte_view
 from kvstore.errors import CapacityError, InvalidRequestError, NamespaceMismatchError
 from kvstore.eviction import RecencyIndex
 from kvstore.keys import KEY_BYTES, NAMESPACE_BYTES
-from kvstore.tiers.base import Tier
+from kvstore.tiers.base import Buffer, Tier
+from kvstore.tiers.redis import RedisTier
 
 __all__ = ["GetResult", "LookupResult", "PutResult", "TieredStore"]
 
@@ -47,6 +54,9 @@ logger = logging.getLogger(__name__)
 # How many extra LRU blocks to evict when a tier reports "no room" despite its accounting
 # (LMDB's map can fill with B-tree and free pages before our estimate says so).
 _MAX_WRITE_RETRIES = 8
+
+# Most payload bytes that may wait for write-through to the shared tier at any time.
+_WRITE_THROUGH_BACKLOG_BYTES = 1024**3
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +103,11 @@ class _Counters:
         self.values[name] += amount
 
 
+def _owned(view: memoryview) -> Buffer:
+    """``view`` itself if it shows immutable bytes, else a copy the caller cannot change later."""
+    return view if isinstance(view.obj, bytes) else bytes(view)
+
+
 class TieredStore:
     """Blocks across an ordered list of tiers, with LRU demotion and promotion."""
 
@@ -106,6 +121,12 @@ class TieredStore:
         if not tiers:
             raise ValueError("a TieredStore needs at least one tier")
         self.tiers = list(tiers)
+        shared = [level for level, tier in enumerate(self.tiers) if tier.shared]
+        if shared and (len(shared) > 1 or shared[0] != len(self.tiers) - 1 or len(tiers) == 1):
+            raise ValueError("a shared tier must be the only one, last, below a local tier")
+        #: Level of the shared tier, or None; local tiers are the levels above it.
+        self._shared_level = shared[0] if shared else None
+        self._local_levels = len(self.tiers) - len(shared)
         self.max_block_bytes = max_block_bytes
         self.max_keys_per_request = max_keys_per_request
         self._recency = [RecencyIndex() for _ in self.tiers]
@@ -116,6 +137,7 @@ class TieredStore:
         self._counters = _Counters()
         self._tier_hits: Counter[str] = Counter()
         self._evictions: Counter[str] = Counter()
+        self._write_through_bytes = 0
 
     # -- start-up -------------------------------------------------------------------------
 
@@ -181,6 +203,38 @@ class TieredStore:
         self._counters.add("lookups")
         return LookupResult(len(keys) if hits < 0 else hits, tiers)
 
+    async def lookup_shared(self, keys: Sequence[bytes], namespace: bytes) -> LookupResult:
+        """:meth:`lookup`, then ask the shared tier about the keys missing locally.
+
+        Without a shared tier, or when every key is local, this is :meth:`lookup`. Otherwise it
+        makes one ``exists`` call, bounded by the tier's own timeout (and none while it is down),
+        and keys found there read ``"redis"``. ``exists`` cannot see a block's namespace, so a key
+        held in Redis under another namespace counts here and is a miss for :meth:`get`.
+        """
+        result = self.lookup(keys, namespace)
+        shared = self._shared_tier()
+        if shared is None or result.hits == len(keys):
+            return result
+        # Keys indexed locally under another namespace are misses whatever Redis holds.
+        asked = [i for i in range(result.hits, len(keys)) if not result.tiers[i]]
+        asked = [i for i in asked if keys[i] not in self._meta]
+        if not asked:
+            return result
+        found = await shared.exists([keys[i] for i in asked])
+        tiers = list(result.tiers)
+        for index, present in zip(asked, found, strict=True):
+            if present:
+                tiers[index] = shared.name
+        hits = next((i for i, tier in enumerate(tiers) if not tier), len(keys))
+        return LookupResult(hits, tiers)
+
+    def _shared_tier(self) -> RedisTier | None:
+        if self._shared_level is None:
+            return None
+        tier = self.tiers[self._shared_level]
+        # ``exists`` and ``write_many`` are the shared tier's batch extras beyond ``Tier``.
+        return tier if isinstance(tier, RedisTier) else None
+
     # -- put -------------------------------------------------------------------------------
 
     async def put(
@@ -197,6 +251,7 @@ class TieredStore:
         views = [byte_view(value) for value in values]
         self._check_sizes(views)
         stored = present = dropped = 0
+        through: list[tuple[BlockHeader, Buffer]] = []
         async with self._lock:
             # Checked under the lock so that no concurrent put can slip a key in between.
             for index, key in enumerate(keys):
@@ -212,10 +267,14 @@ class TieredStore:
                     self._touch(key)
                     continue
                 header = BlockHeader.for_payload(key, namespace, view)
-                if await self._place(header, view, 0, len(self.tiers)) is None:
+                if await self._place(header, view, 0, self._local_levels) is None:
                     dropped += 1
                 else:
                     stored += 1
+                    through.append((header, _owned(view)))
+        shared = self._shared_tier()
+        if shared is not None and through:
+            self._write_through(shared, through)
         self._counters.add("puts")
         self._counters.add("blocks_put", stored)
         self._counters.add("bytes_put", sum(len(v) for v in views))
@@ -223,7 +282,8 @@ class TieredStore:
         return PutResult(stored, present, dropped)
 
     def _check_sizes(self, views: Sequence[memoryview]) -> None:
-        largest = max(self.tiers, key=lambda tier: tier.capacity)
+        local = self.tiers[: self._local_levels]  # the shared tier's capacity is nominal
+        largest = max(local, key=lambda tier: tier.capacity)
         total = 0
         for index, view in enumerate(views):
             if len(view) == 0:
@@ -239,7 +299,7 @@ class TieredStore:
                     f"{largest.name} holds {largest.capacity} bytes)"
                 )
             total += largest.footprint(len(view))
-        capacity = sum(tier.capacity for tier in self.tiers)
+        capacity = sum(tier.capacity for tier in local)
         if total > capacity:
             raise CapacityError(
                 f"the request holds {total} bytes; all tiers together hold {capacity} bytes"
@@ -252,7 +312,7 @@ class TieredStore:
 
         Returns the tier's name, or ``None`` if none could. Must hold ``self._lock``.
         """
-        for level in range(start, stop):
+        for level in range(start, min(stop, self._local_levels)):
             tier = self.tiers[level]
             footprint = tier.footprint(header.length)
             if footprint > tier.capacity:
@@ -281,6 +341,8 @@ class TieredStore:
 
         Returns False, having evicted nothing, if unpinned blocks cannot add up to ``needed``.
         """
+        if level >= self._local_levels:
+            return False  # the shared tier evicts by itself (TTL, maxmemory)
         victims = self._recency[level].victims(needed, exclude=self._pins)
         if victims is None:
             return False
@@ -298,10 +360,10 @@ class TieredStore:
         lower = next(
             (lv for lv in range(level + 1, len(self.tiers)) if key in self._recency[lv]), None
         )
-        if lower is None and level + 1 < len(self.tiers):
+        if lower is None and level + 1 < self._local_levels:
             block = (await tier.read([key]))[0]
             if block is not None and await self._place(
-                block.header, memoryview(block.payload), level + 1, len(self.tiers)
+                block.header, memoryview(block.payload), level + 1, self._local_levels
             ):
                 self._counters.add("demotions")
         if not await tier.remove([key]):
@@ -318,9 +380,11 @@ class TieredStore:
         self._check_keys(keys, namespace)
         results = [GetResult(None)] * len(keys)
         by_level: dict[int, list[int]] = {}
+        unindexed: list[int] = []
         for index, key in enumerate(keys):
             meta = self._meta.get(key)
             if meta is None:
+                unindexed.append(index)
                 continue
             if meta.namespace != namespace:
                 self._counters.add("namespace_mismatches")
@@ -341,11 +405,35 @@ class TieredStore:
                 self._recency[level].touch(key)
                 if level > 0:
                     self._spawn(self._promote(block.header, block.payload, level))
+        if unindexed and self._shared_level is not None:
+            await self._get_shared(keys, namespace, unindexed, results)
         found = sum(result.found for result in results)
         self._counters.add("gets")
         self._counters.add("hits", found)
         self._counters.add("misses", len(keys) - found)
         return results
+
+    async def _get_shared(
+        self,
+        keys: Sequence[bytes],
+        namespace: bytes,
+        indices: Sequence[int],
+        results: list[GetResult],
+    ) -> None:
+        """Fill ``results[indices]`` from the shared tier in one batched read; promote hits."""
+        level = self._shared_level
+        assert level is not None
+        tier = self.tiers[level]
+        blocks = await tier.read([keys[index] for index in indices])
+        for index, block in zip(indices, blocks, strict=True):
+            if block is None:
+                continue
+            if block.header.namespace != namespace:
+                self._counters.add("namespace_mismatches")
+                continue
+            results[index] = GetResult(block.payload, tier.name)
+            self._tier_hits[tier.name] += 1
+            self._spawn(self._promote(block.header, block.payload, level))
 
     def _forget_in(self, level: int, key: bytes) -> None:
         self._recency[level].discard(key)
@@ -355,7 +443,12 @@ class TieredStore:
     async def _promote(self, header: BlockHeader, payload: bytes | memoryview, level: int) -> None:
         async with self._lock:
             current = self._level_of(header.key)
-            if current is None or current < level:  # deleted, or already promoted meanwhile
+            if level == self._shared_level:
+                # Not indexed locally when read; a put or another promotion may have stored it
+                # (possibly under another namespace) meanwhile.
+                if current is not None or header.key in self._meta:
+                    return
+            elif current is None or current < level:  # deleted, or already promoted meanwhile
                 return
             if await self._place(header, memoryview(payload), 0, level):
                 self._counters.add("promotions")
@@ -363,6 +456,27 @@ class TieredStore:
     def _touch(self, key: bytes) -> None:
         for recency in self._recency:
             recency.touch(key)
+
+    def _write_through(self, shared: Any, blocks: list[tuple[BlockHeader, Any]]) -> None:
+        """Send new blocks to the shared tier in the background, never awaited by the put.
+
+        A slow Redis must neither slow puts down nor let copies pile up in memory: past
+        :data:`_WRITE_THROUGH_BACKLOG_BYTES` in flight, new blocks are dropped and counted (the
+        shared tier is a cache too).
+        """
+        size = sum(header.length for header, _ in blocks)
+        if self._write_through_bytes + size > _WRITE_THROUGH_BACKLOG_BYTES:
+            self._counters.add("write_through_dropped", len(blocks))
+            return
+        self._write_through_bytes += size
+
+        async def send() -> None:
+            try:
+                await shared.write_many(blocks)
+            finally:
+                self._write_through_bytes -= size
+
+        self._spawn(send())
 
     def _spawn(self, coroutine: Any) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)
@@ -417,6 +531,7 @@ class TieredStore:
         """
         self._check_keys(keys, namespace)
         removed = 0
+        deleted: list[bytes] = []
         async with self._lock:
             for key in keys:
                 meta = self._meta.get(key)
@@ -428,8 +543,13 @@ class TieredStore:
                 if self._level_of(key) is None:
                     del self._meta[key]
                     removed += 1
+                    deleted.append(key)
                 else:  # a tier could not delete it; it stays visible instead of coming back later
                     self._counters.add("delete_failures")
+            shared = self._shared_tier()
+            if shared is not None and deleted:
+                # Otherwise the next get would bring the block back from the shared copy.
+                await shared.remove(deleted)
         self._counters.add("deletes", removed)
         return removed
 

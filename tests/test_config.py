@@ -317,12 +317,12 @@ def test_malformed_toml_is_config_error(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "text", ["[redis]\nurl = 'redis://x'\n", "workers = 4\n", "[Server]\nworkers = 4\n"]
+    "text", ["[cache]\nurl = 'redis://x'\n", "workers = 4\n", "[Server]\nworkers = 4\n"]
 )
 def test_unknown_section_is_config_error(tmp_path: Path, text: str) -> None:
     with pytest.raises(ConfigError, match="unknown config section") as info:
         load_config(write_toml(tmp_path, text), env={})
-    assert "['dram', 'nvme', 'server']" in str(info.value)
+    assert "['dram', 'nvme', 'redis', 'server']" in str(info.value)
 
 
 def test_unknown_setting_in_file_names_it_and_the_known_ones(tmp_path: Path) -> None:
@@ -333,10 +333,26 @@ def test_unknown_setting_in_file_names_it_and_the_known_ones(tmp_path: Path) -> 
     assert "'dram.capacity'" in str(info.value)
 
 
-@pytest.mark.parametrize("name", ["dram.capacty", "workers", "server.workers.x", "redis.url"])
+@pytest.mark.parametrize("name", ["dram.capacty", "workers", "server.workers.x", "redis.uri"])
 def test_unknown_override_is_config_error(name: str) -> None:
     with pytest.raises(ConfigError, match="unknown settings"):
         load_config(env={}, overrides={name: 1})
+
+
+def test_redis_section_defaults_to_disabled_and_reads_file_env_and_flags(tmp_path: Path) -> None:
+    assert load_config(env={}).redis.url == ""
+    path = write_toml(tmp_path, "[redis]\nurl = 'redis://a:6379/0'\nttl_s = 60\n")
+    config = load_config(
+        path, env={"KVSTORE_REDIS_OP_TIMEOUT_S": "0.25"}, overrides={"redis.ttl_s": "30"}
+    )
+    assert (config.redis.url, config.redis.ttl_s, config.redis.op_timeout_s) == (
+        "redis://a:6379/0",
+        30.0,
+        0.25,
+    )
+    assert config.redis.key_prefix == "kvstore:v1:"
+    with pytest.raises(ConfigError, match=r"redis\.ttl_s"):
+        load_config(env={}, overrides={"redis.ttl_s": 0})
 
 
 # --- invalid values -------------------------------------------------------------------------------

@@ -63,7 +63,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
 
         async def call() -> pb.LookupResponse:
             self._decoded(request)
-            result = self.store.lookup(list(request.keys), request.namespace)
+            result = await self.store.lookup_shared(list(request.keys), request.namespace)
             return pb.LookupResponse(hits=result.hits, tiers=result.tiers)
 
         return await _guard(context, call)

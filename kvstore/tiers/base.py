@@ -48,6 +48,10 @@ class Tier(ABC):
     capacity: int
     #: Whether blocks survive a restart of the process (and :meth:`scan` finds them again).
     persistent: bool = False
+    #: Whether every node of a cluster sees this tier (``redis``): the store writes new blocks
+    #: through to it in the background, reads it for keys it does not index, and never places or
+    #: evicts blocks there itself.
+    shared: bool = False
 
     @abstractmethod
     def footprint(self, length: int) -> int:

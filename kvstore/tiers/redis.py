@@ -93,6 +93,7 @@ class RedisTier(Tier):
     """Blocks as checksummed values in a shared Redis or Redis Cluster."""
 
     name = "redis"
+    shared = True
 
     def __init__(
         self,
