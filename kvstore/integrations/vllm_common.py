@@ -151,6 +151,16 @@ class EngineShape:
     pp_size: int
 
 
+def blocks_per_chunk(settings: ConnectorSettings, shape: EngineShape) -> int:
+    """Engine blocks in one stored chunk; the chunk size must be a whole number of blocks."""
+    if settings.chunk_size % shape.block_size:
+        raise ConfigError(
+            f"chunk_size {settings.chunk_size} must be a multiple of the engine's block size "
+            f"{shape.block_size}"
+        )
+    return settings.chunk_size // shape.block_size
+
+
 def engine_shape(
     vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, pp_rank: int
 ) -> EngineShape:

@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore.client import KVStoreClient
 from kvstore.errors import (
-    ConfigError,
     DeadlineExceededError,
     KVStoreError,
     StoreUnavailableError,
@@ -37,6 +36,7 @@ from kvstore.integrations.vllm_common import (
     LoadSpec,
     SaveSpec,
     base_namespace,
+    blocks_per_chunk,
     engine_shape,
     make_hasher,
     warm_up,
@@ -91,13 +91,8 @@ class SchedulerSide:
     ) -> None:
         self._settings = settings
         shape = engine_shape(vllm_config, kv_cache_config, pp_rank=0)
-        if settings.chunk_size % shape.block_size:
-            raise ConfigError(
-                f"chunk_size {settings.chunk_size} must be a multiple of the engine's block size "
-                f"{shape.block_size}"
-            )
         self._block_size = shape.block_size
-        self._blocks_per_chunk = settings.chunk_size // shape.block_size
+        self._blocks_per_chunk = blocks_per_chunk(settings, shape)
         # Lookups use rank 0's keys: every rank saves the same chunks, and a rank whose own
         # chunk is missing reports a failed load, which vLLM recomputes.
         self._base = base_namespace(vllm_config, shape, settings, tp_rank=0)

@@ -43,6 +43,7 @@ from kvstore.integrations.vllm_common import (
     KVStoreConnectorMetadata,
     LoadSpec,
     base_namespace,
+    blocks_per_chunk,
     engine_shape,
     rank_keys,
     warm_up,
@@ -115,13 +116,8 @@ class WorkerSide:
     ) -> None:
         tp_rank, pp_rank = _ranks(vllm_config)
         shape = engine_shape(vllm_config, kv_cache_config, pp_rank=pp_rank)
-        if settings.chunk_size % shape.block_size:
-            raise ConfigError(
-                f"chunk_size {settings.chunk_size} must be a multiple of the engine's block size "
-                f"{shape.block_size}"
-            )
         self._settings = settings
-        self._blocks_per_chunk = settings.chunk_size // shape.block_size
+        self._blocks_per_chunk = blocks_per_chunk(settings, shape)
         self._num_blocks = int(kv_cache_config.num_blocks)
         self._layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
         self._tp_rank, self._pp_rank = tp_rank, pp_rank
