@@ -496,8 +496,8 @@ async def test_restart_finds_nvme_blocks(tmp_path: Path) -> None:
 def rot_in_file(data_file: Path, pattern: bytes) -> int:
     """Flip a bit of every copy of ``pattern`` in ``data_file``, as a disk would; returns copies.
 
-    LMDB runs with ``meminit=False``, so stale heap bytes (earlier payloads) can sit in the slack
-    of its pages: flipping every copy makes sure the live value is among them.
+    Freed LMDB pages keep old copies of a value until they are reused: flipping every copy makes
+    sure the live value is among them.
     """
     contents = data_file.read_bytes()
     spots = []
