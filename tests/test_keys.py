@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 import xxhash
 
 from kvstore.errors import ConfigError, InvalidRequestError
@@ -332,7 +333,6 @@ def test_range_input_matches_list() -> None:
 
 @pytest.mark.parametrize("dtype", ["int32", "int64"])
 def test_torch_tensor_input_matches_list(dtype: str) -> None:
-    torch = pytest.importorskip("torch")
     tokens = list(range(1000, 1000 + 5 * C + 2))
     tensor = torch.tensor(tokens, dtype=getattr(torch, dtype))
     assert hasher().keys(tensor) == hasher().keys(tokens)
@@ -380,7 +380,6 @@ def test_bad_token_ids_raise_invalid_request(bad: Any) -> None:
 
 @pytest.mark.parametrize("dtype", ["float32", "int64"])
 def test_bad_torch_tensors_raise_invalid_request(dtype: str) -> None:
-    torch = pytest.importorskip("torch")
     bad = {"float32": torch.arange(8, dtype=torch.float32), "int64": torch.arange(8).reshape(2, 4)}
     with pytest.raises(InvalidRequestError):
         hasher().keys(bad[dtype])

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "tiers"))
-from redis_server import RedisServer, redis_server_binary
+from redis_server import RedisServer
 
 import kvstore.store as store_module
 from kvstore.block import BlockHeader
@@ -24,8 +24,6 @@ from kvstore.keys import Namespace
 from kvstore.store import TieredStore
 from kvstore.tiers.dram import DramTier
 from kvstore.tiers.redis import RedisTier
-
-pytestmark = pytest.mark.skipif(redis_server_binary() is None, reason="needs redis-server")
 
 PAGE = 4096
 NS = Namespace(model="test-model").fingerprint()

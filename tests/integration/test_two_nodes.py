@@ -22,9 +22,7 @@ if TYPE_CHECKING:
     from conftest import ServerFactory
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tiers"))
-from redis_server import RedisServer, redis_server_binary
-
-pytestmark = pytest.mark.skipif(redis_server_binary() is None, reason="needs redis-server")
+from redis_server import RedisServer
 
 NS = Namespace(model="two-nodes", num_layers=2, num_kv_heads=2, head_size=64)
 HASHER = ChunkHasher(chunk_size=16, namespace=NS)

@@ -17,12 +17,10 @@ from typing import TypeVar
 import pytest
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
-from redis_server import RedisServer, free_port, redis_server_binary
+from redis_server import RedisServer, free_port
 
 from kvstore.block import HEADER_BYTES, BlockHeader
 from kvstore.tiers.redis import RedisTier
-
-pytestmark = pytest.mark.skipif(redis_server_binary() is None, reason="needs redis-server")
 
 T = TypeVar("T")
 NAMESPACE = bytes(range(16))
