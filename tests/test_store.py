@@ -8,7 +8,7 @@ restarts on the same NVMe directory and corrupted NVMe blocks.
 from __future__ import annotations
 
 import asyncio
-import os
+import sys
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,6 +17,9 @@ import lmdb
 import numpy as np
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent / "tiers"))
+from lmdb_rot import rot_in_file
 
 from kvstore.block import HEADER_BYTES
 from kvstore.errors import CapacityError, InvalidRequestError, NamespaceMismatchError
@@ -491,27 +494,6 @@ async def test_restart_finds_nvme_blocks(tmp_path: Path) -> None:
             await second.put([key(1)], [payload(1)], OTHER_NS)
     finally:
         await second.close()
-
-
-def rot_in_file(data_file: Path, pattern: bytes) -> int:
-    """Flip a bit of every copy of ``pattern`` in ``data_file``, as a disk would; returns copies.
-
-    Freed LMDB pages keep old copies of a value until they are reused: flipping every copy makes
-    sure the live value is among them.
-    """
-    contents = data_file.read_bytes()
-    spots = []
-    where = contents.find(pattern)
-    while where >= 0:
-        spots.append(where)
-        where = contents.find(pattern, where + 1)
-    fd = os.open(data_file, os.O_WRONLY)
-    try:
-        for spot in spots:
-            os.pwrite(fd, bytes([contents[spot] ^ 0x80]), spot)
-    finally:
-        os.close(fd)
-    return len(spots)
 
 
 def corrupt_in_lmdb(path: Path, k: bytes, index: int) -> None:

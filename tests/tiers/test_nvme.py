@@ -15,6 +15,7 @@ from pathlib import Path
 import lmdb
 import numpy as np
 import pytest
+from lmdb_rot import rot_in_file
 
 from kvstore.block import HEADER_BYTES, BlockHeader
 from kvstore.tiers.nvme import NvmeTier
@@ -69,27 +70,6 @@ def put_raw(path: Path, k: bytes, value: bytes) -> None:
             txn.put(k, value)
     finally:
         env.close()
-
-
-def rot_in_file(data_file: Path, pattern: bytes) -> int:
-    """Flip a bit of every copy of ``pattern`` in ``data_file``, as a disk would; returns copies.
-
-    Freed LMDB pages keep old copies of a value until they are reused: flipping every copy makes
-    sure the live value is among them.
-    """
-    contents = data_file.read_bytes()
-    spots = []
-    where = contents.find(pattern)
-    while where >= 0:
-        spots.append(where)
-        where = contents.find(pattern, where + 1)
-    fd = os.open(data_file, os.O_WRONLY)
-    try:
-        for spot in spots:
-            os.pwrite(fd, bytes([contents[spot] ^ 0x80]), spot)
-    finally:
-        os.close(fd)
-    return len(spots)
 
 
 def flip(value: bytes, index: int) -> bytes:
