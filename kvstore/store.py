@@ -37,7 +37,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from kvstore.block import BlockHeader
 from kvstore.buffers import byte_view
@@ -47,7 +47,7 @@ from kvstore.keys import KEY_BYTES, NAMESPACE_BYTES
 from kvstore.tiers.base import Buffer, Tier
 from kvstore.tiers.redis import RedisTier
 
-__all__ = ["GetResult", "LookupResult", "PutResult", "TieredStore"]
+__all__ = ["GetResult", "LookupResult", "Promotion", "PutResult", "TieredStore"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,10 @@ _MAX_WRITE_RETRIES = 8
 
 # Most payload bytes that may wait for write-through to the shared tier at any time.
 _WRITE_THROUGH_BACKLOG_BYTES = 1024**3
+
+
+Promotion = Literal["ready", "missing", "failed"]
+"""What :meth:`TieredStore.promote` did with one key."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -440,18 +444,64 @@ class TieredStore:
         if self._level_of(key) is None:
             self._meta.pop(key, None)
 
-    async def _promote(self, header: BlockHeader, payload: bytes | memoryview, level: int) -> None:
+    async def _promote(self, header: BlockHeader, payload: bytes | memoryview, level: int) -> bool:
+        """Copy a block read from tier ``level`` into the tiers above it.
+
+        Returns True if the block is in the top tier afterwards (under ``header``'s namespace).
+        """
         async with self._lock:
             current = self._level_of(header.key)
+            meta = self._meta.get(header.key)
+            if meta is not None and meta.namespace != header.namespace:
+                return False
             if level == self._shared_level:
                 # Not indexed locally when read; a put or another promotion may have stored it
-                # (possibly under another namespace) meanwhile.
-                if current is not None or header.key in self._meta:
-                    return
+                # meanwhile.
+                if current is not None:
+                    return current == 0
             elif current is None or current < level:  # deleted, or already promoted meanwhile
-                return
+                return current == 0
             if await self._place(header, memoryview(payload), 0, level):
                 self._counters.add("promotions")
+            return self._level_of(header.key) == 0
+
+    async def promote(self, keys: Sequence[bytes], namespace: bytes) -> list[Promotion]:
+        """Bring each key into the top tier now, waiting for it (prefetch and leases use this).
+
+        Returns, per key, ``"ready"`` (resident in the top tier), ``"missing"`` (in no tier under
+        ``namespace``) or ``"failed"`` (found, but the top tier could not make room for it).
+        """
+        self._check_keys(keys, namespace)
+        outcomes: list[Promotion] = ["missing"] * len(keys)
+        by_level: dict[int, list[int]] = {}
+        unindexed: list[int] = []
+        for index, key in enumerate(keys):
+            meta = self._meta.get(key)
+            if meta is None:
+                unindexed.append(index)
+            elif meta.namespace == namespace:
+                level = self._level_of(key)
+                if level == 0:
+                    outcomes[index] = "ready"
+                    self._recency[0].touch(key)
+                elif level is not None:
+                    by_level.setdefault(level, []).append(index)
+        if unindexed and self._shared_level is not None:
+            by_level[self._shared_level] = unindexed
+        for level in sorted(by_level):
+            indices = by_level[level]
+            blocks = await self.tiers[level].read([keys[index] for index in indices])
+            for index, block in zip(indices, blocks, strict=True):
+                if block is None:
+                    if level != self._shared_level:  # vanished or failed verification
+                        self._forget_in(level, keys[index])
+                    continue
+                if block.header.namespace != namespace:
+                    self._counters.add("namespace_mismatches")
+                    continue
+                promoted = await self._promote(block.header, block.payload, level)
+                outcomes[index] = "ready" if promoted else "failed"
+        return outcomes
 
     def _touch(self, key: bytes) -> None:
         for recency in self._recency:

@@ -50,6 +50,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
 
     def __init__(self, store: TieredStore) -> None:
         self.store = store
+        #: Where the fast data paths listen; the server fills it in once they are up.
+        self.shm_socket = ""
+        self.ucx_address = ""
 
     @staticmethod
     def _decoded(request: Any) -> None:
@@ -157,6 +160,17 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
 
         return await _guard(context, call)
 
+    async def DataPlane(
+        self, request: pb.DataPlaneRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.DataPlaneResponse:
+        """Where the shared-memory socket and the UCX listener are ("" where off)."""
+
+        async def call() -> pb.DataPlaneResponse:
+            self._decoded(request)
+            return pb.DataPlaneResponse(shm_socket=self.shm_socket, ucx_address=self.ucx_address)
+
+        return await _guard(context, call)
+
 
 class _Undecodable:
     """Stands in for a request whose bytes are not the expected protobuf message."""
@@ -208,6 +222,11 @@ def add_to_server(servicer: KVStoreServicer, server: grpc.aio.Server) -> None:
             servicer.Stats,
             request_deserializer=_tolerant(pb.StatsRequest),
             response_serializer=pb.StatsResponse.SerializeToString,
+        ),
+        "DataPlane": grpc.unary_unary_rpc_method_handler(
+            servicer.DataPlane,
+            request_deserializer=_tolerant(pb.DataPlaneRequest),
+            response_serializer=pb.DataPlaneResponse.SerializeToString,
         ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

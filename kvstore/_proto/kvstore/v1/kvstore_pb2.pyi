@@ -1,10 +1,24 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class PrefetchState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PREFETCH_STATE_UNSPECIFIED: _ClassVar[PrefetchState]
+    PREFETCH_STATE_QUEUED: _ClassVar[PrefetchState]
+    PREFETCH_STATE_RUNNING: _ClassVar[PrefetchState]
+    PREFETCH_STATE_DONE: _ClassVar[PrefetchState]
+    PREFETCH_STATE_CANCELLED: _ClassVar[PrefetchState]
+PREFETCH_STATE_UNSPECIFIED: PrefetchState
+PREFETCH_STATE_QUEUED: PrefetchState
+PREFETCH_STATE_RUNNING: PrefetchState
+PREFETCH_STATE_DONE: PrefetchState
+PREFETCH_STATE_CANCELLED: PrefetchState
 
 class LookupRequest(_message.Message):
     __slots__ = ("namespace", "keys")
@@ -123,3 +137,61 @@ class StatsResponse(_message.Message):
     counters: _containers.ScalarMap[str, int]
     blocks: int
     def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., blocks: _Optional[int] = ...) -> None: ...
+
+class DataPlaneRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DataPlaneResponse(_message.Message):
+    __slots__ = ("shm_socket", "ucx_address")
+    SHM_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    UCX_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    shm_socket: str
+    ucx_address: str
+    def __init__(self, shm_socket: _Optional[str] = ..., ucx_address: _Optional[str] = ...) -> None: ...
+
+class PrefetchRequest(_message.Message):
+    __slots__ = ("namespace", "keys")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class PrefetchResponse(_message.Message):
+    __slots__ = ("prefetch_id",)
+    PREFETCH_ID_FIELD_NUMBER: _ClassVar[int]
+    prefetch_id: int
+    def __init__(self, prefetch_id: _Optional[int] = ...) -> None: ...
+
+class PrefetchStatusRequest(_message.Message):
+    __slots__ = ("prefetch_id",)
+    PREFETCH_ID_FIELD_NUMBER: _ClassVar[int]
+    prefetch_id: int
+    def __init__(self, prefetch_id: _Optional[int] = ...) -> None: ...
+
+class PrefetchStatusResponse(_message.Message):
+    __slots__ = ("state", "total", "ready", "missing", "failed")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    state: PrefetchState
+    total: int
+    ready: int
+    missing: int
+    failed: int
+    def __init__(self, state: _Optional[_Union[PrefetchState, str]] = ..., total: _Optional[int] = ..., ready: _Optional[int] = ..., missing: _Optional[int] = ..., failed: _Optional[int] = ...) -> None: ...
+
+class CancelPrefetchRequest(_message.Message):
+    __slots__ = ("prefetch_id",)
+    PREFETCH_ID_FIELD_NUMBER: _ClassVar[int]
+    prefetch_id: int
+    def __init__(self, prefetch_id: _Optional[int] = ...) -> None: ...
+
+class CancelPrefetchResponse(_message.Message):
+    __slots__ = ("cancelled",)
+    CANCELLED_FIELD_NUMBER: _ClassVar[int]
+    cancelled: bool
+    def __init__(self, cancelled: _Optional[bool] = ...) -> None: ...

@@ -59,6 +59,26 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.DataPlane = channel.unary_unary(
+                '/kvstore.v1.KVStore/DataPlane',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.DataPlaneRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.DataPlaneResponse.FromString,
+                _registered_method=True)
+        self.Prefetch = channel.unary_unary(
+                '/kvstore.v1.KVStore/Prefetch',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.PrefetchRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.PrefetchResponse.FromString,
+                _registered_method=True)
+        self.PrefetchStatus = channel.unary_unary(
+                '/kvstore.v1.KVStore/PrefetchStatus',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.PrefetchStatusRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.PrefetchStatusResponse.FromString,
+                _registered_method=True)
+        self.CancelPrefetch = channel.unary_unary(
+                '/kvstore.v1.KVStore/CancelPrefetch',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.CancelPrefetchRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.CancelPrefetchResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -100,6 +120,36 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DataPlane(self, request, context):
+        """Where this server's fast data paths listen. A co-located client connects to the shared-memory
+        socket; a remote one to the UCX address. Empty fields: that path is off.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Prefetch(self, request, context):
+        """Start moving blocks from lower tiers (nvme, redis) into dram in the background; returns at once
+        with an id. Keys absent everywhere are counted as missing, not an error.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PrefetchStatus(self, request, context):
+        """Progress of a prefetch; NOT_FOUND for an unknown (or long finished and forgotten) id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CancelPrefetch(self, request, context):
+        """Stop a prefetch; blocks already moved stay in dram. NOT_FOUND for an unknown id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -127,6 +177,26 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.StatsRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.StatsResponse.SerializeToString,
+            ),
+            'DataPlane': grpc.unary_unary_rpc_method_handler(
+                    servicer.DataPlane,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.DataPlaneRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.DataPlaneResponse.SerializeToString,
+            ),
+            'Prefetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prefetch,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.PrefetchRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.PrefetchResponse.SerializeToString,
+            ),
+            'PrefetchStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrefetchStatus,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.PrefetchStatusRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.PrefetchStatusResponse.SerializeToString,
+            ),
+            'CancelPrefetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelPrefetch,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.CancelPrefetchRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.CancelPrefetchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -264,6 +334,114 @@ class KVStore:
             '/kvstore.v1.KVStore/Stats',
             kvstore_dot_v1_dot_kvstore__pb2.StatsRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DataPlane(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/DataPlane',
+            kvstore_dot_v1_dot_kvstore__pb2.DataPlaneRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.DataPlaneResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Prefetch',
+            kvstore_dot_v1_dot_kvstore__pb2.PrefetchRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.PrefetchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefetchStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/PrefetchStatus',
+            kvstore_dot_v1_dot_kvstore__pb2.PrefetchStatusRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.PrefetchStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelPrefetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/CancelPrefetch',
+            kvstore_dot_v1_dot_kvstore__pb2.CancelPrefetchRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.CancelPrefetchResponse.FromString,
             options,
             channel_credentials,
             insecure,
