@@ -21,6 +21,7 @@ from kvstore.errors import (
     KVStoreError,
     NamespaceMismatchError,
     StoreUnavailableError,
+    UnknownPrefetchError,
 )
 from kvstore.keys import BlockKey, ChunkHasher, Namespace
 from kvstore.store import LookupResult, PutResult, TieredStore
@@ -45,6 +46,7 @@ __all__ = [
     "PutResult",
     "StoreUnavailableError",
     "TieredStore",
+    "UnknownPrefetchError",
     "__version__",
     "load_config",
 ]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -11,11 +13,13 @@ from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.buffers import byte_view, writable_byte_view
 from kvstore.errors import (
     DeadlineExceededError,
+    InternalStoreError,
     InvalidRequestError,
     KVStoreError,
     error_from_status,
 )
 from kvstore.keys import Namespace
+from kvstore.prefetch import PrefetchProgress, PrefetchState
 from kvstore.store import LookupResult, PutResult
 
 #: Soft size of one streamed Put or Get message; a single larger block still goes out whole.
@@ -115,6 +119,15 @@ def fill_buffers(values: Sequence[bytes | None], buffers: Sequence[Any]) -> list
     return filled
 
 
+def combine_put_results(first: PutResult, second: PutResult) -> PutResult:
+    """The result of a put that went partly one way and partly another."""
+    return PutResult(
+        first.stored + second.stored,
+        first.already_present + second.already_present,
+        first.dropped + second.dropped,
+    )
+
+
 def stats_dict(response: pb.StatsResponse) -> dict[str, Any]:
     """``{"tiers": {name: {...}}, "counters": {...}, "blocks": n}`` from a Stats response."""
     return {
@@ -122,3 +135,62 @@ def stats_dict(response: pb.StatsResponse) -> dict[str, Any]:
         "counters": dict(response.counters),
         "blocks": response.blocks,
     }
+
+
+_PREFETCH_STATES = {
+    pb.PREFETCH_STATE_QUEUED: PrefetchState.QUEUED,
+    pb.PREFETCH_STATE_RUNNING: PrefetchState.RUNNING,
+    pb.PREFETCH_STATE_DONE: PrefetchState.DONE,
+    pb.PREFETCH_STATE_CANCELLED: PrefetchState.CANCELLED,
+}
+
+
+def prefetch_progress(response: pb.PrefetchStatusResponse) -> PrefetchProgress:
+    """The domain progress of a PrefetchStatus response."""
+    state = _PREFETCH_STATES.get(response.state)
+    if state is None:  # a server newer than this client, or a broken one
+        raise InternalStoreError(f"unknown prefetch state {response.state}")
+    return PrefetchProgress(
+        state, response.total, response.ready, response.missing, response.failed
+    )
+
+
+#: Polling of a prefetch's status starts this often and backs off to :data:`_POLL_MAX_S`.
+_POLL_FIRST_S = 0.001
+_POLL_MAX_S = 0.05
+
+
+def _poll_delays(timeout: float) -> Iterator[tuple[float, float]]:
+    """(remaining seconds, then delay before the next poll) until ``timeout`` has passed."""
+    deadline = time.monotonic() + timeout
+    delay = _POLL_FIRST_S
+    while (remaining := deadline - time.monotonic()) > 0:
+        yield remaining, min(delay, remaining)
+        delay = min(2 * delay, _POLL_MAX_S)
+
+
+def wait_prefetch(
+    status: Callable[[float], PrefetchProgress], timeout: float, call_timeout: float
+) -> PrefetchProgress:
+    """Poll ``status(deadline)`` until the prefetch finishes; DeadlineExceededError after
+    ``timeout`` seconds."""
+    progress = None
+    for remaining, delay in _poll_delays(timeout):
+        progress = status(min(call_timeout, remaining))
+        if progress.finished:
+            return progress
+        time.sleep(delay)
+    raise DeadlineExceededError(f"prefetch not finished within {timeout} s: {progress}")
+
+
+async def wait_prefetch_async(
+    status: Callable[[float], Awaitable[PrefetchProgress]], timeout: float, call_timeout: float
+) -> PrefetchProgress:
+    """The asyncio twin of :func:`wait_prefetch`."""
+    progress = None
+    for remaining, delay in _poll_delays(timeout):
+        progress = await status(min(call_timeout, remaining))
+        if progress.finished:
+            return progress
+        await asyncio.sleep(delay)
+    raise DeadlineExceededError(f"prefetch not finished within {timeout} s: {progress}")

@@ -45,6 +45,7 @@ _SERVE_FLAGS = {
     "max_block_bytes": "server.max_block_bytes",
     "redis_url": "redis.url",
     "redis_ttl": "redis.ttl_s",
+    "shm_socket": "server.shm_socket",
 }
 
 
@@ -64,6 +65,10 @@ def _parser() -> argparse.ArgumentParser:
         "--redis-url", help="shared redis tier, redis://HOST:PORT/DB or redis+cluster://HOST:PORT"
     )
     serve.add_argument("--redis-ttl", help="seconds a block lives in redis (default 3600)")
+    serve.add_argument(
+        "--shm-socket",
+        help="UNIX socket of the shared-memory data plane ('auto' default, '' turns it off)",
+    )
     serve.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
 
     stats = commands.add_parser("stats", help="print tier usage and counters of a server")

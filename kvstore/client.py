@@ -7,15 +7,20 @@ slow one ``DeadlineExceededError``.
 
 Values are any bytes-like buffer: bytes, memoryview, numpy arrays, contiguous CPU tensors.
 
+Data calls (``lookup``, ``put``, ``get``, ``get_into``) go through the server's shared-memory data
+plane when the client runs on the same host, and through gRPC otherwise; ``data_plane="grpc"``
+turns that off, ``"shm"`` makes its absence an error (see :mod:`kvstore.transport.shm_link`).
+
 >>> client = KVStoreClient("127.0.0.1:50051", namespace=Namespace(model="m"))  # doctest: +SKIP
 >>> client.put(keys, blocks); client.lookup(keys); client.get(keys)            # doctest: +SKIP
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
@@ -23,9 +28,21 @@ from kvstore import _wire
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.keys import Namespace
+from kvstore.prefetch import PrefetchProgress
 from kvstore.store import LookupResult, PutResult
+from kvstore.transport.shm_client import ShmDataPlane, ShmUnavailableError
+from kvstore.transport.shm_link import ShmLink
 
 __all__ = ["AsyncKVStoreClient", "KVStoreClient"]
+
+T = TypeVar("T")
+
+
+class _Fallback:
+    """Returned by ``_over_shm`` when the call must go through gRPC instead."""
+
+
+_FALLBACK = _Fallback()
 
 
 class KVStoreClient:
@@ -37,6 +54,7 @@ class KVStoreClient:
         *,
         namespace: Namespace | bytes | None = None,
         timeout: float = 5.0,
+        data_plane: str | None = None,
     ) -> None:
         self.target = target
         self.timeout = timeout
@@ -44,9 +62,38 @@ class KVStoreClient:
         self._namespace = None if namespace is None else _wire.namespace_bytes(namespace)
         self._channel = grpc.insecure_channel(target, options=_wire.CHANNEL_OPTIONS)
         self._stub = pb_grpc.KVStoreStub(self._channel)
+        self._shm = ShmLink(data_plane, self._namespace, timeout)
 
     def _deadline(self, timeout: float | None) -> float:
         return self.timeout if timeout is None else timeout
+
+    @property
+    def data_plane(self) -> str:
+        """``"shm"`` while calls go through shared memory, else ``"grpc"``."""
+        return "shm" if self._shm.plane is not None else "grpc"
+
+    def _shm_plane(self) -> ShmDataPlane | None:
+        if not self._shm.wanted():
+            return None
+        if self._shm.plane is not None:
+            return self._shm.plane
+        try:
+            endpoints = self._stub.DataPlane(pb.DataPlaneRequest(), timeout=self.timeout)
+        except grpc.RpcError as exc:  # an older server, or none: gRPC calls will say which
+            self._shm.failed(exc)
+            return None
+        return self._shm.connect(endpoints)
+
+    def _over_shm(self, keys: Sequence[bytes], call: Callable[[ShmDataPlane], T]) -> T | _Fallback:
+        """``call`` on the shared-memory path, or ``_FALLBACK`` if the call must use gRPC."""
+        plane = self._shm_plane()
+        if plane is None or not plane.usable_for(keys):
+            return _FALLBACK
+        try:
+            return call(plane)
+        except ShmUnavailableError as exc:
+            self._shm.failed(exc)
+            return _FALLBACK
 
     def lookup(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
         """How many leading ``keys`` the store holds."""
@@ -54,6 +101,9 @@ class KVStoreClient:
 
     def lookup_tiers(self, keys: Sequence[bytes], *, timeout: float | None = None) -> LookupResult:
         """The leading hit count and the tier of every key."""
+        fast = self._over_shm(keys, lambda plane: plane.lookup(keys, self._deadline(timeout)))
+        if not isinstance(fast, _Fallback):
+            return fast
         request = _wire.lookup_request(_wire.namespace_bytes(self._namespace), keys)
         try:
             response = self._stub.Lookup(request, timeout=self._deadline(timeout))
@@ -64,7 +114,19 @@ class KVStoreClient:
     def put(
         self, keys: Sequence[bytes], values: Sequence[Any], *, timeout: float | None = None
     ) -> PutResult:
-        """Store ``values`` under ``keys`` (one streamed call for the whole batch)."""
+        """Store ``values`` under ``keys`` (one round trip, or one streamed call, per batch)."""
+        fast = self._over_shm(keys, lambda plane: plane.put(keys, values, self._deadline(timeout)))
+        if isinstance(fast, _Fallback):
+            return self._put_grpc(keys, values, timeout)
+        result, no_room = fast
+        if not no_room:
+            return result
+        rest = self._put_grpc([keys[i] for i in no_room], [values[i] for i in no_room], timeout)
+        return _wire.combine_put_results(result, rest)
+
+    def _put_grpc(
+        self, keys: Sequence[bytes], values: Sequence[Any], timeout: float | None
+    ) -> PutResult:
         requests = list(_wire.put_requests(_wire.namespace_bytes(self._namespace), keys, values))
         try:
             response = self._stub.Put(iter(requests), timeout=self._deadline(timeout))
@@ -74,6 +136,9 @@ class KVStoreClient:
 
     def get(self, keys: Sequence[bytes], *, timeout: float | None = None) -> list[bytes | None]:
         """The payload of each key, ``None`` where missing."""
+        fast = self._over_shm(keys, lambda plane: plane.get(keys, self._deadline(timeout)))
+        if not isinstance(fast, _Fallback):
+            return fast
         request = _wire.get_request(_wire.namespace_bytes(self._namespace), keys)
         try:
             stream = self._stub.Get(request, timeout=self._deadline(timeout))
@@ -84,7 +149,15 @@ class KVStoreClient:
     def get_into(
         self, keys: Sequence[bytes], buffers: Sequence[Any], *, timeout: float | None = None
     ) -> list[bool]:
-        """Fill caller-provided buffers; False where the key is missing or its size differs."""
+        """Fill caller-provided buffers; False where the key is missing or its size differs.
+
+        Over shared memory each block is copied once, from the store's arena into its buffer.
+        """
+        fast = self._over_shm(
+            keys, lambda plane: plane.get_into(keys, buffers, self._deadline(timeout))
+        )
+        if not isinstance(fast, _Fallback):
+            return fast
         return _wire.fill_buffers(self.get(keys, timeout=timeout), buffers)
 
     def delete(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
@@ -98,6 +171,48 @@ class KVStoreClient:
             raise _wire.map_rpc_error(exc) from exc
         return int(response.deleted)
 
+    def prefetch(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
+        """Ask the server to move ``keys`` into dram in the background; returns the prefetch id."""
+        request = pb.PrefetchRequest(
+            namespace=_wire.namespace_bytes(self._namespace), keys=list(keys)
+        )
+        try:
+            response = self._stub.Prefetch(request, timeout=self._deadline(timeout))
+        except grpc.RpcError as exc:
+            raise _wire.map_rpc_error(exc) from exc
+        return int(response.prefetch_id)
+
+    def prefetch_status(
+        self, prefetch_id: int, *, timeout: float | None = None
+    ) -> PrefetchProgress:
+        """State and key counts of a prefetch; UnknownPrefetchError for an unknown id."""
+        try:
+            response = self._stub.PrefetchStatus(
+                pb.PrefetchStatusRequest(prefetch_id=prefetch_id), timeout=self._deadline(timeout)
+            )
+        except grpc.RpcError as exc:
+            raise _wire.map_rpc_error(exc) from exc
+        return _wire.prefetch_progress(response)
+
+    def cancel_prefetch(self, prefetch_id: int, *, timeout: float | None = None) -> bool:
+        """Stop a prefetch (blocks already moved stay); False if it had already finished."""
+        try:
+            response = self._stub.CancelPrefetch(
+                pb.CancelPrefetchRequest(prefetch_id=prefetch_id), timeout=self._deadline(timeout)
+            )
+        except grpc.RpcError as exc:
+            raise _wire.map_rpc_error(exc) from exc
+        return bool(response.cancelled)
+
+    def wait_prefetch(self, prefetch_id: int, timeout: float = 30.0) -> PrefetchProgress:
+        """Poll until the prefetch is DONE or CANCELLED; DeadlineExceededError after ``timeout``
+        seconds."""
+        return _wire.wait_prefetch(
+            lambda deadline: self.prefetch_status(prefetch_id, timeout=deadline),
+            timeout,
+            self.timeout,
+        )
+
     def stats(self, *, timeout: float | None = None) -> dict[str, Any]:
         """Tier usage and counters."""
         try:
@@ -107,7 +222,8 @@ class KVStoreClient:
         return _wire.stats_dict(response)
 
     def close(self) -> None:
-        """Close the channel."""
+        """Close the shared-memory path and the channel."""
+        self._shm.close()
         self._channel.close()
 
     def __enter__(self) -> KVStoreClient:
@@ -131,6 +247,7 @@ class AsyncKVStoreClient:
         *,
         namespace: Namespace | bytes | None = None,
         timeout: float = 5.0,
+        data_plane: str | None = None,
     ) -> None:
         self.target = target
         self.timeout = timeout
@@ -138,9 +255,41 @@ class AsyncKVStoreClient:
         self._namespace = None if namespace is None else _wire.namespace_bytes(namespace)
         self._channel = grpc.aio.insecure_channel(target, options=_wire.CHANNEL_OPTIONS)
         self._stub = pb_grpc.KVStoreStub(self._channel)
+        self._shm = ShmLink(data_plane, self._namespace, timeout)
 
     def _deadline(self, timeout: float | None) -> float:
         return self.timeout if timeout is None else timeout
+
+    @property
+    def data_plane(self) -> str:
+        """``"shm"`` while calls go through shared memory, else ``"grpc"``."""
+        return "shm" if self._shm.plane is not None else "grpc"
+
+    async def _shm_plane(self) -> ShmDataPlane | None:
+        if not self._shm.wanted():
+            return None
+        if self._shm.plane is not None:
+            return self._shm.plane
+        try:
+            endpoints = await self._stub.DataPlane(pb.DataPlaneRequest(), timeout=self.timeout)
+        except grpc.RpcError as exc:  # an older server, or none: gRPC calls will say which
+            self._shm.failed(exc)
+            return None
+        return await asyncio.to_thread(self._shm.connect, endpoints)
+
+    async def _over_shm(
+        self, keys: Sequence[bytes], call: Callable[[ShmDataPlane], T]
+    ) -> T | _Fallback:
+        """``call`` in a worker thread on the shared-memory path, or ``_FALLBACK``."""
+        plane = await self._shm_plane()
+        if plane is None or not plane.usable_for(keys):
+            return _FALLBACK
+        try:
+            # The copies release the GIL, so a thread keeps the event loop responsive.
+            return await asyncio.to_thread(call, plane)
+        except ShmUnavailableError as exc:
+            self._shm.failed(exc)
+            return _FALLBACK
 
     async def lookup(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
         """How many leading ``keys`` the store holds."""
@@ -150,6 +299,9 @@ class AsyncKVStoreClient:
         self, keys: Sequence[bytes], *, timeout: float | None = None
     ) -> LookupResult:
         """The leading hit count and the tier of every key."""
+        fast = await self._over_shm(keys, lambda plane: plane.lookup(keys, self._deadline(timeout)))
+        if not isinstance(fast, _Fallback):
+            return fast
         request = _wire.lookup_request(_wire.namespace_bytes(self._namespace), keys)
         try:
             response = await self._stub.Lookup(request, timeout=self._deadline(timeout))
@@ -160,7 +312,23 @@ class AsyncKVStoreClient:
     async def put(
         self, keys: Sequence[bytes], values: Sequence[Any], *, timeout: float | None = None
     ) -> PutResult:
-        """Store ``values`` under ``keys`` (one streamed call for the whole batch)."""
+        """Store ``values`` under ``keys`` (one round trip, or one streamed call, per batch)."""
+        fast = await self._over_shm(
+            keys, lambda plane: plane.put(keys, values, self._deadline(timeout))
+        )
+        if isinstance(fast, _Fallback):
+            return await self._put_grpc(keys, values, timeout)
+        result, no_room = fast
+        if not no_room:
+            return result
+        rest = await self._put_grpc(
+            [keys[i] for i in no_room], [values[i] for i in no_room], timeout
+        )
+        return _wire.combine_put_results(result, rest)
+
+    async def _put_grpc(
+        self, keys: Sequence[bytes], values: Sequence[Any], timeout: float | None
+    ) -> PutResult:
         requests = list(_wire.put_requests(_wire.namespace_bytes(self._namespace), keys, values))
         try:
             response = await self._stub.Put(iter(requests), timeout=self._deadline(timeout))
@@ -172,6 +340,9 @@ class AsyncKVStoreClient:
         self, keys: Sequence[bytes], *, timeout: float | None = None
     ) -> list[bytes | None]:
         """The payload of each key, ``None`` where missing."""
+        fast = await self._over_shm(keys, lambda plane: plane.get(keys, self._deadline(timeout)))
+        if not isinstance(fast, _Fallback):
+            return fast
         request = _wire.get_request(_wire.namespace_bytes(self._namespace), keys)
         values: list[bytes | None] = [None] * len(keys)
         try:
@@ -184,7 +355,15 @@ class AsyncKVStoreClient:
     async def get_into(
         self, keys: Sequence[bytes], buffers: Sequence[Any], *, timeout: float | None = None
     ) -> list[bool]:
-        """Fill caller-provided buffers; False where the key is missing or its size differs."""
+        """Fill caller-provided buffers; False where the key is missing or its size differs.
+
+        Over shared memory each block is copied once, from the store's arena into its buffer.
+        """
+        fast = await self._over_shm(
+            keys, lambda plane: plane.get_into(keys, buffers, self._deadline(timeout))
+        )
+        if not isinstance(fast, _Fallback):
+            return fast
         return _wire.fill_buffers(await self.get(keys, timeout=timeout), buffers)
 
     async def delete(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
@@ -198,6 +377,48 @@ class AsyncKVStoreClient:
             raise _wire.map_rpc_error(exc) from exc
         return int(response.deleted)
 
+    async def prefetch(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
+        """Ask the server to move ``keys`` into dram in the background; returns the prefetch id."""
+        request = pb.PrefetchRequest(
+            namespace=_wire.namespace_bytes(self._namespace), keys=list(keys)
+        )
+        try:
+            response = await self._stub.Prefetch(request, timeout=self._deadline(timeout))
+        except grpc.RpcError as exc:
+            raise _wire.map_rpc_error(exc) from exc
+        return int(response.prefetch_id)
+
+    async def prefetch_status(
+        self, prefetch_id: int, *, timeout: float | None = None
+    ) -> PrefetchProgress:
+        """State and key counts of a prefetch; UnknownPrefetchError for an unknown id."""
+        try:
+            response = await self._stub.PrefetchStatus(
+                pb.PrefetchStatusRequest(prefetch_id=prefetch_id), timeout=self._deadline(timeout)
+            )
+        except grpc.RpcError as exc:
+            raise _wire.map_rpc_error(exc) from exc
+        return _wire.prefetch_progress(response)
+
+    async def cancel_prefetch(self, prefetch_id: int, *, timeout: float | None = None) -> bool:
+        """Stop a prefetch (blocks already moved stay); False if it had already finished."""
+        try:
+            response = await self._stub.CancelPrefetch(
+                pb.CancelPrefetchRequest(prefetch_id=prefetch_id), timeout=self._deadline(timeout)
+            )
+        except grpc.RpcError as exc:
+            raise _wire.map_rpc_error(exc) from exc
+        return bool(response.cancelled)
+
+    async def wait_prefetch(self, prefetch_id: int, timeout: float = 30.0) -> PrefetchProgress:
+        """Poll until the prefetch is DONE or CANCELLED; DeadlineExceededError after ``timeout``
+        seconds."""
+        return await _wire.wait_prefetch_async(
+            lambda deadline: self.prefetch_status(prefetch_id, timeout=deadline),
+            timeout,
+            self.timeout,
+        )
+
     async def stats(self, *, timeout: float | None = None) -> dict[str, Any]:
         """Tier usage and counters."""
         try:
@@ -207,7 +428,8 @@ class AsyncKVStoreClient:
         return _wire.stats_dict(response)
 
     async def aclose(self) -> None:
-        """Close the channel."""
+        """Close the shared-memory path and the channel."""
+        self._shm.close()
         await self._channel.close(grace=None)
 
     async def __aenter__(self) -> AsyncKVStoreClient:

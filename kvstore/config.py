@@ -104,13 +104,16 @@ def default_data_dir() -> str:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """The gRPC endpoint, request limits, and ``workers`` threads for blocking disk I/O."""
+    """The gRPC endpoint, request limits, ``workers`` threads for blocking disk I/O, and the
+    shared-memory socket (``shm_socket``: a path, ``auto`` for one in the temp directory named
+    after the process, or empty to turn the shared-memory data plane off)."""
 
     listen: str = "127.0.0.1:50051"
     max_block_bytes: int = 64 * 1024**2
     max_keys_per_request: int = 8192
     shutdown_grace_s: float = 5.0
     workers: int = 4
+    shm_socket: str = "auto"
 
     def __post_init__(self) -> None:
         host, sep, port = self.listen.rpartition(":")

@@ -7,6 +7,7 @@
     ├── InvalidRequestError     malformed request           INVALID_ARGUMENT
     ├── NamespaceMismatchError  key held by another ns      FAILED_PRECONDITION
     ├── CapacityError           over a limit or a tier      RESOURCE_EXHAUSTED
+    ├── UnknownPrefetchError    no such prefetch id         NOT_FOUND
     ├── StoreUnavailableError   store cannot be reached     UNAVAILABLE
     ├── DeadlineExceededError   deadline passed             DEADLINE_EXCEEDED
     └── InternalStoreError      anything else               INTERNAL
@@ -30,6 +31,7 @@ __all__ = [
     "KVStoreError",
     "NamespaceMismatchError",
     "StoreUnavailableError",
+    "UnknownPrefetchError",
     "error_from_status",
     "status_of",
 ]
@@ -55,6 +57,10 @@ class CapacityError(KVStoreError):
     """A block or a batch exceeds a configured limit or the capacity of a whole tier."""
 
 
+class UnknownPrefetchError(KVStoreError):
+    """No prefetch has this id: never issued, or finished long ago and forgotten."""
+
+
 class StoreUnavailableError(KVStoreError):
     """The store, or the tier the operation needs, cannot be reached right now."""
 
@@ -72,6 +78,7 @@ STATUS_OF: dict[type[KVStoreError], grpc.StatusCode] = {
     ConfigError: grpc.StatusCode.INVALID_ARGUMENT,
     NamespaceMismatchError: grpc.StatusCode.FAILED_PRECONDITION,
     CapacityError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    UnknownPrefetchError: grpc.StatusCode.NOT_FOUND,
     StoreUnavailableError: grpc.StatusCode.UNAVAILABLE,
     DeadlineExceededError: grpc.StatusCode.DEADLINE_EXCEEDED,
     InternalStoreError: grpc.StatusCode.INTERNAL,
@@ -81,6 +88,7 @@ _ERROR_OF: dict[grpc.StatusCode, type[KVStoreError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
     grpc.StatusCode.FAILED_PRECONDITION: NamespaceMismatchError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: CapacityError,
+    grpc.StatusCode.NOT_FOUND: UnknownPrefetchError,
     grpc.StatusCode.UNAVAILABLE: StoreUnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
 }

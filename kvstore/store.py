@@ -45,9 +45,10 @@ from kvstore.errors import CapacityError, InvalidRequestError, NamespaceMismatch
 from kvstore.eviction import RecencyIndex
 from kvstore.keys import KEY_BYTES, NAMESPACE_BYTES
 from kvstore.tiers.base import Buffer, Tier
+from kvstore.tiers.dram import DramLease, DramTier, Reservation
 from kvstore.tiers.redis import RedisTier
 
-__all__ = ["GetResult", "LookupResult", "Promotion", "PutResult", "TieredStore"]
+__all__ = ["Acquired", "GetResult", "LookupResult", "Promotion", "PutResult", "TieredStore"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,9 @@ _MAX_WRITE_RETRIES = 8
 # Most payload bytes that may wait for write-through to the shared tier at any time.
 _WRITE_THROUGH_BACKLOG_BYTES = 1024**3
 
+
+Acquired = DramLease | bytes | memoryview | None
+"""One key's answer to :meth:`TieredStore.acquire`: a lease, the payload itself, or a miss."""
 
 Promotion = Literal["ready", "missing", "failed"]
 """What :meth:`TieredStore.promote` did with one key."""
@@ -253,7 +257,7 @@ class TieredStore:
         if len(values) != len(keys):
             raise InvalidRequestError(f"{len(keys)} keys but {len(values)} values")
         views = [byte_view(value) for value in values]
-        self._check_sizes(views)
+        self._check_sizes([len(view) for view in views])
         stored = present = dropped = 0
         through: list[tuple[BlockHeader, Buffer]] = []
         async with self._lock:
@@ -285,24 +289,25 @@ class TieredStore:
         self._counters.add("put_dropped", dropped)
         return PutResult(stored, present, dropped)
 
-    def _check_sizes(self, views: Sequence[memoryview]) -> None:
+    def _check_sizes(self, lengths: Sequence[int]) -> None:
+        """Refuse a request with an empty value, a value over the limit or too big for the store."""
         local = self.tiers[: self._local_levels]  # the shared tier's capacity is nominal
         largest = max(local, key=lambda tier: tier.capacity)
         total = 0
-        for index, view in enumerate(views):
-            if len(view) == 0:
+        for index, length in enumerate(lengths):
+            if length <= 0:
                 raise InvalidRequestError(f"value {index} is empty")
-            if len(view) > self.max_block_bytes:
+            if length > self.max_block_bytes:
                 raise CapacityError(
-                    f"value {index} is {len(view)} bytes; the block limit is "
+                    f"value {index} is {length} bytes; the block limit is "
                     f"{self.max_block_bytes} bytes"
                 )
-            if largest.footprint(len(view)) > largest.capacity:
+            if largest.footprint(length) > largest.capacity:
                 raise CapacityError(
-                    f"value {index} is {len(view)} bytes; no tier can hold it (largest tier "
+                    f"value {index} is {length} bytes; no tier can hold it (largest tier "
                     f"{largest.name} holds {largest.capacity} bytes)"
                 )
-            total += largest.footprint(len(view))
+            total += largest.footprint(length)
         capacity = sum(tier.capacity for tier in local)
         if total > capacity:
             raise CapacityError(
@@ -542,6 +547,163 @@ class TieredStore:
         """Wait until background promotions have finished (tests and shutdown use this)."""
         while self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
+
+    # -- direct access by co-located clients (shared memory) --------------------------------
+
+    @property
+    def arena(self) -> DramTier | None:
+        """The top tier if it is a memfd arena that co-located clients can map, else ``None``."""
+        top = self.tiers[0]
+        return top if isinstance(top, DramTier) and top.capacity else None
+
+    def _require_arena(self) -> DramTier:
+        arena = self.arena
+        if arena is None:
+            raise InvalidRequestError("this store has no dram arena to share")
+        return arena
+
+    async def acquire(self, keys: Sequence[bytes], namespace: bytes) -> list[Acquired]:
+        """Lease each key's pages in the arena for a reader, until :meth:`release`.
+
+        A key held in a lower tier is promoted into the arena first (the call waits for it); one
+        that cannot be brought there comes back as its payload bytes instead; a miss is ``None``.
+        Leased blocks are pinned, and their pages outlive a delete or replacement until released.
+        """
+        self._check_keys(keys, namespace)
+        arena = self._require_arena()
+        results: list[Acquired] = [None] * len(keys)
+        served_from: list[str] = [""] * len(keys)
+        below: list[int] = []
+        fallback: list[int] = []
+        for index, key in enumerate(keys):
+            meta = self._meta.get(key)
+            if meta is not None and meta.namespace != namespace:
+                self._counters.add("namespace_mismatches")
+                continue
+            level = self._level_of(key)
+            served_from[index] = "" if level is None else self.tiers[level].name
+            # Lease what is resident first: the pins keep promotions below from evicting it.
+            if level == 0 and (lease := self._lease(arena, key)) is not None:
+                results[index] = lease
+            else:
+                below.append(index)
+        if below:
+            promoted = await self.promote([keys[index] for index in below], namespace)
+            for index, outcome in zip(below, promoted, strict=True):
+                if outcome == "ready" and (lease := self._lease(arena, keys[index])) is not None:
+                    results[index] = lease
+                elif outcome != "missing":
+                    fallback.append(index)
+            if fallback:  # found, but the arena has no room (e.g. everything in it is leased)
+                fetched = await self.get([keys[index] for index in fallback], namespace)
+                for index, got in zip(fallback, fetched, strict=True):
+                    results[index] = got.payload
+        # Counted like a get; keys that took the fallback were counted by that get.
+        leased = missed = 0
+        for index, acquired in enumerate(results):
+            if isinstance(acquired, DramLease):
+                leased += 1
+                # Blocks that were not indexed locally came from the shared tier.
+                self._tier_hits[served_from[index] or self.tiers[-1].name] += 1
+            elif acquired is None:
+                missed += 1
+        if not fallback:
+            self._counters.add("gets")
+        self._counters.add("hits", leased)
+        self._counters.add("misses", missed)
+        self._counters.add("blocks_leased", leased)
+        return results
+
+    def _lease(self, arena: DramTier, key: bytes) -> DramLease | None:
+        lease = arena.lease(key)
+        if lease is not None:
+            self.pin([key])
+            self._recency[0].touch(key)
+        return lease
+
+    def release(self, leases: Sequence[DramLease]) -> None:
+        """Give back leases from :meth:`acquire` (each exactly once)."""
+        arena = self._require_arena()
+        for lease in leases:
+            arena.release(lease)
+            self.unpin([lease.key])
+
+    async def reserve(
+        self, keys: Sequence[bytes], lengths: Sequence[int], namespace: bytes
+    ) -> list[Reservation | Literal["present"] | None]:
+        """Arena pages for blocks a client will write itself, then :meth:`commit`.
+
+        Per key: a :class:`Reservation`, ``"present"`` (already stored; nothing to write) or
+        ``None`` (the arena cannot make room; the caller sends that block another way). The whole
+        request is checked first; a bad one raises and reserves nothing.
+        """
+        self._check_keys(keys, namespace)
+        arena = self._require_arena()
+        if len(lengths) != len(keys):
+            raise InvalidRequestError(f"{len(keys)} keys but {len(lengths)} lengths")
+        self._check_sizes(lengths)
+        out: list[Reservation | Literal["present"] | None] = []
+        async with self._lock:
+            for index, key in enumerate(keys):
+                meta = self._meta.get(key)
+                if meta is not None and meta.namespace != namespace:
+                    raise NamespaceMismatchError(
+                        f"key {index} ({key.hex()}) is stored under namespace "
+                        f"{meta.namespace.hex()}, not {namespace.hex()}"
+                    )
+            for key, length in zip(keys, lengths, strict=True):
+                if key in self._meta:
+                    self._touch(key)
+                    out.append("present")
+                    continue
+                footprint = arena.footprint(length)
+                room = footprint <= arena.capacity and await self._make_room(0, footprint)
+                out.append(arena.reserve(length) if room else None)
+        return out
+
+    async def commit(
+        self, written: Sequence[tuple[bytes, Reservation]], namespace: bytes
+    ) -> PutResult:
+        """Turn written reservations into blocks (checksummed now); see :meth:`reserve`.
+
+        A key stored meanwhile by someone else keeps that copy and this reservation is given
+        back (``already_present``, or ``dropped`` if it was stored under another namespace).
+        """
+        arena = self._require_arena()
+        stored = present = dropped = 0
+        through: list[tuple[BlockHeader, Buffer]] = []
+        shared = self._shared_tier()
+        async with self._lock:
+            for key, reservation in written:
+                meta = self._meta.get(key)
+                if meta is not None:
+                    arena.cancel(reservation)
+                    if meta.namespace == namespace:
+                        present += 1
+                    else:
+                        dropped += 1
+                        self._counters.add("namespace_mismatches")
+                    continue
+                payload = arena.reserved_payload(reservation)
+                header = BlockHeader.for_payload(key, namespace, payload)
+                if shared is not None:  # the pages may be reused before the write-through runs
+                    through.append((header, bytes(payload)))
+                arena.install(header, reservation)
+                self._meta[key] = _Meta(namespace, header.length)
+                self._recency[0].add(key, arena.footprint(header.length))
+                stored += 1
+        if shared is not None and through:
+            self._write_through(shared, through)
+        self._counters.add("puts")
+        self._counters.add("blocks_put", stored)
+        self._counters.add("bytes_put", sum(reservation.length for _, reservation in written))
+        return PutResult(stored, present, dropped)
+
+    def cancel(self, reservations: Sequence[Reservation]) -> None:
+        """Give back reservations that will not be committed (idempotent)."""
+        arena = self._require_arena()
+        for reservation in reservations:
+            arena.cancel(reservation)
 
     # -- shutdown --------------------------------------------------------------------------
 

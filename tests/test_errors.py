@@ -18,6 +18,7 @@ from kvstore.errors import (
     KVStoreError,
     NamespaceMismatchError,
     StoreUnavailableError,
+    UnknownPrefetchError,
     error_from_status,
     status_of,
 )
@@ -31,6 +32,7 @@ INTENDED: dict[type[KVStoreError], grpc.StatusCode] = {
     StoreUnavailableError: grpc.StatusCode.UNAVAILABLE,
     DeadlineExceededError: grpc.StatusCode.DEADLINE_EXCEEDED,
     InternalStoreError: grpc.StatusCode.INTERNAL,
+    UnknownPrefetchError: grpc.StatusCode.NOT_FOUND,
 }
 
 # Each status code in the tree and the class a client raises for it. ConfigError shares
@@ -42,6 +44,7 @@ ROUND_TRIP: dict[grpc.StatusCode, type[KVStoreError]] = {
     grpc.StatusCode.UNAVAILABLE: StoreUnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
     grpc.StatusCode.INTERNAL: InternalStoreError,
+    grpc.StatusCode.NOT_FOUND: UnknownPrefetchError,
 }
 
 
@@ -95,7 +98,6 @@ def test_config_error_arrives_as_invalid_request() -> None:
     [
         grpc.StatusCode.UNKNOWN,
         grpc.StatusCode.CANCELLED,
-        grpc.StatusCode.NOT_FOUND,
         grpc.StatusCode.ALREADY_EXISTS,
         grpc.StatusCode.PERMISSION_DENIED,
         grpc.StatusCode.UNAUTHENTICATED,

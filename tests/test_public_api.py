@@ -23,6 +23,7 @@ EXPECTED = {
     "PutResult",
     "StoreUnavailableError",
     "TieredStore",
+    "UnknownPrefetchError",
     "__version__",
     "load_config",
 }

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvstore._wire import MESSAGE_TARGET_BYTES
 from kvstore.config import Config
 from kvstore.server.servicer import SERVICE_NAME, KVStoreServicer, add_to_server
+from kvstore.server.shm import ShmServer
 from kvstore.store import TieredStore
 from kvstore.tiers import build_tiers
 
@@ -48,6 +51,8 @@ class RunningServer:
     health: health_async.HealthServicer
     address: str
     grace_s: float
+    servicer: KVStoreServicer
+    shm: ShmServer | None = None
 
     async def stop(self) -> None:
         """Refuse new calls, let in-flight ones finish, save DRAM to NVMe, close the store.
@@ -57,6 +62,10 @@ class RunningServer:
         """
         await self.health.enter_graceful_shutdown()
         await self.server.stop(self.grace_s)
+        # Before persist and close: a prefetch batch may still be reading the nvme tier.
+        await self.servicer.close()
+        if self.shm is not None:
+            await self.shm.close()
         saved = await self.store.persist(self.grace_s)
         logger.info("saved %d block(s) from volatile tiers to disk", saved)
         await self.store.close()
@@ -76,20 +85,45 @@ async def start_server(config: Config) -> RunningServer:
             ("grpc.so_reuseport", 0),
         ]
     )
-    add_to_server(KVStoreServicer(store), server)
+    servicer = KVStoreServicer(store)
+    add_to_server(servicer, server)
     health = health_async.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     port = server.add_insecure_port(config.server.listen)
     if port == 0:
         await store.close()
         raise OSError(f"cannot listen on {config.server.listen}")
+    shm = await _start_shm(config, store, servicer)
     await server.start()
     for service in ("", SERVICE_NAME):
         await health.set(service, health_pb2.HealthCheckResponse.SERVING)
     host = config.server.listen.rpartition(":")[0]
     address = f"{host}:{port}"
     logger.info("kvstore serving on %s with tiers %s", address, [t.name for t in store.tiers])
-    return RunningServer(server, store, health, address, config.server.shutdown_grace_s)
+    return RunningServer(
+        server, store, health, address, config.server.shutdown_grace_s, servicer, shm
+    )
+
+
+def shm_socket_path(setting: str) -> str:
+    """The socket path a ``server.shm_socket`` setting names ("" when the data plane is off)."""
+    if setting == "auto":
+        return os.path.join(tempfile.gettempdir(), f"kvstore-{os.getpid()}.sock")
+    return setting
+
+
+async def _start_shm(
+    config: Config, store: TieredStore, servicer: KVStoreServicer
+) -> ShmServer | None:
+    """Serve the dram arena to co-located clients, if configured and there is an arena."""
+    path = shm_socket_path(config.server.shm_socket)
+    if not path or store.arena is None:
+        return None
+    shm = ShmServer(store, path, os.urandom(16))
+    await shm.start()
+    servicer.shm_socket = path
+    servicer.instance_id = shm.instance_id
+    return shm
 
 
 async def run_server(config: Config, on_ready: Callable[[str], None] | None = None) -> None:

@@ -18,6 +18,7 @@ from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore._wire import MESSAGE_TARGET_BYTES
 from kvstore.errors import InvalidRequestError, KVStoreError, status_of
+from kvstore.prefetch import Prefetcher, PrefetchState
 from kvstore.store import GetResult, TieredStore
 
 __all__ = ["KVStoreServicer", "add_to_server"]
@@ -48,11 +49,14 @@ async def _guard(
 class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generated, untyped
     """Serves ``kvstore.v1.KVStore`` from one :class:`TieredStore`."""
 
-    def __init__(self, store: TieredStore) -> None:
+    def __init__(self, store: TieredStore, prefetcher: Prefetcher | None = None) -> None:
         self.store = store
+        #: Runs Prefetch requests in the background, on the serving loop.
+        self.prefetcher = prefetcher if prefetcher is not None else Prefetcher(store)
         #: Where the fast data paths listen; the server fills it in once they are up.
         self.shm_socket = ""
         self.ucx_address = ""
+        self.instance_id = b""
 
     @staticmethod
     def _decoded(request: Any) -> None:
@@ -160,6 +164,51 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
 
         return await _guard(context, call)
 
+    async def Prefetch(
+        self, request: pb.PrefetchRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.PrefetchResponse:
+        """Queue a background move of blocks into dram; answers with its id at once."""
+
+        async def call() -> pb.PrefetchResponse:
+            self._decoded(request)
+            prefetch_id = self.prefetcher.submit(list(request.keys), request.namespace)
+            return pb.PrefetchResponse(prefetch_id=prefetch_id)
+
+        return await _guard(context, call)
+
+    async def PrefetchStatus(
+        self, request: pb.PrefetchStatusRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.PrefetchStatusResponse:
+        """Progress of a prefetch (NOT_FOUND for an unknown id)."""
+
+        async def call() -> pb.PrefetchStatusResponse:
+            self._decoded(request)
+            progress = self.prefetcher.status(request.prefetch_id)
+            return pb.PrefetchStatusResponse(
+                state=_PREFETCH_STATE[progress.state],
+                total=progress.total,
+                ready=progress.ready,
+                missing=progress.missing,
+                failed=progress.failed,
+            )
+
+        return await _guard(context, call)
+
+    async def CancelPrefetch(
+        self, request: pb.CancelPrefetchRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.CancelPrefetchResponse:
+        """Stop a prefetch; blocks already moved stay (NOT_FOUND for an unknown id)."""
+
+        async def call() -> pb.CancelPrefetchResponse:
+            self._decoded(request)
+            return pb.CancelPrefetchResponse(cancelled=self.prefetcher.cancel(request.prefetch_id))
+
+        return await _guard(context, call)
+
+    async def close(self) -> None:
+        """Cancel prefetches and wait for their moves in flight; call before closing the store."""
+        await self.prefetcher.close()
+
     async def DataPlane(
         self, request: pb.DataPlaneRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.DataPlaneResponse:
@@ -167,9 +216,21 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
 
         async def call() -> pb.DataPlaneResponse:
             self._decoded(request)
-            return pb.DataPlaneResponse(shm_socket=self.shm_socket, ucx_address=self.ucx_address)
+            return pb.DataPlaneResponse(
+                shm_socket=self.shm_socket,
+                ucx_address=self.ucx_address,
+                instance_id=self.instance_id,
+            )
 
         return await _guard(context, call)
+
+
+_PREFETCH_STATE = {
+    PrefetchState.QUEUED: pb.PREFETCH_STATE_QUEUED,
+    PrefetchState.RUNNING: pb.PREFETCH_STATE_RUNNING,
+    PrefetchState.DONE: pb.PREFETCH_STATE_DONE,
+    PrefetchState.CANCELLED: pb.PREFETCH_STATE_CANCELLED,
+}
 
 
 class _Undecodable:
@@ -222,6 +283,21 @@ def add_to_server(servicer: KVStoreServicer, server: grpc.aio.Server) -> None:
             servicer.Stats,
             request_deserializer=_tolerant(pb.StatsRequest),
             response_serializer=pb.StatsResponse.SerializeToString,
+        ),
+        "Prefetch": grpc.unary_unary_rpc_method_handler(
+            servicer.Prefetch,
+            request_deserializer=_tolerant(pb.PrefetchRequest),
+            response_serializer=pb.PrefetchResponse.SerializeToString,
+        ),
+        "PrefetchStatus": grpc.unary_unary_rpc_method_handler(
+            servicer.PrefetchStatus,
+            request_deserializer=_tolerant(pb.PrefetchStatusRequest),
+            response_serializer=pb.PrefetchStatusResponse.SerializeToString,
+        ),
+        "CancelPrefetch": grpc.unary_unary_rpc_method_handler(
+            servicer.CancelPrefetch,
+            request_deserializer=_tolerant(pb.CancelPrefetchRequest),
+            response_serializer=pb.CancelPrefetchResponse.SerializeToString,
         ),
         "DataPlane": grpc.unary_unary_rpc_method_handler(
             servicer.DataPlane,

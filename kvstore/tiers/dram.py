@@ -8,6 +8,14 @@ reported as ``wasted_bytes``. Living in a memfd lets co-located clients map the 
 
 DRAM is trusted memory, so reads are not re-checksummed (that would halve their speed); the header
 is kept beside the pages and goes with the block when it is demoted to a tier that can rot.
+
+Two things let a co-located client touch the pages directly (``kvstore.server.shm``):
+
+* a **lease** (:meth:`DramTier.lease`) names the byte ranges of a resident block for a reader.
+  Removing or replacing a leased block unindexes it at once but keeps its pages allocated until
+  the last lease on it is released, so a reader never sees its bytes change under it;
+* a **reservation** (:meth:`DramTier.reserve`) hands out free pages before there is a block: the
+  client writes the payload into them, then :meth:`DramTier.install` makes them a block.
 """
 
 from __future__ import annotations
@@ -25,13 +33,39 @@ from kvstore.buffers import byte_view
 from kvstore.tiers.base import Buffer, StoredBlock, Tier
 from kvstore.tiers.pages import Extent, PageAllocator
 
-__all__ = ["DramTier"]
+__all__ = ["DramLease", "DramTier", "Reservation"]
+
+
+class _Resident:
+    """A block's pages, and how many readers hold a lease on them."""
+
+    __slots__ = ("extents", "header", "leases", "retired")
+
+    def __init__(self, header: BlockHeader, extents: list[Extent]) -> None:
+        self.header = header
+        self.extents = extents
+        self.leases = 0
+        #: Removed or replaced while leased: the pages go back when the last lease does.
+        self.retired = False
 
 
 @dataclass(frozen=True, slots=True)
-class _Resident:
-    header: BlockHeader
-    extents: list[Extent]
+class DramLease:
+    """A reader's hold on one block's pages; ``ranges`` are ``(offset, length)`` in the arena."""
+
+    key: bytes
+    ranges: list[tuple[int, int]]
+    _resident: _Resident
+
+
+@dataclass(slots=True)
+class Reservation:
+    """Free pages handed out for a block of ``length`` bytes that a client is about to write."""
+
+    length: int
+    ranges: list[tuple[int, int]]
+    _extents: list[Extent]
+    open: bool = True
 
 
 class DramTier(Tier):
@@ -57,6 +91,9 @@ class DramTier(Tier):
         self._pages = PageAllocator(num_pages)
         self._blocks: dict[bytes, _Resident] = {}
         self._payload_bytes = 0
+        self._leases = 0
+        self._retired_bytes = 0
+        self._reserved_bytes = 0
 
     @property
     def fd(self) -> int:
@@ -78,9 +115,12 @@ class DramTier(Tier):
     def extents(self, key: bytes) -> list[tuple[int, int]]:
         """Byte ranges ``(offset, length)`` of ``key``'s payload in the arena, in order."""
         resident = self._blocks[key]
-        remaining = resident.header.length
+        return self._ranges(resident.extents, resident.header.length)
+
+    def _ranges(self, extents: Sequence[Extent], length: int) -> list[tuple[int, int]]:
+        remaining = length
         ranges = []
-        for first, count in resident.extents:
+        for first, count in extents:
             size = min(count * self.page_size, remaining)
             ranges.append((first * self.page_size, size))
             remaining -= size
@@ -93,7 +133,10 @@ class DramTier(Tier):
             raise ValueError(f"payload is {len(data)} bytes, header says {header.length}")
         pages = self.footprint(header.length) // self.page_size
         old = self._blocks.get(header.key)
-        reusable = sum(extent.pages for extent in old.extents) if old is not None else 0
+        # A leased block's pages stay allocated after replacement, so they are not reusable.
+        reusable = 0
+        if old is not None and not old.leases:
+            reusable = sum(extent.pages for extent in old.extents)
         # Decide before freeing anything: False must leave a block being replaced intact. The
         # allocator succeeds whenever enough pages are free, so this check is exact.
         if pages > self._pages.free_pages + reusable:
@@ -176,16 +219,90 @@ class DramTier(Tier):
         """Headers of resident blocks (the arena does not survive a restart, so at start: none)."""
         return iter([resident.header for resident in self._blocks.values()])
 
+    # -- direct access by co-located clients ----------------------------------------------
+
+    def lease(self, key: bytes) -> DramLease | None:
+        """Hold ``key``'s pages for a reader until :meth:`release`; ``None`` if not resident."""
+        resident = self._blocks.get(key)
+        if resident is None:
+            return None
+        resident.leases += 1
+        self._leases += 1
+        return DramLease(key, self._ranges(resident.extents, resident.header.length), resident)
+
+    def release(self, lease: DramLease) -> None:
+        """Give back one lease; frees the pages of a block removed while it was leased."""
+        resident = lease._resident
+        if resident.leases <= 0:
+            raise ValueError(f"lease on {lease.key.hex()} released twice")
+        resident.leases -= 1
+        self._leases -= 1
+        if resident.leases == 0 and resident.retired:
+            self._retired_bytes -= self._footprint_of(resident)
+            self._pages.release(resident.extents)
+
+    def reserve(self, length: int) -> Reservation | None:
+        """Pages for a block of ``length`` bytes, not yet a block; ``None`` if too few are free."""
+        if length <= 0:
+            raise ValueError(f"length must be > 0, got {length}")
+        extents = self._pages.allocate(self.footprint(length) // self.page_size)
+        if extents is None:
+            return None
+        self._reserved_bytes += self.footprint(length)
+        return Reservation(length, self._ranges(extents, length), extents)
+
+    def reserved_payload(self, reservation: Reservation) -> memoryview:
+        """The bytes written into a reservation (a view if contiguous, else a copy)."""
+        if len(reservation.ranges) == 1:
+            offset, size = reservation.ranges[0]
+            return self._arena[offset : offset + size].data
+        return memoryview(
+            b"".join(
+                self._arena[offset : offset + size].data for offset, size in reservation.ranges
+            )
+        )
+
+    def install(self, header: BlockHeader, reservation: Reservation) -> None:
+        """Make a written reservation the block ``header`` describes, replacing any older one."""
+        if not reservation.open:
+            raise ValueError("reservation already installed or cancelled")
+        if header.length != reservation.length:
+            raise ValueError(f"header says {header.length} bytes, reserved {reservation.length}")
+        reservation.open = False
+        self._reserved_bytes -= self.footprint(reservation.length)
+        old = self._blocks.pop(header.key, None)
+        if old is not None:
+            self._forget(old)
+        self._blocks[header.key] = _Resident(header, reservation._extents)
+        self._payload_bytes += header.length
+
+    def cancel(self, reservation: Reservation) -> None:
+        """Give back a reservation's pages (idempotent)."""
+        if reservation.open:
+            reservation.open = False
+            self._reserved_bytes -= self.footprint(reservation.length)
+            self._pages.release(reservation._extents)
+
     def stats(self) -> dict[str, int]:
-        """Capacity, usage, block count, payload bytes, rounding waste and fragmentation."""
+        """Capacity, usage, block count, payload bytes, rounding waste and fragmentation.
+
+        ``used`` includes pages that are reserved for puts in progress (``reserved_bytes``) and
+        pages of removed blocks that readers still lease (``retired_bytes``).
+        """
         return {
             "capacity": self.capacity,
             "used": self.used,
             "blocks": len(self._blocks),
             "payload_bytes": self._payload_bytes,
-            "wasted_bytes": self.used - self._payload_bytes,
+            "wasted_bytes": self.used
+            - self._payload_bytes
+            - self._reserved_bytes
+            - self._retired_bytes,
             "page_size": self.page_size,
             "free_runs": self._pages.free_runs,
+            "leases": self._leases,
+            "reserved_bytes": self._reserved_bytes,
+            "retired_bytes": self._retired_bytes,
         }
 
     async def close(self) -> None:
@@ -201,6 +318,14 @@ class DramTier(Tier):
             os.close(self._fd)
             self._fd = -1
 
+    def _footprint_of(self, resident: _Resident) -> int:
+        return sum(extent.pages for extent in resident.extents) * self.page_size
+
     def _forget(self, resident: _Resident) -> None:
-        self._pages.release(resident.extents)
+        """Account for an unindexed block; free its pages unless a reader still leases them."""
         self._payload_bytes -= resident.header.length
+        if resident.leases:
+            resident.retired = True
+            self._retired_bytes += self._footprint_of(resident)
+        else:
+            self._pages.release(resident.extents)

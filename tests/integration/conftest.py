@@ -7,6 +7,7 @@ signal, asserting that a graceful stop exits 0. Fixtures:
 * ``server_factory`` / ``module_server_factory``: start servers with given flags and environment;
   every server they started is killed at the end of the test (or module) if still running.
 * ``server``: a default server for one test; ``client``: a :class:`KVStoreClient` on it.
+* ``data_plane`` (autouse): runs each test once on the automatic data plane, once on gRPC only.
 """
 
 from __future__ import annotations
@@ -196,7 +197,9 @@ def server_factory(tmp_path: Path) -> Iterator[ServerFactory]:
 
 
 @pytest.fixture(scope="module")
-def module_server_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerFactory]:
+def module_server_factory(
+    tmp_path_factory: pytest.TempPathFactory, data_plane: str
+) -> Iterator[ServerFactory]:
     """Like ``server_factory``, for servers shared by the tests of one module."""
     with _factory(tmp_path_factory.mktemp("servers")) as start:
         yield start
@@ -219,3 +222,18 @@ def client(server: ServerProcess) -> Iterator[KVStoreClient]:
 def unused_target() -> str:
     """A loopback ``HOST:PORT`` on which nothing listens."""
     return f"127.0.0.1:{free_port()}"
+
+
+@pytest.fixture(
+    scope="module", autouse=True, params=["auto", "grpc"], ids=["shm-or-grpc", "grpc-only"]
+)
+def data_plane(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run every integration module twice: with clients choosing their data plane themselves
+    (shared memory, since tests and servers share this host, where the server has a dram arena)
+    and with clients held to gRPC, so that both paths keep the same behaviour.
+
+    Module-scoped, and a dependency of ``module_server_factory``, so that each pass gets fresh
+    module servers (tests that reuse fixed keys would otherwise find them already stored)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KVSTORE_DATA_PLANE", str(request.param))
+        yield str(request.param)

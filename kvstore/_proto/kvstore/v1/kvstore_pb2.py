@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvstore/v1/kvstore.proto\x12\nkvstore.v1\"0\n\rLookupRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"-\n\x0eLookupResponse\x12\x0c\n\x04hits\x18\x01 \x01(\r\x12\r\n\x05tiers\x18\x02 \x03(\t\"#\n\x05\x42lock\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\r\n\x05value\x18\x02 \x01(\x0c\"B\n\nPutRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12!\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x11.kvstore.v1.Block\"G\n\x0bPutResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x17\n\x0f\x61lready_present\x18\x02 \x01(\r\x12\x0f\n\x07\x64ropped\x18\x03 \x01(\r\"-\n\nGetRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"F\n\tGetResult\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05\x66ound\x18\x02 \x01(\x08\x12\r\n\x05value\x18\x03 \x01(\x0c\x12\x0c\n\x04tier\x18\x04 \x01(\t\"5\n\x0bGetResponse\x12&\n\x07results\x18\x01 \x03(\x0b\x32\x15.kvstore.v1.GetResult\"0\n\rDeleteRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x11\n\tnamespace\x18\x02 \x01(\x0c\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"{\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x31\n\x06values\x18\x02 \x03(\x0b\x32!.kvstore.v1.TierStats.ValuesEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\xb1\x01\n\rStatsResponse\x12$\n\x05tiers\x18\x01 \x03(\x0b\x32\x15.kvstore.v1.TierStats\x12\x39\n\x08\x63ounters\x18\x02 \x03(\x0b\x32\'.kvstore.v1.StatsResponse.CountersEntry\x12\x0e\n\x06\x62locks\x18\x03 \x01(\x04\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x12\n\x10\x44\x61taPlaneRequest\"<\n\x11\x44\x61taPlaneResponse\x12\x12\n\nshm_socket\x18\x01 \x01(\t\x12\x13\n\x0bucx_address\x18\x02 \x01(\t\"2\n\x0fPrefetchRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"\'\n\x10PrefetchResponse\x12\x13\n\x0bprefetch_id\x18\x01 \x01(\x04\",\n\x15PrefetchStatusRequest\x12\x13\n\x0bprefetch_id\x18\x01 \x01(\x04\"\x81\x01\n\x16PrefetchStatusResponse\x12(\n\x05state\x18\x01 \x01(\x0e\x32\x19.kvstore.v1.PrefetchState\x12\r\n\x05total\x18\x02 \x01(\r\x12\r\n\x05ready\x18\x03 \x01(\r\x12\x0f\n\x07missing\x18\x04 \x01(\r\x12\x0e\n\x06\x66\x61iled\x18\x05 \x01(\r\",\n\x15\x43\x61ncelPrefetchRequest\x12\x13\n\x0bprefetch_id\x18\x01 \x01(\x04\"+\n\x16\x43\x61ncelPrefetchResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08*\x9d\x01\n\rPrefetchState\x12\x1e\n\x1aPREFETCH_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15PREFETCH_STATE_QUEUED\x10\x01\x12\x1a\n\x16PREFETCH_STATE_RUNNING\x10\x02\x12\x17\n\x13PREFETCH_STATE_DONE\x10\x03\x12\x1c\n\x18PREFETCH_STATE_CANCELLED\x10\x04\x32\x80\x05\n\x07KVStore\x12?\n\x06Lookup\x12\x19.kvstore.v1.LookupRequest\x1a\x1a.kvstore.v1.LookupResponse\x12\x38\n\x03Put\x12\x16.kvstore.v1.PutRequest\x1a\x17.kvstore.v1.PutResponse(\x01\x12\x38\n\x03Get\x12\x16.kvstore.v1.GetRequest\x1a\x17.kvstore.v1.GetResponse0\x01\x12?\n\x06\x44\x65lete\x12\x19.kvstore.v1.DeleteRequest\x1a\x1a.kvstore.v1.DeleteResponse\x12<\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x19.kvstore.v1.StatsResponse\x12H\n\tDataPlane\x12\x1c.kvstore.v1.DataPlaneRequest\x1a\x1d.kvstore.v1.DataPlaneResponse\x12\x45\n\x08Prefetch\x12\x1b.kvstore.v1.PrefetchRequest\x1a\x1c.kvstore.v1.PrefetchResponse\x12W\n\x0ePrefetchStatus\x12!.kvstore.v1.PrefetchStatusRequest\x1a\".kvstore.v1.PrefetchStatusResponse\x12W\n\x0e\x43\x61ncelPrefetch\x12!.kvstore.v1.CancelPrefetchRequest\x1a\".kvstore.v1.CancelPrefetchResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvstore/v1/kvstore.proto\x12\nkvstore.v1\"0\n\rLookupRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"-\n\x0eLookupResponse\x12\x0c\n\x04hits\x18\x01 \x01(\r\x12\r\n\x05tiers\x18\x02 \x03(\t\"#\n\x05\x42lock\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\r\n\x05value\x18\x02 \x01(\x0c\"B\n\nPutRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12!\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x11.kvstore.v1.Block\"G\n\x0bPutResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x17\n\x0f\x61lready_present\x18\x02 \x01(\r\x12\x0f\n\x07\x64ropped\x18\x03 \x01(\r\"-\n\nGetRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"F\n\tGetResult\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05\x66ound\x18\x02 \x01(\x08\x12\r\n\x05value\x18\x03 \x01(\x0c\x12\x0c\n\x04tier\x18\x04 \x01(\t\"5\n\x0bGetResponse\x12&\n\x07results\x18\x01 \x03(\x0b\x32\x15.kvstore.v1.GetResult\"0\n\rDeleteRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x11\n\tnamespace\x18\x02 \x01(\x0c\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"{\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x31\n\x06values\x18\x02 \x03(\x0b\x32!.kvstore.v1.TierStats.ValuesEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\xb1\x01\n\rStatsResponse\x12$\n\x05tiers\x18\x01 \x03(\x0b\x32\x15.kvstore.v1.TierStats\x12\x39\n\x08\x63ounters\x18\x02 \x03(\x0b\x32\'.kvstore.v1.StatsResponse.CountersEntry\x12\x0e\n\x06\x62locks\x18\x03 \x01(\x04\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x12\n\x10\x44\x61taPlaneRequest\"Q\n\x11\x44\x61taPlaneResponse\x12\x12\n\nshm_socket\x18\x01 \x01(\t\x12\x13\n\x0bucx_address\x18\x02 \x01(\t\x12\x13\n\x0binstance_id\x18\x03 \x01(\x0c\"2\n\x0fPrefetchRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"\'\n\x10PrefetchResponse\x12\x13\n\x0bprefetch_id\x18\x01 \x01(\x04\",\n\x15PrefetchStatusRequest\x12\x13\n\x0bprefetch_id\x18\x01 \x01(\x04\"\x81\x01\n\x16PrefetchStatusResponse\x12(\n\x05state\x18\x01 \x01(\x0e\x32\x19.kvstore.v1.PrefetchState\x12\r\n\x05total\x18\x02 \x01(\r\x12\r\n\x05ready\x18\x03 \x01(\r\x12\x0f\n\x07missing\x18\x04 \x01(\r\x12\x0e\n\x06\x66\x61iled\x18\x05 \x01(\r\",\n\x15\x43\x61ncelPrefetchRequest\x12\x13\n\x0bprefetch_id\x18\x01 \x01(\x04\"+\n\x16\x43\x61ncelPrefetchResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08*\x9d\x01\n\rPrefetchState\x12\x1e\n\x1aPREFETCH_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15PREFETCH_STATE_QUEUED\x10\x01\x12\x1a\n\x16PREFETCH_STATE_RUNNING\x10\x02\x12\x17\n\x13PREFETCH_STATE_DONE\x10\x03\x12\x1c\n\x18PREFETCH_STATE_CANCELLED\x10\x04\x32\x80\x05\n\x07KVStore\x12?\n\x06Lookup\x12\x19.kvstore.v1.LookupRequest\x1a\x1a.kvstore.v1.LookupResponse\x12\x38\n\x03Put\x12\x16.kvstore.v1.PutRequest\x1a\x17.kvstore.v1.PutResponse(\x01\x12\x38\n\x03Get\x12\x16.kvstore.v1.GetRequest\x1a\x17.kvstore.v1.GetResponse0\x01\x12?\n\x06\x44\x65lete\x12\x19.kvstore.v1.DeleteRequest\x1a\x1a.kvstore.v1.DeleteResponse\x12<\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x19.kvstore.v1.StatsResponse\x12H\n\tDataPlane\x12\x1c.kvstore.v1.DataPlaneRequest\x1a\x1d.kvstore.v1.DataPlaneResponse\x12\x45\n\x08Prefetch\x12\x1b.kvstore.v1.PrefetchRequest\x1a\x1c.kvstore.v1.PrefetchResponse\x12W\n\x0ePrefetchStatus\x12!.kvstore.v1.PrefetchStatusRequest\x1a\".kvstore.v1.PrefetchStatusResponse\x12W\n\x0e\x43\x61ncelPrefetch\x12!.kvstore.v1.CancelPrefetchRequest\x1a\".kvstore.v1.CancelPrefetchResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,8 +35,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TIERSTATS_VALUESENTRY']._serialized_options = b'8\001'
   _globals['_STATSRESPONSE_COUNTERSENTRY']._loaded_options = None
   _globals['_STATSRESPONSE_COUNTERSENTRY']._serialized_options = b'8\001'
-  _globals['_PREFETCHSTATE']._serialized_start=1340
-  _globals['_PREFETCHSTATE']._serialized_end=1497
+  _globals['_PREFETCHSTATE']._serialized_start=1361
+  _globals['_PREFETCHSTATE']._serialized_end=1518
   _globals['_LOOKUPREQUEST']._serialized_start=40
   _globals['_LOOKUPREQUEST']._serialized_end=88
   _globals['_LOOKUPRESPONSE']._serialized_start=90
@@ -70,19 +70,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DATAPLANEREQUEST']._serialized_start=895
   _globals['_DATAPLANEREQUEST']._serialized_end=913
   _globals['_DATAPLANERESPONSE']._serialized_start=915
-  _globals['_DATAPLANERESPONSE']._serialized_end=975
-  _globals['_PREFETCHREQUEST']._serialized_start=977
-  _globals['_PREFETCHREQUEST']._serialized_end=1027
-  _globals['_PREFETCHRESPONSE']._serialized_start=1029
-  _globals['_PREFETCHRESPONSE']._serialized_end=1068
-  _globals['_PREFETCHSTATUSREQUEST']._serialized_start=1070
-  _globals['_PREFETCHSTATUSREQUEST']._serialized_end=1114
-  _globals['_PREFETCHSTATUSRESPONSE']._serialized_start=1117
-  _globals['_PREFETCHSTATUSRESPONSE']._serialized_end=1246
-  _globals['_CANCELPREFETCHREQUEST']._serialized_start=1248
-  _globals['_CANCELPREFETCHREQUEST']._serialized_end=1292
-  _globals['_CANCELPREFETCHRESPONSE']._serialized_start=1294
-  _globals['_CANCELPREFETCHRESPONSE']._serialized_end=1337
-  _globals['_KVSTORE']._serialized_start=1500
-  _globals['_KVSTORE']._serialized_end=2140
+  _globals['_DATAPLANERESPONSE']._serialized_end=996
+  _globals['_PREFETCHREQUEST']._serialized_start=998
+  _globals['_PREFETCHREQUEST']._serialized_end=1048
+  _globals['_PREFETCHRESPONSE']._serialized_start=1050
+  _globals['_PREFETCHRESPONSE']._serialized_end=1089
+  _globals['_PREFETCHSTATUSREQUEST']._serialized_start=1091
+  _globals['_PREFETCHSTATUSREQUEST']._serialized_end=1135
+  _globals['_PREFETCHSTATUSRESPONSE']._serialized_start=1138
+  _globals['_PREFETCHSTATUSRESPONSE']._serialized_end=1267
+  _globals['_CANCELPREFETCHREQUEST']._serialized_start=1269
+  _globals['_CANCELPREFETCHREQUEST']._serialized_end=1313
+  _globals['_CANCELPREFETCHRESPONSE']._serialized_start=1315
+  _globals['_CANCELPREFETCHRESPONSE']._serialized_end=1358
+  _globals['_KVSTORE']._serialized_start=1521
+  _globals['_KVSTORE']._serialized_end=2161
 # @@protoc_insertion_point(module_scope)

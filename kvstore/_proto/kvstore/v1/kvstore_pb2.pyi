@@ -143,12 +143,14 @@ class DataPlaneRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DataPlaneResponse(_message.Message):
-    __slots__ = ("shm_socket", "ucx_address")
+    __slots__ = ("shm_socket", "ucx_address", "instance_id")
     SHM_SOCKET_FIELD_NUMBER: _ClassVar[int]
     UCX_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     shm_socket: str
     ucx_address: str
-    def __init__(self, shm_socket: _Optional[str] = ..., ucx_address: _Optional[str] = ...) -> None: ...
+    instance_id: bytes
+    def __init__(self, shm_socket: _Optional[str] = ..., ucx_address: _Optional[str] = ..., instance_id: _Optional[bytes] = ...) -> None: ...
 
 class PrefetchRequest(_message.Message):
     __slots__ = ("namespace", "keys")

@@ -1,0 +1,303 @@
+"""The shared-memory data plane, server side: a UNIX socket that lends the ``dram`` arena.
+
+A co-located client connects, says which namespace it works in, and receives the arena's memfd
+(``SCM_RIGHTS``); it maps the arena once and from then on asks only for *where* blocks are. Reads
+lease pages (:meth:`TieredStore.acquire`), the client copies out of them and releases; writes
+reserve pages, the client copies in and commits. Payload bytes never cross the socket, except for
+a block that cannot be brought into the arena, which comes back inline.
+
+Everything a connection holds (leases, reservations) belongs to it: when the client closes the
+socket or its process dies, the kernel closes the socket and the server gives everything back,
+so a crashed engine cannot leak arena space or pins.
+
+The server runs on the store's event loop, like the gRPC server, because the store is not
+thread-safe; requests are metadata only, so this loop never copies a payload.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import socket
+import stat
+import struct
+from collections.abc import Callable
+from typing import Any
+
+from kvstore.errors import InvalidRequestError, KVStoreError, status_of
+from kvstore.keys import NAMESPACE_BYTES
+from kvstore.store import TieredStore
+from kvstore.tiers.dram import DramLease, Reservation
+from kvstore.transport.shm_protocol import (
+    ABSENT_TIER,
+    MAX_REQUEST_BYTES,
+    Cursor,
+    Hello,
+    Op,
+    ProtocolError,
+    Slot,
+    frame,
+    frame_length,
+    pack_ranges,
+)
+
+__all__ = ["ShmServer"]
+
+logger = logging.getLogger(__name__)
+
+_OK = 0
+_INTERNAL = 13  # grpc.StatusCode.INTERNAL
+
+
+class _Session:
+    """One client connection: its namespace and everything it holds."""
+
+    def __init__(self) -> None:
+        self.namespace: bytes | None = None
+        self.leases: dict[int, DramLease] = {}
+        self.reservations: dict[int, tuple[bytes, Reservation]] = {}
+
+
+class ShmServer:
+    """Serves the arena of ``store`` to co-located clients on the UNIX socket at ``path``."""
+
+    def __init__(self, store: TieredStore, path: str, instance_id: bytes) -> None:
+        arena = store.arena
+        if arena is None:
+            raise ValueError("the shared-memory data plane needs a dram tier")
+        self.store = store
+        self.path = path
+        self.instance_id = instance_id
+        self._arena = arena
+        self._ids = itertools.count(1)
+        self._sessions: set[_Session] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._listener: socket.socket | None = None
+        self._accepting: asyncio.Task[None] | None = None
+        self._handlers: dict[int, Callable[[_Session, Cursor], Any]] = {
+            Op.HELLO: self._hello,
+            Op.LOOKUP: self._lookup,
+            Op.ACQUIRE: self._acquire,
+            Op.RELEASE: self._release,
+            Op.RESERVE: self._reserve,
+            Op.COMMIT: self._commit,
+            Op.CANCEL: self._cancel,
+        }
+
+    async def start(self) -> None:
+        """Bind the socket (replacing a stale one left by a crashed server) and accept."""
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISSOCK(os.stat(self.path).st_mode):
+                os.unlink(self.path)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(self.path)
+        listener.listen(64)
+        listener.setblocking(False)
+        self._listener = listener
+        self._accepting = asyncio.get_running_loop().create_task(self._accept())
+        logger.info("shared-memory data plane on %s", self.path)
+
+    async def close(self) -> None:
+        """Stop accepting, drop every connection (giving back what it held), remove the socket."""
+        if self._accepting is not None:
+            self._accepting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._accepting
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._listener is not None:
+            self._listener.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+
+    def stats(self) -> dict[str, int]:
+        """Open connections and what they hold."""
+        return {
+            "connections": len(self._sessions),
+            "leases": sum(len(s.leases) for s in self._sessions),
+            "reservations": sum(len(s.reservations) for s in self._sessions),
+        }
+
+    # -- connections -------------------------------------------------------------------------
+
+    async def _accept(self) -> None:
+        assert self._listener is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            conn, _ = await loop.sock_accept(self._listener)
+            conn.setblocking(False)
+            task = loop.create_task(self._serve(conn))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _serve(self, conn: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        session = _Session()
+        self._sessions.add(session)
+        try:
+            while True:
+                head = await _recv_exact(loop, conn, 4)
+                if head is None:
+                    return
+                length = frame_length(head)
+                if not 1 <= length <= MAX_REQUEST_BYTES:
+                    logger.warning("shm client sent a %d-byte frame; closing it", length)
+                    return
+                body = await _recv_exact(loop, conn, length)
+                if body is None:
+                    return
+                op = body[0]
+                reply = await self._dispatch(session, op, memoryview(body)[1:])
+                if reply is None:
+                    continue
+                if op == Op.HELLO and reply[4] == _OK:
+                    # The arena's memfd rides along with the greeting; the kernel dups it.
+                    await _send_with_fd(loop, conn, reply, self._arena.fd)
+                else:
+                    await loop.sock_sendall(conn, reply)
+        except (ConnectionError, OSError) as exc:
+            logger.debug("shm connection ended: %s", exc)
+        finally:
+            self._sessions.discard(session)
+            self._give_back(session)
+            conn.close()
+
+    def _give_back(self, session: _Session) -> None:
+        self.store.release(list(session.leases.values()))
+        self.store.cancel([reservation for _, reservation in session.reservations.values()])
+        session.leases.clear()
+        session.reservations.clear()
+
+    async def _dispatch(self, session: _Session, op: int, body: memoryview) -> bytes | None:
+        """Run one request; its reply frame (``None`` for one-way requests)."""
+        handler = self._handlers.get(op)
+        try:
+            if handler is None:
+                raise ProtocolError(f"unknown shared-memory request code {op}")
+            if op != Op.HELLO and session.namespace is None:
+                raise InvalidRequestError("HELLO must come first")
+            cursor = Cursor(body)
+            result = handler(session, cursor)
+            if asyncio.iscoroutine(result):
+                result = await result
+            cursor.done()
+        except KVStoreError as exc:
+            code = status_of(exc).value[0]
+            return None if op in Op.ONE_WAY else frame(code, str(exc).encode())
+        except Exception as exc:
+            logger.exception("unexpected failure serving a shared-memory request")
+            message = f"internal error: {type(exc).__name__}".encode()
+            return None if op in Op.ONE_WAY else frame(_INTERNAL, message)
+        return None if op in Op.ONE_WAY else frame(_OK, result)
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def _namespace(self, session: _Session) -> bytes:
+        assert session.namespace is not None
+        return session.namespace
+
+    def _hello(self, session: _Session, cursor: Cursor) -> bytes:
+        namespace = bytes(cursor.take(len(cursor.rest())))
+        if len(namespace) != NAMESPACE_BYTES:
+            raise InvalidRequestError(
+                f"namespace fingerprint is {len(namespace)} bytes; it must be {NAMESPACE_BYTES}"
+            )
+        session.namespace = namespace
+        tiers = [tier.name for tier in self.store.tiers]
+        return Hello(
+            self._arena.capacity, self.store.max_keys_per_request, self.instance_id, tiers
+        ).pack()
+
+    async def _lookup(self, session: _Session, cursor: Cursor) -> bytes:
+        keys = cursor.keys(self.store.max_keys_per_request)
+        result = await self.store.lookup_shared(keys, self._namespace(session))
+        index = {tier.name: level for level, tier in enumerate(self.store.tiers)}
+        tiers = bytes(index[name] if name else ABSENT_TIER for name in result.tiers)
+        return struct.pack("<I", result.hits) + tiers
+
+    async def _acquire(self, session: _Session, cursor: Cursor) -> bytes:
+        keys = cursor.keys(self.store.max_keys_per_request)
+        acquired = await self.store.acquire(keys, self._namespace(session))
+        parts: list[bytes] = []
+        for item in acquired:
+            if item is None:
+                parts.append(bytes([Slot.MISS]))
+            elif isinstance(item, DramLease):
+                lease_id = next(self._ids)
+                session.leases[lease_id] = item
+                parts.append(struct.pack("<BQ", Slot.LEASE, lease_id) + pack_ranges(item.ranges))
+            else:
+                parts.append(struct.pack("<BQ", Slot.BYTES, len(item)) + bytes(item))
+        return b"".join(parts)
+
+    def _release(self, session: _Session, cursor: Cursor) -> bytes:
+        leases = [session.leases.pop(i) for i in cursor.ids() if i in session.leases]
+        self.store.release(leases)
+        return b""
+
+    async def _reserve(self, session: _Session, cursor: Cursor) -> bytes:
+        keys = cursor.keys(self.store.max_keys_per_request)
+        lengths = list(cursor.unpack(f"{len(keys)}Q")) if keys else []
+        reserved = await self.store.reserve(keys, lengths, self._namespace(session))
+        parts: list[bytes] = []
+        for key, item in zip(keys, reserved, strict=True):
+            if item is None:
+                parts.append(bytes([Slot.NO_ROOM]))
+            elif item == "present":
+                parts.append(bytes([Slot.PRESENT]))
+            else:
+                reservation_id = next(self._ids)
+                session.reservations[reservation_id] = (key, item)
+                parts.append(
+                    struct.pack("<BQ", Slot.RESERVED, reservation_id) + pack_ranges(item.ranges)
+                )
+        return b"".join(parts)
+
+    async def _commit(self, session: _Session, cursor: Cursor) -> bytes:
+        ids = cursor.ids()
+        unknown = [i for i in ids if i not in session.reservations]
+        if unknown:
+            raise InvalidRequestError(f"no open reservation {unknown[0]} on this connection")
+        written = [session.reservations.pop(i) for i in ids]
+        result = await self.store.commit(written, self._namespace(session))
+        return struct.pack("<III", result.stored, result.already_present, result.dropped)
+
+    def _cancel(self, session: _Session, cursor: Cursor) -> bytes:
+        given_back = [
+            session.reservations.pop(i)[1] for i in cursor.ids() if i in session.reservations
+        ]
+        self.store.cancel(given_back)
+        return b""
+
+
+async def _recv_exact(
+    loop: asyncio.AbstractEventLoop, conn: socket.socket, size: int
+) -> bytearray | None:
+    """Exactly ``size`` bytes, or ``None`` if the peer closed the connection first."""
+    buffer = bytearray(size)
+    view = memoryview(buffer)
+    received = 0
+    while received < size:
+        count = await loop.sock_recv_into(conn, view[received:])
+        if count == 0:
+            return None
+        received += count
+    return buffer
+
+
+async def _send_with_fd(
+    loop: asyncio.AbstractEventLoop, conn: socket.socket, data: bytes, fd: int
+) -> None:
+    """Send ``data`` with ``fd`` attached to its first byte, then the rest as usual."""
+    while True:
+        try:
+            sent = socket.send_fds(conn, [data], [fd])
+            break
+        except BlockingIOError:  # the client has not drained its socket yet; rare and short
+            await asyncio.sleep(0.001)
+    if sent < len(data):
+        await loop.sock_sendall(conn, data[sent:])

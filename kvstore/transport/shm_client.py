@@ -1,0 +1,326 @@
+"""The shared-memory data plane, client side: copy blocks straight between the arena and buffers.
+
+:class:`ShmDataPlane` maps the server's ``dram`` arena (received as a memfd on the first
+connection) and talks to the server over its UNIX socket (see
+:mod:`kvstore.transport.shm_protocol`). A read acquires leases on the blocks' pages, copies each
+block once into the caller's buffer and releases the leases; a write reserves pages, copies each
+value once into them and commits. The clients in :mod:`kvstore.client` use it by themselves when
+the server is on the same host and fall back to gRPC when it is not.
+
+Thread-safe: each call borrows one socket from a small pool, so concurrent calls from several
+threads proceed in parallel (the copies release the GIL). A socket that fails or times out is
+closed, never reused, and the server then gives back whatever that socket held.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvstore.buffers import byte_view, writable_byte_view
+from kvstore.errors import DeadlineExceededError, InvalidRequestError, error_from_status
+from kvstore.keys import KEY_BYTES
+from kvstore.store import LookupResult, PutResult
+from kvstore.transport.shm_protocol import (
+    ABSENT_TIER,
+    Cursor,
+    Hello,
+    Op,
+    Slot,
+    frame,
+    frame_length,
+    pack_ids,
+    pack_keys,
+    unpack_hello,
+)
+
+__all__ = ["ShmDataPlane", "ShmUnavailableError"]
+
+_HELLO_REPLY_LIMIT = 4096
+_Ranges = list[tuple[int, int]]
+
+
+class ShmUnavailableError(ConnectionError):
+    """The shared-memory path cannot be used (now); the caller falls back to gRPC."""
+
+
+class _Connection:
+    """One UNIX socket to the server, used by one call at a time."""
+
+    def __init__(self, path: str, namespace: bytes, timeout: float) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.deadline: float | None = None
+        try:
+            self.sock.settimeout(timeout)
+            self.sock.connect(path)
+            self.sock.sendall(frame(Op.HELLO, namespace))
+            data, fds, _, _ = socket.recv_fds(self.sock, _HELLO_REPLY_LIMIT, 1)
+        except OSError:
+            self.sock.close()
+            raise
+        self.fd = fds[0] if fds else -1
+        try:
+            body = self._complete(bytearray(data))
+            self.hello = unpack_hello(body)
+        except BaseException:
+            self.close_fd()
+            self.sock.close()
+            raise
+
+    def _complete(self, data: bytearray) -> memoryview:
+        """The body of the reply whose first bytes are ``data`` (reading the rest)."""
+        while len(data) < 4:
+            data += self._recv(4 - len(data))
+        length = frame_length(data[:4])
+        while len(data) < 4 + length:
+            data += self._recv(4 + length - len(data))
+        status = data[4]
+        body = memoryview(data)[5 : 4 + length]
+        if status != 0:
+            raise error_from_status(_grpc_code(status), bytes(body).decode(errors="replace"))
+        return body
+
+    def _recv(self, size: int) -> bytes:
+        if self.deadline is not None:
+            self._set_deadline(self.deadline)
+        chunk = self.sock.recv(max(size, 65536))
+        if not chunk:
+            raise ConnectionResetError("the store closed the shared-memory socket")
+        return chunk
+
+    def close_fd(self) -> None:
+        """Close the arena fd that came with the greeting (the mapping keeps the arena)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def call(self, op: int, body: bytes, deadline: float) -> memoryview:
+        """Send a request and return its reply body (raising the error it reports).
+
+        ``deadline`` is a :func:`time.monotonic` instant; past it, DeadlineExceededError.
+        """
+        self._set_deadline(deadline)
+        self.sock.sendall(frame(op, body))
+        self.deadline = deadline
+        return self._complete(bytearray())
+
+    def _set_deadline(self, deadline: float) -> None:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise DeadlineExceededError("deadline exceeded before the store answered")
+        self.sock.settimeout(remaining)
+
+    def send(self, op: int, body: bytes) -> None:
+        """Send a request that has no reply."""
+        self.sock.sendall(frame(op, body))
+
+
+def _grpc_code(value: int) -> Any:
+    import grpc
+
+    for code in grpc.StatusCode:
+        if code.value[0] == value:
+            return code
+    return grpc.StatusCode.UNKNOWN
+
+
+class ShmDataPlane:
+    """A co-located client's direct path to a server's arena (see the module docstring)."""
+
+    def __init__(self, path: str, namespace: bytes, *, timeout: float = 5.0) -> None:
+        self.path = path
+        self.namespace = namespace
+        self.timeout = timeout
+        first = self._open()
+        if first.fd < 0:
+            first.sock.close()
+            raise ShmUnavailableError("the store sent no arena descriptor")
+        try:
+            self._mapping = mmap.mmap(first.fd, first.hello.arena_size)
+        finally:
+            first.close_fd()
+        self.hello: Hello = first.hello
+        self._arena = np.frombuffer(self._mapping, dtype=np.uint8)
+        self._idle: list[_Connection] = [first]
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def instance_id(self) -> bytes:
+        """The server process's identity, to compare with what gRPC's ``DataPlane`` says."""
+        return self.hello.instance_id
+
+    def _open(self) -> _Connection:
+        try:
+            return _Connection(self.path, self.namespace, self.timeout)
+        except (OSError, ValueError) as exc:
+            raise ShmUnavailableError(f"cannot open {self.path}: {exc}") from exc
+
+    @contextlib.contextmanager
+    def _connection(self) -> Iterator[_Connection]:
+        with self._lock:
+            if self._closed:
+                raise ShmUnavailableError("the shared-memory path is closed")
+            conn = self._idle.pop() if self._idle else None
+        if conn is None:
+            conn = self._open()
+            conn.close_fd()
+        try:
+            yield conn
+        except TimeoutError as exc:
+            conn.sock.close()
+            raise DeadlineExceededError("deadline exceeded waiting for the store") from exc
+        except OSError as exc:
+            conn.sock.close()
+            raise ShmUnavailableError(f"shared-memory socket failed: {exc}") from exc
+        except BaseException:
+            conn.sock.close()  # mid-request: the stream position is unknown
+            raise
+        with self._lock:
+            if self._closed:
+                conn.sock.close()
+            else:
+                self._idle.append(conn)
+
+    def _deadline(self, timeout: float | None) -> float:
+        return time.monotonic() + (self.timeout if timeout is None else timeout)
+
+    def usable_for(self, keys: Sequence[bytes]) -> bool:
+        """Whether this path can carry a request for ``keys`` (else gRPC reports the problem)."""
+        return 0 < len(keys) <= self.hello.max_keys and all(len(k) == KEY_BYTES for k in keys)
+
+    # -- calls -------------------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[bytes], timeout: float | None = None) -> LookupResult:
+        """How many leading keys are stored, and each key's tier."""
+        with self._connection() as conn:
+            reply = Cursor(conn.call(Op.LOOKUP, pack_keys(keys), self._deadline(timeout)))
+            hits = reply.u32()
+            indices = reply.take(len(keys))
+        names = self.hello.tiers
+        return LookupResult(hits, [names[i] if i != ABSENT_TIER else "" for i in indices])
+
+    def get_into(
+        self, keys: Sequence[bytes], buffers: Sequence[Any], timeout: float | None = None
+    ) -> list[bool]:
+        """Fill ``buffers`` with the blocks of ``keys``; False where missing or of another size."""
+        if len(keys) != len(buffers):
+            raise InvalidRequestError(f"{len(keys)} keys but {len(buffers)} buffers")
+        targets = [np.frombuffer(writable_byte_view(b), dtype=np.uint8) for b in buffers]
+        filled = [False] * len(keys)
+
+        def copy(index: int, source: Any) -> None:
+            target = targets[index]
+            if isinstance(source, list):  # leased ranges
+                if sum(size for _, size in source) != len(target):
+                    return
+                at = 0
+                for offset, size in source:
+                    target[at : at + size] = self._arena[offset : offset + size]
+                    at += size
+            elif len(source) == len(target):
+                target[:] = np.frombuffer(source, dtype=np.uint8)
+            else:
+                return
+            filled[index] = True
+
+        self._read(keys, copy, timeout)
+        return filled
+
+    def get(self, keys: Sequence[bytes], timeout: float | None = None) -> list[bytes | None]:
+        """The payload of each key (a fresh ``bytes``), ``None`` where missing."""
+        out: list[bytes | None] = [None] * len(keys)
+
+        def copy(index: int, source: Any) -> None:
+            if isinstance(source, list):
+                out[index] = b"".join(self._arena[o : o + n].tobytes() for o, n in source)
+            else:
+                out[index] = bytes(source)
+
+        self._read(keys, copy, timeout)
+        return out
+
+    def _read(self, keys: Sequence[bytes], copy: Any, timeout: float | None) -> None:
+        """ACQUIRE, hand each block's ranges (or inline bytes) to ``copy``, RELEASE."""
+        with self._connection() as conn:
+            reply = Cursor(conn.call(Op.ACQUIRE, pack_keys(keys), self._deadline(timeout)))
+            leases: list[int] = []
+            try:
+                for index in range(len(keys)):
+                    kind = reply.u8()
+                    if kind == Slot.LEASE:
+                        leases.append(reply.u64())
+                        copy(index, reply.ranges())
+                    elif kind == Slot.BYTES:
+                        copy(index, reply.take(reply.u64()))
+            finally:
+                if leases:
+                    conn.send(Op.RELEASE, pack_ids(leases))
+
+    def put(
+        self, keys: Sequence[bytes], values: Sequence[Any], timeout: float | None = None
+    ) -> tuple[PutResult, list[int]]:
+        """Write blocks through the arena.
+
+        Returns the result and the indices of values the arena had no room for, which the caller
+        sends another way.
+        """
+        if len(keys) != len(values):
+            raise InvalidRequestError(f"{len(keys)} keys but {len(values)} values")
+        views = [byte_view(value) for value in values]
+        lengths = struct.pack(f"<{len(views)}Q", *(len(view) for view in views))
+        present = 0
+        no_room: list[int] = []
+        with self._connection() as conn:
+            deadline = self._deadline(timeout)
+            reply = Cursor(conn.call(Op.RESERVE, pack_keys(keys) + lengths, deadline))
+            reserved: list[int] = []
+            try:
+                for index, view in enumerate(views):
+                    kind = reply.u8()
+                    if kind == Slot.RESERVED:
+                        reserved.append(reply.u64())
+                        self._write(reply.ranges(), view)
+                    elif kind == Slot.PRESENT:
+                        present += 1
+                    else:
+                        no_room.append(index)
+            except BaseException:
+                if reserved:
+                    conn.send(Op.CANCEL, pack_ids(reserved))
+                raise
+            if not reserved:
+                return PutResult(0, present, 0), no_room
+            if time.monotonic() > deadline:
+                conn.send(Op.CANCEL, pack_ids(reserved))
+                raise DeadlineExceededError("deadline exceeded while writing blocks")
+            counts = Cursor(conn.call(Op.COMMIT, pack_ids(reserved), deadline)).unpack("III")
+        stored, already, dropped = counts
+        return PutResult(stored, present + already, dropped), no_room
+
+    def _write(self, ranges: _Ranges, view: memoryview) -> None:
+        source = np.frombuffer(view, dtype=np.uint8)
+        at = 0
+        for offset, size in ranges:
+            self._arena[offset : offset + size] = source[at : at + size]
+            at += size
+
+    def close(self) -> None:
+        """Close the sockets (the server releases what they held) and unmap the arena."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.sock.close()
+        self._arena = np.empty(0, dtype=np.uint8)
+        with contextlib.suppress(BufferError):  # a caller still holds a view: unmapped at exit
+            self._mapping.close()

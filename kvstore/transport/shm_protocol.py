@@ -1,0 +1,197 @@
+"""The shared-memory data plane's wire format: small binary frames over a UNIX stream socket.
+
+gRPC stays the control plane and the fallback. This socket carries metadata only (keys, lengths,
+page ranges, lease ids); payload bytes move by one memcpy through the ``dram`` arena, which the
+server hands to the client once, as a memfd, in the reply to ``HELLO`` (``SCM_RIGHTS``).
+
+A request is ``length:u32 | op:u8 | body`` (``length`` counts op and body). Every request but
+``RELEASE`` and ``CANCEL`` gets one reply, in order: ``length:u32 | status:u8 | body``, where
+status 0 is OK and anything else is a gRPC status code with a UTF-8 message as the body. All
+integers are little-endian. Bodies (``keys`` = ``n:u32`` then ``n`` 16-byte keys)::
+
+    HELLO    namespace[16]            -> arena_size:u64 max_keys:u32 instance_id[16] tiers
+    LOOKUP   keys                     -> hits:u32, then per key: tier index:u8 (255 absent)
+    ACQUIRE  keys                     -> per key: MISS | LEASE id:u64 ranges | BYTES n:u64 data
+    RELEASE  n:u32 ids:u64*n             (no reply)
+    RESERVE  keys, then lengths:u64*n -> per key: NO_ROOM | PRESENT | RESERVED id:u64 ranges
+    COMMIT   n:u32 ids:u64*n          -> stored:u32 already_present:u32 dropped:u32
+    CANCEL   n:u32 ids:u64*n             (no reply)
+
+``ranges`` is ``count:u16`` then ``count`` pairs ``offset:u64 length:u64`` into the arena; ``tiers``
+is the tier names joined by newlines.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvstore.errors import InvalidRequestError
+from kvstore.keys import KEY_BYTES
+
+__all__ = [
+    "ABSENT_TIER",
+    "MAX_REQUEST_BYTES",
+    "Cursor",
+    "Hello",
+    "Op",
+    "ProtocolError",
+    "Slot",
+    "frame",
+    "pack_ids",
+    "pack_keys",
+    "pack_ranges",
+    "unpack_hello",
+]
+
+#: Requests carry keys and ids only; anything longer is not a kvstore client.
+MAX_REQUEST_BYTES = 16 * 1024**2
+
+#: Tier index meaning "not stored" in a LOOKUP reply.
+ABSENT_TIER = 255
+
+_LENGTH = struct.Struct("<I")
+_HEAD = struct.Struct("<IB")
+
+
+class Op:
+    """Request codes."""
+
+    HELLO = 1
+    LOOKUP = 2
+    ACQUIRE = 3
+    RELEASE = 4
+    RESERVE = 5
+    COMMIT = 6
+    CANCEL = 7
+
+    #: Requests the server does not answer.
+    ONE_WAY = frozenset({RELEASE, CANCEL})
+
+
+class Slot:
+    """Per-key kinds in ACQUIRE and RESERVE replies."""
+
+    MISS = 0
+    LEASE = 1
+    BYTES = 2
+    NO_ROOM = 0
+    PRESENT = 1
+    RESERVED = 2
+
+
+class ProtocolError(InvalidRequestError):
+    """A frame that does not parse."""
+
+
+def frame(code: int, body: bytes | bytearray | memoryview = b"") -> bytes:
+    """One frame: a request (``code`` = op) or a reply (``code`` = status)."""
+    return _HEAD.pack(len(body) + 1, code) + bytes(body)
+
+
+def frame_length(prefix: bytes | bytearray) -> int:
+    """The length field of a frame's first four bytes."""
+    (length,) = _LENGTH.unpack(prefix)
+    return int(length)
+
+
+def pack_keys(keys: Sequence[bytes]) -> bytes:
+    """``n:u32`` then the keys (each exactly :data:`KEY_BYTES`)."""
+    return struct.pack("<I", len(keys)) + b"".join(keys)
+
+
+def pack_ids(ids: Sequence[int]) -> bytes:
+    """``n:u32`` then ``n`` u64 ids."""
+    return struct.pack(f"<I{len(ids)}Q", len(ids), *ids)
+
+
+def pack_ranges(ranges: Sequence[tuple[int, int]]) -> bytes:
+    """``count:u16`` then ``(offset:u64, length:u64)`` pairs."""
+    flat = [value for pair in ranges for value in pair]
+    return struct.pack(f"<H{len(flat)}Q", len(ranges), *flat)
+
+
+class Cursor:
+    """Reads a frame body front to back; running off the end raises :class:`ProtocolError`."""
+
+    def __init__(self, body: bytes | memoryview) -> None:
+        self._body = memoryview(body)
+        self._at = 0
+
+    def take(self, size: int) -> memoryview:
+        """The next ``size`` bytes."""
+        if size < 0 or self._at + size > len(self._body):
+            raise ProtocolError(f"truncated frame: wanted {size} bytes at offset {self._at}")
+        chunk = self._body[self._at : self._at + size]
+        self._at += size
+        return chunk
+
+    def rest(self) -> memoryview:
+        """Everything not read yet (without consuming it)."""
+        return self._body[self._at :]
+
+    def unpack(self, fmt: str) -> tuple[int, ...]:
+        """The next values of ``struct`` format ``fmt`` (little-endian is implied)."""
+        layout = struct.Struct("<" + fmt)
+        return tuple(int(value) for value in layout.unpack(self.take(layout.size)))
+
+    def u8(self) -> int:
+        """One unsigned byte."""
+        return self.unpack("B")[0]
+
+    def u32(self) -> int:
+        """One u32."""
+        return self.unpack("I")[0]
+
+    def u64(self) -> int:
+        """One u64."""
+        return self.unpack("Q")[0]
+
+    def keys(self, limit: int) -> list[bytes]:
+        """A ``pack_keys`` list, at most ``limit`` keys."""
+        count = self.u32()
+        if count > limit:
+            raise InvalidRequestError(f"{count} keys in one request; the limit is {limit}")
+        data = self.take(count * KEY_BYTES)
+        return [bytes(data[i * KEY_BYTES : (i + 1) * KEY_BYTES]) for i in range(count)]
+
+    def ids(self) -> list[int]:
+        """A ``pack_ids`` list."""
+        count = self.u32()
+        return list(self.unpack(f"{count}Q")) if count else []
+
+    def ranges(self) -> list[tuple[int, int]]:
+        """A ``pack_ranges`` list."""
+        count = self.unpack("H")[0]
+        flat = self.unpack(f"{2 * count}Q") if count else ()
+        return [(flat[2 * i], flat[2 * i + 1]) for i in range(count)]
+
+    def done(self) -> None:
+        """Fail if bytes are left over (a frame longer than its contents)."""
+        if self._at != len(self._body):
+            raise ProtocolError(f"{len(self._body) - self._at} unexpected trailing bytes")
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """The server's greeting: the arena's size, its request limit, its identity, its tiers."""
+
+    arena_size: int
+    max_keys: int
+    instance_id: bytes
+    tiers: list[str]
+
+    def pack(self) -> bytes:
+        """The HELLO reply body."""
+        head = struct.pack("<QI16s", self.arena_size, self.max_keys, self.instance_id)
+        return head + "\n".join(self.tiers).encode()
+
+
+def unpack_hello(body: bytes | memoryview) -> Hello:
+    """Parse a HELLO reply body."""
+    cursor = Cursor(body)
+    arena_size, max_keys = cursor.unpack("QI")
+    instance_id = bytes(cursor.take(16))
+    rest = bytes(cursor.take(len(cursor.rest())))
+    return Hello(arena_size, max_keys, instance_id, rest.decode().split("\n") if rest else [])
