@@ -470,10 +470,14 @@ def main(argv: list[str] | None = None) -> int:
         nvme_server = stack.enter_context(kvstore_server(dram_capacity="0", nvme_capacity="2GiB"))
         redis_proc = stack.enter_context(redis_server())
         dram = stack.enter_context(
-            KVStoreClient(dram_server.target, namespace=NAMESPACE, timeout=CALL_TIMEOUT_S)
+            KVStoreClient(
+                dram_server.target, namespace=NAMESPACE, timeout=CALL_TIMEOUT_S, data_plane="grpc"
+            )
         )
         nvme = stack.enter_context(
-            KVStoreClient(nvme_server.target, namespace=NAMESPACE, timeout=CALL_TIMEOUT_S)
+            KVStoreClient(
+                nvme_server.target, namespace=NAMESPACE, timeout=CALL_TIMEOUT_S, data_plane="grpc"
+            )
         )
         rds = stack.enter_context(
             redis.Redis(host=redis_proc.host, port=redis_proc.port, socket_timeout=CALL_TIMEOUT_S)

@@ -46,6 +46,7 @@ _SERVE_FLAGS = {
     "redis_url": "redis.url",
     "redis_ttl": "redis.ttl_s",
     "shm_socket": "server.shm_socket",
+    "ucx_listen": "server.ucx_listen",
 }
 
 
@@ -68,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--shm-socket",
         help="UNIX socket of the shared-memory data plane ('auto' default, '' turns it off)",
+    )
+    serve.add_argument(
+        "--ucx-listen", help="HOST:PORT of the UCX listener for remote clients (off by default)"
     )
     serve.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
 

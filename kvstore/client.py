@@ -18,6 +18,7 @@ turns that off, ``"shm"`` makes its absence an error (see :mod:`kvstore.transpor
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
@@ -32,6 +33,8 @@ from kvstore.prefetch import PrefetchProgress
 from kvstore.store import LookupResult, PutResult
 from kvstore.transport.shm_client import ShmDataPlane, ShmUnavailableError
 from kvstore.transport.shm_link import ShmLink
+from kvstore.transport.ucx import ucx_unavailable_reason
+from kvstore.transport.ucx_client import UcxDataClient
 
 __all__ = ["AsyncKVStoreClient", "KVStoreClient"]
 
@@ -63,9 +66,29 @@ class KVStoreClient:
         self._channel = grpc.insecure_channel(target, options=_wire.CHANNEL_OPTIONS)
         self._stub = pb_grpc.KVStoreStub(self._channel)
         self._shm = ShmLink(data_plane, self._namespace, timeout)
+        self._ucx: UcxDataClient | None = None
+        self._ucx_checked = False
+        self._ucx_lock = threading.Lock()
 
     def _deadline(self, timeout: float | None) -> float:
         return self.timeout if timeout is None else timeout
+
+    def _ucx_client(self) -> UcxDataClient | None:
+        """The UCX path, when shared memory is out and the server advertises a UCX listener."""
+        if self._shm.mode not in ("auto", "ucx") or self._namespace is None:
+            return None
+        with self._ucx_lock:
+            if not self._ucx_checked:
+                self._ucx_checked = True
+                try:
+                    endpoints = self._stub.DataPlane(pb.DataPlaneRequest(), timeout=self.timeout)
+                except grpc.RpcError:
+                    return None  # an older server, or none: the gRPC call will say which
+                if endpoints.ucx_address and ucx_unavailable_reason() is None:
+                    self._ucx = UcxDataClient(
+                        self._channel, endpoints.ucx_address, self._namespace, timeout=self.timeout
+                    )
+        return self._ucx if self._ucx is not None and self._ucx.usable else None
 
     @property
     def data_plane(self) -> str:
@@ -117,7 +140,9 @@ class KVStoreClient:
         """Store ``values`` under ``keys`` (one round trip, or one streamed call, per batch)."""
         fast = self._over_shm(keys, lambda plane: plane.put(keys, values, self._deadline(timeout)))
         if isinstance(fast, _Fallback):
-            return self._put_grpc(keys, values, timeout)
+            ucx = self._ucx_client()
+            remote = None if ucx is None else ucx.put(keys, values, timeout=self._deadline(timeout))
+            return remote if remote is not None else self._put_grpc(keys, values, timeout)
         result, no_room = fast
         if not no_room:
             return result
@@ -139,6 +164,13 @@ class KVStoreClient:
         fast = self._over_shm(keys, lambda plane: plane.get(keys, self._deadline(timeout)))
         if not isinstance(fast, _Fallback):
             return fast
+        ucx = self._ucx_client()
+        remote = None if ucx is None else ucx.get(keys, timeout=self._deadline(timeout))
+        if remote is not None:
+            return remote
+        return self._get_grpc(keys, timeout)
+
+    def _get_grpc(self, keys: Sequence[bytes], timeout: float | None) -> list[bytes | None]:
         request = _wire.get_request(_wire.namespace_bytes(self._namespace), keys)
         try:
             stream = self._stub.Get(request, timeout=self._deadline(timeout))
@@ -158,7 +190,13 @@ class KVStoreClient:
         )
         if not isinstance(fast, _Fallback):
             return fast
-        return _wire.fill_buffers(self.get(keys, timeout=timeout), buffers)
+        ucx = self._ucx_client()
+        filled = (
+            None if ucx is None else ucx.get_into(keys, buffers, timeout=self._deadline(timeout))
+        )
+        if filled is not None:
+            return filled
+        return _wire.fill_buffers(self._get_grpc(keys, timeout), buffers)
 
     def delete(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
         """Remove ``keys`` from every tier; returns how many were present."""
@@ -222,8 +260,10 @@ class KVStoreClient:
         return _wire.stats_dict(response)
 
     def close(self) -> None:
-        """Close the shared-memory path and the channel."""
+        """Close the shared-memory and UCX paths and the channel."""
         self._shm.close()
+        if self._ucx is not None:
+            self._ucx.close()
         self._channel.close()
 
     def __enter__(self) -> KVStoreClient:

@@ -106,7 +106,8 @@ def default_data_dir() -> str:
 class ServerConfig:
     """The gRPC endpoint, request limits, ``workers`` threads for blocking disk I/O, and the
     shared-memory socket (``shm_socket``: a path, ``auto`` for one in the temp directory named
-    after the process, or empty to turn the shared-memory data plane off)."""
+    after the process, or empty to turn the shared-memory data plane off), and the UCX listener
+    for remote bulk transfers (``ucx_listen``: HOST:PORT, port 0 picks one; empty is off)."""
 
     listen: str = "127.0.0.1:50051"
     max_block_bytes: int = 64 * 1024**2
@@ -114,6 +115,8 @@ class ServerConfig:
     shutdown_grace_s: float = 5.0
     workers: int = 4
     shm_socket: str = "auto"
+    ucx_listen: str = ""
+    ucx_transfer_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         host, sep, port = self.listen.rpartition(":")

@@ -9,7 +9,7 @@ this many bytes" and, like every eviction decision here, either returns a comple
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Container, Iterator
+from collections.abc import Container, Iterator, Mapping
 
 __all__ = ["RecencyIndex"]
 
@@ -22,6 +22,11 @@ class RecencyIndex:
 
     def __contains__(self, key: object) -> bool:
         return key in self._order
+
+    @property
+    def members(self) -> Mapping[bytes, int]:
+        """Read-only view: key -> footprint (for loops that cannot afford a call per key)."""
+        return self._order
 
     def __len__(self) -> int:
         return len(self._order)

@@ -9,5 +9,5 @@ if [ ! -x .venv/bin/python ]; then
 fi
 echo "--- installing into .venv"
 .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0 2>&1 | grep -v "^WARNING: Location" || true
-.venv/bin/pip install -q --disable-pip-version-check -e '.[test]' 2>&1 | grep -v "^WARNING: Location" || true
+.venv/bin/pip install -q --disable-pip-version-check -e '.[test,ucx,bench]' 2>&1 | grep -v "^WARNING: Location" || true
 .venv/bin/python -c "import kvstore, torch, lmdb, grpc; print('kvstore', kvstore.__version__, 'torch', torch.__version__)"

@@ -25,6 +25,8 @@ from kvstore.server.servicer import SERVICE_NAME, KVStoreServicer, add_to_server
 from kvstore.server.shm import ShmServer
 from kvstore.store import TieredStore
 from kvstore.tiers import build_tiers
+from kvstore.transport.ucx import UcxTransportError
+from kvstore.transport.ucx_server import UcxDataServer, add_ucx_to_server
 
 __all__ = ["SERVICE_NAME", "RunningServer", "run_server", "start_server"]
 
@@ -53,6 +55,7 @@ class RunningServer:
     grace_s: float
     servicer: KVStoreServicer
     shm: ShmServer | None = None
+    ucx: UcxDataServer | None = None
 
     async def stop(self) -> None:
         """Refuse new calls, let in-flight ones finish, save DRAM to NVMe, close the store.
@@ -62,6 +65,8 @@ class RunningServer:
         """
         await self.health.enter_graceful_shutdown()
         await self.server.stop(self.grace_s)
+        if self.ucx is not None:
+            await self.ucx.close()
         # Before persist and close: a prefetch batch may still be reading the nvme tier.
         await self.servicer.close()
         if self.shm is not None:
@@ -94,6 +99,7 @@ async def start_server(config: Config) -> RunningServer:
         await store.close()
         raise OSError(f"cannot listen on {config.server.listen}")
     shm = await _start_shm(config, store, servicer)
+    ucx = await _start_ucx(config, store, server, servicer)
     await server.start()
     for service in ("", SERVICE_NAME):
         await health.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -101,7 +107,7 @@ async def start_server(config: Config) -> RunningServer:
     address = f"{host}:{port}"
     logger.info("kvstore serving on %s with tiers %s", address, [t.name for t in store.tiers])
     return RunningServer(
-        server, store, health, address, config.server.shutdown_grace_s, servicer, shm
+        server, store, health, address, config.server.shutdown_grace_s, servicer, shm, ucx
     )
 
 
@@ -138,3 +144,24 @@ async def run_server(config: Config, on_ready: Callable[[str], None] | None = No
     await stop.wait()
     logger.info("shutting down (grace %.1fs)", running.grace_s)
     await running.stop()
+
+
+async def _start_ucx(
+    config: Config, store: TieredStore, server: grpc.aio.Server, servicer: KVStoreServicer
+) -> UcxDataServer | None:
+    """Serve bulk transfers to remote clients over UCX, if configured and ucxx is installed."""
+    if not config.server.ucx_listen:
+        return None
+    try:
+        ucx = await add_ucx_to_server(
+            server,
+            store,
+            config.server.ucx_listen,
+            transfer_timeout_s=config.server.ucx_transfer_timeout_s,
+        )
+    except UcxTransportError as exc:
+        logger.warning("UCX data path off: %s", exc)
+        return None
+    servicer.ucx_address = ucx.address
+    logger.info("UCX data path on %s", ucx.address)
+    return ucx

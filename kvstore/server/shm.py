@@ -215,9 +215,9 @@ class ShmServer:
     async def _lookup(self, session: _Session, cursor: Cursor) -> bytes:
         keys = cursor.keys(self.store.max_keys_per_request)
         result = await self.store.lookup_shared(keys, self._namespace(session))
-        index = {tier.name: level for level, tier in enumerate(self.store.tiers)}
-        tiers = bytes(index[name] if name else ABSENT_TIER for name in result.tiers)
-        return struct.pack("<I", result.hits) + tiers
+        codes = {tier.name: level for level, tier in enumerate(self.store.tiers)}
+        codes[""] = ABSENT_TIER
+        return struct.pack("<I", result.hits) + bytes(map(codes.__getitem__, result.tiers))
 
     async def _acquire(self, session: _Session, cursor: Cursor) -> bytes:
         keys = cursor.keys(self.store.max_keys_per_request)

@@ -149,6 +149,10 @@ class ShmDataPlane:
         finally:
             first.close_fd()
         self.hello: Hello = first.hello
+        # Tier name by the one-byte code a LOOKUP reply uses ("" for absent).
+        self._tier_names = [""] * 256
+        self._tier_names[: len(first.hello.tiers)] = first.hello.tiers
+        self._tier_names[ABSENT_TIER] = ""
         self._arena = np.frombuffer(self._mapping, dtype=np.uint8)
         self._idle: list[_Connection] = [first]
         self._lock = threading.Lock()
@@ -196,7 +200,7 @@ class ShmDataPlane:
 
     def usable_for(self, keys: Sequence[bytes]) -> bool:
         """Whether this path can carry a request for ``keys`` (else gRPC reports the problem)."""
-        return 0 < len(keys) <= self.hello.max_keys and all(len(k) == KEY_BYTES for k in keys)
+        return 0 < len(keys) <= self.hello.max_keys and set(map(len, keys)) == {KEY_BYTES}
 
     # -- calls -------------------------------------------------------------------------------
 
@@ -206,8 +210,7 @@ class ShmDataPlane:
             reply = Cursor(conn.call(Op.LOOKUP, pack_keys(keys), self._deadline(timeout)))
             hits = reply.u32()
             indices = reply.take(len(keys))
-        names = self.hello.tiers
-        return LookupResult(hits, [names[i] if i != ABSENT_TIER else "" for i in indices])
+        return LookupResult(hits, list(map(self._tier_names.__getitem__, indices)))
 
     def get_into(
         self, keys: Sequence[bytes], buffers: Sequence[Any], timeout: float | None = None

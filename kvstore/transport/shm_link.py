@@ -7,7 +7,9 @@ shared memory; if not, or if the path breaks later, they go through gRPC, and th
 shared memory again after :data:`RETRY_AFTER_S` seconds (a restarted server, say).
 
 ``data_plane="grpc"`` never tries; ``"shm"`` insists and raises
-:class:`~kvstore.errors.StoreUnavailableError` where ``"auto"`` (the default) would fall back.
+:class:`~kvstore.errors.StoreUnavailableError` where ``"auto"`` (the default) would fall back;
+``"ucx"`` skips shared memory for the UCX path (which ``"auto"`` takes when shared memory is not
+possible and the server has a UCX listener; see :mod:`kvstore.transport.ucx_client`).
 A client built without ``data_plane`` takes it from ``KVSTORE_DATA_PLANE``, else ``"auto"``.
 """
 
@@ -28,7 +30,7 @@ __all__ = ["DATA_PLANES", "RETRY_AFTER_S", "ShmLink"]
 logger = logging.getLogger(__name__)
 
 #: Accepted values of a client's ``data_plane`` argument.
-DATA_PLANES = ("auto", "shm", "grpc")
+DATA_PLANES = ("auto", "shm", "ucx", "grpc")
 
 #: Seconds to wait after a failure before trying shared memory again.
 RETRY_AFTER_S = 5.0
@@ -51,7 +53,7 @@ class ShmLink:
 
     def wanted(self) -> bool:
         """Whether a data call should try shared memory now (else it goes straight to gRPC)."""
-        if self.mode == "grpc" or self._namespace is None:
+        if self.mode in ("grpc", "ucx") or self._namespace is None:
             return False
         if len(self._namespace) != NAMESPACE_BYTES:
             return False  # let the gRPC call report the malformed namespace

@@ -52,6 +52,8 @@ MAX_REQUEST_BYTES = 16 * 1024**2
 ABSENT_TIER = 255
 
 _LENGTH = struct.Struct("<I")
+# Parsed formats, by format string: building a Struct per field would dominate small replies.
+_STRUCTS: dict[str, struct.Struct] = {}
 _HEAD = struct.Struct("<IB")
 
 
@@ -133,12 +135,21 @@ class Cursor:
 
     def unpack(self, fmt: str) -> tuple[int, ...]:
         """The next values of ``struct`` format ``fmt`` (little-endian is implied)."""
-        layout = struct.Struct("<" + fmt)
-        return tuple(int(value) for value in layout.unpack(self.take(layout.size)))
+        layout = _STRUCTS.get(fmt)
+        if layout is None:
+            layout = _STRUCTS.setdefault(fmt, struct.Struct("<" + fmt))
+        if self._at + layout.size > len(self._body):
+            raise ProtocolError(f"truncated frame: wanted {layout.size} bytes at {self._at}")
+        values = layout.unpack_from(self._body, self._at)
+        self._at += layout.size
+        return values
 
     def u8(self) -> int:
         """One unsigned byte."""
-        return self.unpack("B")[0]
+        if self._at >= len(self._body):
+            raise ProtocolError(f"truncated frame: wanted 1 byte at {self._at}")
+        self._at += 1
+        return self._body[self._at - 1]
 
     def u32(self) -> int:
         """One u32."""
@@ -153,8 +164,8 @@ class Cursor:
         count = self.u32()
         if count > limit:
             raise InvalidRequestError(f"{count} keys in one request; the limit is {limit}")
-        data = self.take(count * KEY_BYTES)
-        return [bytes(data[i * KEY_BYTES : (i + 1) * KEY_BYTES]) for i in range(count)]
+        data = bytes(self.take(count * KEY_BYTES))  # slicing bytes is cheaper than a view
+        return [data[at : at + KEY_BYTES] for at in range(0, len(data), KEY_BYTES)]
 
     def ids(self) -> list[int]:
         """A ``pack_ids`` list."""

@@ -1,0 +1,46 @@
+from kvstore._proto.kvstore.v1 import kvstore_pb2 as _kvstore_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
+from typing import ClassVar as _ClassVar, Optional as _Optional
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class UcxGetRequest(_message.Message):
+    __slots__ = ("namespace", "keys", "client_id", "transfer_id", "sizes")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    client_id: bytes
+    transfer_id: int
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., client_id: _Optional[bytes] = ..., transfer_id: _Optional[int] = ..., sizes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class UcxGetResponse(_message.Message):
+    __slots__ = ("lengths", "sent", "tiers")
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    SENT_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    lengths: _containers.RepeatedScalarFieldContainer[int]
+    sent: _containers.RepeatedScalarFieldContainer[bool]
+    tiers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, lengths: _Optional[_Iterable[int]] = ..., sent: _Optional[_Iterable[bool]] = ..., tiers: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class UcxPutRequest(_message.Message):
+    __slots__ = ("namespace", "keys", "lengths", "client_id", "transfer_id")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    lengths: _containers.RepeatedScalarFieldContainer[int]
+    client_id: bytes
+    transfer_id: int
+    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., lengths: _Optional[_Iterable[int]] = ..., client_id: _Optional[bytes] = ..., transfer_id: _Optional[int] = ...) -> None: ...

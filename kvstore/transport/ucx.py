@@ -1,0 +1,126 @@
+"""The UCX data path between hosts: what its server and client sides share.
+
+gRPC carries the control messages (``kvstore.v1.UcxTransfer``: which keys, the namespace, the
+lengths, found or missing) and UCX carries the payload bytes, one tagged message per block, so a
+whole batch costs one control round trip. UCX picks its transports itself (RDMA where there is
+some, TCP otherwise). The pieces live in small modules:
+
+* this one: loading ``ucxx`` (optional: the ``ucx`` extra), the tag of each payload, the address
+  format, and :class:`UcxTransportError`, the one failure that means "use gRPC for this call";
+* :mod:`kvstore.transport.ucx_server`: :class:`~kvstore.transport.ucx_server.UcxDataServer`, the
+  listener and the gRPC servicer, on the server's event loop;
+* :mod:`kvstore.transport.ucx_client`: :class:`~kvstore.transport.ucx_client.UcxDataClient`, used
+  by the blocking ``KVStoreClient``, with its own event-loop thread.
+
+Endpoints are created with UCX error handling on, so that a dead peer fails the transfers in
+flight instead of hanging them (and never takes the process down). UCX then restricts itself to
+transports that detect peer failure, which on a host without RDMA means TCP, also between two
+processes of one host: co-located clients have the shared-memory path for that.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+__all__ = [
+    "CLIENT_ID_BYTES",
+    "HELLO_TAG",
+    "MAX_BATCH",
+    "UCX_ENV_DEFAULTS",
+    "UcxTransportError",
+    "endpoint_error",
+    "load_ucxx",
+    "parse_address",
+    "transfer_tag",
+    "ucx_unavailable_reason",
+]
+
+#: Length of the id a client announces over its endpoint and names in every control call.
+CLIENT_ID_BYTES = 16
+
+#: Tag of the hello a client sends after connecting, and of the server's one-byte answer (no
+#: payload tag is this small: transfer ids start at 1).
+HELLO_TAG = 1
+
+#: Bits of a payload tag that hold the index of the block in its batch (the rest: transfer id).
+_INDEX_BITS = 24
+#: Most blocks in one transfer.
+MAX_BATCH = 1 << _INDEX_BITS
+# Tags stay below 2**61 - 1 so that ``hash(tag) == tag`` (ucxx hashes user tags with the
+# endpoint's own tag); 36 bits of transfer id wrap after 68 billion transfers on one endpoint.
+_TRANSFER_BITS = 36
+
+#: UCX settings applied before the first import of ucxx; a value set in the environment wins.
+#: ucxx's defaults assume a GPU (it stages rendezvous fragments in CUDA memory) and it warns about
+#: UCX_MEMTYPE_CACHE, which it sets itself. Over TCP, UCX's automatic rendezvous scheme copies
+#: large messages through 512 KiB staging fragments; ``put_zcopy`` writes straight from the
+#: sender's buffer into the receiver's and measured 1.3-2.5x faster for 1-16 MiB blocks
+#: (benchmarks/bench_ucx.py).
+UCX_ENV_DEFAULTS = {
+    "UCX_RNDV_FRAG_MEM_TYPE": "host",
+    "UCX_RNDV_SCHEME": "put_zcopy",
+    "UCX_WARN_UNUSED_ENV_VARS": "n",
+}
+
+_ucxx: ModuleType | None = None
+_import_error: str | None = None
+
+
+class UcxTransportError(Exception):
+    """A UCX transfer could not be done (no ucxx, no connection, a failed or late transfer).
+
+    Never reaches users of :class:`kvstore.KVStoreClient`: it means "move these bytes over gRPC
+    instead". Request errors (bad keys, namespace mismatch, capacity) are
+    :class:`kvstore.errors.KVStoreError`, as on the gRPC path.
+    """
+
+
+def load_ucxx() -> ModuleType:
+    """Import ``ucxx`` (once, with host-memory defaults); :class:`UcxTransportError` if missing."""
+    global _ucxx, _import_error
+    if _ucxx is not None:
+        return _ucxx
+    if _import_error is not None:
+        raise UcxTransportError(_import_error)
+    for name, value in UCX_ENV_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+    try:
+        import ucxx
+    except Exception as exc:  # ImportError, or a native library that fails to load
+        _import_error = f"ucxx is not usable: {type(exc).__name__}: {exc}"
+        raise UcxTransportError(_import_error) from exc
+    module: ModuleType = ucxx
+    _ucxx = module
+    return module
+
+
+def ucx_unavailable_reason() -> str | None:
+    """Why UCX cannot be used in this process, or ``None`` if ``ucxx`` imports."""
+    try:
+        load_ucxx()
+    except UcxTransportError as exc:
+        return str(exc)
+    return None
+
+
+def transfer_tag(transfer_id: int, index: int) -> int:
+    """The UCX tag of block ``index`` of transfer ``transfer_id`` (unique per endpoint)."""
+    if not 0 <= index < MAX_BATCH:
+        raise ValueError(f"block index {index} out of range")
+    return ((transfer_id % (1 << _TRANSFER_BITS)) << _INDEX_BITS) | index
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``(host, port)`` of a ``HOST:PORT`` UCX address (``[v6]:port`` too)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"UCX address {address!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def endpoint_error(exc: BaseException) -> UcxTransportError:
+    """A :class:`UcxTransportError` describing ``exc`` (a ucxx or asyncio failure)."""
+    if isinstance(exc, TimeoutError):
+        return UcxTransportError("UCX transfer timed out")
+    return UcxTransportError(f"UCX transfer failed: {type(exc).__name__}: {exc}")
