@@ -262,8 +262,14 @@ class ShmServer:
         unknown = [i for i in ids if i not in session.reservations]
         if unknown:
             raise InvalidRequestError(f"no open reservation {unknown[0]} on this connection")
+        if len(set(ids)) != len(ids):
+            raise InvalidRequestError("COMMIT names a reservation twice")
         written = [session.reservations.pop(i) for i in ids]
-        result = await self.store.commit(written, self._namespace(session))
+        try:
+            result = await self.store.commit(written, self._namespace(session))
+        except BaseException:
+            self.store.cancel([reservation for _, reservation in written])  # idempotent
+            raise
         return struct.pack("<III", result.stored, result.already_present, result.dropped)
 
     def _cancel(self, session: _Session, cursor: Cursor) -> bytes:

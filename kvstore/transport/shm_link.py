@@ -57,7 +57,8 @@ class ShmLink:
             return False
         if len(self._namespace) != NAMESPACE_BYTES:
             return False  # let the gRPC call report the malformed namespace
-        return self._plane is not None or time.monotonic() >= self._retry_at
+        # "shm" insists: every call tries (and raises) rather than sliding to gRPC meanwhile.
+        return self.mode == "shm" or self._plane is not None or time.monotonic() >= self._retry_at
 
     @property
     def plane(self) -> ShmDataPlane | None:

@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -153,7 +154,7 @@ class ServerProcess:
             self.returncode = self.proc.wait()
 
     def client(
-        self, namespace: Namespace | bytes | None = NAMESPACE, **kwargs: float
+        self, namespace: Namespace | bytes | None = NAMESPACE, **kwargs: Any
     ) -> KVStoreClient:
         """A blocking client on this server."""
         return KVStoreClient(self.target, namespace=namespace, **kwargs)
