@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
@@ -47,6 +48,9 @@ class _Fallback:
 
 _FALLBACK = _Fallback()
 
+#: Seconds after which a client whose UCX path is unusable asks the server for it again.
+UCX_RECHECK_S = 30.0
+
 
 class KVStoreClient:
     """A blocking client. Thread-safe: one channel, many concurrent calls."""
@@ -67,7 +71,7 @@ class KVStoreClient:
         self._stub = pb_grpc.KVStoreStub(self._channel)
         self._shm = ShmLink(data_plane, self._namespace, timeout)
         self._ucx: UcxDataClient | None = None
-        self._ucx_checked = False
+        self._ucx_checked_at: float | None = None
         self._ucx_lock = threading.Lock()
 
     def _deadline(self, timeout: float | None) -> float:
@@ -78,22 +82,33 @@ class KVStoreClient:
         if self._shm.mode not in ("auto", "ucx") or self._namespace is None:
             return None
         with self._ucx_lock:
-            if not self._ucx_checked:
-                self._ucx_checked = True
+            now = time.monotonic()
+            # Ask again after a while: a restarted server may listen on another port.
+            if self._ucx_checked_at is None or (
+                now - self._ucx_checked_at > UCX_RECHECK_S
+                and (self._ucx is None or not self._ucx.usable)
+            ):
+                self._ucx_checked_at = now
                 try:
                     endpoints = self._stub.DataPlane(pb.DataPlaneRequest(), timeout=self.timeout)
                 except grpc.RpcError:
                     return None  # an older server, or none: the gRPC call will say which
-                if endpoints.ucx_address and ucx_unavailable_reason() is None:
+                address = endpoints.ucx_address
+                if self._ucx is not None and self._ucx.address != address:
+                    self._ucx.close()
+                    self._ucx = None
+                if self._ucx is None and address and ucx_unavailable_reason() is None:
                     self._ucx = UcxDataClient(
-                        self._channel, endpoints.ucx_address, self._namespace, timeout=self.timeout
+                        self._channel, address, self._namespace, timeout=self.timeout
                     )
         return self._ucx if self._ucx is not None and self._ucx.usable else None
 
     @property
     def data_plane(self) -> str:
-        """``"shm"`` while calls go through shared memory, else ``"grpc"``."""
-        return "shm" if self._shm.plane is not None else "grpc"
+        """``"shm"``, ``"ucx"`` or ``"grpc"``: the path data calls take now."""
+        if self._shm.plane is not None:
+            return "shm"
+        return "ucx" if self._ucx is not None and self._ucx.usable else "grpc"
 
     def _shm_plane(self) -> ShmDataPlane | None:
         if not self._shm.wanted():

@@ -20,11 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.errors import ConfigError
+from kvstore.policy import NVME_ADMISSIONS, SHARED_WRITES
 
 __all__ = [
     "Config",
     "DramConfig",
     "NvmeConfig",
+    "PolicyConfig",
     "RedisConfig",
     "ServerConfig",
     "format_size",
@@ -173,6 +175,27 @@ class RedisConfig:
 
 
 @dataclass(frozen=True)
+class PolicyConfig:
+    """Write and admission rules (see :mod:`kvstore.policy`): ``shared_write`` is ``through``
+    or ``back``, ``nvme_admission`` is ``all`` or ``hit``."""
+
+    shared_write: str = "through"
+    nvme_admission: str = "all"
+
+    def __post_init__(self) -> None:
+        if self.shared_write not in SHARED_WRITES:
+            raise ConfigError(
+                f"policy.shared_write must be one of {list(SHARED_WRITES)}, "
+                f"got {self.shared_write!r}"
+            )
+        if self.nvme_admission not in NVME_ADMISSIONS:
+            raise ConfigError(
+                f"policy.nvme_admission must be one of {list(NVME_ADMISSIONS)}, "
+                f"got {self.nvme_admission!r}"
+            )
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole configuration of one ``kvstore serve`` process."""
 
@@ -180,6 +203,7 @@ class Config:
     dram: DramConfig = field(default_factory=DramConfig)
     nvme: NvmeConfig = field(default_factory=NvmeConfig)
     redis: RedisConfig = field(default_factory=RedisConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
 
 
 _SECTIONS: dict[str, type[Any]] = {
@@ -187,6 +211,7 @@ _SECTIONS: dict[str, type[Any]] = {
     "dram": DramConfig,
     "nvme": NvmeConfig,
     "redis": RedisConfig,
+    "policy": PolicyConfig,
 }
 _SIZE_SETTINGS = {"server.max_block_bytes", "dram.capacity", "dram.page_size", "nvme.capacity"}
 

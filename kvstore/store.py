@@ -44,6 +44,7 @@ from kvstore.buffers import byte_view
 from kvstore.errors import CapacityError, InvalidRequestError, NamespaceMismatchError
 from kvstore.eviction import RecencyIndex
 from kvstore.keys import KEY_BYTES, NAMESPACE_BYTES
+from kvstore.policy import Policy
 from kvstore.tiers.base import Buffer, Tier
 from kvstore.tiers.dram import DramLease, DramTier, Reservation
 from kvstore.tiers.redis import RedisTier
@@ -101,6 +102,8 @@ class GetResult:
 class _Meta:
     namespace: bytes
     length: int
+    #: Reads since the block was stored (the ``hit`` nvme admission policy asks).
+    hits: int = 0
 
 
 @dataclass
@@ -125,6 +128,7 @@ class TieredStore:
         *,
         max_block_bytes: int = 64 * 1024**2,
         max_keys_per_request: int = 8192,
+        policy: Policy | None = None,
     ) -> None:
         if not tiers:
             raise ValueError("a TieredStore needs at least one tier")
@@ -137,6 +141,7 @@ class TieredStore:
         self._local_levels = len(self.tiers) - len(shared)
         self.max_block_bytes = max_block_bytes
         self.max_keys_per_request = max_keys_per_request
+        self.policy = policy if policy is not None else Policy()
         self._recency = [RecencyIndex() for _ in self.tiers]
         self._meta: dict[bytes, _Meta] = {}
         self._pins: Counter[bytes] = Counter()
@@ -289,8 +294,9 @@ class TieredStore:
                 else:
                     stored += 1
                     through.append((header, _owned(view)))
+            self._age_chain(keys)
         shared = self._shared_tier()
-        if shared is not None and through:
+        if shared is not None and through and self.policy.write_through:
             self._write_through(shared, through)
         self._counters.add("puts")
         self._counters.add("blocks_put", stored)
@@ -339,7 +345,9 @@ class TieredStore:
                 continue
             for _ in range(_MAX_WRITE_RETRIES):
                 if await tier.write(header, payload):
-                    self._meta[header.key] = _Meta(header.namespace, header.length)
+                    meta = self._meta.get(header.key)
+                    if meta is None or meta.namespace != header.namespace:  # keep its hit count
+                        self._meta[header.key] = _Meta(header.namespace, header.length)
                     self._recency[level].add(header.key, footprint)
                     return tier.name
                 # The tier's own limit bit before our estimate: evict one more block and retry.
@@ -378,18 +386,32 @@ class TieredStore:
         lower = next(
             (lv for lv in range(level + 1, len(self.tiers)) if key in self._recency[lv]), None
         )
+        meta = self._meta.get(key)
+        shared = self._shared_tier() if self.policy.write_back else None
+        block = None
         if lower is None and level + 1 < self._local_levels:
-            block = (await tier.read([key]))[0]
-            if block is not None and await self._place(
-                block.header, memoryview(block.payload), level + 1, self._local_levels
+            if self.policy.admit_on_demotion(
+                self.tiers[level + 1].persistent, meta.hits if meta else 0
             ):
-                self._counters.add("demotions")
+                block = (await tier.read([key]))[0]
+                if block is not None and await self._place(
+                    block.header, memoryview(block.payload), level + 1, self._local_levels
+                ):
+                    self._counters.add("demotions")
+            else:
+                self._counters.add("demotions_refused")
+        leaving = not any(key in r for lv, r in enumerate(self._recency) if lv != level)
+        if leaving and shared is not None and block is None:
+            block = (await tier.read([key]))[0]  # write-back: this node's last copy goes out
         if not await tier.remove([key]):
             return  # still on the medium: keep indexing it rather than orphan it
         self._recency[level].discard(key)
         if self._level_of(key) is None:
             self._meta.pop(key, None)
             self._counters.add("evicted_from_store")
+            if shared is not None and block is not None:
+                self._write_through(shared, [(block.header, bytes(block.payload))])
+                self._counters.add("written_back")
 
     # -- get -------------------------------------------------------------------------------
 
@@ -420,11 +442,12 @@ class TieredStore:
                     continue
                 results[index] = GetResult(block.payload, tier.name)
                 self._tier_hits[tier.name] += 1
-                self._recency[level].touch(key)
+                self._count_hit(key)
                 if level > 0:
                     self._spawn(self._promote(block.header, block.payload, level))
         if unindexed and self._shared_level is not None:
             await self._get_shared(keys, namespace, unindexed, results)
+        self._age_chain([key for key, result in zip(keys, results, strict=True) if result.found])
         found = sum(result.found for result in results)
         self._counters.add("gets")
         self._counters.add("hits", found)
@@ -521,6 +544,16 @@ class TieredStore:
         for recency in self._recency:
             recency.touch(key)
 
+    def _age_chain(self, keys: Sequence[bytes]) -> None:
+        """Touch one request's keys so that a chain's prefix ends up most recently used."""
+        for key in self.policy.recency_order(keys):
+            self._touch(key)
+
+    def _count_hit(self, key: bytes) -> None:
+        meta = self._meta.get(key)
+        if meta is not None:
+            meta.hits += 1
+
     def _write_through(self, shared: Any, blocks: list[tuple[BlockHeader, Any]]) -> None:
         """Send new blocks to the shared tier in the background, never awaited by the put.
 
@@ -607,6 +640,7 @@ class TieredStore:
                 fetched = await self.get([keys[index] for index in fallback], namespace)
                 for index, got in zip(fallback, fetched, strict=True):
                     results[index] = got.payload
+        self._age_chain([key for key, got in zip(keys, results, strict=True) if got is not None])
         # Counted like a get; keys that took the fallback were counted by that get.
         leased = missed = 0
         for index, acquired in enumerate(results):
@@ -627,7 +661,7 @@ class TieredStore:
         lease = arena.lease(key)
         if lease is not None:
             self.pin([key])
-            self._recency[0].touch(key)
+            self._count_hit(key)
         return lease
 
     def release(self, leases: Sequence[DramLease]) -> None:
@@ -695,13 +729,14 @@ class TieredStore:
                     continue
                 payload = arena.reserved_payload(reservation)
                 header = BlockHeader.for_payload(key, namespace, payload)
-                if shared is not None:  # the pages may be reused before the write-through runs
+                if shared is not None and self.policy.write_through:  # pages may be reused soon
                     through.append((header, bytes(payload)))
                 arena.install(header, reservation)
                 self._meta[key] = _Meta(namespace, header.length)
                 self._recency[0].add(key, arena.footprint(header.length))
                 stored += 1
-        if shared is not None and through:
+            self._age_chain([key for key, _ in written])
+        if shared is not None and through and self.policy.write_through:
             self._write_through(shared, through)
         self._counters.add("puts")
         self._counters.add("blocks_put", stored)

@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore._wire import MESSAGE_TARGET_BYTES
 from kvstore.config import Config
+from kvstore.policy import Policy
 from kvstore.server.servicer import SERVICE_NAME, KVStoreServicer, add_to_server
 from kvstore.server.shm import ShmServer
 from kvstore.store import TieredStore
@@ -39,6 +40,10 @@ def build_store(config: Config) -> TieredStore:
         build_tiers(config),
         max_block_bytes=config.server.max_block_bytes,
         max_keys_per_request=config.server.max_keys_per_request,
+        policy=Policy(
+            shared_write=config.policy.shared_write,
+            nvme_admission=config.policy.nvme_admission,
+        ),
     )
     store.load_index()
     return store

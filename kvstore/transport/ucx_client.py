@@ -401,14 +401,40 @@ async def _open(host: str, port: int, client_id: bytes, timeout: float) -> Any:
             ucxx.create_endpoint(host, port, endpoint_error_handling=True, connect_timeout=timeout),
             timeout,
         )
-        await asyncio.wait_for(endpoint.send(bytearray(client_id), tag=HELLO_TAG), timeout)
-        answer = np.empty(1, dtype=np.uint8)
-        await asyncio.wait_for(endpoint.recv(answer, tag=HELLO_TAG), timeout)
+        # A refused connection only shows as the endpoint closing; without watching for that,
+        # the hello would wait out the whole timeout before the caller can fall back.
+        hello = asyncio.ensure_future(_hello(endpoint, client_id))
+        watch = asyncio.ensure_future(_until_closed(endpoint))
+        done, pending = await asyncio.wait(
+            {hello, watch}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+        )
+        for task in pending:
+            task.cancel()
+        if hello in done:
+            hello.result()
+        elif watch in done:
+            watch.result()
+        else:
+            raise TimeoutError(f"no answer within {timeout:.1f}s")
     except Exception as exc:
         if endpoint is not None:
             await _abort(endpoint)
         raise UcxTransportError(f"cannot connect to UCX listener {host}:{port}: {exc}") from exc
     return endpoint
+
+
+async def _hello(endpoint: Any, client_id: bytes) -> None:
+    """Say who we are and wait for the listener's one-byte welcome."""
+    await endpoint.send(bytearray(client_id), tag=HELLO_TAG)
+    answer = np.empty(1, dtype=np.uint8)
+    await endpoint.recv(answer, tag=HELLO_TAG)
+
+
+async def _until_closed(endpoint: Any, poll_s: float = 0.005) -> None:
+    """Raise once ``endpoint`` closes (refused or reset); runs until cancelled otherwise."""
+    while not endpoint.closed:
+        await asyncio.sleep(poll_s)
+    raise ConnectionRefusedError("the UCX endpoint closed before the listener answered")
 
 
 async def _receive(

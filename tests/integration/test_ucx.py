@@ -1,8 +1,12 @@
-"""The UCX data path over loopback: a real server process with a UCX listener, a real client.
+"""The UCX data path over loopback: real ``kvstore serve`` processes with ``--ucx-listen``.
 
-Nothing is mocked: the server is ``tests/integration/ucx_serve.py`` (the store, the KVStore service
-and ``add_ucx_to_server``) in a subprocess; the client is :class:`UcxDataClient` on a
-:class:`KVStoreClient`'s channel. No GPU is needed.
+Nothing is mocked. Servers come from conftest's factories (``kvstore serve --ucx-listen
+127.0.0.1:0``); their UCX address is what the ``DataPlane`` RPC advertises. Two kinds of client
+drive them: :class:`UcxDataClient` on a gRPC client's channel, for the transport's own contract
+(``None`` means "use gRPC"), and :class:`KVStoreClient` with ``data_plane="ucx"`` or ``"auto"``,
+for what users get. Where a test needs a server to lose its UCX listener it stops the server and
+starts it again on the same gRPC port (and nvme directory), without ``--ucx-listen`` or with it on
+the same UCX port. No GPU is needed.
 
 These tests need ``ucxx`` (the ``ucx`` extra). Without it the module fails at collection, loudly,
 unless ``KVSTORE_SKIP_UCX=1`` says that this environment is not meant to have UCX: a missing
@@ -12,7 +16,6 @@ dependency must not turn into a quietly skipped suite.
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -20,14 +23,21 @@ import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+import grpc
 import numpy as np
 import pytest
 
 from kvstore import KVStoreClient, Namespace
+from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore._wire import namespace_bytes
-from kvstore.errors import InvalidRequestError, NamespaceMismatchError
+from kvstore.errors import InvalidRequestError, NamespaceMismatchError, StoreUnavailableError
 from kvstore.transport.ucx import ucx_unavailable_reason
+
+if TYPE_CHECKING:
+    from conftest import ServerFactory, ServerProcess
 
 _REASON = ucx_unavailable_reason()
 if _REASON is not None:
@@ -40,92 +50,55 @@ if _REASON is not None:
 
 from kvstore.transport.ucx_client import UcxDataClient  # noqa: E402
 
-SERVE = Path(__file__).with_name("ucx_serve.py")
 NAMESPACE = Namespace(model="ucx-test", num_layers=2, num_kv_heads=2, head_size=64)
 OTHER = Namespace(model="ucx-test-other", num_layers=2, num_kv_heads=2, head_size=64)
-START_TIMEOUT_S = 30.0
-
-
-class UcxServer:
-    """``ucx_serve.py`` in a subprocess: its gRPC target and UCX address once ready."""
-
-    def __init__(self, workdir: Path) -> None:
-        workdir.mkdir(parents=True, exist_ok=True)
-        self.log = workdir / "serve.err"
-        self.out = workdir / "serve.out"
-        command = [
-            sys.executable,
-            str(SERVE),
-            "--dram-capacity",
-            "256MiB",
-            "--nvme-path",
-            str(workdir / "nvme"),
-            "--nvme-capacity",
-            "256MiB",
-        ]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        with self.out.open("wb") as out, self.log.open("wb") as err:
-            self.proc = subprocess.Popen(command, stdout=out, stderr=err, env=env)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            text = self.out.read_text()
-            if "kvstore serving on " in text and text.endswith("\n"):
-                words = text.split("kvstore serving on ", 1)[1].split()
-                self.target, self.ucx_address = words[0], words[2]
-                return
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(f"ucx_serve did not start:\n{self.log.read_text()}")
-            time.sleep(0.02)
-
-    def alive(self) -> bool:
-        """True while the process runs."""
-        return self.proc.poll() is None
-
-    def stop(self) -> int:
-        """SIGTERM and wait; the exit code."""
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout=20)
-
-    def kill(self) -> None:
-        """SIGKILL if still running."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+UCX = ("--ucx-listen", "127.0.0.1:0")
+NO_SHM = ("--shm-socket", "")
+SIZES = [1, 4095, 8192, 65536 + 7, 1024**2, 3 * 1024**2 + 1]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def data_plane() -> str:
-    """One pass, not conftest's two: these tests drive :class:`UcxDataClient` directly, so the
-    data plane ``KVStoreClient`` would choose for itself does not change what they exercise."""
+    """One pass, not conftest's two (``auto`` then ``grpc`` through ``KVSTORE_DATA_PLANE``).
+
+    Every client here names its data plane itself (a :class:`UcxDataClient`, or a
+    :class:`KVStoreClient` built with ``data_plane="ucx"``, ``"auto"`` or ``"grpc"`` on purpose),
+    so the environment variable would change nothing and a second pass would repeat every test
+    and every server start. Kept as a fixture because ``module_server_factory`` depends on it."""
     return "ucx"
 
 
-@pytest.fixture(scope="module")
-def ucx_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UcxServer]:
-    server = UcxServer(tmp_path_factory.mktemp("ucx"))
-    yield server
-    if server.alive():
-        assert server.stop() == 0, server.log.read_text()
+# -- helpers ----------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def kv(ucx_server: UcxServer) -> Iterator[KVStoreClient]:
-    with KVStoreClient(ucx_server.target, namespace=NAMESPACE, timeout=10.0) as client:
-        yield client
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def ucx_address(server: ServerProcess) -> str:
+    """The UCX listener the server advertises in ``DataPlane`` ("" when it has none)."""
+    with grpc.insecure_channel(server.target) as channel:
+        response = pb_grpc.KVStoreStub(channel).DataPlane(pb.DataPlaneRequest(), timeout=10.0)
+    return str(response.ucx_address)
+
+
+def kv_client(
+    server: ServerProcess,
+    data_plane: str,
+    namespace: Namespace = NAMESPACE,
+    timeout: float = 10.0,
+) -> KVStoreClient:
+    return KVStoreClient(server.target, namespace=namespace, timeout=timeout, data_plane=data_plane)
 
 
 def ucx_client(
     kv: KVStoreClient, address: str, namespace: Namespace = NAMESPACE, **kwargs: float
 ) -> UcxDataClient:
+    """A :class:`UcxDataClient` whose control calls use ``kv``'s channel."""
     return UcxDataClient(kv._channel, address, namespace_bytes(namespace), **kwargs)
-
-
-@pytest.fixture
-def ucx(kv: KVStoreClient, ucx_server: UcxServer) -> Iterator[UcxDataClient]:
-    client = ucx_client(kv, ucx_server.ucx_address, timeout=10.0)
-    yield client
-    client.close()
 
 
 def keys_of(count: int) -> list[bytes]:
@@ -137,7 +110,59 @@ def values_of(sizes: list[int], seed: int = 0) -> list[np.ndarray]:
     return [rng.integers(0, 256, size, dtype=np.uint8) for size in sizes]
 
 
-SIZES = [1, 4095, 8192, 65536 + 7, 1024**2, 3 * 1024**2 + 1]
+def as_bytes(values: list[np.ndarray]) -> list[bytes | None]:
+    return [value.tobytes() for value in values]
+
+
+def pinned_ucx_server(server_factory: ServerFactory) -> ServerProcess:
+    """A UCX server on a fixed gRPC port, so that a restart comes back at the same target.
+
+    The flag comes after the free port :class:`ServerProcess` picks, and the last ``--listen``
+    wins."""
+    return server_factory("--listen", f"127.0.0.1:{free_port()}", *UCX)
+
+
+def restart_without_ucx(server: ServerProcess) -> None:
+    """Stop cleanly (asserting exit code 0) and start again without the UCX listener."""
+    at = server.flags.index("--ucx-listen")
+    del server.flags[at : at + 2]
+    server.restart()
+
+
+# -- fixtures ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ucx_server(module_server_factory: ServerFactory) -> Iterator[ServerProcess]:
+    """The module's server: UCX listener on, shared memory on (the default)."""
+    server = module_server_factory(*UCX, dram_capacity="256MiB", nvme_capacity="256MiB")
+    yield server
+    if server.running:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def address(ucx_server: ServerProcess) -> str:
+    advertised = ucx_address(ucx_server)
+    assert advertised.startswith("127.0.0.1:"), ucx_server.stderr()
+    return advertised
+
+
+@pytest.fixture
+def kv(ucx_server: ServerProcess) -> Iterator[KVStoreClient]:
+    """A gRPC-only client: the control channel of ``ucx``, and the reference path."""
+    with kv_client(ucx_server, "grpc") as client:
+        yield client
+
+
+@pytest.fixture
+def ucx(kv: KVStoreClient, address: str) -> Iterator[UcxDataClient]:
+    client = ucx_client(kv, address, timeout=10.0)
+    yield client
+    client.close()
+
+
+# -- UcxDataClient: the transport's contract --------------------------------------------------
 
 
 def test_put_get_into_get_round_trip_bit_identical(ucx: UcxDataClient) -> None:
@@ -152,9 +177,9 @@ def test_put_get_into_get_round_trip_bit_identical(ucx: UcxDataClient) -> None:
     for value, buffer in zip(values, buffers, strict=True):
         assert np.array_equal(value, buffer)
 
-    got = ucx.get(keys)
-    assert got == [value.tobytes() for value in values]
+    assert ucx.get(keys) == as_bytes(values)
     assert ucx.counters["fallbacks"] == 0 and ucx.counters["connects"] == 1
+    assert ucx.counters["transfers"] == 3
 
     again = ucx.put(keys, values)
     assert again is not None and again.already_present == len(keys)
@@ -193,17 +218,15 @@ def test_ucx_and_grpc_paths_see_the_same_blocks(ucx: UcxDataClient, kv: KVStoreC
     values = values_of([200_000, 300_000], seed=2)
     assert ucx.put(via_ucx, values) is not None
     kv.put(via_grpc, values)
-    assert kv.get(via_ucx) == [v.tobytes() for v in values]
-    assert ucx.get(via_grpc) == [v.tobytes() for v in values]
+    assert kv.get(via_ucx) == as_bytes(values)
+    assert ucx.get(via_grpc) == as_bytes(values)
 
 
-def test_namespaces_are_kept_apart(
-    ucx: UcxDataClient, kv: KVStoreClient, ucx_server: UcxServer
-) -> None:
+def test_namespaces_are_kept_apart(ucx: UcxDataClient, kv: KVStoreClient, address: str) -> None:
     keys = keys_of(2)
     values = values_of([10_000, 20_000], seed=3)
     assert ucx.put(keys, values) is not None
-    other = ucx_client(kv, ucx_server.ucx_address, OTHER)
+    other = ucx_client(kv, address, OTHER)
     try:
         assert other.get(keys) == [None, None]
         assert other.get_into(keys, [bytearray(10_000), bytearray(20_000)]) == [False, False]
@@ -228,33 +251,24 @@ def test_request_errors_raise_and_the_client_recovers(ucx: UcxDataClient) -> Non
     assert ucx.get(keys) == [b"y" * 50_000]
 
 
-def test_falls_back_when_the_listener_is_gone(kv: KVStoreClient) -> None:
-    with socket.socket() as sock:  # a port nothing listens on
-        sock.bind(("127.0.0.1", 0))
-        free_port = sock.getsockname()[1]
-    dead = ucx_client(kv, f"127.0.0.1:{free_port}", timeout=5.0, retry_after_s=60.0)
+def test_retries_after_the_backoff(kv: KVStoreClient, address: str) -> None:
+    keys = keys_of(4)
+    values = values_of([16 * 1024**2] * 4, seed=5)
+    client = ucx_client(kv, address, timeout=10.0, retry_after_s=1.0)
     try:
-        started = time.monotonic()
-        assert dead.get_into(keys_of(1), [bytearray(10)]) is None
-        assert dead.put(keys_of(1), [b"z"]) is None
-        assert dead.get(keys_of(1)) is None
-        assert time.monotonic() - started < 15.0
-        assert not dead.usable and dead.last_error
-        # The gRPC path the caller falls back to still works.
-        keys = keys_of(1)
-        kv.put(keys, [b"w" * 10])
-        assert kv.get(keys) == [b"w" * 10]
-    finally:
-        dead.close()
-
-
-def test_retries_after_the_backoff(kv: KVStoreClient, ucx_server: UcxServer) -> None:
-    client = ucx_client(kv, ucx_server.ucx_address, retry_after_s=0.5)
-    try:
-        client._retry_at = time.monotonic() + 0.5  # as after a failure
-        assert client.get(keys_of(1)) is None
-        time.sleep(0.6)
-        assert client.get(keys_of(1)) == [None]
+        assert client.put(keys, values) is not None, client.last_error
+        # 64 MiB cannot arrive within 2 ms: the transfer fails, the server stays up.
+        assert client.get(keys, timeout=0.002) is None
+        assert not client.usable and client.counters["fallbacks"] == 1
+        # Within the backoff the client does not even try.
+        assert client.get(keys) is None
+        assert client.counters["fallbacks"] == 1 and client.counters["transfers"] == 1
+        deadline = time.monotonic() + 5.0
+        while not client.usable:
+            assert time.monotonic() < deadline, "the backoff never ended"
+            time.sleep(0.05)
+        assert client.get(keys) == as_bytes(values), client.last_error
+        assert client.counters["connects"] == 2 and client.counters["transfers"] == 2
     finally:
         client.close()
 
@@ -263,35 +277,31 @@ _DOOMED_CLIENT = textwrap.dedent(
     """
     import os, sys, numpy as np
     from kvstore import KVStoreClient, Namespace
-    from kvstore._wire import namespace_bytes
-    from kvstore.transport.ucx_client import UcxDataClient
-    target, address, mode = sys.argv[1:4]
+    target, mode = sys.argv[1:3]
     ns = Namespace(model="ucx-test", num_layers=2, num_kv_heads=2, head_size=64)
-    kv = KVStoreClient(target, namespace=ns)
-    ucx = UcxDataClient(kv._channel, address, namespace_bytes(ns), timeout=30.0)
+    kv = KVStoreClient(target, namespace=ns, timeout=30.0, data_plane="ucx")
     keys = [os.urandom(16) for _ in range(16)]
     values = [np.full(4 * 1024**2, i, np.uint8) for i in range(16)]
-    assert ucx.put(keys, values) is not None
+    kv.put(keys, values)
+    assert kv._ucx is not None and kv._ucx.counters["transfers"] == 1, kv._ucx
     print("ready", flush=True)
     while True:
         if mode == "get":
-            ucx.get_into(keys, values)
+            kv.get_into(keys, values)
         else:
-            ucx.put([os.urandom(16) for _ in keys], values)
+            kv.put([os.urandom(16) for _ in keys], values)
     """
 )
 
 
 @pytest.mark.parametrize("mode", ["get", "put"])
 def test_a_killed_client_does_not_wedge_the_server(
-    mode: str, ucx: UcxDataClient, ucx_server: UcxServer, tmp_path: Path
+    mode: str, ucx: UcxDataClient, ucx_server: ServerProcess, tmp_path: Path
 ) -> None:
     script = tmp_path / "doomed.py"
     script.write_text(_DOOMED_CLIENT)
     doomed = subprocess.Popen(
-        [sys.executable, str(script), ucx_server.target, ucx_server.ucx_address, mode],
-        stdout=subprocess.PIPE,
-        text=True,
+        [sys.executable, str(script), ucx_server.target, mode], stdout=subprocess.PIPE, text=True
     )
     try:
         assert doomed.stdout is not None
@@ -310,34 +320,132 @@ def test_a_killed_client_does_not_wedge_the_server(
     assert ucx.get_into(keys, buffers, timeout=10.0) == [True] * 4
     assert all(np.array_equal(v, b) for v, b in zip(values, buffers, strict=True))
     assert time.monotonic() - started < 10.0
-    assert ucx_server.alive()
+    assert ucx_server.running
 
 
-def test_a_dead_server_fails_over_within_the_deadline(tmp_path: Path) -> None:
-    server = UcxServer(tmp_path / "doomed-server")
-    try:
-        with KVStoreClient(server.target, namespace=NAMESPACE, timeout=3.0) as kv:
-            client = ucx_client(kv, server.ucx_address, timeout=3.0)
-            keys = keys_of(2)
-            assert client.put(keys, values_of([1024**2, 1024**2])) is not None
-            server.kill()
-            started = time.monotonic()
-            assert client.get_into(keys, [bytearray(1024**2), bytearray(1024**2)]) is None
-            assert time.monotonic() - started < 3.0 + 5.0
-            assert not client.usable
-            client.close()
-    finally:
+# -- KVStoreClient: what users get ------------------------------------------------------------
+
+
+def test_client_with_data_plane_ucx_moves_the_bytes_over_ucx(
+    ucx_server: ServerProcess, kv: KVStoreClient
+) -> None:
+    keys, grpc_keys = keys_of(len(SIZES)), keys_of(2)
+    values, grpc_values = values_of(SIZES, seed=6), values_of([70_000, 1024**2], seed=7)
+    with kv_client(ucx_server, "ucx") as client:
+        result = client.put(keys, values)
+        assert result.stored == len(keys)
+        ucx = client._ucx
+        assert ucx is not None and ucx.counters["transfers"] == 1, "put did not go over UCX"
+
+        buffers = [np.zeros(size, dtype=np.uint8) for size in SIZES]
+        assert client.get_into(keys, buffers) == [True] * len(keys)
+        assert all(np.array_equal(v, b) for v, b in zip(values, buffers, strict=True))
+        assert ucx.counters["transfers"] == 2
+        assert client.get(keys) == as_bytes(values)
+        assert ucx.counters["transfers"] == 3
+
+        # The gRPC-only client reads what UCX put, and UCX reads what gRPC put.
+        assert kv.get(keys) == as_bytes(values)
+        kv.put(grpc_keys, grpc_values)
+        assert client.get(grpc_keys) == as_bytes(grpc_values)
+        assert kv._ucx is None and kv.data_plane == "grpc"
+
+        # A request error raises as on gRPC and leaves UCX on.
+        with pytest.raises(InvalidRequestError):
+            client.put(keys_of(2), [b"x" * 100, b""])
+        assert client.get(grpc_keys[:1]) == [grpc_values[0].tobytes()]
+        assert ucx.counters["transfers"] == 5 and ucx.counters["fallbacks"] == 0
+        assert ucx.counters["connects"] in (1, 2)  # the refused put may cost the endpoint
+
+
+def test_auto_picks_ucx_when_shared_memory_is_off(
+    server_factory: ServerFactory, ucx_server: ServerProcess
+) -> None:
+    server = server_factory(*NO_SHM, *UCX)
+    keys = keys_of(3)
+    values = values_of([4096, 500_000, 2 * 1024**2], seed=8)
+    with kv_client(server, "auto") as client:
+        client.put(keys, values)
+        assert client.get(keys) == as_bytes(values)
+        buffers = [np.zeros_like(v) for v in values]
+        assert client.get_into(keys, buffers) == [True] * 3
+        assert all(np.array_equal(v, b) for v, b in zip(values, buffers, strict=True))
+        assert client.data_plane == "ucx"  # not shared memory
+        assert client._ucx is not None and client._ucx.address == ucx_address(server)
+        assert client._ucx.counters["transfers"] == 3 and client._ucx.counters["fallbacks"] == 0
+    # Where shared memory is possible, "auto" prefers it and never opens UCX.
+    with kv_client(ucx_server, "auto") as client:
+        client.put(keys, values)
+        assert client.get(keys) == as_bytes(values)
+        assert client.data_plane == "shm" and client._ucx is None
+
+
+def test_data_plane_ucx_without_a_ucx_listener_uses_grpc(server_factory: ServerFactory) -> None:
+    server = server_factory()
+    assert ucx_address(server) == ""
+    keys = keys_of(2)
+    values = values_of([8192, 1024**2], seed=9)
+    with kv_client(server, "ucx") as client:
+        assert client.put(keys, values).stored == 2
+        assert client.get(keys) == as_bytes(values)
+        buffers = [np.zeros_like(v) for v in values]
+        assert client.get_into(keys, buffers) == [True, True]
+        assert all(np.array_equal(v, b) for v, b in zip(values, buffers, strict=True))
+        assert client._ucx is None and client.data_plane == "grpc"
+
+
+def test_falls_back_to_grpc_when_the_listener_is_gone(server_factory: ServerFactory) -> None:
+    server = pinned_ucx_server(server_factory)
+    keys = keys_of(3)
+    values = values_of([1000, 300_000, 1024**2], seed=10)
+    with kv_client(server, "ucx", timeout=2.0) as client:
+        client.put(keys, values)
+        ucx = client._ucx
+        assert ucx is not None and ucx.counters["transfers"] == 1
+        # Same gRPC address and nvme directory (the blocks survive), no UCX listener: the address
+        # the client learnt leads nowhere.
+        restart_without_ucx(server)
+        assert ucx_address(server) == ""
+        started = time.monotonic()
+        assert client.get(keys) == as_bytes(values)
+        buffers = [np.zeros_like(v) for v in values]
+        assert client.get_into(keys, buffers) == [True] * 3
+        assert all(np.array_equal(v, b) for v, b in zip(values, buffers, strict=True))
+        fresh = keys_of(1)
+        client.put(fresh, [b"w" * 10])
+        # One UCX attempt (at most the call's deadline), then gRPC until the backoff ends.
+        assert time.monotonic() - started < 2.0 + 5.0
+        assert ucx.counters["fallbacks"] == 1 and ucx.counters["transfers"] == 1
+        assert not ucx.usable and ucx.last_error
+    with kv_client(server, "grpc") as kv:
+        assert kv.get(fresh) == [b"w" * 10]
+
+
+def test_a_dead_server_fails_over_within_the_deadline(server_factory: ServerFactory) -> None:
+    server = server_factory(*UCX)
+    keys = keys_of(2)
+    with kv_client(server, "ucx", timeout=2.0) as client:
+        client.put(keys, values_of([1024**2, 1024**2]))
+        ucx = client._ucx
+        assert ucx is not None and ucx.counters["transfers"] == 1
         server.kill()
+        started = time.monotonic()
+        # UCX gives up, gRPC finds no server either: an error, not a hang.
+        with pytest.raises(StoreUnavailableError):
+            client.get_into(keys, [bytearray(1024**2), bytearray(1024**2)])
+        assert time.monotonic() - started < 2.0 + 5.0
+        assert not ucx.usable and ucx.counters["fallbacks"] == 1
 
 
-def test_server_stops_cleanly_with_clients_connected(tmp_path: Path) -> None:
-    server = UcxServer(tmp_path / "stopping-server")
-    try:
-        with KVStoreClient(server.target, namespace=NAMESPACE) as kv:
-            client = ucx_client(kv, server.ucx_address)
-            assert client.put(keys_of(1), [b"q" * 4096]) is not None
-            assert server.stop() == 0, server.log.read_text()
-            assert '"put_transfers": 1' in server.out.read_text()
-            client.close()
-    finally:
-        server.kill()
+def test_server_stops_cleanly_with_clients_connected(server_factory: ServerFactory) -> None:
+    server = server_factory(*UCX)
+    with kv_client(server, "ucx") as client:
+        client.put(keys_of(1), [b"q" * 4096])
+        ucx = client._ucx
+        assert ucx is not None and ucx.counters["transfers"] == 1
+        connection = ucx._connection
+        assert connection is not None
+        server.stop()  # asserts exit code 0
+        assert f"dropping UCX client {connection.client_id.hex()}: server closing" in (
+            server.stderr()
+        )

@@ -1,0 +1,71 @@
+"""Where blocks go and which ones stay: the store's placement and admission rules, in one place.
+
+:class:`~kvstore.store.TieredStore` does the moving; it asks a :class:`Policy` three questions:
+
+* **When does a new block reach the shared tier?** ``write-through`` (default): at once, in the
+  background, so every other node can load it within milliseconds. ``write-back``: only when the
+  block leaves this node's local tiers (evicted from the last one), which writes far less to Redis
+  but lets other nodes see a block only after this node stops caching it.
+* **Which blocks evicted from dram are worth the disk write?** ``all`` (default) demotes every
+  victim into nvme. ``hit`` demotes only blocks that were read at least once since they were
+  stored: a prefix nobody reused is dropped instead of costing an NVMe write (a miss later costs a
+  recompute, the same as if it had never been stored).
+* **In which order do a chain's blocks age?** Always suffix first. A chain is stored and read
+  prefix first, so plain LRU would leave the prefix *older* than its suffix and evict it first,
+  and a suffix without its prefix is worthless to an engine (a lookup counts leading hits only).
+  :meth:`Policy.recency_order` gives the order in which to touch a request's keys so that the
+  prefix ends up most recently used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["NVME_ADMISSIONS", "SHARED_WRITES", "Policy"]
+
+#: Accepted values of ``policy.shared_write``.
+SHARED_WRITES = ("through", "back")
+#: Accepted values of ``policy.nvme_admission``.
+NVME_ADMISSIONS = ("all", "hit")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The store's write and admission rules (see the module docstring)."""
+
+    shared_write: str = "through"
+    nvme_admission: str = "all"
+
+    def __post_init__(self) -> None:
+        if self.shared_write not in SHARED_WRITES:
+            raise ValueError(f"shared_write must be one of {SHARED_WRITES}: {self.shared_write!r}")
+        if self.nvme_admission not in NVME_ADMISSIONS:
+            raise ValueError(
+                f"nvme_admission must be one of {NVME_ADMISSIONS}: {self.nvme_admission!r}"
+            )
+
+    @property
+    def write_through(self) -> bool:
+        """Whether new blocks go to the shared tier when they are stored."""
+        return self.shared_write == "through"
+
+    @property
+    def write_back(self) -> bool:
+        """Whether blocks go to the shared tier when they leave this node."""
+        return self.shared_write == "back"
+
+    def admit_on_demotion(self, persistent_target: bool, hits: int) -> bool:
+        """Whether a block evicted from a tier should be written into the next one down.
+
+        ``persistent_target``: the next tier keeps blocks across restarts (nvme); ``hits``: how
+        often the block was read since it was stored.
+        """
+        if persistent_target and self.nvme_admission == "hit":
+            return hits > 0
+        return True
+
+    @staticmethod
+    def recency_order(keys: Sequence[bytes]) -> list[bytes]:
+        """The order to touch one request's keys in: suffix first, so the prefix is most recent."""
+        return list(reversed(keys))
