@@ -22,8 +22,9 @@ case where ``ExampleConnector`` (which keys on the whole prompt) can hit at all;
 then load the same tokens. B's first tokens are checked to agree across the four ways.
 
 kvstore's TTFT is broken down from the connector's own debug log: the scheduler's lookup, the
-worker's get (gRPC, on a background thread), how long the forward pass waited for it, and the
-scatter into the paged cache; the rest is the engine (the suffix prefill, scheduling, sampling).
+worker's get (on a background thread; over shared memory, since the store runs on the same host,
+which the report checks), how long the forward pass waited for it, and the scatter into the paged
+cache; the rest is the engine (the suffix prefill, scheduling, sampling).
 
 Writes ``OUT.json`` (every measurement) and ``OUT.md`` (median table); prints the table.
 """
@@ -205,6 +206,12 @@ def main() -> None:
             "b_kvstore", workdir, model, b_prompts, max_len, *kv, *b_flags,
             "--kvstore-log-level", "DEBUG",
         )  # fmt: skip
+        # Which data plane the connector's gets took: leases exist only on shared memory.
+        from kvstore import KVStoreClient
+
+        with KVStoreClient(target, timeout=10) as client:
+            leased = client.stats()["counters"].get("blocks_leased", 0)
+        data_plane = "shared memory" if leased else "gRPC"
     finally:
         store.terminate()
         store.wait(timeout=30)
@@ -217,7 +224,7 @@ def main() -> None:
         "kvstore": kvstore,
     }
     breakdown = _breakdown(kv_log, len(b_prompts))
-    report = _report(runs, breakdown, lengths, args)
+    report = _report(runs, breakdown, lengths, args, data_plane)
     Path(f"{args.out}.json").write_text(json.dumps(report["raw"], indent=1))
     Path(f"{args.out}.md").write_text(report["markdown"])
     print(report["markdown"])
@@ -228,6 +235,7 @@ def _report(
     breakdown: list[dict[str, float]] | None,
     lengths: list[int],
     args: argparse.Namespace,
+    data_plane: str,
 ) -> dict[str, Any]:
     first_tokens = {name: [r["tokens"] for r in run["results"]] for name, run in runs.items()}
     # Every way must give every prompt the same first token (kvstore's loads are exact).
@@ -290,7 +298,8 @@ def _report(
         f"(`max_tokens=1`, one request at a time, after a warm-up request). Random Llama "
         f"({sizes}), bf16, vLLM CPU build, 2 cores. First tokens differing between the four "
         f"ways: {mismatches} of {len(lengths)}. The kvstore breakdown comes from the "
-        f"connector's debug log: lookup on the scheduler, gRPC get on the worker's fetch thread, "
+        f"connector's debug log: lookup on the scheduler, get (over {data_plane}) on the "
+        f"worker's fetch thread, "
         f"the time the forward pass waited for it, and the scatter into the paged cache.",
     ]
     return {

@@ -7,6 +7,7 @@ the pages live in the memfd that co-located clients will map.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import AsyncIterator
 
@@ -336,3 +337,27 @@ async def test_close_releases_the_memfd() -> None:
     await dram.close()
     assert dram.fd == -1
     assert key(1) not in dram
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_arena_is_page_locked_where_cuda_exists() -> None:
+    """On a GPU host the arena is registered with CUDA: a device copy from it is a DMA."""
+    tier = DramTier(4 * 1024**2, page_size=64 * 1024)
+    assert tier.pinned and tier.stats()["pinned"] == 1
+    header = BlockHeader.for_payload(b"k" * 16, b"n" * 16, b"x" * 100_000)
+    assert tier.write_sync(header, b"x" * 100_000)
+    view = tier.view(b"k" * 16)
+    assert view is not None
+    host = torch.frombuffer(view, dtype=torch.uint8)
+    device = host.to("cuda", non_blocking=True)
+    torch.cuda.synchronize()
+    assert bytes(device.cpu().numpy()) == b"x" * 100_000
+    asyncio.run(tier.close())
+    assert not tier.pinned
+
+
+def test_arena_is_page_locked_exactly_where_cuda_exists() -> None:
+    tier = DramTier(1024**2, page_size=64 * 1024)
+    assert tier.pinned == torch.cuda.is_available()
+    assert tier.stats()["pinned"] == int(torch.cuda.is_available())
