@@ -96,6 +96,11 @@ class _StepLoad:
     fetch_s: float = 0.0  # the get itself, on the fetch thread
     waited_s: float = 0.0  # how long the forward pass waited for it
     scatter_s: float = 0.0
+    # Filled on the first scatter: chunks loaded whole (scattered with one call per layer) and
+    # their kernel block ids; chunks only partly new to the engine go one by one.
+    whole: list[int] | None = None
+    whole_ids: list[int] = field(default_factory=list)
+    partial: list[tuple[int, LoadSpec, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -136,6 +141,10 @@ class WorkerSide:
         self._fetch_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-load")
         self._load: _StepLoad | None = None
         self._load_errors: set[int] = set()
+        # The loads' landing buffer, kept across steps: a fresh one would page-fault on every
+        # byte the get writes, which costs about as much as the copy itself.
+        self._staging: torch.Tensor | None = None
+        self._staging_fetch: Future[list[bool]] | None = None
         # Saves.
         self._lock = threading.Condition()
         self._ungathered: defaultdict[str, int] = defaultdict(int)  # req -> jobs not yet gathered
@@ -232,12 +241,23 @@ class WorkerSide:
             self._fail_loads(meta.loads)
             return
         keys = self._keys([key for spec in meta.loads for key in spec.keys])
-        buffer = torch.empty(
-            (len(keys), *self._chunk_shape), dtype=self._caches[0].dtype, device="cpu"
-        )
-        load = _StepLoad(meta.loads, buffer)
+        load = _StepLoad(meta.loads, self._staging_buffer(len(keys)))
         load.fetched = self._fetch_pool.submit(self._fetch, load, keys)
+        self._staging_fetch = load.fetched
         self._load = load
+
+    def _staging_buffer(self, chunks: int) -> torch.Tensor:
+        """``[chunks, *chunk_shape]`` to land a step's loads in, reused while nothing writes it."""
+        staging = self._staging
+        busy = self._staging_fetch is not None and not self._staging_fetch.done()
+        if busy or staging is None or staging.shape[0] < chunks:
+            dtype = self._caches[0].dtype
+            # zeros, not empty: touch every page now, once, rather than inside a get.
+            fresh = torch.zeros((chunks, *self._chunk_shape), dtype=dtype, device="cpu")
+            if busy:  # a late get still owns the kept buffer (it times out on its own)
+                return fresh
+            self._staging = staging = fresh
+        return staging[:chunks]
 
     def _fetch(self, load: _StepLoad, keys: list[bytes]) -> list[bool]:
         if self._breaker.is_open():
@@ -261,15 +281,43 @@ class WorkerSide:
             return
         ok = self._resolve(load)
         started = time.perf_counter()
+        if load.whole is None:
+            self._plan_scatter(load, ok)
+        assert load.whole is not None
         cache = [self._caches[layer]]
+        if load.whole:
+            # One call for every whole chunk of the step: [1, chunks * blocks, *block].
+            src = load.buffer[load.whole, layer].flatten(0, 1).unsqueeze(0)
+            _scatter(src, cache, load.whole_ids, self._layout)
+        for chunk, spec, index in load.partial:
+            self._scatter_chunk(load.buffer[chunk, layer : layer + 1], cache, spec, index)
+        load.scattered.add(layer)
+        load.scatter_s += time.perf_counter() - started
+
+    def _plan_scatter(self, load: _StepLoad, ok: list[bool]) -> None:
+        """Sort the step's loaded chunks into whole ones and partly new ones (see _StepLoad)."""
+        bpc = self._blocks_per_chunk
+        load.whole = []
         chunk = 0
         for spec in load.specs:
             for index in range(len(spec.keys)):
                 if ok[chunk]:
-                    self._scatter_chunk(load.buffer[chunk, layer : layer + 1], cache, spec, index)
+                    targets = spec.block_ids[index * bpc : (index + 1) * bpc]
+                    if len(targets) == bpc and all(b >= 0 for b in targets):
+                        load.whole.append(chunk)
+                        load.whole_ids.extend(self._kernel_ids(targets))
+                    else:
+                        load.partial.append((chunk, spec, index))
                 chunk += 1
-        load.scattered.add(layer)
-        load.scatter_s += time.perf_counter() - started
+        if len(set(load.whole_ids)) != len(load.whole_ids):  # never expected; stay exact anyway
+            load.partial = [
+                (chunk, spec, index)
+                for chunk, (spec, index) in enumerate(
+                    (spec, index) for spec in load.specs for index in range(len(spec.keys))
+                )
+                if ok[chunk]
+            ]
+            load.whole, load.whole_ids = [], []
 
     def _resolve(self, load: _StepLoad) -> list[bool]:
         """Wait for the fetch (bounded by the get deadline) and record the chunks that failed."""

@@ -229,6 +229,16 @@ class DramTier(Tier):
 
     # -- direct access by co-located clients ----------------------------------------------
 
+    def range_view(self, offset: int, length: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        """A writable view (no copy) of arena bytes ``[offset, offset + length)``.
+
+        For transports that move a lease's or a reservation's ranges themselves (UCX); valid while
+        the caller holds that lease or reservation.
+        """
+        if offset < 0 or length < 0 or offset + length > self.capacity:
+            raise ValueError(f"range {offset}+{length} is outside the {self.capacity}-byte arena")
+        return self._arena[offset : offset + length]
+
     def lease(self, key: bytes) -> DramLease | None:
         """Hold ``key``'s pages for a reader until :meth:`release`; ``None`` if not resident."""
         resident = self._blocks.get(key)

@@ -56,11 +56,14 @@ _TRANSFER_BITS = 36
 #: UCX_MEMTYPE_CACHE, which it sets itself. Over TCP, UCX's automatic rendezvous scheme copies
 #: large messages through 512 KiB staging fragments; ``put_zcopy`` writes straight from the
 #: sender's buffer into the receiver's and measured 1.3-2.5x faster for 1-16 MiB blocks
-#: (benchmarks/bench_ucx.py).
+#: (measured with ucx_perftest and benchmarks/bench_dataplane.py).
 UCX_ENV_DEFAULTS = {
     "UCX_RNDV_FRAG_MEM_TYPE": "host",
     "UCX_RNDV_SCHEME": "put_zcopy",
     "UCX_WARN_UNUSED_ENV_VARS": "n",
+    # A restarted server must get its listener port back while the old connections are still
+    # in TIME-WAIT; without this it comes up with the UCX path off.
+    "UCX_TCP_CM_REUSEADDR": "y",
 }
 
 _ucxx: ModuleType | None = None

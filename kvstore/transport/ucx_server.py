@@ -10,6 +10,14 @@ name the id, and the payloads of a call move over that endpoint, tagged by (tran
 Every transfer is bounded by the call's gRPC deadline (capped by ``transfer_timeout_s``); a transfer
 that fails or runs late drops the client's endpoint, which cancels whatever else it had in flight,
 and the client reconnects on its next call.
+
+When the store's top tier is a dram arena, payloads do not get copied on the server: a get leases
+the blocks (:meth:`~kvstore.store.TieredStore.acquire`) and UCX sends straight from their pages,
+the leases coming back when the sends end, however they end; a put reserves pages
+(:meth:`~kvstore.store.TieredStore.reserve`), UCX receives into them and the store commits them, or
+cancels them if the transfer fails. A block split across several runs of pages still travels as
+one message (the client's wire format), so it goes through a contiguous copy; a block the arena
+has no room for is received into a buffer of its own and stored like a ``Put``.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import grpc
 import numpy as np
@@ -29,7 +37,8 @@ from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import ucx_pb2 as ucx_pb
 from kvstore._proto.kvstore.v1 import ucx_pb2_grpc as ucx_pb_grpc
 from kvstore.errors import CapacityError, InvalidRequestError, KVStoreError, status_of
-from kvstore.store import TieredStore
+from kvstore.store import Acquired, TieredStore
+from kvstore.tiers.dram import DramLease, DramTier, Reservation
 from kvstore.transport.ucx import (
     CLIENT_ID_BYTES,
     HELLO_TAG,
@@ -177,19 +186,88 @@ class UcxDataServer:
     async def get(
         self, request: ucx_pb.UcxGetRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> ucx_pb.UcxGetResponse:
-        """Look the keys up and answer; the found payloads then follow over UCX."""
+        """Look the keys up and answer; the found payloads then follow over UCX.
+
+        With a dram arena, blocks are leased (:meth:`TieredStore.acquire`) and sent straight from
+        their pages; the leases are given back when the sends end, however they end.
+        """
         client = self._client(request.client_id)
         keys = list(request.keys)
         _check_batch(len(keys))
         sizes = list(request.sizes)
         if sizes and len(sizes) != len(keys):
             raise InvalidRequestError(f"{len(keys)} keys but {len(sizes)} buffer sizes")
+        arena = self.store.arena
+        if arena is None:
+            return await self._get_copies(client, request, keys, sizes, context)
+        tiers = self._tiers_before_acquire(arena, keys, request.namespace)
+        acquired = await self.store.acquire(keys, request.namespace)
+        # The leases this call still has to give back (the send task takes over the ones it
+        # sends from). Leases of a key asked for twice are equal but distinct: tell them by id.
+        held = [item for item in acquired if isinstance(item, DramLease)]
+        try:
+            lengths = [_acquired_length(item) for item in acquired]
+            sent = [n > 0 and (not sizes or sizes[i] == n) for i, n in enumerate(lengths)]
+            payloads: list[tuple[int, Any]] = []
+            travelling: list[DramLease] = []
+            for index, item in enumerate(acquired):
+                if item is None or not sent[index]:
+                    continue
+                if not isinstance(item, DramLease):
+                    payloads.append((index, item))  # bytes the store could not lease
+                elif len(item.ranges) == 1:
+                    # Zero copy: UCX reads the leased pages themselves.
+                    payloads.append((index, arena.range_view(*item.ranges[0])))
+                    travelling.append(item)
+                else:
+                    # The wire format is one message per block: gather its runs into a copy.
+                    payloads.append((index, _gather(arena, item.ranges, lengths[index])))
+            if payloads:
+                # The answer goes first: the client posts its receives only after reading the
+                # lengths. The task's done callback runs however it ends (even cancelled before
+                # it started), so the leases it sends from always come back.
+                moving = {id(lease) for lease in travelling}
+                rest = [lease for lease in held if id(lease) not in moving]
+                task = self._spawn(
+                    self._send(client, request.transfer_id, payloads, self._timeout(context))
+                )
+                held = rest
+                task.add_done_callback(lambda _: self._release(travelling))
+        finally:
+            self._release(held)
+        for index, item in enumerate(acquired):
+            if item is None:
+                tiers[index] = ""
+            elif isinstance(item, DramLease) and not tiers[index]:
+                tiers[index] = arena.name  # stored meanwhile: the arena served it
+        return ucx_pb.UcxGetResponse(lengths=lengths, sent=sent, tiers=tiers)
+
+    def _tiers_before_acquire(
+        self, arena: DramTier, keys: Sequence[bytes], namespace: bytes
+    ) -> list[str]:
+        """Where each key is before :meth:`TieredStore.acquire` promotes it ("" if absent).
+
+        Keys all resident in the arena (the common case) need no store lookup, which would count
+        as an engine's lookup in the store's counters.
+        """
+        if all(key in arena for key in keys):
+            return [arena.name] * len(keys)  # misses (another namespace) are cleared later
+        return list(self.store.lookup(keys, namespace).tiers)
+
+    async def _get_copies(
+        self,
+        client: _Client,
+        request: ucx_pb.UcxGetRequest,
+        keys: list[bytes],
+        sizes: list[int],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> ucx_pb.UcxGetResponse:
+        """The get of a store without a dram arena: send copies of the payloads."""
         results = await self.store.get(keys, request.namespace)
         lengths = [0 if r.payload is None else len(r.payload) for r in results]
         sent = [n > 0 and (not sizes or sizes[i] == n) for i, n in enumerate(lengths)]
         payloads = [(i, r.payload) for i, r in enumerate(results) if sent[i]]
         if payloads:
-            # The answer goes first: the client posts its receives only after reading the lengths.
             # The store's payloads are copies, so nothing needs pinning while they travel.
             self._spawn(self._send(client, request.transfer_id, payloads, self._timeout(context)))
         return ucx_pb.UcxGetResponse(lengths=lengths, sent=sent, tiers=[r.tier for r in results])
@@ -211,12 +289,26 @@ class UcxDataServer:
             self.counters["blocks_sent"] += len(payloads)
             self.counters["bytes_sent"] += sum(len(p) for _, p in payloads)
 
+    def _release(self, leases: Sequence[DramLease]) -> None:
+        """Give leases back; never raises (it runs in done callbacks and error paths)."""
+        if not leases:
+            return
+        try:
+            self.store.release(leases)
+        except Exception:
+            logger.exception("releasing %d UCX lease(s) failed", len(leases))
+
     # -- put -------------------------------------------------------------------------------
 
     async def put(
         self, request: ucx_pb.UcxPutRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.PutResponse:
-        """Receive the batch's payloads over UCX, then store them as ``Put`` does."""
+        """Receive the batch's payloads over UCX, then store them as ``Put`` does.
+
+        With a dram arena, blocks are received straight into reserved pages
+        (:meth:`TieredStore.reserve`) and then committed; a block the arena has no room for is
+        received into a buffer of its own and stored like a ``Put``.
+        """
         client = self._client(request.client_id)
         keys = list(request.keys)
         lengths = list(request.lengths)
@@ -226,21 +318,117 @@ class UcxDataServer:
             # The client is already sending; dropping its endpoint fails those sends at once.
             self._drop(client, "refused a put")
             raise
+        arena = self.store.arena
+        reserved: list[Reservation | Literal["present"] | None] | None = None
+        if arena is not None:
+            try:
+                reserved = await self.store.reserve(keys, lengths, request.namespace)
+            except KVStoreError:
+                # Refused (bad keys, another namespace's key): receive as before, and let the put
+                # refuse it the same way once the bytes are in.
+                reserved = None
+        if arena is None or reserved is None:
+            return await self._put_copies(client, request, keys, lengths, context)
+        held = [item for item in reserved if isinstance(item, Reservation)]
+        try:
+            return await self._put_reserved(
+                client, request, arena, keys, lengths, reserved, context
+            )
+        finally:
+            # Installed reservations are closed, so this gives back only what was not committed.
+            self.store.cancel(held)
+
+    async def _put_reserved(
+        self,
+        client: _Client,
+        request: ucx_pb.UcxPutRequest,
+        arena: DramTier,
+        keys: list[bytes],
+        lengths: list[int],
+        reserved: list[Reservation | Literal["present"] | None],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> pb.PutResponse:
+        present = [
+            length for item, length in zip(reserved, lengths, strict=True) if item == "present"
+        ]
+        # Blocks already stored still arrive (the client sends every value): they land here and
+        # are dropped. Concurrent writes into one scratch buffer are harmless, nobody reads it.
+        scratch = np.empty(max(present, default=0), dtype=np.uint8)
+        buffers: list[Any] = []
+        gathered: list[tuple[np.ndarray[Any, np.dtype[np.uint8]], Reservation]] = []
+        fallback: list[int] = []
+        for index, (item, length) in enumerate(zip(reserved, lengths, strict=True)):
+            if isinstance(item, Reservation):
+                if len(item.ranges) == 1:
+                    buffers.append(arena.range_view(*item.ranges[0]))  # zero copy
+                else:
+                    buffer = np.empty(length, dtype=np.uint8)
+                    gathered.append((buffer, item))
+                    buffers.append(buffer)
+            elif item == "present":
+                buffers.append(scratch[:length])
+            else:  # no room in the arena for it
+                buffers.append(np.empty(length, dtype=np.uint8))
+                fallback.append(index)
+        await self._receive(client, request.transfer_id, buffers, context)
+        for buffer, reservation in gathered:
+            _scatter(arena, reservation.ranges, buffer)
+        written = [
+            (key, item)
+            for key, item in zip(keys, reserved, strict=True)
+            if isinstance(item, Reservation)
+        ]
+        result = await self.store.commit(written, request.namespace)
+        stored = result.stored
+        already = result.already_present + len(present)
+        dropped = result.dropped
+        if fallback:
+            rest = await self.store.put(
+                [keys[i] for i in fallback], [buffers[i] for i in fallback], request.namespace
+            )
+            stored += rest.stored
+            already += rest.already_present
+            dropped += rest.dropped
+        return pb.PutResponse(stored=stored, already_present=already, dropped=dropped)
+
+    async def _put_copies(
+        self,
+        client: _Client,
+        request: ucx_pb.UcxPutRequest,
+        keys: list[bytes],
+        lengths: list[int],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> pb.PutResponse:
+        """Receive into buffers of their own, then ``store.put`` them (it copies them in)."""
         # np.empty: no zeroing, every byte is about to be overwritten.
         buffers = [np.empty(length, dtype=np.uint8) for length in lengths]
+        await self._receive(client, request.transfer_id, buffers, context)
+        result = await self.store.put(keys, buffers, request.namespace)
+        return pb.PutResponse(
+            stored=result.stored, already_present=result.already_present, dropped=result.dropped
+        )
+
+    async def _receive(
+        self,
+        client: _Client,
+        transfer_id: int,
+        buffers: Sequence[Any],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> None:
+        """Receive block ``i`` of the transfer into ``buffers[i]``; UcxTransportError on failure.
+
+        A failed, late or cancelled receive drops the endpoint first (which cancels the receives
+        still posted and waits for that), so nothing writes into the buffers afterwards.
+        """
         receives = [
-            client.endpoint.recv(buffer, tag=transfer_tag(request.transfer_id, index))
+            client.endpoint.recv(buffer, tag=transfer_tag(transfer_id, index))
             for index, buffer in enumerate(buffers)
         ]
         if not await self._transfer(client, receives, self._timeout(context), "receive"):
             raise UcxTransportError("UCX receive failed or timed out")
         self.counters["put_transfers"] += 1
         self.counters["blocks_received"] += len(buffers)
-        self.counters["bytes_received"] += sum(lengths)
-        result = await self.store.put(keys, buffers, request.namespace)
-        return pb.PutResponse(
-            stored=result.stored, already_present=result.already_present, dropped=result.dropped
-        )
+        self.counters["bytes_received"] += sum(len(buffer) for buffer in buffers)
 
     def _check_put(self, keys: Sequence[bytes], lengths: Sequence[int]) -> None:
         """Refuse, before receiving anything, a batch the store would refuse or cannot hold."""
@@ -285,10 +473,42 @@ class UcxDataServer:
             return False
         return True
 
-    def _spawn(self, coroutine: Awaitable[None]) -> None:
+    def _spawn(self, coroutine: Awaitable[None]) -> asyncio.Task[None]:
         task = asyncio.ensure_future(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
+
+
+def _acquired_length(item: Acquired) -> int:
+    """Payload length of one :meth:`TieredStore.acquire` answer (0 for a miss)."""
+    if item is None:
+        return 0
+    if isinstance(item, DramLease):
+        return sum(length for _, length in item.ranges)
+    return len(item)
+
+
+def _gather(
+    arena: DramTier, ranges: Sequence[tuple[int, int]], length: int
+) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    """A copy of a block held in several runs of pages, as one contiguous buffer."""
+    out = np.empty(length, dtype=np.uint8)
+    done = 0
+    for offset, size in ranges:
+        out[done : done + size] = arena.range_view(offset, size)
+        done += size
+    return out
+
+
+def _scatter(
+    arena: DramTier, ranges: Sequence[tuple[int, int]], data: np.ndarray[Any, np.dtype[np.uint8]]
+) -> None:
+    """Copy ``data`` into the runs of pages ``ranges`` names, in order."""
+    done = 0
+    for offset, size in ranges:
+        arena.range_view(offset, size)[:] = data[done : done + size]
+        done += size
 
 
 def _check_batch(count: int) -> None:
