@@ -60,6 +60,8 @@ logger = logging.getLogger(__name__)
 # Gathered chunks waiting for their put may hold at most this much memory; past it new saves are
 # dropped (a cache may always forget), so a slow store cannot grow the engine's memory.
 _MAX_PUT_BACKLOG_BYTES = 1 << 30
+# The load staging buffer is allocated up front for the longest prompt, within this size.
+_STAGING_BYTES = 256 << 20
 # How long shutdown waits for queued saves to reach the store.
 _SHUTDOWN_DRAIN_S = 10.0
 
@@ -124,6 +126,7 @@ class WorkerSide:
         self._settings = settings
         self._blocks_per_chunk = blocks_per_chunk(settings, shape)
         self._num_blocks = int(kv_cache_config.num_blocks)
+        self._max_model_len = int(getattr(vllm_config.model_config, "max_model_len", 0) or 0)
         self._layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
         self._tp_rank, self._pp_rank = tp_rank, pp_rank
         self._namespace = base_namespace(vllm_config, shape, settings, tp_rank=tp_rank)
@@ -204,6 +207,10 @@ class WorkerSide:
             self._blocks_per_chunk * self._ratio,
             *layout.block_shape(first.shape),
         )
+        # One request of the longest prompt loads without growing the buffer mid-request.
+        longest = self._max_model_len // self._settings.chunk_size + 1
+        chunks = max(1, min(longest, _STAGING_BYTES // max(1, self._chunk_nbytes())))
+        self._staging = torch.zeros((chunks, *self._chunk_shape), dtype=first.dtype)
         logger.info(
             "kvstore connector: %d layers of %s %s, chunk %s (%.2f MiB)",
             len(caches),
