@@ -151,6 +151,11 @@ class TieredStore:
         self._tier_hits: Counter[str] = Counter()
         self._evictions: Counter[str] = Counter()
         self._write_through_bytes = 0
+        # Write-through tasks by key, so a delete can wait for the copies it must unlink.
+        self._through_tasks: dict[bytes, asyncio.Task[None]] = {}
+        # Bumped by every delete: a block read from the shared tier before a delete must not be
+        # promoted after it (it would bring back a deleted block).
+        self._delete_epoch = 0
 
     # -- start-up -------------------------------------------------------------------------
 
@@ -465,6 +470,7 @@ class TieredStore:
         level = self._shared_level
         assert level is not None
         tier = self.tiers[level]
+        epoch = self._delete_epoch
         blocks = await tier.read([keys[index] for index in indices])
         for index, block in zip(indices, blocks, strict=True):
             if block is None:
@@ -474,19 +480,25 @@ class TieredStore:
                 continue
             results[index] = GetResult(block.payload, tier.name)
             self._tier_hits[tier.name] += 1
-            self._spawn(self._promote(block.header, block.payload, level))
+            self._spawn(self._promote(block.header, block.payload, level, epoch))
 
     def _forget_in(self, level: int, key: bytes) -> None:
         self._recency[level].discard(key)
         if self._level_of(key) is None:
             self._meta.pop(key, None)
 
-    async def _promote(self, header: BlockHeader, payload: bytes | memoryview, level: int) -> bool:
+    async def _promote(
+        self, header: BlockHeader, payload: bytes | memoryview, level: int, epoch: int = -1
+    ) -> bool:
         """Copy a block read from tier ``level`` into the tiers above it.
 
-        Returns True if the block is in the top tier afterwards (under ``header``'s namespace).
+        ``epoch``: :attr:`_delete_epoch` when a shared-tier block was read; if a delete has run
+        since, the copy may be of a deleted block and is dropped. Returns True if the block is in
+        the top tier afterwards (under ``header``'s namespace).
         """
         async with self._lock:
+            if level == self._shared_level and epoch != self._delete_epoch:
+                return False
             current = self._level_of(header.key)
             meta = self._meta.get(header.key)
             if meta is not None and meta.namespace != header.namespace:
@@ -527,6 +539,7 @@ class TieredStore:
             by_level[self._shared_level] = unindexed
         for level in sorted(by_level):
             indices = by_level[level]
+            epoch = self._delete_epoch
             blocks = await self.tiers[level].read([keys[index] for index in indices])
             for index, block in zip(indices, blocks, strict=True):
                 if block is None:
@@ -536,7 +549,7 @@ class TieredStore:
                 if block.header.namespace != namespace:
                     self._counters.add("namespace_mismatches")
                     continue
-                promoted = await self._promote(block.header, block.payload, level)
+                promoted = await self._promote(block.header, block.payload, level, epoch)
                 outcomes[index] = "ready" if promoted else "failed"
         return outcomes
 
@@ -573,12 +586,22 @@ class TieredStore:
             finally:
                 self._write_through_bytes -= size
 
-        self._spawn(send())
+        task = self._spawn(send())
+        for header, _ in blocks:
+            self._through_tasks[header.key] = task
 
-    def _spawn(self, coroutine: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coroutine)
+        def forget(done: asyncio.Task[None]) -> None:
+            for header, _ in blocks:
+                if self._through_tasks.get(header.key) is done:
+                    del self._through_tasks[header.key]
+
+        task.add_done_callback(forget)
+
+    def _spawn(self, coroutine: Any) -> asyncio.Task[None]:
+        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coroutine)
         self._background.add(task)
         task.add_done_callback(self._background_done)
+        return task
 
     def _background_done(self, task: asyncio.Task[None]) -> None:
         self._background.discard(task)
@@ -780,18 +803,26 @@ class TieredStore:
     # -- delete, pins, stats ---------------------------------------------------------------
 
     async def delete(self, keys: Sequence[bytes], namespace: bytes | None = None) -> int:
-        """Remove blocks from every tier; returns how many are gone from the store.
+        """Remove blocks from every tier; returns how many this node held and removed.
 
         With a ``namespace``, only blocks stored under it are removed (a client cannot delete
-        another namespace's blocks); ``None`` is the operator's delete of any namespace.
+        another namespace's blocks); ``None`` is the operator's delete of any namespace. Keys this
+        node does not index are deleted from the shared tier too (another node may have stored
+        them); their namespace is not checked there, which only matters for a 128-bit collision
+        of keys that embed their namespace.
         """
         self._check_keys(keys, namespace)
         removed = 0
         deleted: list[bytes] = []
+        unindexed: list[bytes] = []
         async with self._lock:
-            for key in keys:
+            self._delete_epoch += 1
+            for key in dict.fromkeys(keys):  # each key once, in order
                 meta = self._meta.get(key)
-                if meta is None or (namespace is not None and meta.namespace != namespace):
+                if meta is None:
+                    unindexed.append(key)
+                    continue
+                if namespace is not None and meta.namespace != namespace:
                     continue
                 for level, tier in enumerate(self.tiers):
                     if key in self._recency[level] and await tier.remove([key]):
@@ -803,9 +834,13 @@ class TieredStore:
                 else:  # a tier could not delete it; it stays visible instead of coming back later
                     self._counters.add("delete_failures")
             shared = self._shared_tier()
-            if shared is not None and deleted:
-                # Otherwise the next get would bring the block back from the shared copy.
-                await shared.remove(deleted)
+            if shared is not None and (deleted or unindexed):
+                # A copy still on its way to the shared tier would land after the unlink.
+                writing = {self._through_tasks[k] for k in deleted if k in self._through_tasks}
+                if writing:
+                    await asyncio.wait(writing)
+                # Otherwise the next get here, or anywhere, brings the block back.
+                await shared.remove(deleted + unindexed)
         self._counters.add("deletes", removed)
         return removed
 
