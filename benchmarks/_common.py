@@ -12,6 +12,8 @@ path side by side with its baseline in the same run, interleaved, and report dis
 * :func:`exit_on_sigterm` turns SIGTERM into ``SystemExit`` so that ``finally`` blocks (and so the
   context managers above) run when a benchmark is terminated.
 * :func:`run_interleaved` times several cases round-robin, rotating their order every round.
+* :class:`KeySource` hands out fresh keys; :func:`timed` times one call; :func:`check` raises
+  :class:`BenchmarkError` when a path returned wrong data (its timings would mean nothing);
 * :func:`summarize`, :func:`percentile` and :func:`markdown_table` turn samples into tables;
   :func:`machine_info` records what the figures were measured on.
 """
@@ -39,8 +41,11 @@ from typing import Any
 
 __all__ = [
     "GB",
+    "BenchmarkError",
+    "KeySource",
     "ServerProcess",
     "Summary",
+    "check",
     "exit_on_sigterm",
     "free_port",
     "kvstore_server",
@@ -50,6 +55,7 @@ __all__ = [
     "redis_server",
     "run_interleaved",
     "summarize",
+    "timed",
 ]
 
 #: Throughput is reported in decimal gigabytes per second, as in ``DESIGN.md``.
@@ -371,3 +377,33 @@ def machine_info(
     for name, argv in (commands or {}).items():
         info[name] = _command_version(argv)
     return info
+
+
+class BenchmarkError(RuntimeError):
+    """A path returned wrong or missing data: its timings would be meaningless."""
+
+
+def check(condition: bool, message: str) -> None:
+    """Raise :class:`BenchmarkError` with ``message`` unless ``condition`` holds."""
+    if not condition:
+        raise BenchmarkError(message)
+
+
+def timed(call: Callable[[], Any]) -> tuple[float, Any]:
+    """``(seconds, result)`` of one call of ``call``."""
+    start = time.perf_counter()
+    result = call()
+    return time.perf_counter() - start, result
+
+
+class KeySource:
+    """Fresh random 16-byte keys (never reused, so a put always stores)."""
+
+    def __init__(self, seed: int) -> None:
+        import numpy as np
+
+        self._rng = np.random.default_rng(seed)
+
+    def take(self, count: int) -> list[bytes]:
+        """``count`` new keys."""
+        return [self._rng.bytes(16) for _ in range(count)]

@@ -58,6 +58,7 @@ import numpy as np
 import redis
 from _common import (
     GB,
+    check,
     exit_on_sigterm,
     kvstore_server,
     machine_info,
@@ -65,6 +66,7 @@ from _common import (
     redis_server,
     run_interleaved,
     summarize,
+    timed,
 )
 from _ucx_perftest import perftest, perftest_binary
 
@@ -96,23 +98,8 @@ REDIS_OF |= {SHM_PUT: REDIS_SET, UCX_PUT: REDIS_SET, GRPC_PUT: REDIS_SET, REDIS_
 GRPC_OF = {UCX_GET: GRPC_GET, UCX_PUT: GRPC_PUT}
 
 
-class BenchmarkError(RuntimeError):
-    """A path returned wrong or missing data: its timings would be meaningless."""
-
-
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise BenchmarkError(message)
-
-
 def _keys(rng: np.random.Generator, count: int) -> list[bytes]:
     return [rng.bytes(KEY_BYTES) for _ in range(count)]
-
-
-def _timed(call: Callable[[], Any]) -> tuple[float, Any]:
-    start = time.perf_counter()
-    result = call()
-    return time.perf_counter() - start, result
 
 
 # -- one client ---------------------------------------------------------------------------------
@@ -136,8 +123,8 @@ def _throughput_cases(
 
     def get_into(client: KVStoreClient, name: str) -> Callable[[], float]:
         def case() -> float:
-            seconds, filled = _timed(lambda: client.get_into(keys, buffers))
-            _check(filled == [True] * batch, f"{name}: filled {filled}")
+            seconds, filled = timed(lambda: client.get_into(keys, buffers))
+            check(filled == [True] * batch, f"{name}: filled {filled}")
             return seconds
 
         return case
@@ -145,8 +132,8 @@ def _throughput_cases(
     def put(client: KVStoreClient, name: str) -> Callable[[], float]:
         def case() -> float:
             fresh = _keys(rng, batch)
-            seconds, result = _timed(lambda: client.put(fresh, blocks))
-            _check(result.stored == batch, f"{name}: stored {result.stored} of {batch}")
+            seconds, result = timed(lambda: client.put(fresh, blocks))
+            check(result.stored == batch, f"{name}: stored {result.stored} of {batch}")
             client.delete(fresh)
             return seconds
 
@@ -159,8 +146,8 @@ def _throughput_cases(
                 pipe.get(key)
             return pipe.execute()
 
-        seconds, values = _timed(call)
-        _check(
+        seconds, values = timed(call)
+        check(
             all(v is not None and len(v) == b.nbytes for v, b in zip(values, blocks, strict=True)),
             "GET",
         )
@@ -175,8 +162,8 @@ def _throughput_cases(
                 pipe.set(key, block.data)
             return pipe.execute()
 
-        seconds, replies = _timed(call)
-        _check(all(replies), "redis SET failed")
+        seconds, replies = timed(call)
+        check(all(replies), "redis SET failed")
         rds.delete(*fresh)
         return seconds
 
@@ -201,19 +188,19 @@ def _verify(
 ) -> None:
     """Store ``blocks`` once and check that every path reads back the same bytes."""
     shm = clients["shm"]
-    _check(shm.put(keys, blocks).stored == len(keys), "shm put did not store the batch")
-    _check(shm.data_plane == "shm", "the shm client is not on shared memory")
-    _check(set(shm.lookup_tiers(keys).tiers) == {"dram"}, "blocks are not all in dram")
+    check(shm.put(keys, blocks).stored == len(keys), "shm put did not store the batch")
+    check(shm.data_plane == "shm", "the shm client is not on shared memory")
+    check(set(shm.lookup_tiers(keys).tiers) == {"dram"}, "blocks are not all in dram")
     for client in clients.values():
         buffers = [np.zeros_like(block) for block in blocks]
-        _check(client.get_into(keys, buffers) == [True] * len(keys), "get_into missed")
-        _check(
+        check(client.get_into(keys, buffers) == [True] * len(keys), "get_into missed")
+        check(
             all(np.array_equal(a, b) for a, b in zip(buffers, blocks, strict=True)),
             "get_into differs",
         )
     rds.mset({key: block.data for key, block in zip(keys, blocks, strict=True)})
     values = rds.mget(keys)
-    _check(
+    check(
         all(bytes(v) == b.tobytes() for v, b in zip(values, blocks, strict=True)),
         "redis GET differs",
     )
@@ -276,7 +263,7 @@ def _reader(
             for key in keys:
                 pipe.get(key)
             values = pipe.execute()
-            _check(all(v is not None for v in values), "redis GET missed")
+            check(all(v is not None for v in values), "redis GET missed")
 
     else:
         plane = "shm" if path == SHM_GET else "grpc"
@@ -285,7 +272,7 @@ def _reader(
         )
 
         def call() -> None:
-            _check(client.get_into(keys, buffers) == [True] * len(keys), f"{path} missed")
+            check(client.get_into(keys, buffers) == [True] * len(keys), f"{path} missed")
 
     call()  # connect and warm up before the window opens
     time.sleep(max(0.0, start_at - time.time()))
@@ -305,7 +292,7 @@ def bench_concurrency(
     rng = np.random.default_rng(5)
     keys = _keys(rng, args.batch)
     blocks = [rng.integers(0, 256, size=size, dtype=np.uint8) for _ in keys]
-    _check(shm.put(keys, blocks).stored == len(keys), "concurrency: put failed")
+    check(shm.put(keys, blocks).stored == len(keys), "concurrency: put failed")
     rds.mset({key: block.data for key, block in zip(keys, blocks, strict=True)})
     context = multiprocessing.get_context("spawn")
     out: dict[str, dict[int, float]] = {}
@@ -336,7 +323,7 @@ def bench_concurrency(
             reports = [queue.get(timeout=60 + args.concurrency_seconds) for _ in workers]
             for worker in workers:
                 worker.join(timeout=30)
-                _check(worker.exitcode == 0, f"{path}: a reader exited {worker.exitcode}")
+                check(worker.exitcode == 0, f"{path}: a reader exited {worker.exitcode}")
             window = max(elapsed for _, elapsed in reports)
             out[path][clients] = sum(moved for moved, _ in reports) / window / GB
             print(f"  {path} x{clients}: {out[path][clients]:.2f} GB/s", flush=True)
@@ -360,15 +347,15 @@ def bench_lookup(
         for name, client in (("shm lookup", shm), ("gRPC lookup", grpc_client)):
 
             def lookup(client: KVStoreClient = client, subset: list[bytes] = subset) -> float:
-                seconds, hits = _timed(lambda: client.lookup(subset))
-                _check(hits == len(subset), f"lookup of {len(subset)} keys found {hits}")
+                seconds, hits = timed(lambda: client.lookup(subset))
+                check(hits == len(subset), f"lookup of {len(subset)} keys found {hits}")
                 return seconds
 
             cases[f"{name}|{count}"] = lookup
 
         def exists(subset: list[bytes] = subset) -> float:
-            seconds, present = _timed(lambda: rds.exists(*subset))
-            _check(present == len(subset), f"EXISTS found {present} of {len(subset)}")
+            seconds, present = timed(lambda: rds.exists(*subset))
+            check(present == len(subset), f"EXISTS found {present} of {len(subset)}")
             return seconds
 
         cases[f"redis EXISTS|{count}"] = exists
@@ -577,13 +564,13 @@ def main() -> int:
         print("throughput ...", flush=True)
         throughput = bench_throughput(args, clients, rds)
         ucx = clients["ucx"]._ucx
-        _check(ucx is not None and not ucx.counters["fallbacks"], "UCX fell back to gRPC")
+        check(ucx is not None and not ucx.counters["fallbacks"], "UCX fell back to gRPC")
         print("concurrency ...", flush=True)
         concurrency = bench_concurrency(args, server.target, redis_proc.port, clients["shm"], rds)
         print("lookup ...", flush=True)
         lookups = bench_lookup(args, clients["shm"], clients["grpc"], rds)
         dram = clients["shm"].stats()["tiers"]["dram"]
-        _check(dram.get("evictions", 0) == 0, f"the server evicted {dram['evictions']} blocks")
+        check(dram.get("evictions", 0) == 0, f"the server evicted {dram['evictions']} blocks")
     print("ucx_perftest ...", flush=True)
     ceiling = bench_perftest(args)
     elapsed = time.monotonic() - clock

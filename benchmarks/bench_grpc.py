@@ -59,8 +59,10 @@ import numpy as np
 import redis
 from _common import (
     GB,
+    KeySource,
     ServerProcess,
     Summary,
+    check,
     exit_on_sigterm,
     kvstore_server,
     machine_info,
@@ -68,10 +70,10 @@ from _common import (
     redis_server,
     run_interleaved,
     summarize,
+    timed,
 )
 
 from kvstore import KVStoreClient, Namespace
-from kvstore.keys import KEY_BYTES
 
 KiB = 1024
 MiB = 1024**2
@@ -95,10 +97,6 @@ REDIS_BASELINE = {REDIS_SET: REDIS_SET, PUT_DRAM: REDIS_SET, PUT_NVME: REDIS_SET
 REDIS_BASELINE |= {REDIS_GET: REDIS_GET, GET_DRAM: REDIS_GET, GET_NVME: REDIS_GET}
 
 
-class BenchmarkError(RuntimeError):
-    """A path returned wrong or missing data: its timings would be meaningless."""
-
-
 @dataclass
 class SizeResult:
     """Seconds per call of every case at one block size."""
@@ -115,38 +113,16 @@ class SizeResult:
         return self.block_bytes * self.batch
 
 
-class KeySource:
-    """Fresh random 16-byte keys (never reused, so a put always stores)."""
-
-    def __init__(self, seed: int) -> None:
-        self._rng = np.random.default_rng(seed)
-
-    def take(self, count: int) -> list[bytes]:
-        """``count`` new keys."""
-        return [self._rng.bytes(KEY_BYTES) for _ in range(count)]
-
-
-def _timed(call: Callable[[], Any]) -> tuple[float, Any]:
-    start = time.perf_counter()
-    result = call()
-    return time.perf_counter() - start, result
-
-
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise BenchmarkError(message)
-
-
 def _check_values(
     name: str, values: list[Any], expected: list[np.ndarray[Any, Any]], *, full: bool = False
 ) -> None:
     """Every value present with the right length (and, with ``full``, the right bytes)."""
-    _check(len(values) == len(expected), f"{name}: {len(values)} values for {len(expected)} keys")
+    check(len(values) == len(expected), f"{name}: {len(values)} values for {len(expected)} keys")
     for index, (value, block) in enumerate(zip(values, expected, strict=True)):
-        _check(value is not None, f"{name}: value {index} missing")
-        _check(len(value) == block.nbytes, f"{name}: value {index} has {len(value)} bytes")
+        check(value is not None, f"{name}: value {index} missing")
+        check(len(value) == block.nbytes, f"{name}: value {index} has {len(value)} bytes")
         if full:
-            _check(bytes(value) == block.tobytes(), f"{name}: value {index} differs from its put")
+            check(bytes(value) == block.tobytes(), f"{name}: value {index} differs from its put")
 
 
 def _verify_size(
@@ -160,17 +136,17 @@ def _verify_size(
     """Store ``blocks`` under ``keys`` everywhere and check every path reads the same bytes."""
     for client, tier in ((dram, "dram"), (nvme, "nvme")):
         result = client.put(keys, blocks)
-        _check(result.stored == len(keys), f"{label} {tier}: put stored {result.stored}")
+        check(result.stored == len(keys), f"{label} {tier}: put stored {result.stored}")
         lookup = client.lookup_tiers(keys)
-        _check(lookup.hits == len(keys), f"{label} {tier}: lookup found {lookup.hits}")
-        _check(
+        check(lookup.hits == len(keys), f"{label} {tier}: lookup found {lookup.hits}")
+        check(
             set(lookup.tiers) == {tier}, f"{label}: blocks in tiers {set(lookup.tiers)}, not {tier}"
         )
         _check_values(f"{label} gRPC get ({tier})", client.get(keys), blocks, full=True)
     pipe = rds.pipeline(transaction=False)
     for key, block in zip(keys, blocks, strict=True):
         pipe.set(key, block.data)
-    _check(all(pipe.execute()), f"{label}: redis SET failed")
+    check(all(pipe.execute()), f"{label}: redis SET failed")
     pipe = rds.pipeline(transaction=False)
     for key in keys:
         pipe.get(key)
@@ -208,8 +184,8 @@ def _cases(
                 pipe.set(key, block.data)
             return pipe.execute()
 
-        seconds, replies = _timed(call)
-        _check(all(replies), "redis SET failed")
+        seconds, replies = timed(call)
+        check(all(replies), "redis SET failed")
         rds.delete(*new_keys)
         return seconds
 
@@ -220,15 +196,15 @@ def _cases(
                 pipe.get(key)
             return pipe.execute()
 
-        seconds, values = _timed(call)
+        seconds, values = timed(call)
         _check_values(REDIS_GET, values, blocks)
         return seconds
 
     def grpc_put(client: KVStoreClient, name: str) -> Callable[[], float]:
         def case() -> float:
             new_keys = fresh.take(batch)
-            seconds, result = _timed(lambda: client.put(new_keys, blocks))
-            _check(result.stored == batch, f"{name}: stored {result.stored} of {batch}")
+            seconds, result = timed(lambda: client.put(new_keys, blocks))
+            check(result.stored == batch, f"{name}: stored {result.stored} of {batch}")
             client.delete(new_keys)
             return seconds
 
@@ -236,7 +212,7 @@ def _cases(
 
     def grpc_get(client: KVStoreClient, name: str) -> Callable[[], float]:
         def case() -> float:
-            seconds, values = _timed(lambda: client.get(keys))
+            seconds, values = timed(lambda: client.get(keys))
             _check_values(name, values, blocks)
             return seconds
 
@@ -292,20 +268,20 @@ def bench_lookup(
     client.put(stored, [value] * len(stored))
     rds.mset({key: value.data for key in stored})
     # A lookup counts *leading* hits: check that, so the timings are of a working lookup.
-    _check(client.lookup(stored) == len(stored), "lookup missed stored keys")
-    _check(client.lookup([*stored[:5], absent, *stored[5:9]]) == 5, "lookup miscounted")
+    check(client.lookup(stored) == len(stored), "lookup missed stored keys")
+    check(client.lookup([*stored[:5], absent, *stored[5:9]]) == 5, "lookup miscounted")
     cases: dict[str, Callable[[], float]] = {}
     for count in LOOKUP_COUNTS:
         subset = stored[:count]
 
         def grpc_lookup(subset: list[bytes] = subset) -> float:
-            seconds, hits = _timed(lambda: client.lookup(subset))
-            _check(hits == len(subset), f"lookup of {len(subset)} keys found {hits}")
+            seconds, hits = timed(lambda: client.lookup(subset))
+            check(hits == len(subset), f"lookup of {len(subset)} keys found {hits}")
             return seconds
 
         def redis_exists(subset: list[bytes] = subset) -> float:
-            seconds, present = _timed(lambda: rds.exists(*subset))
-            _check(present == len(subset), f"EXISTS of {len(subset)} keys found {present}")
+            seconds, present = timed(lambda: rds.exists(*subset))
+            check(present == len(subset), f"EXISTS of {len(subset)} keys found {present}")
             return seconds
 
         cases[f"gRPC Lookup|{count}"] = grpc_lookup
@@ -384,7 +360,7 @@ def _server_check(dram_server: ServerProcess, dram: KVStoreClient) -> str:
     """Confirm the dram server never evicted (so every dram row really read dram)."""
     dram_server.check_alive()
     tier = dram.stats()["tiers"]["dram"]
-    _check(tier.get("evictions", 0) == 0, f"the dram server evicted {tier['evictions']} blocks")
+    check(tier.get("evictions", 0) == 0, f"the dram server evicted {tier['evictions']} blocks")
     return f"dram server: {tier.get('evictions', 0)} evictions, {tier.get('blocks', 0)} blocks held"
 
 

@@ -57,7 +57,9 @@ from typing import Any
 import numpy as np
 from _common import (
     GB,
+    KeySource,
     ServerProcess,
+    check,
     exit_on_sigterm,
     kvstore_server,
     machine_info,
@@ -65,10 +67,10 @@ from _common import (
     redis_server,
     run_interleaved,
     summarize,
+    timed,
 )
 
 from kvstore import KVStoreClient, Namespace
-from kvstore.keys import KEY_BYTES
 from kvstore.prefetch import PrefetchState
 
 MiB = 1024**2
@@ -88,15 +90,6 @@ GET_B_DRAM = "get B dram"
 PREFETCH = "prefetch → DONE"
 CASES = (PUT_DRAM, PUT_NVME, PUT_REDIS, GET_DRAM, GET_NVME, GET_COLD, GET_PREFETCHED, GET_B_DRAM)
 LOOKUPS = {"dram": "D", "nvme": "N", "redis": "B"}
-
-
-class BenchmarkError(RuntimeError):
-    """A path returned wrong or missing data, or a block was not where a case needs it."""
-
-
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise BenchmarkError(message)
 
 
 @dataclass
@@ -125,41 +118,24 @@ class SizeResult:
         return self.block_bytes * self.batch
 
 
-class KeySource:
-    """Fresh random 16-byte keys (never reused, so a put always stores)."""
-
-    def __init__(self, seed: int) -> None:
-        self._rng = np.random.default_rng(seed)
-
-    def take(self, count: int) -> list[bytes]:
-        """``count`` new keys."""
-        return [self._rng.bytes(KEY_BYTES) for _ in range(count)]
-
-
-def _timed(call: Callable[[], Any]) -> tuple[float, Any]:
-    start = time.perf_counter()
-    result = call()
-    return time.perf_counter() - start, result
-
-
 def _expect_tiers(client: KVStoreClient, keys: list[bytes], tier: str, what: str) -> None:
     tiers = client.lookup_tiers(keys).tiers
-    _check(tiers == [tier] * len(keys), f"{what}: blocks in {sorted(set(tiers))}, not {tier}")
+    check(tiers == [tier] * len(keys), f"{what}: blocks in {sorted(set(tiers))}, not {tier}")
 
 
 def _expect_values(values: list[bytes | None], blocks: Sequence[bytes], what: str) -> None:
-    _check(len(values) == len(blocks), f"{what}: {len(values)} values for {len(blocks)} keys")
+    check(len(values) == len(blocks), f"{what}: {len(values)} values for {len(blocks)} keys")
     for index, (value, block) in enumerate(zip(values, blocks, strict=True)):
-        _check(value is not None and len(value) == len(block), f"{what}: value {index} wrong")
+        check(value is not None and len(value) == len(block), f"{what}: value {index} wrong")
 
 
 def _redis_only_at_b(clients: Clients, keys: list[bytes], blocks: Sequence[bytes]) -> None:
     """Put ``keys`` at A and wait until B finds every one of them in Redis."""
     stored = clients.a.put(keys, blocks).stored
-    _check(stored == len(keys), f"put at A stored {stored} of {len(keys)}")
+    check(stored == len(keys), f"put at A stored {stored} of {len(keys)}")
     deadline = time.monotonic() + WRITE_THROUGH_TIMEOUT_S
     while clients.b.lookup_tiers(keys).tiers != ["redis"] * len(keys):
-        _check(time.monotonic() < deadline, "write-through from A to Redis did not finish")
+        check(time.monotonic() < deadline, "write-through from A to Redis did not finish")
         time.sleep(0.005)
 
 
@@ -174,8 +150,8 @@ def _prefetch_at_b(clients: Clients, keys: list[bytes]) -> float:
     start = time.perf_counter()
     progress = clients.b.wait_prefetch(clients.b.prefetch(keys), timeout=CALL_TIMEOUT_S)
     seconds = time.perf_counter() - start
-    _check(progress.state is PrefetchState.DONE, f"prefetch ended {progress}")
-    _check(progress.ready == len(keys), f"prefetch moved {progress.ready} of {len(keys)}")
+    check(progress.state is PrefetchState.DONE, f"prefetch ended {progress}")
+    check(progress.ready == len(keys), f"prefetch moved {progress.ready} of {len(keys)}")
     _expect_tiers(clients.b, keys, "dram", "after prefetch at B")
     return seconds
 
@@ -188,16 +164,16 @@ def _verify(clients: Clients, blocks: Sequence[bytes], pools: dict[str, list[byt
         (clients.b, pools["b"], "dram", GET_B_DRAM),
     ):
         _expect_tiers(client, pool, tier, what)
-        _check(client.get(pool) == list(blocks), f"{what}: bytes differ from the put")
+        check(client.get(pool) == list(blocks), f"{what}: bytes differ from the put")
     _expect_tiers(clients.b, pools["a"], "redis", "A's pool seen from B")
     fresh = KeySource(seed=99).take(len(blocks))
     _redis_only_at_b(clients, fresh, blocks)
-    _check(clients.b.get(fresh) == list(blocks), f"{GET_COLD}: bytes differ from the put")
+    check(clients.b.get(fresh) == list(blocks), f"{GET_COLD}: bytes differ from the put")
     _forget(clients, fresh)
     fresh = KeySource(seed=98).take(len(blocks))
     _redis_only_at_b(clients, fresh, blocks)
     _prefetch_at_b(clients, fresh)
-    _check(clients.b.get(fresh) == list(blocks), f"{GET_PREFETCHED}: bytes differ from the put")
+    check(clients.b.get(fresh) == list(blocks), f"{GET_PREFETCHED}: bytes differ from the put")
     _forget(clients, fresh)
 
 
@@ -215,16 +191,16 @@ def _cases(
     buffers = [np.empty(len(block), dtype=np.uint8) for block in blocks]
 
     def read(client: KVStoreClient, keys: list[bytes], name: str) -> float:
-        seconds, filled = _timed(lambda: client.get_into(keys, buffers))
-        _check(filled == [True] * batch, f"{name}: filled {filled}")
+        seconds, filled = timed(lambda: client.get_into(keys, buffers))
+        check(filled == [True] * batch, f"{name}: filled {filled}")
         _expect_values([buffer.tobytes() for buffer in buffers], blocks, name)
         return seconds
 
     def put(client: KVStoreClient, name: str) -> Callable[[], float]:
         def case() -> float:
             keys = fresh.take(batch)
-            seconds, result = _timed(lambda: client.put(keys, blocks))
-            _check(result.stored == batch, f"{name}: stored {result.stored} of {batch}")
+            seconds, result = timed(lambda: client.put(keys, blocks))
+            check(result.stored == batch, f"{name}: stored {result.stored} of {batch}")
             client.delete(keys)
             return seconds
 
@@ -276,8 +252,8 @@ def _lookup_cases(
 
     def lookup(client: KVStoreClient, keys: list[bytes], tier: str) -> Callable[[], float]:
         def case() -> float:
-            seconds, hits = _timed(lambda: client.lookup(keys))
-            _check(hits == len(keys), f"lookup ({tier}) found {hits} of {len(keys)}")
+            seconds, hits = timed(lambda: client.lookup(keys))
+            check(hits == len(keys), f"lookup ({tier}) found {hits} of {len(keys)}")
             return seconds
 
         return case
@@ -297,10 +273,10 @@ def bench_size(args: argparse.Namespace, clients: Clients, label: str) -> SizeRe
     pools = {name: fresh.take(args.batch) for name in ("d", "n", "a", "b")}
     for name, client in (("d", clients.d), ("n", clients.n), ("a", clients.a), ("b", clients.b)):
         stored = client.put(pools[name], blocks).stored
-        _check(stored == args.batch, f"pool {name}: stored {stored} of {args.batch}")
+        check(stored == args.batch, f"pool {name}: stored {stored} of {args.batch}")
     deadline = time.monotonic() + WRITE_THROUGH_TIMEOUT_S
     while clients.b.lookup(pools["a"]) < args.batch:  # A's pool must reach Redis
-        _check(time.monotonic() < deadline, "write-through of A's pool did not finish")
+        check(time.monotonic() < deadline, "write-through of A's pool did not finish")
         time.sleep(0.01)
     _verify(clients, blocks, pools)
     prefetch_seconds: list[float] = []
@@ -393,7 +369,7 @@ def _evictions(clients: Clients) -> str:
     notes = []
     for name, client in (("D", clients.d), ("A", clients.a), ("B", clients.b)):
         evictions = client.stats()["tiers"]["dram"].get("evictions", 0)
-        _check(evictions == 0, f"server {name} evicted {evictions} dram blocks")
+        check(evictions == 0, f"server {name} evicted {evictions} dram blocks")
         notes.append(f"{name}: {evictions}")
     return "dram evictions " + ", ".join(notes)
 

@@ -196,6 +196,16 @@ class TieredStore:
                 f"namespace fingerprint is {len(namespace)} bytes; it must be {NAMESPACE_BYTES}"
             )
 
+    def _check_namespaces(self, keys: Sequence[bytes], namespace: bytes) -> None:
+        """Refuse a write of a key already stored under another namespace (before any change)."""
+        for index, key in enumerate(keys):
+            meta = self._meta.get(key)
+            if meta is not None and meta.namespace != namespace:
+                raise NamespaceMismatchError(
+                    f"key {index} ({key.hex()}) is stored under namespace "
+                    f"{meta.namespace.hex()}, not {namespace.hex()}"
+                )
+
     def _level_of(self, key: bytes) -> int | None:
         for level, recency in enumerate(self._recency):
             if key in recency:
@@ -281,13 +291,7 @@ class TieredStore:
         through: list[tuple[BlockHeader, Buffer]] = []
         async with self._lock:
             # Checked under the lock so that no concurrent put can slip a key in between.
-            for index, key in enumerate(keys):
-                meta = self._meta.get(key)
-                if meta is not None and meta.namespace != namespace:
-                    raise NamespaceMismatchError(
-                        f"key {index} ({key.hex()}) is stored under namespace "
-                        f"{meta.namespace.hex()}, not {namespace.hex()}"
-                    )
+            self._check_namespaces(keys, namespace)
             for key, view in zip(keys, views, strict=True):
                 if key in self._meta:
                     present += 1
@@ -710,13 +714,7 @@ class TieredStore:
         self._check_sizes(lengths)
         out: list[Reservation | Literal["present"] | None] = []
         async with self._lock:
-            for index, key in enumerate(keys):
-                meta = self._meta.get(key)
-                if meta is not None and meta.namespace != namespace:
-                    raise NamespaceMismatchError(
-                        f"key {index} ({key.hex()}) is stored under namespace "
-                        f"{meta.namespace.hex()}, not {namespace.hex()}"
-                    )
+            self._check_namespaces(keys, namespace)
             for key, length in zip(keys, lengths, strict=True):
                 if key in self._meta:
                     self._touch(key)
