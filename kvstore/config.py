@@ -25,6 +25,7 @@ from kvstore.policy import NVME_ADMISSIONS, SHARED_WRITES
 __all__ = [
     "Config",
     "DramConfig",
+    "HbmConfig",
     "NvmeConfig",
     "PolicyConfig",
     "RedisConfig",
@@ -132,6 +133,21 @@ class ServerConfig:
 
 
 @dataclass(frozen=True)
+class HbmConfig:
+    """The accelerator-memory tier. ``capacity`` 0 (the default) disables it; it is built only
+    where ``device`` exists (a CUDA device for ``cuda``)."""
+
+    capacity: int = 0
+    page_size: int = 1024**2
+    device: str = "cuda"
+
+    def __post_init__(self) -> None:
+        if self.capacity < 0:
+            raise ConfigError(f"hbm.capacity must be >= 0, got {self.capacity}")
+        _positive("hbm.page_size", self.page_size)
+
+
+@dataclass(frozen=True)
 class DramConfig:
     """The host-memory arena. ``capacity`` 0 disables the tier."""
 
@@ -200,6 +216,7 @@ class Config:
     """The whole configuration of one ``kvstore serve`` process."""
 
     server: ServerConfig = field(default_factory=ServerConfig)
+    hbm: HbmConfig = field(default_factory=HbmConfig)
     dram: DramConfig = field(default_factory=DramConfig)
     nvme: NvmeConfig = field(default_factory=NvmeConfig)
     redis: RedisConfig = field(default_factory=RedisConfig)
@@ -208,12 +225,20 @@ class Config:
 
 _SECTIONS: dict[str, type[Any]] = {
     "server": ServerConfig,
+    "hbm": HbmConfig,
     "dram": DramConfig,
     "nvme": NvmeConfig,
     "redis": RedisConfig,
     "policy": PolicyConfig,
 }
-_SIZE_SETTINGS = {"server.max_block_bytes", "dram.capacity", "dram.page_size", "nvme.capacity"}
+_SIZE_SETTINGS = {
+    "server.max_block_bytes",
+    "hbm.capacity",
+    "hbm.page_size",
+    "dram.capacity",
+    "dram.page_size",
+    "nvme.capacity",
+}
 
 
 def setting_names() -> list[str]:

@@ -1,11 +1,12 @@
 """``TieredStore``: the store's logic, below the gRPC layer and above the tiers.
 
-Tiers are ordered fastest first (``dram``, then ``nvme``, ...). The store decides everything that
-moves bytes between them; tiers only hold bytes:
+Tiers are ordered fastest first (``hbm``, ``dram``, then ``nvme``, ...). The store decides
+everything that moves bytes between them; tiers only hold bytes:
 
-* **put** lands a block in the fastest tier that can make room for it. Making room evicts that
-  tier's least recently used blocks, and eviction *demotes*: the victim is written to the next tier
-  down (unless it is already there) before its pages are freed. A block evicted from the last tier
+* **put** lands a block in the fastest *host* tier that can make room for it (device tiers such as
+  ``hbm`` come first but take only promotions: blocks read again). Making room evicts that tier's
+  least recently used blocks, and eviction *demotes*: the victim is written to the next tier down
+  (unless it is already there) before its pages are freed. A block evicted from the last tier
   leaves the store.
 * **get** serves each key from the fastest tier holding it; a hit below the top tier is returned
   at once and *promoted* into the tiers above in the background. The hierarchy is inclusive: a
@@ -139,6 +140,12 @@ class TieredStore:
         #: Level of the shared tier, or None; local tiers are the levels above it.
         self._shared_level = shared[0] if shared else None
         self._local_levels = len(self.tiers) - len(shared)
+        devices = [level for level, tier in enumerate(self.tiers) if tier.device]
+        if devices != list(range(len(devices))) or len(devices) >= self._local_levels:
+            raise ValueError("device tiers (hbm) must come first, above at least one host tier")
+        #: The first host-memory tier: new blocks start here (device tiers above it only take
+        #: promotions), and it is the arena co-located clients map and prefetch fills.
+        self._host_level = len(devices)
         self.max_block_bytes = max_block_bytes
         self.max_keys_per_request = max_keys_per_request
         self.policy = policy if policy is not None else Policy()
@@ -298,7 +305,7 @@ class TieredStore:
                     self._touch(key)
                     continue
                 header = BlockHeader.for_payload(key, namespace, view)
-                if await self._place(header, view, 0, self._local_levels) is None:
+                if await self._place(header, view, self._host_level, self._local_levels) is None:
                     dropped += 1
                 else:
                     stored += 1
@@ -492,13 +499,21 @@ class TieredStore:
             self._meta.pop(key, None)
 
     async def _promote(
-        self, header: BlockHeader, payload: bytes | memoryview, level: int, epoch: int = -1
+        self,
+        header: BlockHeader,
+        payload: bytes | memoryview,
+        level: int,
+        epoch: int = -1,
+        into: int | None = None,
     ) -> bool:
-        """Copy a block read from tier ``level`` into the tiers above it.
+        """Copy a block read from tier ``level`` into a faster tier.
 
-        ``epoch``: :attr:`_delete_epoch` when a shared-tier block was read; if a delete has run
-        since, the copy may be of a deleted block and is dropped. Returns True if the block is in
-        the top tier afterwards (under ``header``'s namespace).
+        Without ``into``, into the fastest tier above ``level`` that can make room (a block read
+        again is hot: device tiers take it); with ``into``, into that tier exactly (the arena,
+        for prefetch and leases). ``epoch``: :attr:`_delete_epoch` when a shared-tier block was
+        read; if a delete has run since, the copy may be of a deleted block and is dropped.
+        Returns True if the block is in the target tier afterwards (the fastest one without
+        ``into``).
         """
         async with self._lock:
             if level == self._shared_level and epoch != self._delete_epoch:
@@ -507,24 +522,32 @@ class TieredStore:
             meta = self._meta.get(header.key)
             if meta is not None and meta.namespace != header.namespace:
                 return False
+            target = 0 if into is None else into
             if level == self._shared_level:
                 # Not indexed locally when read; a put or another promotion may have stored it
                 # meanwhile.
-                if current is not None:
-                    return current == 0
-            elif current is None or current < level:  # deleted, or already promoted meanwhile
+                if current is not None and (into is None or header.key in self._recency[into]):
+                    return header.key in self._recency[target]
+            elif current is None:  # deleted meanwhile
+                return False
+            elif into is None and current < level:  # already promoted meanwhile
                 return current == 0
-            if await self._place(header, memoryview(payload), 0, level):
+            elif into is not None and header.key in self._recency[into]:
+                return True
+            start, stop = (0, level) if into is None else (into, into + 1)
+            if await self._place(header, memoryview(payload), start, stop):
                 self._counters.add("promotions")
-            return self._level_of(header.key) == 0
+            return header.key in self._recency[target]
 
     async def promote(self, keys: Sequence[bytes], namespace: bytes) -> list[Promotion]:
-        """Bring each key into the top tier now, waiting for it (prefetch and leases use this).
+        """Bring each key into the arena tier (``dram``) now, waiting for it.
 
-        Returns, per key, ``"ready"`` (resident in the top tier), ``"missing"`` (in no tier under
-        ``namespace``) or ``"failed"`` (found, but the top tier could not make room for it).
+        Prefetch and leases use this. Returns, per key, ``"ready"`` (resident in the arena tier),
+        ``"missing"`` (in no tier under ``namespace``) or ``"failed"`` (found, but the arena tier
+        could not make room for it).
         """
         self._check_keys(keys, namespace)
+        host = self._host_level
         outcomes: list[Promotion] = ["missing"] * len(keys)
         by_level: dict[int, list[int]] = {}
         unindexed: list[int] = []
@@ -534,9 +557,9 @@ class TieredStore:
                 unindexed.append(index)
             elif meta.namespace == namespace:
                 level = self._level_of(key)
-                if level == 0:
+                if key in self._recency[host]:
                     outcomes[index] = "ready"
-                    self._recency[0].touch(key)
+                    self._recency[host].touch(key)
                 elif level is not None:
                     by_level.setdefault(level, []).append(index)
         if unindexed and self._shared_level is not None:
@@ -553,7 +576,7 @@ class TieredStore:
                 if block.header.namespace != namespace:
                     self._counters.add("namespace_mismatches")
                     continue
-                promoted = await self._promote(block.header, block.payload, level, epoch)
+                promoted = await self._promote(block.header, block.payload, level, epoch, host)
                 outcomes[index] = "ready" if promoted else "failed"
         return outcomes
 
@@ -622,7 +645,7 @@ class TieredStore:
     @property
     def arena(self) -> DramTier | None:
         """The top tier if it is a memfd arena that co-located clients can map, else ``None``."""
-        top = self.tiers[0]
+        top = self.tiers[self._host_level]
         return top if isinstance(top, DramTier) and top.capacity else None
 
     def _require_arena(self) -> DramTier:
@@ -652,7 +675,8 @@ class TieredStore:
             level = self._level_of(key)
             served_from[index] = "" if level is None else self.tiers[level].name
             # Lease what is resident first: the pins keep promotions below from evicting it.
-            if level == 0 and (lease := self._lease(arena, key)) is not None:
+            resident = key in self._recency[self._host_level]
+            if resident and (lease := self._lease(arena, key)) is not None:
                 results[index] = lease
             else:
                 below.append(index)
@@ -721,7 +745,9 @@ class TieredStore:
                     out.append("present")
                     continue
                 footprint = arena.footprint(length)
-                room = footprint <= arena.capacity and await self._make_room(0, footprint)
+                room = footprint <= arena.capacity and await self._make_room(
+                    self._host_level, footprint
+                )
                 out.append(arena.reserve(length) if room else None)
         return out
 
@@ -754,7 +780,7 @@ class TieredStore:
                     through.append((header, bytes(payload)))
                 arena.install(header, reservation)
                 self._meta[key] = _Meta(namespace, header.length)
-                self._recency[0].add(key, arena.footprint(header.length))
+                self._recency[self._host_level].add(key, arena.footprint(header.length))
                 stored += 1
             self._age_chain([key for key, _ in written])
         if shared is not None and through and self.policy.write_through:

@@ -52,6 +52,9 @@ class Tier(ABC):
     #: through to it in the background, reads it for keys it does not index, and never places or
     #: evicts blocks there itself.
     shared: bool = False
+    #: Whether the tier is accelerator memory (``hbm``): it comes first, the store never places a
+    #: new block in it, and only promotions (blocks read again) move blocks up into it.
+    device: bool = False
 
     @abstractmethod
     def footprint(self, length: int) -> int:
