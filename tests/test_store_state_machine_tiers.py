@@ -63,6 +63,7 @@ from kvstore.keys import Namespace
 from kvstore.policy import Policy
 from kvstore.store import GetResult, TieredStore
 from kvstore.tiers.dram import DramLease, DramTier, Reservation
+from kvstore.tiers.hbm import HbmTier
 from kvstore.tiers.nvme import NvmeTier
 from kvstore.tiers.redis import RedisTier
 
@@ -77,7 +78,6 @@ NAMESPACES = (
     Namespace(model="tiers-state-machine").fingerprint(),
     Namespace(model="tiers-state-machine", tenant="other").fingerprint(),
 )
-LOCAL_TIERS = (("dram", "nvme"), ("dram",))
 MAX_LEASES = 6
 
 numbers = st.integers(min_value=0, max_value=POOL - 1)
@@ -163,6 +163,7 @@ class TiersMachine(RuleBasedStateMachine):
         self.nodes = [
             TieredStore(
                 [
+                    *self.device_tiers(),
                     DramTier(DRAM_PAGES * PAGE, page_size=PAGE),
                     NvmeTier(self.directory, NVME_MAP_SIZE),
                     shared_tier(self.server.url),
@@ -177,6 +178,10 @@ class TiersMachine(RuleBasedStateMachine):
             ),
         ]
         self.sizes = [PAGE] * POOL
+        #: Per node, the names of its local tiers.
+        self.local_tiers = [
+            tuple(tier.name for tier in store.tiers if not tier.shared) for store in self.nodes
+        ]
         # The model: per node, the (key number, namespace index) pairs it may serve.
         self.allowed: list[set[tuple[int, int]]] = [set(), set()]
         # Leases at node 0: (number, namespace, lease, the bytes read when it was acquired).
@@ -187,6 +192,10 @@ class TiersMachine(RuleBasedStateMachine):
         logging.getLogger("kvstore").addHandler(self.errors)
 
     # -- helpers ------------------------------------------------------------------------------
+
+    def device_tiers(self) -> list[Any]:
+        """Tiers above node 0's dram (none here; the hbm variant adds one)."""
+        return []
 
     def run(self, coroutine: Any) -> Any:
         return self.loop.run_until_complete(coroutine)
@@ -260,7 +269,7 @@ class TiersMachine(RuleBasedStateMachine):
                 assert result.tier == ""
                 continue
             self.check_served(node, n, ns, result.payload)
-            assert result.tier in (*LOCAL_TIERS[node], "redis")
+            assert result.tier in (*self.local_tiers[node], "redis")
             if result.tier == "redis":
                 assert self.redis_state == "up", "served from redis while it was down"
             event(f"node {node} served a get from {result.tier}")
@@ -599,7 +608,7 @@ class TiersMachine(RuleBasedStateMachine):
         self.settle()
         for node, store in enumerate(self.nodes):
             stats = store.stats()
-            for name in LOCAL_TIERS[node]:
+            for name in self.local_tiers[node]:
                 tier = stats["tiers"][name]
                 assert tier["indexed_blocks"] == tier["blocks"], (node, name)
             assert stats["tiers"]["redis"]["indexed_blocks"] == 0
@@ -623,7 +632,7 @@ class TiersMachine(RuleBasedStateMachine):
     def capacity_is_never_exceeded(self) -> None:
         for node, store in enumerate(self.nodes):
             stats = store.stats()
-            for name in LOCAL_TIERS[node]:
+            for name in self.local_tiers[node]:
                 tier = stats["tiers"][name]
                 assert 0 <= tier["used"] <= tier["capacity"], (node, name)
             dram = stats["tiers"]["dram"]
@@ -652,8 +661,7 @@ class TiersMachine(RuleBasedStateMachine):
         assert not self.errors.records, [r.getMessage() for r in self.errors.records]
         for node in (0, 1):
             assert self.shared(node).corrupt_blocks == 0
-        nvme = self.nodes[0].tiers[1]
-        assert isinstance(nvme, NvmeTier)
+        nvme = next(t for t in self.nodes[0].tiers if isinstance(t, NvmeTier))
         assert nvme.corrupt_blocks == 0
 
     def teardown(self) -> None:
@@ -697,6 +705,20 @@ WriteBackTiersMachine.TestCase.settings = settings(
     max_examples=int(os.environ.get("KVSTORE_TIERS_MACHINE_EXAMPLES", "50")),
 )
 TestWriteBackTiersMachine = WriteBackTiersMachine.TestCase
+
+
+class HbmTiersMachine(TiersMachine):
+    """The same with a two-page hbm tier (on a CPU tensor) above node 0's dram."""
+
+    def device_tiers(self) -> list[Any]:
+        return [HbmTier(2 * PAGE, page_size=PAGE, device="cpu")]
+
+
+HbmTiersMachine.TestCase.settings = settings(
+    TiersMachine.TestCase.settings,
+    max_examples=int(os.environ.get("KVSTORE_TIERS_MACHINE_EXAMPLES", "50")),
+)
+TestHbmTiersMachine = HbmTiersMachine.TestCase
 
 
 # -- the bugs the machine found (fixed since), pinned by hand ----------------------------------
