@@ -680,17 +680,23 @@ class TieredStore:
                 results[index] = lease
             else:
                 below.append(index)
-        if below:
-            promoted = await self.promote([keys[index] for index in below], namespace)
-            for index, outcome in zip(below, promoted, strict=True):
-                if outcome == "ready" and (lease := self._lease(arena, keys[index])) is not None:
-                    results[index] = lease
-                elif outcome != "missing":
-                    fallback.append(index)
-            if fallback:  # found, but the arena has no room (e.g. everything in it is leased)
-                fetched = await self.get([keys[index] for index in fallback], namespace)
-                for index, got in zip(fallback, fetched, strict=True):
-                    results[index] = got.payload
+        try:
+            if below:
+                promoted = await self.promote([keys[index] for index in below], namespace)
+                for index, outcome in zip(below, promoted, strict=True):
+                    lease = self._lease(arena, keys[index]) if outcome == "ready" else None
+                    if lease is not None:
+                        results[index] = lease
+                    elif outcome != "missing":
+                        fallback.append(index)
+                if fallback:  # found, but the arena has no room (e.g. everything in it is leased)
+                    fetched = await self.get([keys[index] for index in fallback], namespace)
+                    for index, got in zip(fallback, fetched, strict=True):
+                        results[index] = got.payload
+        except BaseException:
+            # Cancelled (a client's deadline) or failed: nobody will ever release these.
+            self.release([lease for lease in results if isinstance(lease, DramLease)])
+            raise
         self._age_chain([key for key, got in zip(keys, results, strict=True) if got is not None])
         # Counted like a get; keys that took the fallback were counted by that get.
         leased = missed = 0
@@ -739,16 +745,21 @@ class TieredStore:
         out: list[Reservation | Literal["present"] | None] = []
         async with self._lock:
             self._check_namespaces(keys, namespace)
-            for key, length in zip(keys, lengths, strict=True):
-                if key in self._meta:
-                    self._touch(key)
-                    out.append("present")
-                    continue
-                footprint = arena.footprint(length)
-                room = footprint <= arena.capacity and await self._make_room(
-                    self._host_level, footprint
-                )
-                out.append(arena.reserve(length) if room else None)
+            try:
+                for key, length in zip(keys, lengths, strict=True):
+                    if key in self._meta:
+                        self._touch(key)
+                        out.append("present")
+                        continue
+                    footprint = arena.footprint(length)
+                    room = footprint <= arena.capacity and await self._make_room(
+                        self._host_level, footprint
+                    )
+                    out.append(arena.reserve(length) if room else None)
+            except BaseException:
+                # Cancelled mid-eviction (a client's deadline): nobody will ever commit these.
+                self.cancel([r for r in out if isinstance(r, Reservation)])
+                raise
         return out
 
     async def commit(

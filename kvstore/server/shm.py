@@ -214,6 +214,7 @@ class ShmServer:
 
     async def _lookup(self, session: _Session, cursor: Cursor) -> bytes:
         keys = cursor.keys(self.store.max_keys_per_request)
+        cursor.done()
         result = await self.store.lookup_shared(keys, self._namespace(session))
         codes = {tier.name: level for level, tier in enumerate(self.store.tiers)}
         codes[""] = ABSENT_TIER
@@ -221,6 +222,7 @@ class ShmServer:
 
     async def _acquire(self, session: _Session, cursor: Cursor) -> bytes:
         keys = cursor.keys(self.store.max_keys_per_request)
+        cursor.done()  # the whole request parses before anything is taken
         acquired = await self.store.acquire(keys, self._namespace(session))
         parts: list[bytes] = []
         for item in acquired:
@@ -235,13 +237,16 @@ class ShmServer:
         return b"".join(parts)
 
     def _release(self, session: _Session, cursor: Cursor) -> bytes:
-        leases = [session.leases.pop(i) for i in cursor.ids() if i in session.leases]
+        ids = cursor.ids()
+        cursor.done()
+        leases = [session.leases.pop(i) for i in ids if i in session.leases]
         self.store.release(leases)
         return b""
 
     async def _reserve(self, session: _Session, cursor: Cursor) -> bytes:
         keys = cursor.keys(self.store.max_keys_per_request)
-        lengths = list(cursor.unpack(f"{len(keys)}Q")) if keys else []
+        lengths = cursor.u64s(len(keys))
+        cursor.done()
         reserved = await self.store.reserve(keys, lengths, self._namespace(session))
         parts: list[bytes] = []
         for key, item in zip(keys, reserved, strict=True):
@@ -259,6 +264,7 @@ class ShmServer:
 
     async def _commit(self, session: _Session, cursor: Cursor) -> bytes:
         ids = cursor.ids()
+        cursor.done()
         unknown = [i for i in ids if i not in session.reservations]
         if unknown:
             raise InvalidRequestError(f"no open reservation {unknown[0]} on this connection")
@@ -273,9 +279,9 @@ class ShmServer:
         return struct.pack("<III", result.stored, result.already_present, result.dropped)
 
     def _cancel(self, session: _Session, cursor: Cursor) -> bytes:
-        given_back = [
-            session.reservations.pop(i)[1] for i in cursor.ids() if i in session.reservations
-        ]
+        ids = cursor.ids()
+        cursor.done()
+        given_back = [session.reservations.pop(i)[1] for i in ids if i in session.reservations]
         self.store.cancel(given_back)
         return b""
 

@@ -134,7 +134,11 @@ class Cursor:
         return self._body[self._at :]
 
     def unpack(self, fmt: str) -> tuple[int, ...]:
-        """The next values of ``struct`` format ``fmt`` (little-endian is implied)."""
+        """The next values of the fixed ``struct`` format ``fmt`` (little-endian is implied).
+
+        Formats are cached, so ``fmt`` must come from the code, never from a count the peer sent
+        (that is :meth:`u64s`).
+        """
         layout = _STRUCTS.get(fmt)
         if layout is None:
             layout = _STRUCTS.setdefault(fmt, struct.Struct("<" + fmt))
@@ -167,15 +171,22 @@ class Cursor:
         data = bytes(self.take(count * KEY_BYTES))  # slicing bytes is cheaper than a view
         return [data[at : at + KEY_BYTES] for at in range(0, len(data), KEY_BYTES)]
 
+    def u64s(self, count: int) -> list[int]:
+        """The next ``count`` u64s (checked against the bytes left before anything is built)."""
+        if count < 0 or self._at + 8 * count > len(self._body):
+            raise ProtocolError(f"truncated frame: wanted {count} u64s at offset {self._at}")
+        values = struct.unpack_from(f"<{count}Q", self._body, self._at)
+        self._at += 8 * count
+        return list(values)
+
     def ids(self) -> list[int]:
         """A ``pack_ids`` list."""
-        count = self.u32()
-        return list(self.unpack(f"{count}Q")) if count else []
+        return self.u64s(self.u32())
 
     def ranges(self) -> list[tuple[int, int]]:
         """A ``pack_ranges`` list."""
         count = self.unpack("H")[0]
-        flat = self.unpack(f"{2 * count}Q") if count else ()
+        flat = self.u64s(2 * count)
         return [(flat[2 * i], flat[2 * i + 1]) for i in range(count)]
 
     def done(self) -> None:
