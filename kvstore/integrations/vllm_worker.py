@@ -141,6 +141,8 @@ class WorkerSide:
         self._ratio = 1  # kernel blocks per engine block
         self._chunk_shape: tuple[int, ...] = ()
         # Loads of the current step.
+        # One worker, on purpose: fetches run in order, so when the latest one is done every
+        # earlier (late, timed-out) one is too, which is what lets _staging_buffer reuse its buffer.
         self._fetch_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-load")
         self._load: _StepLoad | None = None
         self._load_errors: set[int] = set()
