@@ -36,7 +36,7 @@ import numpy as np
 from kvstore.block import BlockHeader
 from kvstore.buffers import byte_view
 from kvstore.tiers.base import Buffer, StoredBlock, Tier
-from kvstore.tiers.pages import Extent, PageAllocator
+from kvstore.tiers.pages import Extent, PageAllocator, byte_ranges
 
 __all__ = ["DramLease", "DramTier", "Reservation"]
 
@@ -126,13 +126,7 @@ class DramTier(Tier):
         return self._ranges(resident.extents, resident.header.length)
 
     def _ranges(self, extents: Sequence[Extent], length: int) -> list[tuple[int, int]]:
-        remaining = length
-        ranges = []
-        for first, count in extents:
-            size = min(count * self.page_size, remaining)
-            ranges.append((first * self.page_size, size))
-            remaining -= size
-        return ranges
+        return byte_ranges(extents, self.page_size, length)
 
     def write_sync(self, header: BlockHeader, payload: Buffer) -> bool:
         """:meth:`write` without the coroutine, for callers already on the event loop."""

@@ -21,7 +21,7 @@ from typing import Any
 from kvstore.block import BlockHeader
 from kvstore.buffers import byte_view
 from kvstore.tiers.base import Buffer, StoredBlock, Tier
-from kvstore.tiers.pages import Extent, PageAllocator
+from kvstore.tiers.pages import Extent, PageAllocator, byte_ranges
 
 __all__ = ["HbmTier"]
 
@@ -59,13 +59,7 @@ class HbmTier(Tier):
         return key in self._blocks
 
     def _ranges(self, extents: Sequence[Extent], length: int) -> list[tuple[int, int]]:
-        remaining = length
-        ranges = []
-        for first, count in extents:
-            size = min(count * self.page_size, remaining)
-            ranges.append((first * self.page_size, size))
-            remaining -= size
-        return ranges
+        return byte_ranges(extents, self.page_size, length)
 
     async def write(self, header: BlockHeader, payload: Buffer) -> bool:
         """Copy a block from host memory into free pages; False if too few are free."""

@@ -9,9 +9,10 @@ the Python heap per page; the bookkeeping is two dicts of free runs.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
-__all__ = ["Extent", "PageAllocator"]
+__all__ = ["Extent", "PageAllocator", "byte_ranges"]
 
 
 class Extent(NamedTuple):
@@ -19,6 +20,17 @@ class Extent(NamedTuple):
 
     first: int
     pages: int
+
+
+def byte_ranges(extents: Sequence[Extent], page_size: int, length: int) -> list[tuple[int, int]]:
+    """Byte ranges ``(offset, size)`` that hold ``length`` payload bytes laid over ``extents``."""
+    remaining = length
+    ranges = []
+    for first, count in extents:
+        size = min(count * page_size, remaining)
+        ranges.append((first * page_size, size))
+        remaining -= size
+    return ranges
 
 
 class PageAllocator:
