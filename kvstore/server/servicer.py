@@ -8,7 +8,7 @@ with a message that says what was wrong).
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 import grpc
@@ -21,7 +21,7 @@ from kvstore.errors import InvalidRequestError, KVStoreError, status_of
 from kvstore.prefetch import Prefetcher, PrefetchState
 from kvstore.store import GetResult, TieredStore
 
-__all__ = ["KVStoreServicer", "add_to_server"]
+__all__ = ["KVStoreServicer", "add_to_server", "guard"]
 
 logger = logging.getLogger(__name__)
 
@@ -30,10 +30,16 @@ SERVICE_NAME = "kvstore.v1.KVStore"
 T = TypeVar("T")
 
 
-async def _guard(
-    context: grpc.aio.ServicerContext[Any, Any], call: Callable[[], Awaitable[T]]
+async def guard(
+    context: grpc.aio.ServicerContext[Any, Any],
+    call: Callable[[], Awaitable[T]],
+    statuses: Mapping[type[Exception], grpc.StatusCode] | None = None,
 ) -> T:
-    """Run ``call``; map kvstore errors to their status, anything else to INTERNAL."""
+    """Run ``call``; map kvstore errors to their status, anything else to INTERNAL.
+
+    ``statuses`` maps further exception types to the status they answer with (a transport's own
+    failures, say); anything still unmatched is logged as a bug.
+    """
     try:
         return await call()
     except KVStoreError as exc:
@@ -41,6 +47,9 @@ async def _guard(
     except DecodeError as exc:  # a streamed message that is not protobuf
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable request: {exc}")
     except Exception as exc:
+        for kind, status in (statuses or {}).items():
+            if isinstance(exc, kind):
+                await context.abort(status, str(exc))
         logger.exception("unexpected failure serving a request")
         await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
     raise AssertionError("unreachable: context.abort raises")
@@ -73,7 +82,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
             result = await self.store.lookup_shared(list(request.keys), request.namespace)
             return pb.LookupResponse(hits=result.hits, tiers=result.tiers)
 
-        return await _guard(context, call)
+        return await guard(context, call)
 
     async def Put(
         self,
@@ -104,7 +113,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
                 stored=result.stored, already_present=result.already_present, dropped=result.dropped
             )
 
-        return await _guard(context, call)
+        return await guard(context, call)
 
     async def Get(
         self, request: pb.GetRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -115,7 +124,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
             self._decoded(request)
             return await self.store.get(list(request.keys), request.namespace)
 
-        results = await _guard(context, call)
+        results = await guard(context, call)
         batch: list[pb.GetResult] = []
         size = 0
         for index, result in enumerate(results):
@@ -144,7 +153,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
             deleted = await self.store.delete(list(request.keys), request.namespace)
             return pb.DeleteResponse(deleted=deleted)
 
-        return await _guard(context, call)
+        return await guard(context, call)
 
     async def Stats(
         self, request: pb.StatsRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -162,7 +171,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
                 blocks=stats["blocks"],
             )
 
-        return await _guard(context, call)
+        return await guard(context, call)
 
     async def Prefetch(
         self, request: pb.PrefetchRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -174,7 +183,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
             prefetch_id = self.prefetcher.submit(list(request.keys), request.namespace)
             return pb.PrefetchResponse(prefetch_id=prefetch_id)
 
-        return await _guard(context, call)
+        return await guard(context, call)
 
     async def PrefetchStatus(
         self, request: pb.PrefetchStatusRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -192,7 +201,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
                 failed=progress.failed,
             )
 
-        return await _guard(context, call)
+        return await guard(context, call)
 
     async def CancelPrefetch(
         self, request: pb.CancelPrefetchRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -203,7 +212,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
             self._decoded(request)
             return pb.CancelPrefetchResponse(cancelled=self.prefetcher.cancel(request.prefetch_id))
 
-        return await _guard(context, call)
+        return await guard(context, call)
 
     async def close(self) -> None:
         """Cancel prefetches and wait for their moves in flight; call before closing the store."""
@@ -222,7 +231,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
                 instance_id=self.instance_id,
             )
 
-        return await _guard(context, call)
+        return await guard(context, call)
 
 
 _PREFETCH_STATE = {

@@ -26,7 +26,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
@@ -36,7 +36,8 @@ import numpy as np
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import ucx_pb2 as ucx_pb
 from kvstore._proto.kvstore.v1 import ucx_pb2_grpc as ucx_pb_grpc
-from kvstore.errors import CapacityError, InvalidRequestError, KVStoreError, status_of
+from kvstore.errors import CapacityError, InvalidRequestError, KVStoreError
+from kvstore.server.servicer import guard
 from kvstore.store import Acquired, TieredStore
 from kvstore.tiers.dram import DramLease, DramTier, Reservation
 from kvstore.transport.ucx import (
@@ -516,20 +517,8 @@ def _check_batch(count: int) -> None:
         raise InvalidRequestError(f"{count} keys in one UCX transfer; the limit is {MAX_BATCH}")
 
 
-async def _guard(
-    context: grpc.aio.ServicerContext[Any, Any], call: Callable[[], Awaitable[T]]
-) -> T:
-    """Run ``call``; map store errors to their status, transport failures to ABORTED."""
-    try:
-        return await call()
-    except KVStoreError as exc:
-        await context.abort(status_of(exc), str(exc))
-    except UcxTransportError as exc:
-        await context.abort(grpc.StatusCode.ABORTED, str(exc))
-    except Exception as exc:
-        logger.exception("unexpected failure serving a UCX request")
-        await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
-    raise AssertionError("unreachable: context.abort raises")
+# A transfer that failed is the client's cue to use gRPC instead, not a server bug.
+_ABORTED: dict[type[Exception], grpc.StatusCode] = {UcxTransportError: grpc.StatusCode.ABORTED}
 
 
 class UcxTransferServicer(ucx_pb_grpc.UcxTransferServicer):  # type: ignore[misc]  # generated
@@ -542,13 +531,13 @@ class UcxTransferServicer(ucx_pb_grpc.UcxTransferServicer):  # type: ignore[misc
         self, request: ucx_pb.UcxGetRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> ucx_pb.UcxGetResponse:
         """See :meth:`UcxDataServer.get`."""
-        return await _guard(context, lambda: self.data_server.get(request, context))
+        return await guard(context, lambda: self.data_server.get(request, context), _ABORTED)
 
     async def UcxPut(
         self, request: ucx_pb.UcxPutRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.PutResponse:
         """See :meth:`UcxDataServer.put`."""
-        return await _guard(context, lambda: self.data_server.put(request, context))
+        return await guard(context, lambda: self.data_server.put(request, context), _ABORTED)
 
 
 async def add_ucx_to_server(
