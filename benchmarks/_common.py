@@ -39,6 +39,10 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+import numpy as np
+
+from kvstore.keys import KEY_BYTES
+
 __all__ = [
     "GB",
     "BenchmarkError",
@@ -400,10 +404,8 @@ class KeySource:
     """Fresh random 16-byte keys (never reused, so a put always stores)."""
 
     def __init__(self, seed: int) -> None:
-        import numpy as np
-
         self._rng = np.random.default_rng(seed)
 
     def take(self, count: int) -> list[bytes]:
         """``count`` new keys."""
-        return [self._rng.bytes(16) for _ in range(count)]
+        return [self._rng.bytes(KEY_BYTES) for _ in range(count)]

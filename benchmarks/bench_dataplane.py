@@ -58,6 +58,7 @@ import numpy as np
 import redis
 from _common import (
     GB,
+    KeySource,
     check,
     exit_on_sigterm,
     kvstore_server,
@@ -71,7 +72,6 @@ from _common import (
 from _ucx_perftest import perftest, perftest_binary
 
 from kvstore import KVStoreClient, Namespace
-from kvstore.keys import KEY_BYTES
 
 KiB = 1024
 MiB = 1024**2
@@ -98,17 +98,13 @@ REDIS_OF |= {SHM_PUT: REDIS_SET, UCX_PUT: REDIS_SET, GRPC_PUT: REDIS_SET, REDIS_
 GRPC_OF = {UCX_GET: GRPC_GET, UCX_PUT: GRPC_PUT}
 
 
-def _keys(rng: np.random.Generator, count: int) -> list[bytes]:
-    return [rng.bytes(KEY_BYTES) for _ in range(count)]
-
-
 # -- one client ---------------------------------------------------------------------------------
 
 
 def _throughput_cases(
     blocks: list[np.ndarray[Any, Any]],
     keys: list[bytes],
-    rng: np.random.Generator,
+    fresh_keys: KeySource,
     clients: dict[str, KVStoreClient],
     rds: redis.Redis,
 ) -> dict[str, Callable[[], float]]:
@@ -131,7 +127,7 @@ def _throughput_cases(
 
     def put(client: KVStoreClient, name: str) -> Callable[[], float]:
         def case() -> float:
-            fresh = _keys(rng, batch)
+            fresh = fresh_keys.take(batch)
             seconds, result = timed(lambda: client.put(fresh, blocks))
             check(result.stored == batch, f"{name}: stored {result.stored} of {batch}")
             client.delete(fresh)
@@ -154,7 +150,7 @@ def _throughput_cases(
         return seconds
 
     def redis_set() -> float:
-        fresh = _keys(rng, batch)
+        fresh = fresh_keys.take(batch)
 
         def call() -> list[Any]:
             pipe = rds.pipeline(transaction=False)
@@ -211,16 +207,17 @@ def bench_throughput(
 ) -> dict[str, dict[str, Any]]:
     """Seconds per call of every case, per block size."""
     rng = np.random.default_rng(0)
+    fresh_keys = KeySource(seed=1)
     results: dict[str, dict[str, Any]] = {}
     for label in args.sizes:
         started = time.monotonic()
         size = SIZES[label]
         batch = args.batch if size < 16 * MiB else max(1, args.batch // 2)
         blocks = [rng.integers(0, 256, size=size, dtype=np.uint8) for _ in range(batch)]
-        keys = _keys(rng, batch)
+        keys = fresh_keys.take(batch)
         _verify(blocks, keys, clients, rds)
         reps = args.reps or max(MIN_REPS, min(MAX_REPS, TARGET_BYTES // (size * batch)))
-        cases = _throughput_cases(blocks, keys, rng, clients, rds)
+        cases = _throughput_cases(blocks, keys, fresh_keys, clients, rds)
         samples = run_interleaved(cases, reps, warmup=2)
         results[label] = {"block_bytes": size, "batch": batch, "seconds": samples}
         clients["shm"].delete(keys)
@@ -290,7 +287,7 @@ def bench_concurrency(
     """Aggregate GB/s of 1 / 2 / 4 reader processes per path."""
     size = MiB
     rng = np.random.default_rng(5)
-    keys = _keys(rng, args.batch)
+    keys = KeySource(seed=6).take(args.batch)
     blocks = [rng.integers(0, 256, size=size, dtype=np.uint8) for _ in keys]
     check(shm.put(keys, blocks).stored == len(keys), "concurrency: put failed")
     rds.mset({key: block.data for key, block in zip(keys, blocks, strict=True)})
@@ -337,7 +334,7 @@ def bench_lookup(
     args: argparse.Namespace, shm: KVStoreClient, grpc_client: KVStoreClient, rds: redis.Redis
 ) -> dict[str, list[float]]:
     """Latency samples of lookups of 16 / 128 / 1024 stored keys, and redis EXISTS of them."""
-    keys = _keys(np.random.default_rng(2), max(LOOKUP_COUNTS))
+    keys = KeySource(seed=2).take(max(LOOKUP_COUNTS))
     value = np.zeros(4 * KiB, dtype=np.uint8)
     shm.put(keys, [value] * len(keys))
     rds.mset({key: value.data for key in keys})
