@@ -863,7 +863,9 @@ class TieredStore:
                     if key in self._recency[level] and await tier.remove([key]):
                         self._recency[level].discard(key)
                 if self._level_of(key) is None:
-                    del self._meta[key]
+                    # A read that found the block gone while a remove above was awaited may
+                    # have dropped the entry already.
+                    self._meta.pop(key, None)
                     removed += 1
                     deleted.append(key)
                 else:  # a tier could not delete it; it stays visible instead of coming back later

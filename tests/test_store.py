@@ -401,6 +401,34 @@ async def test_delete_while_promotion_is_pending(store: TieredStore) -> None:
     assert store.stats()["counters"].get("promotions", 0) == 0
 
 
+async def test_delete_survives_a_read_that_finds_the_block_gone_meanwhile(
+    store: TieredStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A get that reads a block the delete already removed from nvme drops its entry first.
+
+    Found by a churn test over a real server: the delete then failed with INTERNAL (KeyError).
+    """
+    await put_blocks(store, range(5))  # key 0 is only in nvme
+    nvme = store.tiers[1]
+    removing = asyncio.Event()
+    go_on = asyncio.Event()
+    remove = nvme.remove
+
+    async def slow_remove(keys: Sequence[bytes]) -> bool:
+        done = await remove(keys)
+        removing.set()
+        await go_on.wait()
+        return done
+
+    monkeypatch.setattr(nvme, "remove", slow_remove)
+    deleting = asyncio.ensure_future(store.delete([key(0)]))
+    await removing.wait()
+    assert await get_bytes(store, [0]) == [None]  # finds it gone, forgets it
+    go_on.set()
+    assert await deleting == 1
+    assert tiers_of(store, [0]) == [""]
+
+
 async def test_block_evicted_from_the_last_tier_leaves_the_store(tmp_path: Path) -> None:
     store = make_store(tmp_path / "nvme", nvme_capacity=128 * 1024)
     try:
