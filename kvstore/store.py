@@ -728,6 +728,29 @@ class TieredStore:
             arena.release(lease)
             self.unpin([lease.key])
 
+    def record_direct_reads(self, keys: Sequence[bytes], namespace: bytes) -> int:
+        """Count reads a co-located client served itself from the arena's published index.
+
+        Such reads take no lease and never reach :meth:`acquire`, so this is what keeps the LRU
+        order and the hit counters true to them. Keys no longer resident (evicted since) or of
+        another namespace are ignored. Returns how many keys were counted.
+        """
+        self._check_keys(keys, namespace)
+        arena = self._require_arena()
+        resident = self._recency[self._host_level]
+        counted: list[bytes] = []
+        for key in keys:
+            meta = self._meta.get(key)
+            if meta is not None and meta.namespace == namespace and key in resident:
+                counted.append(key)
+                self._count_hit(key)
+        self._age_chain(counted)
+        self._tier_hits[arena.name] += len(counted)
+        self._counters.add("gets")
+        self._counters.add("hits", len(counted))
+        self._counters.add("blocks_read_direct", len(counted))
+        return len(counted)
+
     async def reserve(
         self, keys: Sequence[bytes], lengths: Sequence[int], namespace: bytes
     ) -> list[Reservation | Literal["present"] | None]:

@@ -309,6 +309,33 @@ async def test_acquire_counts_like_a_get(tmp_path: Path) -> None:
     assert tier_hits["acquire"] == tier_hits["get"] == {"dram": 2, "nvme": 1}
 
 
+async def test_direct_reads_are_counted_and_keep_blocks_recent(store: TieredStore) -> None:
+    """Reads a client served from the published index reach the store only as a TOUCH."""
+    await put_blocks(store, range(4))  # dram is full; 0 is the least recently used
+    before = counters(store)
+    hits_before = dram_stats(store)["hits"]
+    assert store.record_direct_reads([key(0), key(50)], NS) == 1
+    after = counters(store)
+    assert {n: delta(before, after, n) for n in ("gets", "hits", "blocks_read_direct")} == {
+        "gets": 1,
+        "hits": 1,
+        "blocks_read_direct": 1,
+    }
+    assert dram_stats(store)["hits"] == hits_before + 1
+    await put_blocks(store, [4])  # evicts the least recently used block: now 1, not 0
+    assert tiers_of(store, [0, 1, 4]) == ["dram", "nvme", "dram"]
+
+
+async def test_direct_reads_of_other_namespaces_or_gone_blocks_count_nothing(
+    store: TieredStore,
+) -> None:
+    await put_blocks(store, range(5))  # 0 went down to nvme
+    assert store.record_direct_reads([key(1)], OTHER_NS) == 0
+    assert store.record_direct_reads([key(0)], NS) == 0  # not in the arena any more
+    with pytest.raises(InvalidRequestError):
+        store.record_direct_reads([b"short"], NS)
+
+
 async def test_release_twice_raises(store: TieredStore) -> None:
     await put_blocks(store, [1])
     [lease] = leases_of(await store.acquire([key(1)], NS))

@@ -1,10 +1,12 @@
 """The shared-memory data plane, server side: a UNIX socket that lends the ``dram`` arena.
 
 A co-located client connects, says which namespace it works in, and receives the arena's memfd
-(``SCM_RIGHTS``); it maps the arena once and from then on asks only for *where* blocks are. Reads
-lease pages (:meth:`TieredStore.acquire`), the client copies out of them and releases; writes
-reserve pages, the client copies in and commits. Payload bytes never cross the socket, except for
-a block that cannot be brought into the arena, which comes back inline.
+and the memfd of its published index (``SCM_RIGHTS``); it maps both once. A block it finds in the
+index it copies without asking (then sends a one-way ``TOUCH`` so the LRU order and the hit counts
+see the read); for the others it asks *where* they are: reads lease pages
+(:meth:`TieredStore.acquire`), the client copies out of them and releases; writes reserve pages,
+the client copies in and commits. Payload bytes never cross the socket, except for a block that
+cannot be brought into the arena, which comes back inline.
 
 Everything a connection holds (leases, reservations) belongs to it: when the client closes the
 socket or its process dies, the kernel closes the socket and the server gives everything back,
@@ -85,6 +87,7 @@ class ShmServer:
             Op.RESERVE: self._reserve,
             Op.COMMIT: self._commit,
             Op.CANCEL: self._cancel,
+            Op.TOUCH: self._touch,
         }
 
     async def start(self) -> None:
@@ -155,8 +158,8 @@ class ShmServer:
                 if reply is None:
                     continue
                 if op == Op.HELLO and reply[4] == _OK:
-                    # The arena's memfd rides along with the greeting; the kernel dups it.
-                    await _send_with_fd(loop, conn, reply, self._arena.fd)
+                    # The memfds ride along with the greeting; the kernel dups them.
+                    await _send_with_fds(loop, conn, reply, self._greeting_fds())
                 else:
                     await loop.sock_sendall(conn, reply)
         except (ConnectionError, OSError) as exc:
@@ -165,6 +168,10 @@ class ShmServer:
             self._sessions.discard(session)
             self._give_back(session)
             conn.close()
+
+    def _greeting_fds(self) -> list[int]:
+        index = self._arena.index
+        return [self._arena.fd] if index is None else [self._arena.fd, index.fd]
 
     def _give_back(self, session: _Session) -> None:
         self.store.release(list(session.leases.values()))
@@ -208,8 +215,13 @@ class ShmServer:
             )
         session.namespace = namespace
         tiers = [tier.name for tier in self.store.tiers]
+        index = self._arena.index
         return Hello(
-            self._arena.capacity, self.store.max_keys_per_request, self.instance_id, tiers
+            self._arena.capacity,
+            0 if index is None else index.size,
+            self.store.max_keys_per_request,
+            self.instance_id,
+            tiers,
         ).pack()
 
     async def _lookup(self, session: _Session, cursor: Cursor) -> bytes:
@@ -278,6 +290,12 @@ class ShmServer:
             raise
         return struct.pack("<III", result.stored, result.already_present, result.dropped)
 
+    def _touch(self, session: _Session, cursor: Cursor) -> bytes:
+        keys = cursor.keys(self.store.max_keys_per_request)
+        cursor.done()
+        self.store.record_direct_reads(keys, self._namespace(session))
+        return b""
+
     def _cancel(self, session: _Session, cursor: Cursor) -> bytes:
         ids = cursor.ids()
         cursor.done()
@@ -301,13 +319,13 @@ async def _recv_exact(
     return buffer
 
 
-async def _send_with_fd(
-    loop: asyncio.AbstractEventLoop, conn: socket.socket, data: bytes, fd: int
+async def _send_with_fds(
+    loop: asyncio.AbstractEventLoop, conn: socket.socket, data: bytes, fds: list[int]
 ) -> None:
-    """Send ``data`` with ``fd`` attached to its first byte, then the rest as usual."""
+    """Send ``data`` with ``fds`` attached to its first byte, then the rest as usual."""
     while True:
         try:
-            sent = socket.send_fds(conn, [data], [fd])
+            sent = socket.send_fds(conn, [data], fds)
             break
         except BlockingIOError:  # the client has not drained its socket yet; rare and short
             await asyncio.sleep(0.001)

@@ -17,6 +17,10 @@ Two things let a co-located client touch the pages directly (``kvstore.server.sh
 * a **reservation** (:meth:`DramTier.reserve`) hands out free pages before there is a block: the
   client writes the payload into them, then :meth:`DramTier.install` makes them a block.
 
+Resident blocks are also *published* (:mod:`kvstore.tiers.dram_index`): a client that finds a
+block there copies it without asking the server and checks afterwards that the entry did not
+change; a block is withdrawn from that index before its pages can be freed.
+
 Where a CUDA device exists the arena is page-locked (``cudaHostRegister``), so that engines copy
 between it and GPU memory by DMA at full PCIe speed; elsewhere nothing changes.
 """
@@ -24,6 +28,7 @@ between it and GPU memory by DMA at full PCIe speed; elsewhere nothing changes.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import mmap
 import os
@@ -36,6 +41,7 @@ import numpy as np
 from kvstore.block import BlockHeader
 from kvstore.buffers import byte_view
 from kvstore.tiers.base import Buffer, StoredBlock, Tier
+from kvstore.tiers.dram_index import IndexWriter
 from kvstore.tiers.pages import Extent, PageAllocator, byte_ranges
 
 __all__ = ["DramLease", "DramTier", "Reservation"]
@@ -87,11 +93,15 @@ class DramTier(Tier):
         num_pages = capacity // page_size
         self.capacity = num_pages * page_size
         self._fd = -1
+        self.index: IndexWriter | None = None
         if self.capacity:
-            self._fd = os.memfd_create("kvstore-dram", os.MFD_CLOEXEC)
+            self._fd = os.memfd_create("kvstore-dram", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
             os.ftruncate(self._fd, self.capacity)
+            # Clients get this fd: one that shrank it would crash the server on its next access.
+            fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
             self._mapping: mmap.mmap | None = mmap.mmap(self._fd, self.capacity)
             self._arena = np.frombuffer(self._mapping, dtype=np.uint8)
+            self.index = IndexWriter(max_blocks=num_pages)
         else:
             self._mapping = None
             self._arena = np.empty(0, dtype=np.uint8)
@@ -154,6 +164,7 @@ class DramTier(Tier):
         for offset, size in self.extents(header.key):
             self._arena[offset : offset + size] = data[copied : copied + size]
             copied += size
+        self._publish(header, extents)
         return True
 
     async def write(self, header: BlockHeader, payload: Buffer) -> bool:
@@ -287,6 +298,7 @@ class DramTier(Tier):
             self._forget(old)
         self._blocks[header.key] = _Resident(header, reservation._extents)
         self._payload_bytes += header.length
+        self._publish(header, reservation._extents)
 
     def cancel(self, reservation: Reservation) -> None:
         """Give back a reservation's pages (idempotent)."""
@@ -299,7 +311,8 @@ class DramTier(Tier):
         """Capacity, usage, block count, payload bytes, rounding waste and fragmentation.
 
         ``used`` includes pages that are reserved for puts in progress (``reserved_bytes``) and
-        pages of removed blocks that readers still lease (``retired_bytes``).
+        pages of removed blocks that readers still lease (``retired_bytes``). ``published``
+        counts blocks in the index that clients read directly.
         """
         return {
             "capacity": self.capacity,
@@ -316,10 +329,16 @@ class DramTier(Tier):
             "reserved_bytes": self._reserved_bytes,
             "retired_bytes": self._retired_bytes,
             "pinned": int(self.pinned),
+            # Blocks clients can read without the server, and ones left out for a full bucket.
+            "published": len(self.index) if self.index is not None else 0,
+            "publish_overflows": self.index.overflows if self.index is not None else 0,
         }
 
     async def close(self) -> None:
-        """Unmap the arena and close the memfd."""
+        """Unmap the arena and close the memfd (readers of the index are told first)."""
+        if self.index is not None:
+            self.index.close()
+            self.index = None
         self._blocks.clear()
         if self.pinned:
             _page_unlock(self._arena)
@@ -337,8 +356,17 @@ class DramTier(Tier):
     def _footprint_of(self, resident: _Resident) -> int:
         return sum(extent.pages for extent in resident.extents) * self.page_size
 
+    def _publish(self, header: BlockHeader, extents: Sequence[Extent]) -> None:
+        """Let clients find a block that is one run of pages (others go through the server)."""
+        if self.index is not None and len(extents) == 1:
+            offset = extents[0].first * self.page_size
+            self.index.publish(header.key, header.namespace, offset, header.length)
+
     def _forget(self, resident: _Resident) -> None:
         """Account for an unindexed block; free its pages unless a reader still leases them."""
+        if self.index is not None:
+            # Before anything can reuse the pages: readers that copied them see the change.
+            self.index.withdraw(resident.header.key)
         self._payload_bytes -= resident.header.length
         if resident.leases:
             resident.retired = True

@@ -1,11 +1,14 @@
 """The shared-memory data plane, client side: copy blocks straight between the arena and buffers.
 
-:class:`ShmDataPlane` maps the server's ``dram`` arena (received as a memfd on the first
-connection) and talks to the server over its UNIX socket (see
-:mod:`kvstore.transport.shm_protocol`). A read acquires leases on the blocks' pages, copies each
-block once into the caller's buffer and releases the leases; a write reserves pages, copies each
-value once into them and commits. The clients in :mod:`kvstore.client` use it by themselves when
-the server is on the same host and fall back to gRPC when it is not.
+:class:`ShmDataPlane` maps the server's ``dram`` arena and the arena's published index (both
+received as memfds on the first connection) and talks to the server over its UNIX socket (see
+:mod:`kvstore.transport.shm_protocol`). A read first looks every key up in the index and copies
+what it finds straight into the caller's buffer, keeping a copy only if the index entry did not
+change meanwhile (:mod:`kvstore.tiers.dram_index`); the server only hears a one-way ``TOUCH``
+afterwards. The remaining keys take the leased path: acquire leases on their pages (which
+promotes them from lower tiers first), copy each block once, release. A write reserves pages,
+copies each value once into them and commits. The clients in :mod:`kvstore.client` use it by
+themselves when the server is on the same host and fall back to gRPC when it is not.
 
 Thread-safe: each call borrows one socket from a small pool, so concurrent calls from several
 threads proceed in parallel (the copies release the GIL). A socket that fails or times out is
@@ -30,6 +33,7 @@ from kvstore.buffers import byte_view, writable_byte_view
 from kvstore.errors import DeadlineExceededError, InvalidRequestError, error_from_status
 from kvstore.keys import KEY_BYTES
 from kvstore.store import LookupResult, PutResult
+from kvstore.tiers.dram_index import DIRECT_READS_SUPPORTED, IndexReader
 from kvstore.transport.shm_protocol import (
     ABSENT_TIER,
     Cursor,
@@ -43,10 +47,13 @@ from kvstore.transport.shm_protocol import (
     unpack_hello,
 )
 
-__all__ = ["ShmDataPlane", "ShmUnavailableError"]
+__all__ = ["DIRECT_READS_ENV", "ShmDataPlane", "ShmUnavailableError"]
 
 _HELLO_REPLY_LIMIT = 4096
+_GREETING_FDS = 2  # the arena and its index
 _Ranges = list[tuple[int, int]]
+#: Set to 0 to send every read through the server (leases), e.g. to rule the index out.
+DIRECT_READS_ENV = "KVSTORE_SHM_DIRECT_READS"
 
 
 class ShmUnavailableError(ConnectionError):
@@ -63,11 +70,12 @@ class _Connection:
             self.sock.settimeout(timeout)
             self.sock.connect(path)
             self.sock.sendall(frame(Op.HELLO, namespace))
-            data, fds, _, _ = socket.recv_fds(self.sock, _HELLO_REPLY_LIMIT, 1)
+            data, fds, _, _ = socket.recv_fds(self.sock, _HELLO_REPLY_LIMIT, _GREETING_FDS)
         except OSError:
             self.sock.close()
             raise
-        self.fd = fds[0] if fds else -1
+        #: The arena's memfd, then the index's (when the server has one).
+        self.fds = list(fds)
         try:
             body = self._complete(bytearray(data))
             self.hello = unpack_hello(body)
@@ -98,10 +106,10 @@ class _Connection:
         return chunk
 
     def close_fd(self) -> None:
-        """Close the arena fd that came with the greeting (the mapping keeps the arena)."""
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        """Close the fds that came with the greeting (the mappings keep what they map)."""
+        fds, self.fds = self.fds, []
+        for fd in fds:
+            os.close(fd)
 
     def call(self, op: int, body: bytes, deadline: float) -> memoryview:
         """Send a request and return its reply body (raising the error it reports).
@@ -136,16 +144,36 @@ def _grpc_code(value: int) -> Any:
 class ShmDataPlane:
     """A co-located client's direct path to a server's arena (see the module docstring)."""
 
-    def __init__(self, path: str, namespace: bytes, *, timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        path: str,
+        namespace: bytes,
+        *,
+        timeout: float = 5.0,
+        direct_reads: bool | None = None,
+    ) -> None:
+        """Connect to the socket at ``path`` and map the arena.
+
+        ``direct_reads``: read blocks found in the published index without asking the server
+        (default: on where the CPU allows it, unless ``KVSTORE_SHM_DIRECT_READS=0``).
+        """
         self.path = path
         self.namespace = namespace
         self.timeout = timeout
+        if direct_reads is None:
+            direct_reads = os.environ.get(DIRECT_READS_ENV, "1") != "0"
         first = self._open()
-        if first.fd < 0:
+        if not first.fds:
             first.sock.close()
             raise ShmUnavailableError("the store sent no arena descriptor")
+        self._index: IndexReader | None = None
         try:
-            self._mapping = mmap.mmap(first.fd, first.hello.arena_size)
+            self._mapping = mmap.mmap(first.fds[0], first.hello.arena_size)
+            if direct_reads and DIRECT_READS_SUPPORTED and first.hello.index_size and first.fds[1:]:
+                self._index = IndexReader(first.fds[1], first.hello.index_size)
+        except (OSError, ValueError) as exc:
+            first.sock.close()
+            raise ShmUnavailableError(f"cannot map what {path} sent: {exc}") from exc
         finally:
             first.close_fd()
         self.hello: Hello = first.hello
@@ -157,6 +185,11 @@ class ShmDataPlane:
         self._idle: list[_Connection] = [first]
         self._lock = threading.Lock()
         self._closed = False
+
+    @property
+    def direct_reads(self) -> bool:
+        """Whether reads look in the published index first (see the module docstring)."""
+        return self._index is not None
 
     @property
     def instance_id(self) -> bytes:
@@ -215,59 +248,109 @@ class ShmDataPlane:
     def get_into(
         self, keys: Sequence[bytes], buffers: Sequence[Any], timeout: float | None = None
     ) -> list[bool]:
-        """Fill ``buffers`` with the blocks of ``keys``; False where missing or of another size."""
+        """Fill ``buffers`` with the blocks of ``keys``; False where missing or of another size.
+
+        A buffer reported False may have been written to (a block that changed while it was
+        copied, then turned out missing); its contents are unspecified.
+        """
         if len(keys) != len(buffers):
             raise InvalidRequestError(f"{len(keys)} keys but {len(buffers)} buffers")
         targets = [np.frombuffer(writable_byte_view(b), dtype=np.uint8) for b in buffers]
-        filled = [False] * len(keys)
+        arena = self._arena
 
-        def copy(index: int, source: Any) -> None:
+        def copy(index: int, source: Any) -> bool:
             target = targets[index]
-            if isinstance(source, list):  # leased ranges
+            if isinstance(source, list):  # arena ranges
                 if sum(size for _, size in source) != len(target):
-                    return
+                    return False
                 at = 0
                 for offset, size in source:
-                    target[at : at + size] = self._arena[offset : offset + size]
+                    target[at : at + size] = arena[offset : offset + size]
                     at += size
             elif len(source) == len(target):
                 target[:] = np.frombuffer(source, dtype=np.uint8)
             else:
-                return
-            filled[index] = True
+                return False
+            return True
 
-        self._read(keys, copy, timeout)
-        return filled
+        return self._read(keys, copy, timeout)
 
     def get(self, keys: Sequence[bytes], timeout: float | None = None) -> list[bytes | None]:
         """The payload of each key (a fresh ``bytes``), ``None`` where missing."""
         out: list[bytes | None] = [None] * len(keys)
+        arena = self._arena
 
-        def copy(index: int, source: Any) -> None:
+        def copy(index: int, source: Any) -> bool:
             if isinstance(source, list):
-                out[index] = b"".join(self._arena[o : o + n].tobytes() for o, n in source)
+                out[index] = b"".join(arena[o : o + n].tobytes() for o, n in source)
             else:
                 out[index] = bytes(source)
+            return True
 
-        self._read(keys, copy, timeout)
-        return out
+        copied = self._read(keys, copy, timeout)
+        return [value if ok else None for value, ok in zip(out, copied, strict=True)]
 
-    def _read(self, keys: Sequence[bytes], copy: Any, timeout: float | None) -> None:
-        """ACQUIRE, hand each block's ranges (or inline bytes) to ``copy``, RELEASE."""
+    def _read(self, keys: Sequence[bytes], copy: Any, timeout: float | None) -> list[bool]:
+        """Hand each block's arena ranges (or inline bytes) to ``copy``; which ones it took.
+
+        ``copy(index, source)`` returns False to refuse a block (e.g. of the wrong size). Keys
+        found in the index are copied first; the rest, and any whose entry changed during the
+        copy, go through ACQUIRE / RELEASE.
+        """
+        deadline = self._deadline(timeout)
+        copied = [False] * len(keys)
+        pending = list(range(len(keys)))
+        index = self._index
+        if index is not None and index.open:
+            pending = self._read_direct(index, keys, copy, copied)
+            # Like the leased path and puts: a call that ran past its deadline fails, whatever
+            # it managed to copy.
+            if time.monotonic() > deadline:
+                raise DeadlineExceededError("deadline exceeded while copying blocks")
+            if not pending:
+                return copied
+        wanted = [keys[i] for i in pending]
         with self._connection() as conn:
-            reply = Cursor(conn.call(Op.ACQUIRE, pack_keys(keys), self._deadline(timeout)))
+            reply = Cursor(conn.call(Op.ACQUIRE, pack_keys(wanted), deadline))
             leases: list[int] = []
             try:
-                for index in range(len(keys)):
+                for i in pending:
                     kind = reply.u8()
                     if kind == Slot.LEASE:
                         leases.append(reply.u64())
-                        copy(index, reply.ranges())
+                        copied[i] = copy(i, reply.ranges())
                     elif kind == Slot.BYTES:
-                        copy(index, reply.take(reply.u64()))
+                        copied[i] = copy(i, reply.take(reply.u64()))
             finally:
                 if leases:
                     conn.send(Op.RELEASE, pack_ids(leases))
+        return copied
+
+    def _read_direct(
+        self, index: IndexReader, keys: Sequence[bytes], copy: Any, copied: list[bool]
+    ) -> list[int]:
+        """Copy the keys found in the index, tell the server (TOUCH); the indices left over."""
+        arena_size = len(self._arena)
+        pending: list[int] = []
+        for i, key in enumerate(keys):
+            hit = index.find(key, self.namespace)
+            # A torn entry can hold any offset: stay inside the arena; keep only verified copies.
+            if (
+                hit is not None
+                and hit[2] + hit[3] <= arena_size
+                and copy(i, [(hit[2], hit[3])])
+                and index.unchanged(hit)
+            ):
+                copied[i] = True
+            else:
+                pending.append(i)
+        if len(pending) < len(keys):
+            served = [key for key, ok in zip(keys, copied, strict=True) if ok]
+            # Also proves the server is alive: a dead one fails this send (EPIPE), and the
+            # caller falls back to gRPC rather than trusting an orphaned arena.
+            with self._connection() as conn:
+                conn.send(Op.TOUCH, pack_keys(served))
+        return pending
 
     def put(
         self, keys: Sequence[bytes], values: Sequence[Any], timeout: float | None = None
@@ -325,5 +408,8 @@ class ShmDataPlane:
         for conn in idle:
             conn.sock.close()
         self._arena = np.empty(0, dtype=np.uint8)
+        if self._index is not None:
+            self._index.close()
+            self._index = None
         with contextlib.suppress(BufferError):  # a caller still holds a view: unmapped at exit
             self._mapping.close()

@@ -2,23 +2,26 @@
 
 gRPC stays the control plane and the fallback. This socket carries metadata only (keys, lengths,
 page ranges, lease ids); payload bytes move by one memcpy through the ``dram`` arena, which the
-server hands to the client once, as a memfd, in the reply to ``HELLO`` (``SCM_RIGHTS``).
+server hands to the client once, as a memfd, in the reply to ``HELLO`` (``SCM_RIGHTS``), together
+with the memfd of the arena's published index (:mod:`kvstore.tiers.dram_index`) when it has one.
 
 A request is ``length:u32 | op:u8 | body`` (``length`` counts op and body). Every request but
-``RELEASE`` and ``CANCEL`` gets one reply, in order: ``length:u32 | status:u8 | body``, where
-status 0 is OK and anything else is a gRPC status code with a UTF-8 message as the body. All
-integers are little-endian. Bodies (``keys`` = ``n:u32`` then ``n`` 16-byte keys)::
+``RELEASE``, ``CANCEL`` and ``TOUCH`` gets one reply, in order: ``length:u32 | status:u8 |
+body``, where status 0 is OK and anything else is a gRPC status code with a UTF-8 message as the
+body. All integers are little-endian. Bodies (``keys`` = ``n:u32`` then ``n`` 16-byte keys)::
 
-    HELLO    namespace[16]            -> arena_size:u64 max_keys:u32 instance_id[16] tiers
+    HELLO    namespace[16]            -> arena_size:u64 index_size:u64 max_keys:u32
+                                         instance_id[16] tiers
     LOOKUP   keys                     -> hits:u32, then per key: tier index:u8 (255 absent)
     ACQUIRE  keys                     -> per key: MISS | LEASE id:u64 ranges | BYTES n:u64 data
     RELEASE  n:u32 ids:u64*n             (no reply)
     RESERVE  keys, then lengths:u64*n -> per key: NO_ROOM | PRESENT | RESERVED id:u64 ranges
     COMMIT   n:u32 ids:u64*n          -> stored:u32 already_present:u32 dropped:u32
     CANCEL   n:u32 ids:u64*n             (no reply)
+    TOUCH    keys                        (no reply; blocks the client read through the index)
 
 ``ranges`` is ``count:u16`` then ``count`` pairs ``offset:u64 length:u64`` into the arena; ``tiers``
-is the tier names joined by newlines.
+is the tier names joined by newlines. ``index_size`` is 0 when no index fd came along.
 """
 
 from __future__ import annotations
@@ -67,9 +70,10 @@ class Op:
     RESERVE = 5
     COMMIT = 6
     CANCEL = 7
+    TOUCH = 8
 
     #: Requests the server does not answer.
-    ONE_WAY = frozenset({RELEASE, CANCEL})
+    ONE_WAY = frozenset({RELEASE, CANCEL, TOUCH})
 
 
 class Slot:
@@ -197,23 +201,28 @@ class Cursor:
 
 @dataclass(frozen=True, slots=True)
 class Hello:
-    """The server's greeting: the arena's size, its request limit, its identity, its tiers."""
+    """The server's greeting: the sizes of the arena and of its index, the request limit, the
+    server's identity, its tiers."""
 
     arena_size: int
+    index_size: int
     max_keys: int
     instance_id: bytes
     tiers: list[str]
 
     def pack(self) -> bytes:
         """The HELLO reply body."""
-        head = struct.pack("<QI16s", self.arena_size, self.max_keys, self.instance_id)
+        head = struct.pack(
+            "<QQI16s", self.arena_size, self.index_size, self.max_keys, self.instance_id
+        )
         return head + "\n".join(self.tiers).encode()
 
 
 def unpack_hello(body: bytes | memoryview) -> Hello:
     """Parse a HELLO reply body."""
     cursor = Cursor(body)
-    arena_size, max_keys = cursor.unpack("QI")
+    arena_size, index_size, max_keys = cursor.unpack("QQI")
     instance_id = bytes(cursor.take(16))
     rest = bytes(cursor.take(len(cursor.rest())))
-    return Hello(arena_size, max_keys, instance_id, rest.decode().split("\n") if rest else [])
+    tiers = rest.decode().split("\n") if rest else []
+    return Hello(arena_size, index_size, max_keys, instance_id, tiers)

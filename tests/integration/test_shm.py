@@ -118,7 +118,7 @@ class RawShm:
 
     def hello(self, namespace: bytes = NS_BYTES) -> tuple[int, memoryview]:
         self.sock.sendall(frame(Op.HELLO, namespace))
-        data, fds, _, _ = socket.recv_fds(self.sock, 4096, 1)
+        data, fds, _, _ = socket.recv_fds(self.sock, 4096, 2)
         status, body = self._finish(bytearray(data))
         if fds:
             try:
@@ -461,10 +461,11 @@ HOLDER = textwrap.dedent(
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.connect(path)
         sock.sendall(frame(Op.HELLO, namespace))
-        data, fds, _, _ = socket.recv_fds(sock, 4096, 1)
+        data, fds, _, _ = socket.recv_fds(sock, 4096, 2)
         hello = unpack_hello(recv_reply(sock, data))
         arena = mmap.mmap(fds[0], hello.arena_size)
-        os.close(fds[0])
+        for fd in fds:
+            os.close(fd)
         return sock, arena
 
     held = []
@@ -616,6 +617,33 @@ def _assert_intact(server: ServerProcess, keys: list[bytes], values: list[bytes]
         assert [bytes(o) for o in outs] == values
         assert client.data_plane == "shm"
         wait_released(client)
+
+
+def test_a_client_cannot_resize_the_arena_or_write_the_index(shared: ServerProcess) -> None:
+    """Both fds of the greeting are sealed: shrinking the arena would crash the server (SIGBUS)
+    on its next access, and the index is the server's alone to write."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(5)
+        sock.connect(shm_path(shared))
+        sock.sendall(frame(Op.HELLO, NS_BYTES))
+        _, fds, _, _ = socket.recv_fds(sock, 4096, 2)
+        try:
+            assert len(fds) == 2
+            arena_fd, index_fd = fds
+            with pytest.raises(PermissionError):
+                os.ftruncate(arena_fd, 0)
+            with pytest.raises(PermissionError):
+                os.ftruncate(index_fd, 0)
+            with pytest.raises(PermissionError):
+                mmap.mmap(index_fd, 4096)
+            mmap.mmap(index_fd, 4096, prot=mmap.PROT_READ).close()
+        finally:
+            for fd in fds:
+                os.close(fd)
+    keys, values = make_blocks(44, 1, 64 * KiB)
+    with KVStoreClient(shared.target, namespace=NS, data_plane="shm") as client:
+        assert client.put(keys, values).stored == 1
+        assert client.get(keys) == values
 
 
 def test_malformed_requests_are_answered_invalid_argument(
@@ -789,6 +817,133 @@ def test_live_client_survives_a_server_restart(
 
             wait_until(back_on_shm, "the client to reconnect to the new socket")
             assert client.get(keys + more_keys) == values + more_values
+
+
+# --- (g2) reads through the published index ---------------------------------------------------
+
+
+def counters(client: KVStoreClient) -> dict[str, int]:
+    return dict(client.stats()["counters"])
+
+
+def test_blocks_in_the_index_are_read_without_leases(
+    shared: ServerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    keys, values = make_blocks(40, 4, 96 * KiB)
+    with KVStoreClient(shared.target, namespace=NS, data_plane="shm") as client:
+        assert client.put(keys, values).stored == 4
+        before = counters(client)
+        outs = [bytearray(96 * KiB) for _ in keys]
+        filled = client.get_into([*keys, bytes(16)], [*outs, bytearray(1)])
+        assert filled == [True] * 4 + [False]
+        assert [bytes(o) for o in outs] == values
+        assert client.get(keys) == values
+
+        def counted() -> bool:  # the TOUCH is one-way: the server counts it a moment later
+            after = counters(client)
+            return after.get("blocks_read_direct", 0) - before.get("blocks_read_direct", 0) == 8
+
+        wait_until(counted, "the server to count the direct reads")
+        assert counters(client).get("blocks_leased", 0) == before.get("blocks_leased", 0)
+    # Turned off, the same reads lease their pages from the server instead.
+    monkeypatch.setenv("KVSTORE_SHM_DIRECT_READS", "0")
+    with KVStoreClient(shared.target, namespace=NS, data_plane="shm") as client:
+        before = counters(client)
+        assert client.get(keys) == values
+        after = counters(client)
+        assert after["blocks_leased"] - before.get("blocks_leased", 0) == 4
+        assert after.get("blocks_read_direct", 0) == before.get("blocks_read_direct", 0)
+
+
+def test_a_deleted_block_is_not_read_through_the_index(shared: ServerProcess) -> None:
+    keys, values = make_blocks(41, 2, 64 * KiB)
+    with KVStoreClient(shared.target, namespace=NS, data_plane="shm") as client:
+        assert client.put(keys, values).stored == 2
+        assert client.get(keys) == values
+        assert client.delete(keys[:1]) == 1
+        assert client.get(keys) == [None, values[1]]
+        assert client.get_into(keys[:1], [bytearray(64 * KiB)]) == [False]
+
+
+def test_another_namespace_does_not_read_through_the_index(shared: ServerProcess) -> None:
+    keys, values = make_blocks(42, 2, 64 * KiB)
+    other = Namespace(model="shm-test-other")
+    with (
+        KVStoreClient(shared.target, namespace=NS, data_plane="shm") as owner,
+        KVStoreClient(shared.target, namespace=other, data_plane="shm") as stranger,
+    ):
+        assert owner.put(keys, values).stored == 2
+        assert stranger.get(keys) == [None, None]
+        assert stranger.get_into(keys, [bytearray(64 * KiB) for _ in keys]) == [False, False]
+        assert owner.get(keys) == values
+
+
+def test_churn_never_hands_back_wrong_bytes(server_factory: ServerFactory) -> None:
+    """Readers copy blocks while a writer keeps evicting them and reusing their pages.
+
+    Every block's bytes follow from its key, so any copy that raced a reuse and was kept anyway
+    shows up as a mismatch. Direct reads that lose the race go down the leased path instead.
+    """
+    server = server_factory(dram_capacity="2MiB", nvme_capacity="64MiB")
+    sizes = [64 * KiB, 128 * KiB, 192 * KiB]
+    keys, values = [], []
+    for n in range(48):
+        block_keys, block_values = make_blocks(1000 + n, 1, sizes[n % 3])
+        keys += block_keys
+        values += block_values
+    expected = dict(zip(keys, values, strict=True))
+    stop = threading.Event()
+    failures: list[str] = []
+    read_ok = [0, 0]
+
+    def write(client: KVStoreClient) -> None:
+        rng = np.random.default_rng(1)
+        while not stop.is_set():
+            chosen = [keys[i] for i in rng.choice(len(keys), 4, replace=False)]
+            client.delete(chosen)
+            client.put(chosen, [expected[k] for k in chosen])
+
+    def read(client: KVStoreClient, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        while not stop.is_set():
+            chosen = [keys[i] for i in rng.choice(len(keys), 6, replace=False)]
+            outs = [np.zeros(len(expected[k]), dtype=np.uint8) for k in chosen]
+            filled = client.get_into(chosen, outs)
+            for k, out, ok in zip(chosen, outs, filled, strict=True):
+                read_ok[ok] += 1
+                if ok and out.tobytes() != expected[k]:
+                    failures.append(k.hex())
+
+    with KVStoreClient(server.target, namespace=NS, data_plane="shm", timeout=20) as client:
+        assert client.put(keys, values).stored == 48
+        threads = [threading.Thread(target=write, args=(client,))]
+        threads += [threading.Thread(target=read, args=(client, seed)) for seed in (2, 3)]
+        for thread in threads:
+            thread.start()
+        time.sleep(4)
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=30)
+        assert failures == []
+        assert read_ok[True] > 100 and read_ok[False] > 0, read_ok
+        stats = client.stats()
+        assert stats["counters"].get("blocks_read_direct", 0) > 0
+        assert stats["tiers"]["dram"]["evictions"] > 0
+        assert client.get(keys) == values  # nothing was damaged either
+
+
+def test_a_dead_server_is_not_read_through_its_orphaned_arena(
+    server_factory: ServerFactory,
+) -> None:
+    """The arena outlives a killed server in every client that mapped it; nobody may trust it."""
+    server = server_factory(dram_capacity="4MiB")
+    keys, values = make_blocks(43, 2, 64 * KiB)
+    with KVStoreClient(server.target, namespace=NS, data_plane="shm", timeout=2) as client:
+        assert client.put(keys, values).stored == 2
+        assert client.get(keys) == values
+        server.kill()
+        with pytest.raises(StoreUnavailableError):
+            client.get_into(keys, [bytearray(64 * KiB) for _ in keys])
 
 
 # --- (h) the data plane turned off -----------------------------------------------------------

@@ -1,0 +1,207 @@
+"""The dram tier's published index: where each resident block lies, readable by other processes.
+
+A co-located client that has mapped the arena (``kvstore.server.shm``) can read a resident block
+without asking the server: it looks the key up in this index, copies the bytes out of the arena,
+and then checks that the index entry did not change while it copied. The server is the only
+writer; clients map the index read-only (the memfd is sealed against new writable mappings).
+
+**Layout** (little-endian). A 64-byte header, then ``buckets * ways`` slots of 64 bytes::
+
+    header  magic:u64 version:u32 ways:u32 buckets:u64 closed:u64 (padding to 64)
+    slot    seq:u64 key[16] namespace[16] offset:u64 length:u64 (padding to 64)
+
+A key lives in one bucket (a hash of the key picks it) in any of its ``ways`` slots; a slot with
+``length == 0`` is empty. A bucket that is full, or a block whose pages are not one contiguous
+run, is simply not published: readers then take the leased path through the server, as they do
+for every key they do not find here.
+
+**Seqlock.** Each slot has a sequence number that only grows. The writer makes it odd, changes the
+slot, and makes it even again. A reader takes the sequence (even, or it gives up on that key),
+reads the slot, copies the block, then reads the sequence again: equal means the slot did not
+change from before the copy started until after it ended. The dram tier withdraws a block from
+this index *before* its pages can be freed (:meth:`DramTier._forget`), so an unchanged sequence
+proves the pages still held that block during the whole copy, and the bytes are right. A changed
+one sends the key down the leased path, which never sees a block change under it.
+
+The argument relies on loads not passing older loads and stores not passing older stores, which
+x86-64 guarantees (TSO) and Python cannot enforce with barriers elsewhere; readers therefore use
+this index only on x86-64 (:data:`DIRECT_READS_SUPPORTED`) and take the leased path everywhere else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import mmap
+import os
+import platform
+import struct
+
+import numpy as np
+
+from kvstore.keys import KEY_BYTES, NAMESPACE_BYTES
+
+__all__ = ["DIRECT_READS_SUPPORTED", "IndexReader", "IndexWriter", "SlotHit"]
+
+MAGIC = 0x4B56_5354_4958_0001  # "KVSTIX" + 1
+VERSION = 1
+HEADER_BYTES = 64
+SLOT_BYTES = 64
+WAYS = 8
+#: At most this many slots (64 MiB of index); an arena with more pages publishes what fits.
+MAX_SLOTS = 1 << 20
+MIN_SLOTS = 64
+
+_HEADER = struct.Struct("<QIIQQ")
+_CLOSED_AT = 24  # byte offset of ``closed`` in the header
+_FIELDS = struct.Struct(f"<{KEY_BYTES}s{NAMESPACE_BYTES}sQQ")  # the slot after its seq
+_U64 = 8
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E37_79B9_7F4A_7C15
+_MIX = 0xC2B2_AE3D_27D4_EB4F
+
+# F_SEAL_FUTURE_WRITE (Linux 5.1): no new writable mapping; the server's own one keeps working.
+_SEAL_FUTURE_WRITE = 0x0010
+
+#: Whether this CPU's memory ordering makes the seqlock above sound without explicit barriers.
+DIRECT_READS_SUPPORTED = platform.machine().lower() in ("x86_64", "amd64")
+
+#: ``(slot, seq, offset, length)`` of a published block, as :meth:`IndexReader.find` saw it.
+SlotHit = tuple[int, int, int, int]
+
+
+def _bucket(key: bytes, buckets: int) -> int:
+    """The bucket of ``key``: both halves mixed (keys need not be random), Fibonacci-hashed."""
+    low, high = int.from_bytes(key[:8], "little"), int.from_bytes(key[8:16], "little")
+    mixed = (low + high * _MIX) & _MASK64
+    return ((mixed * _GOLDEN) & _MASK64) >> (64 - buckets.bit_length() + 1)
+
+
+def _slot_count(max_blocks: int) -> int:
+    wanted = max(MIN_SLOTS, min(MAX_SLOTS, max_blocks))
+    return 1 << (wanted - 1).bit_length()
+
+
+class IndexWriter:
+    """The server's side: publishes and withdraws blocks (single-threaded, like the store)."""
+
+    def __init__(self, max_blocks: int) -> None:
+        slots = _slot_count(max_blocks)
+        self.ways = WAYS
+        self.buckets = slots // WAYS
+        self.size = HEADER_BYTES + slots * SLOT_BYTES
+        self.fd = os.memfd_create("kvstore-dram-index", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(self.fd, self.size)
+            self._mapping = mmap.mmap(self.fd, self.size)
+            _seal(self.fd)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        _HEADER.pack_into(self._mapping, 0, MAGIC, VERSION, self.ways, self.buckets, 0)
+        self._seqs = np.frombuffer(self._mapping, dtype=np.uint64)
+        self._slot_of: dict[bytes, int] = {}
+        self._used = bytearray(slots)
+        self.overflows = 0
+
+    def __len__(self) -> int:
+        return len(self._slot_of)
+
+    def publish(self, key: bytes, namespace: bytes, offset: int, length: int) -> bool:
+        """Make ``key``'s single run of arena bytes findable; False if its bucket is full."""
+        self.withdraw(key)
+        first = _bucket(key, self.buckets) * self.ways
+        for slot in range(first, first + self.ways):
+            if not self._used[slot]:
+                break
+        else:
+            self.overflows += 1
+            return False
+        self._used[slot] = 1
+        self._slot_of[key] = slot
+        self._write(slot, key, namespace, offset, length)
+        return True
+
+    def withdraw(self, key: bytes) -> None:
+        """Make ``key`` unfindable; call before its pages may be freed or reused."""
+        slot = self._slot_of.pop(key, None)
+        if slot is not None:
+            self._write(slot, bytes(KEY_BYTES), bytes(NAMESPACE_BYTES), 0, 0)
+            self._used[slot] = 0
+
+    def _write(self, slot: int, key: bytes, namespace: bytes, offset: int, length: int) -> None:
+        at = HEADER_BYTES + slot * SLOT_BYTES
+        seq = at // _U64
+        self._seqs[seq] += 1  # odd: readers keep off
+        _FIELDS.pack_into(self._mapping, at + _U64, key, namespace, offset, length)
+        self._seqs[seq] += 1
+
+    def close(self) -> None:
+        """Tell readers the index is gone (they stop reading it), then release it."""
+        if self.fd < 0:
+            return
+        struct.pack_into("<Q", self._mapping, _CLOSED_AT, 1)
+        self._slot_of.clear()
+        self._seqs = np.empty(0, dtype=np.uint64)
+        with contextlib.suppress(BufferError):  # an exported view: unmapped at exit instead
+            self._mapping.close()
+        os.close(self.fd)
+        self.fd = -1
+
+
+def _seal(fd: int) -> None:
+    """Forbid resizing the index and mapping it writable again (clients only ever read it)."""
+    seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals | _SEAL_FUTURE_WRITE)
+    except OSError:  # a kernel before 5.1: still sealed against resizing
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+
+
+class IndexReader:
+    """A client's read-only view of a server's :class:`IndexWriter`."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self._mapping = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        magic, version, ways, buckets, _ = _HEADER.unpack_from(self._mapping, 0)
+        fits = HEADER_BYTES + ways * buckets * SLOT_BYTES <= size
+        if magic != MAGIC or version != VERSION or not fits:
+            self._mapping.close()
+            raise ValueError("not a kvstore dram index of this version")
+        self.ways = ways
+        self.buckets = buckets
+        self._seqs = np.frombuffer(self._mapping, dtype=np.uint64)
+
+    @property
+    def open(self) -> bool:
+        """False once the server has closed the index (it is shutting down)."""
+        return not self._seqs[_CLOSED_AT // _U64]
+
+    def find(self, key: bytes, namespace: bytes) -> SlotHit | None:
+        """Where ``key`` was published, or ``None`` (absent, mid-update, or another namespace).
+
+        What this returns may be torn or already stale: use it only bounded by the arena's size,
+        and trust what was copied only if :meth:`unchanged` says so afterwards.
+        """
+        first = _bucket(key, self.buckets) * self.ways
+        seqs = self._seqs
+        for slot in range(first, first + self.ways):
+            at = HEADER_BYTES + slot * SLOT_BYTES
+            seq = int(seqs[at // _U64])
+            if seq & 1:
+                continue
+            found, namespace_found, offset, length = _FIELDS.unpack_from(self._mapping, at + _U64)
+            if found == key and length:
+                return (slot, seq, offset, length) if namespace_found == namespace else None
+        return None
+
+    def unchanged(self, hit: SlotHit) -> bool:
+        """Whether the slot ``hit`` came from has not changed since :meth:`find` read it."""
+        slot, seq = hit[0], hit[1]
+        return int(self._seqs[(HEADER_BYTES + slot * SLOT_BYTES) // _U64]) == seq
+
+    def close(self) -> None:
+        """Unmap the index."""
+        self._seqs = np.empty(0, dtype=np.uint64)
+        with contextlib.suppress(BufferError):
+            self._mapping.close()

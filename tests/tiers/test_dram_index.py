@@ -1,0 +1,234 @@
+"""Tests of the dram tier's published index (:mod:`kvstore.tiers.dram_index`).
+
+The writer and a reader live in one process here but share nothing except the memfd, which the
+reader maps read-only, exactly as a co-located client does. The seqlock's promise is checked the
+way a client relies on it: after a block is removed and its pages are reused for another block,
+an entry read before the change no longer validates, and the bytes really did change.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvstore.block import BlockHeader
+from kvstore.buffers import byte_view
+from kvstore.tiers.dram import DramTier
+from kvstore.tiers.dram_index import WAYS, IndexReader, IndexWriter, _bucket
+
+NS = bytes(range(16))
+OTHER_NS = bytes(range(16, 32))
+PAGE = 4096
+
+
+def key(n: int) -> bytes:
+    return n.to_bytes(4, "little") * 4
+
+
+def payload(n: int, length: int = PAGE) -> bytes:
+    return np.random.default_rng(n).integers(0, 256, size=length, dtype=np.uint8).tobytes()
+
+
+@pytest.fixture
+def index() -> Iterator[tuple[IndexWriter, IndexReader]]:
+    writer = IndexWriter(max_blocks=256)
+    reader = IndexReader(writer.fd, writer.size)
+    yield writer, reader
+    reader.close()
+    writer.close()
+
+
+def test_published_blocks_are_found_withdrawn_ones_are_not(
+    index: tuple[IndexWriter, IndexReader],
+) -> None:
+    writer, reader = index
+    for n in range(100):
+        assert writer.publish(key(n), NS, n * PAGE, 1000 + n)
+    assert len(writer) == 100
+    for n in range(100):
+        hit = reader.find(key(n), NS)
+        assert hit is not None and hit[2:] == (n * PAGE, 1000 + n)
+        assert reader.unchanged(hit)
+    assert reader.find(key(500), NS) is None
+    writer.withdraw(key(7))
+    writer.withdraw(key(500))  # not published: nothing happens
+    assert reader.find(key(7), NS) is None
+    assert reader.find(key(8), NS) is not None
+    assert len(writer) == 99
+
+
+def test_another_namespace_is_not_found(index: tuple[IndexWriter, IndexReader]) -> None:
+    writer, reader = index
+    writer.publish(key(1), NS, 0, 10)
+    assert reader.find(key(1), OTHER_NS) is None
+    assert reader.find(key(1), NS) is not None
+
+
+def test_any_change_to_a_slot_invalidates_what_was_read(
+    index: tuple[IndexWriter, IndexReader],
+) -> None:
+    writer, reader = index
+    writer.publish(key(1), NS, 0, 10)
+    hit = reader.find(key(1), NS)
+    assert hit is not None
+    # Withdrawn and published again at the very same place: still a change (no ABA).
+    writer.withdraw(key(1))
+    writer.publish(key(1), NS, 0, 10)
+    again = reader.find(key(1), NS)
+    assert again is not None and again[0] == hit[0] and again[2:] == hit[2:]
+    assert not reader.unchanged(hit)
+    assert reader.unchanged(again)
+    # Publishing an already published key moves it: the old entry is invalid too.
+    writer.publish(key(1), NS, PAGE, 10)
+    assert not reader.unchanged(again)
+
+
+def test_a_full_bucket_refuses_more_and_counts_it(index: tuple[IndexWriter, IndexReader]) -> None:
+    writer, reader = index
+    same_bucket = [k for k in map(key, range(5000)) if _bucket(k, writer.buckets) == 0]
+    assert len(same_bucket) > WAYS
+    for n, k in enumerate(same_bucket[:WAYS]):
+        assert writer.publish(k, NS, n * PAGE, 10)
+    assert not writer.publish(same_bucket[WAYS], NS, 0, 10)
+    assert writer.overflows == 1
+    assert reader.find(same_bucket[WAYS], NS) is None
+    assert all(reader.find(k, NS) is not None for k in same_bucket[:WAYS])
+    writer.withdraw(same_bucket[0])  # frees a way
+    assert writer.publish(same_bucket[WAYS], NS, 0, 10)
+    assert reader.find(same_bucket[WAYS], NS) is not None
+
+
+def test_keys_that_share_a_prefix_still_spread_over_buckets() -> None:
+    buckets = 1 << 12
+    keys = [bytes(8) + n.to_bytes(8, "little") for n in range(1000)]
+    assert len({_bucket(k, buckets) for k in keys}) > 900
+
+
+def test_readers_cannot_write_or_resize_the_index(index: tuple[IndexWriter, IndexReader]) -> None:
+    writer, reader = index
+    with pytest.raises(TypeError):
+        reader._mapping[0:8] = bytes(8)
+    with pytest.raises(PermissionError):  # sealed: no new writable mapping
+        mmap.mmap(writer.fd, writer.size)
+    with pytest.raises(PermissionError):
+        os.ftruncate(writer.fd, 0)
+    writer.publish(key(1), NS, 0, 10)  # the server's own mapping still writes
+    assert reader.find(key(1), NS) is not None
+
+
+def test_closing_the_writer_tells_readers(index: tuple[IndexWriter, IndexReader]) -> None:
+    writer, reader = index
+    assert reader.open
+    writer.close()
+    assert not reader.open
+
+
+def test_a_reader_refuses_a_file_that_is_not_an_index() -> None:
+    fd = os.memfd_create("not-an-index")
+    try:
+        os.ftruncate(fd, 4096)
+        with pytest.raises(ValueError, match="not a kvstore dram index"):
+            IndexReader(fd, 4096)
+    finally:
+        os.close(fd)
+
+
+# -- wired into the dram tier ---------------------------------------------------------------
+
+
+def write(tier: DramTier, n: int, length: int = PAGE) -> bytes:
+    data = payload(n, length)
+    assert tier.write_sync(BlockHeader.for_payload(key(n), NS, byte_view(data)), data)
+    return data
+
+
+@pytest.fixture
+def tier() -> Iterator[DramTier]:
+    tier = DramTier(8 * PAGE, page_size=PAGE)
+    yield tier
+    tier.remove_sync(list(map(key, range(100))))
+
+
+def reader_of(tier: DramTier) -> IndexReader:
+    assert tier.index is not None
+    return IndexReader(tier.index.fd, tier.index.size)
+
+
+def test_the_tier_publishes_what_it_holds_and_withdraws_what_it_drops(tier: DramTier) -> None:
+    reader = reader_of(tier)
+    data = write(tier, 1, 3 * PAGE)
+    hit = reader.find(key(1), NS)
+    assert hit is not None
+    assert os.pread(tier.fd, hit[3], hit[2]) == data
+    tier.remove_sync([key(1)])
+    assert reader.find(key(1), NS) is None
+    assert not reader.unchanged(hit)
+    assert tier.stats()["published"] == 0
+
+
+def test_reused_pages_never_validate_an_old_entry(tier: DramTier) -> None:
+    """The race a direct read has to survive: removal and reuse of the pages mid-copy."""
+    reader = reader_of(tier)
+    old = write(tier, 1, 8 * PAGE)  # the whole arena
+    hit = reader.find(key(1), NS)
+    assert hit is not None
+    tier.remove_sync([key(1)])
+    new = write(tier, 2, 8 * PAGE)  # the same pages, other bytes
+    copied = os.pread(tier.fd, hit[3], hit[2])  # what a slow reader's copy would see
+    assert copied == new != old
+    assert not reader.unchanged(hit)
+
+
+def test_a_leased_block_is_withdrawn_at_once(tier: DramTier) -> None:
+    reader = reader_of(tier)
+    write(tier, 1)
+    lease = tier.lease(key(1))
+    assert lease is not None
+    tier.remove_sync([key(1)])
+    assert reader.find(key(1), NS) is None  # only the leaseholder may still read it
+    tier.release(lease)
+
+
+def test_installed_reservations_are_published(tier: DramTier) -> None:
+    reader = reader_of(tier)
+    data = payload(3, 2 * PAGE)
+    reservation = tier.reserve(len(data))
+    assert reservation is not None
+    assert reader.find(key(3), NS) is None
+    (offset, _), *_ = reservation.ranges
+    os.pwrite(tier.fd, data, offset)
+    assert reader.find(key(3), NS) is None  # written, not installed: not a block yet
+    tier.install(BlockHeader.for_payload(key(3), NS, data), reservation)
+    hit = reader.find(key(3), NS)
+    assert hit is not None and os.pread(tier.fd, hit[3], hit[2]) == data
+
+
+def test_a_block_in_several_runs_is_not_published(tier: DramTier) -> None:
+    reader = reader_of(tier)
+    for n in range(8):
+        write(tier, n)
+    tier.remove_sync([key(1), key(3)])  # two one-page holes
+    data = write(tier, 9, 2 * PAGE)
+    assert tier.extents(key(9)) == [(PAGE, PAGE), (3 * PAGE, PAGE)]
+    assert reader.find(key(9), NS) is None
+    assert tier.read_sync(key(9)) is not None and bytes(tier.read_sync(key(9)).payload) == data  # type: ignore[union-attr]
+    assert reader.find(key(0), NS) is not None
+
+
+async def test_closing_the_tier_closes_its_index() -> None:
+    tier = DramTier(4 * PAGE, page_size=PAGE)
+    reader = reader_of(tier)
+    write(tier, 1)
+    await tier.close()
+    assert not reader.open
+
+
+def test_the_arena_cannot_be_resized_by_whoever_holds_its_fd(tier: DramTier) -> None:
+    with pytest.raises(PermissionError):
+        os.ftruncate(tier.fd, 0)
+    write(tier, 1)
+    assert tier.read_sync(key(1)) is not None
