@@ -435,10 +435,14 @@ def targets(
         shm = _gbps(result, SHM_GET)
         vs_memcpy = shm / _gbps(result, MEMCPY)
         vs_redis = shm / _gbps(result, REDIS_GET)
+        # get_into copies once into the caller's buffer, so memcpy bounds it: when memcpy itself
+        # is under 10x redis-py, no such path can reach 10x at that size on this machine.
+        memcpy_vs_redis = _gbps(result, MEMCPY) / _gbps(result, REDIS_GET)
         lines.append(
             f"- {label}: shm get_into {shm:.2f} GB/s = {vs_memcpy:.0%} of memcpy (target >= 60%: "
             f"{'met' if vs_memcpy >= 0.6 else 'MISSED'}), {vs_redis:.1f}x redis-py GET (target "
-            f">= 10x: {'met' if vs_redis >= 10 else 'MISSED'})"
+            f">= 10x: {'met' if vs_redis >= 10 else 'MISSED'}; memcpy itself is "
+            f"{memcpy_vs_redis:.1f}x redis-py)"
         )
     for label, result in throughput.items():
         parts = []
