@@ -206,12 +206,14 @@ def main() -> None:
             "b_kvstore", workdir, model, b_prompts, max_len, *kv, *b_flags,
             "--kvstore-log-level", "DEBUG",
         )  # fmt: skip
-        # Which data plane the connector's gets took: leases exist only on shared memory.
+        # Which data plane the connector's gets took: only shared memory reads blocks through
+        # the published index (counted when the TOUCH arrives) or leases them.
         from kvstore import KVStoreClient
 
         with KVStoreClient(target, timeout=10) as client:
-            leased = client.stats()["counters"].get("blocks_leased", 0)
-        data_plane = "shared memory" if leased else "gRPC"
+            counters = client.stats()["counters"]
+        on_shm = counters.get("blocks_read_direct", 0) + counters.get("blocks_leased", 0)
+        data_plane = "shared memory" if on_shm else "gRPC"
     finally:
         store.terminate()
         store.wait(timeout=30)

@@ -18,6 +18,7 @@ turns that off, ``"shm"`` makes its absence an error (see :mod:`kvstore.transpor
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -29,6 +30,7 @@ import grpc
 from kvstore import _wire
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace
 from kvstore.prefetch import PrefetchProgress
 from kvstore.store import LookupResult, PutResult
@@ -267,9 +269,13 @@ class KVStoreClient:
         )
 
     def stats(self, *, timeout: float | None = None) -> dict[str, Any]:
-        """Tier usage and counters."""
+        """Tier usage and counters (including every read this client made before the call)."""
+        budget = self._deadline(timeout)
+        started = time.monotonic()
+        _flush_reads(self._shm.plane, budget)
+        remaining = max(budget - (time.monotonic() - started), 0.0)
         try:
-            response = self._stub.Stats(pb.StatsRequest(), timeout=self._deadline(timeout))
+            response = self._stub.Stats(pb.StatsRequest(), timeout=remaining)
         except grpc.RpcError as exc:
             raise _wire.map_rpc_error(exc) from exc
         return _wire.stats_dict(response)
@@ -475,9 +481,13 @@ class AsyncKVStoreClient:
         )
 
     async def stats(self, *, timeout: float | None = None) -> dict[str, Any]:
-        """Tier usage and counters."""
+        """Tier usage and counters (including every read this client made before the call)."""
+        budget = self._deadline(timeout)
+        started = time.monotonic()
+        await asyncio.to_thread(_flush_reads, self._shm.plane, budget)
+        remaining = max(budget - (time.monotonic() - started), 0.0)
         try:
-            response = await self._stub.Stats(pb.StatsRequest(), timeout=self._deadline(timeout))
+            response = await self._stub.Stats(pb.StatsRequest(), timeout=remaining)
         except grpc.RpcError as exc:
             raise _wire.map_rpc_error(exc) from exc
         return _wire.stats_dict(response)
@@ -497,3 +507,13 @@ class AsyncKVStoreClient:
         tb: TracebackType | None,
     ) -> None:
         await self.aclose()
+
+
+def _flush_reads(plane: ShmDataPlane | None, timeout: float) -> None:
+    """Let the server count the reads ``plane`` served itself, before its counters are read.
+
+    Best effort: a server that cannot be reached now is what the Stats call will report.
+    """
+    if plane is not None:
+        with contextlib.suppress(ShmUnavailableError, KVStoreError):
+            plane.flush_reads(timeout)

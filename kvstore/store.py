@@ -728,12 +728,13 @@ class TieredStore:
             arena.release(lease)
             self.unpin([lease.key])
 
-    def record_direct_reads(self, keys: Sequence[bytes], namespace: bytes) -> int:
+    def record_direct_reads(self, keys: Sequence[bytes], namespace: bytes, calls: int = 1) -> int:
         """Count reads a co-located client served itself from the arena's published index.
 
         Such reads take no lease and never reach :meth:`acquire`, so this is what keeps the LRU
-        order and the hit counters true to them. Keys no longer resident (evicted since) or of
-        another namespace are ignored. Returns how many keys were counted.
+        order and the hit counters true to them; ``calls`` is how many client calls read them
+        (counted as gets). Keys no longer resident (evicted since) or of another namespace are
+        ignored. Returns how many keys were counted.
         """
         self._check_keys(keys, namespace)
         arena = self._require_arena()
@@ -746,7 +747,7 @@ class TieredStore:
                 self._count_hit(key)
         self._age_chain(counted)
         self._tier_hits[arena.name] += len(counted)
-        self._counters.add("gets")
+        self._counters.add("gets", calls)
         self._counters.add("hits", len(counted))
         self._counters.add("blocks_read_direct", len(counted))
         return len(counted)

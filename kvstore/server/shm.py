@@ -2,8 +2,8 @@
 
 A co-located client connects, says which namespace it works in, and receives the arena's memfd
 and the memfd of its published index (``SCM_RIGHTS``); it maps both once. A block it finds in the
-index it copies without asking (then sends a one-way ``TOUCH`` so the LRU order and the hit counts
-see the read); for the others it asks *where* they are: reads lease pages
+index it copies without asking (a one-way ``TOUCH`` follows within milliseconds, so that the LRU
+order and the hit counts see the read); for the others it asks *where* they are: reads lease pages
 (:meth:`TieredStore.acquire`), the client copies out of them and releases; writes reserve pages,
 the client copies in and commits. Payload bytes never cross the socket, except for a block that
 cannot be brought into the arena, which comes back inline.
@@ -88,6 +88,7 @@ class ShmServer:
             Op.COMMIT: self._commit,
             Op.CANCEL: self._cancel,
             Op.TOUCH: self._touch,
+            Op.SYNC: self._sync,
         }
 
     async def start(self) -> None:
@@ -291,9 +292,14 @@ class ShmServer:
         return struct.pack("<III", result.stored, result.already_present, result.dropped)
 
     def _touch(self, session: _Session, cursor: Cursor) -> bytes:
+        calls = cursor.u32()
         keys = cursor.keys(self.store.max_keys_per_request)
         cursor.done()
-        self.store.record_direct_reads(keys, self._namespace(session))
+        self.store.record_direct_reads(keys, self._namespace(session), calls=calls)
+        return b""
+
+    def _sync(self, session: _Session, cursor: Cursor) -> bytes:
+        cursor.done()  # requests are handled in order: answering is the whole point
         return b""
 
     def _cancel(self, session: _Session, cursor: Cursor) -> bytes:

@@ -4,10 +4,11 @@
 received as memfds on the first connection) and talks to the server over its UNIX socket (see
 :mod:`kvstore.transport.shm_protocol`). A read first looks every key up in the index and copies
 what it finds straight into the caller's buffer, keeping a copy only if the index entry did not
-change meanwhile (:mod:`kvstore.tiers.dram_index`); the server only hears a one-way ``TOUCH``
-afterwards. The remaining keys take the leased path: acquire leases on their pages (which
-promotes them from lower tiers first), copy each block once, release. A write reserves pages,
-copies each value once into them and commits. The clients in :mod:`kvstore.client` use it by
+change meanwhile (:mod:`kvstore.tiers.dram_index`); the server hears of those reads a moment
+later, in a one-way ``TOUCH`` that a background thread sends (:mod:`kvstore.transport.shm_touch`).
+The remaining keys take the leased path: acquire leases on their pages (which promotes them from
+lower tiers first), copy each block once, release. A write reserves pages, copies each value once
+into them and commits. The clients in :mod:`kvstore.client` use it by
 themselves when the server is on the same host and fall back to gRPC when it is not.
 
 Thread-safe: each call borrows one socket from a small pool, so concurrent calls from several
@@ -20,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import select
 import socket
 import struct
 import threading
@@ -46,11 +48,13 @@ from kvstore.transport.shm_protocol import (
     pack_keys,
     unpack_hello,
 )
+from kvstore.transport.shm_touch import TouchSender
 
 __all__ = ["DIRECT_READS_ENV", "ShmDataPlane", "ShmUnavailableError"]
 
 _HELLO_REPLY_LIMIT = 4096
 _GREETING_FDS = 2  # the arena and its index
+_HANGUP = select.POLLHUP | select.POLLERR | select.POLLRDHUP
 _Ranges = list[tuple[int, int]]
 #: Set to 0 to send every read through the server (leases), e.g. to rule the index out.
 DIRECT_READS_ENV = "KVSTORE_SHM_DIRECT_READS"
@@ -176,6 +180,18 @@ class ShmDataPlane:
             raise ShmUnavailableError(f"cannot map what {path} sent: {exc}") from exc
         finally:
             first.close_fd()
+        self._touches: TouchSender | None = None
+        # The TOUCH messages' own socket, used under the sender's lock only; also how a reader
+        # notices at once that the server died (the kernel hangs it up).
+        self._touch_conn: _Connection | None = None
+        if self._index is not None:
+            try:
+                self._open_touch_socket()
+            except ShmUnavailableError:
+                first.sock.close()
+                self._index.close()
+                raise
+            self._touches = TouchSender(self._send_touch, self._sync, first.hello.max_keys)
         self.hello: Hello = first.hello
         # Tier name by the one-byte code a LOOKUP reply uses ("" for absent).
         self._tier_names = [""] * 256
@@ -300,9 +316,12 @@ class ShmDataPlane:
         deadline = self._deadline(timeout)
         copied = [False] * len(keys)
         pending = list(range(len(keys)))
-        index = self._index
-        if index is not None and index.open:
-            pending = self._read_direct(index, keys, copy, copied)
+        index, touches = self._index, self._touches
+        if index is not None and touches is not None and index.open:
+            # A dead server's arena stays mapped here, frozen: stop reading it at once.
+            if touches.failure is not None or self._server_gone():
+                raise ShmUnavailableError(f"the store is gone ({touches.failure or 'hung up'})")
+            pending = self._read_direct(index, touches, keys, copy, copied)
             # Like the leased path and puts: a call that ran past its deadline fails, whatever
             # it managed to copy.
             if time.monotonic() > deadline:
@@ -327,9 +346,14 @@ class ShmDataPlane:
         return copied
 
     def _read_direct(
-        self, index: IndexReader, keys: Sequence[bytes], copy: Any, copied: list[bool]
+        self,
+        index: IndexReader,
+        touches: TouchSender,
+        keys: Sequence[bytes],
+        copy: Any,
+        copied: list[bool],
     ) -> list[int]:
-        """Copy the keys found in the index, tell the server (TOUCH); the indices left over."""
+        """Copy the keys found in the index, note them for the next TOUCH; the indices left."""
         arena_size = len(self._arena)
         pending: list[int] = []
         for i, key in enumerate(keys):
@@ -346,10 +370,10 @@ class ShmDataPlane:
                 pending.append(i)
         if len(pending) < len(keys):
             served = [key for key, ok in zip(keys, copied, strict=True) if ok]
-            # Also proves the server is alive: a dead one fails this send (EPIPE), and the
-            # caller falls back to gRPC rather than trusting an orphaned arena.
-            with self._connection() as conn:
-                conn.send(Op.TOUCH, pack_keys(served))
+            try:
+                touches.add(served)
+            except ConnectionError as exc:
+                raise ShmUnavailableError(str(exc)) from exc
         return pending
 
     def put(
@@ -400,8 +424,64 @@ class ShmDataPlane:
             self._arena[offset : offset + size] = source[at : at + size]
             at += size
 
+    def _send_touch(self, keys: Sequence[bytes], calls: int) -> None:
+        with self._touch_socket() as conn:
+            conn.send(Op.TOUCH, struct.pack("<I", calls) + pack_keys(keys))
+
+    def _sync(self, deadline: float) -> None:
+        with self._touch_socket() as conn:
+            conn.call(Op.SYNC, b"", deadline)
+
+    def _open_touch_socket(self) -> _Connection:
+        conn = self._open()
+        conn.close_fd()
+        self._touch_conn = conn
+        return conn
+
+    @contextlib.contextmanager
+    def _touch_socket(self) -> Iterator[_Connection]:
+        """The TOUCH socket (reopened if an earlier failure closed it); closed if this use fails."""
+        conn = self._touch_conn
+        if conn is None:
+            if self._closed:
+                raise ShmUnavailableError("the shared-memory path is closed")
+            conn = self._open_touch_socket()
+        try:
+            yield conn
+        except BaseException as exc:
+            # Mid-request the stream position is unknown (a late SYNC reply, say): start afresh.
+            conn.sock.close()
+            self._touch_conn = None
+            if isinstance(exc, TimeoutError):
+                raise DeadlineExceededError("deadline exceeded waiting for the store") from exc
+            if isinstance(exc, OSError):
+                raise ShmUnavailableError(f"shared-memory socket failed: {exc}") from exc
+            raise
+
+    def flush_reads(self, timeout: float | None = None) -> None:
+        """Return once the server has counted every read this client served from the index."""
+        if self._touches is not None:
+            try:
+                self._touches.flush(self._deadline(timeout))
+            except TimeoutError as exc:
+                raise DeadlineExceededError(str(exc)) from exc
+
+    def _server_gone(self) -> bool:
+        """Whether the server hung up the TOUCH socket (it exited, or was killed)."""
+        conn = self._touch_conn
+        fd = -1 if conn is None else conn.sock.fileno()
+        if fd < 0:  # being reopened: the next TOUCH finds out
+            return False
+        hangup = select.poll()  # one per call: a poll object is not for concurrent use
+        hangup.register(fd, _HANGUP)
+        return bool(hangup.poll(0))
+
     def close(self) -> None:
         """Close the sockets (the server releases what they held) and unmap the arena."""
+        if self._touches is not None:
+            self._touches.close()  # the reads since the last TOUCH still count
+        if self._touch_conn is not None:
+            self._touch_conn.sock.close()
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []

@@ -18,7 +18,9 @@ body. All integers are little-endian. Bodies (``keys`` = ``n:u32`` then ``n`` 16
     RESERVE  keys, then lengths:u64*n -> per key: NO_ROOM | PRESENT | RESERVED id:u64 ranges
     COMMIT   n:u32 ids:u64*n          -> stored:u32 already_present:u32 dropped:u32
     CANCEL   n:u32 ids:u64*n             (no reply)
-    TOUCH    keys                        (no reply; blocks the client read through the index)
+    TOUCH    calls:u32, then keys        (no reply; blocks read through the index by ``calls``
+                                         client calls)
+    SYNC     (empty)                  -> (empty), once every earlier request was handled
 
 ``ranges`` is ``count:u16`` then ``count`` pairs ``offset:u64 length:u64`` into the arena; ``tiers``
 is the tier names joined by newlines. ``index_size`` is 0 when no index fd came along.
@@ -71,6 +73,7 @@ class Op:
     COMMIT = 6
     CANCEL = 7
     TOUCH = 8
+    SYNC = 9
 
     #: Requests the server does not answer.
     ONE_WAY = frozenset({RELEASE, CANCEL, TOUCH})

@@ -935,15 +935,30 @@ def test_churn_never_hands_back_wrong_bytes(server_factory: ServerFactory) -> No
 def test_a_dead_server_is_not_read_through_its_orphaned_arena(
     server_factory: ServerFactory,
 ) -> None:
-    """The arena outlives a killed server in every client that mapped it; nobody may trust it."""
+    """The arena outlives a killed server in every client that mapped it.
+
+    Its index can no longer change, so a read that validated is still the block's bytes; but the
+    client must notice within moments (its background TOUCH fails) and stop using it.
+    """
     server = server_factory(dram_capacity="4MiB")
     keys, values = make_blocks(43, 2, 64 * KiB)
     with KVStoreClient(server.target, namespace=NS, data_plane="shm", timeout=2) as client:
         assert client.put(keys, values).stored == 2
         assert client.get(keys) == values
         server.kill()
-        with pytest.raises(StoreUnavailableError):
-            client.get_into(keys, [bytearray(64 * KiB) for _ in keys])
+
+        def refused() -> bool:
+            outs = [bytearray(64 * KiB) for _ in keys]
+            try:
+                filled = client.get_into(keys, outs)
+            except StoreUnavailableError:
+                return True
+            assert filled == [True, True] and [bytes(o) for o in outs] == values
+            return False
+
+        wait_until(refused, "the client to stop reading a dead server's arena")
+        with pytest.raises(StoreUnavailableError):  # and it stays that way
+            client.get(keys)
 
 
 # --- (h) the data plane turned off -----------------------------------------------------------

@@ -429,12 +429,14 @@ def test_a_dead_server_fails_over_within_the_deadline(server_factory: ServerFact
         ucx = client._ucx
         assert ucx is not None and ucx.counters["transfers"] == 1
         server.kill()
-        started = time.monotonic()
-        # UCX gives up, gRPC finds no server either: an error, not a hang.
-        with pytest.raises(StoreUnavailableError):
-            client.get_into(keys, [bytearray(1024**2), bytearray(1024**2)])
-        assert time.monotonic() - started < 2.0 + 5.0
-        assert not ucx.usable and ucx.counters["fallbacks"] == 1
+        # Whether UCX notices first (endpoint error, fallback to gRPC) or the control call does
+        # (UNAVAILABLE) is a race; either way: an error, not a hang, every time.
+        for _ in range(2):
+            started = time.monotonic()
+            with pytest.raises(StoreUnavailableError):
+                client.get_into(keys, [bytearray(1024**2), bytearray(1024**2)])
+            assert time.monotonic() - started < 2.0 + 5.0
+        assert ucx.counters["fallbacks"] <= 1
 
 
 def test_server_stops_cleanly_with_clients_connected(server_factory: ServerFactory) -> None:
