@@ -728,16 +728,22 @@ class TieredStore:
             arena.release(lease)
             self.unpin([lease.key])
 
-    def record_direct_reads(self, keys: Sequence[bytes], namespace: bytes, calls: int = 1) -> int:
+    def record_direct_reads(
+        self, keys: Sequence[bytes], namespace: bytes, calls: int = 1, lookups: int = 0
+    ) -> int:
         """Count reads a co-located client served itself from the arena's published index.
 
         Such reads take no lease and never reach :meth:`acquire`, so this is what keeps the LRU
         order and the hit counters true to them; ``calls`` is how many client calls read them
-        (counted as gets). Keys no longer resident (evicted since) or of another namespace are
-        ignored. Returns how many keys were counted.
+        (counted as gets), ``lookups`` how many lookups the client answered from the index. Keys
+        no longer resident (evicted since) or of another namespace are ignored. Returns how many
+        keys were counted.
         """
-        self._check_keys(keys, namespace)
+        if keys or calls:
+            self._check_keys(keys, namespace)
         arena = self._require_arena()
+        if lookups:
+            self._counters.add("lookups", lookups)
         resident = self._recency[self._host_level]
         counted: list[bytes] = []
         for key in keys:

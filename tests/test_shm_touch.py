@@ -23,15 +23,17 @@ def key(n: int) -> bytes:
 class Recorder:
     def __init__(self, fail_after: int | None = None) -> None:
         self.sent: list[tuple[list[bytes], int]] = []
+        self.lookups = 0
         self.fail_after = fail_after
         self.done = threading.Event()
         self.syncs = 0
 
-    def __call__(self, keys: Sequence[bytes], calls: int) -> None:
+    def __call__(self, keys: Sequence[bytes], calls: int, lookups: int) -> None:
         if self.fail_after is not None and len(self.sent) >= self.fail_after:
             self.done.set()
             raise BrokenPipeError("the server went away")
         self.sent.append((list(keys), calls))
+        self.lookups += lookups
 
     def sync(self, deadline: float) -> None:
         assert deadline > time.monotonic()
@@ -119,3 +121,18 @@ def test_flush_sends_at_once_then_syncs() -> None:
     sender.flush(time.monotonic() + 5)  # nothing pending: still a sync, nothing sent
     assert len(recorder.sent) == 1 and recorder.syncs == 2
     sender.close(timeout=0.1)
+
+
+def test_lookups_are_counted_even_without_reads() -> None:
+    recorder = Recorder()
+    sender = TouchSender(recorder, recorder.sync, max_keys=4, window_s=60.0)
+    sender.add_lookup()
+    sender.add_lookup()
+    sender.flush(time.monotonic() + 5)
+    assert recorder.sent == [([], 0)] and recorder.lookups == 2
+    sender.add([key(n) for n in range(6)])
+    sender.add_lookup()
+    sender.flush(time.monotonic() + 5)
+    assert recorder.sent[1:] == [([key(n) for n in range(4)], 1), ([key(4), key(5)], 0)]
+    assert recorder.lookups == 3
+    sender.close()

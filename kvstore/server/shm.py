@@ -292,10 +292,10 @@ class ShmServer:
         return struct.pack("<III", result.stored, result.already_present, result.dropped)
 
     def _touch(self, session: _Session, cursor: Cursor) -> bytes:
-        calls = cursor.u32()
+        calls, lookups = cursor.unpack("II")
         keys = cursor.keys(self.store.max_keys_per_request)
         cursor.done()
-        self.store.record_direct_reads(keys, self._namespace(session), calls=calls)
+        self.store.record_direct_reads(keys, self._namespace(session), calls, lookups)
         return b""
 
     def _sync(self, session: _Session, cursor: Cursor) -> bytes:

@@ -36,6 +36,8 @@ import mmap
 import os
 import platform
 import struct
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -55,6 +57,17 @@ MIN_SLOTS = 64
 _HEADER = struct.Struct("<QIIQQ")
 _CLOSED_AT = 24  # byte offset of ``closed`` in the header
 _FIELDS = struct.Struct(f"<{KEY_BYTES}s{NAMESPACE_BYTES}sQQ")  # the slot after its seq
+# The same slot for whole-table numpy work: keys and namespaces as pairs of u64.
+_SLOT_DTYPE = np.dtype(
+    [
+        ("seq", "<u8"),
+        ("key", "<u8", (2,)),
+        ("namespace", "<u8", (2,)),
+        ("offset", "<u8"),
+        ("length", "<u8"),
+        ("pad", "<u8"),
+    ]
+)
 _U64 = 8
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E37_79B9_7F4A_7C15
@@ -171,6 +184,9 @@ class IndexReader:
         self.ways = ways
         self.buckets = buckets
         self._seqs = np.frombuffer(self._mapping, dtype=np.uint64)
+        self._slots = np.frombuffer(
+            self._mapping, dtype=_SLOT_DTYPE, count=ways * buckets, offset=HEADER_BYTES
+        )
 
     @property
     def open(self) -> bool:
@@ -195,6 +211,27 @@ class IndexReader:
                 return (slot, seq, offset, length) if namespace_found == namespace else None
         return None
 
+    def present(self, keys: Sequence[bytes], namespace: bytes) -> np.ndarray[Any, Any]:
+        """Which of ``keys`` are published under ``namespace`` (bools; all keys at once).
+
+        A snapshot that can be stale as soon as it is taken, and a slot in the middle of an
+        update counts as absent: good for a lookup, which is a hint anyway, never for a read.
+        """
+        wanted = np.frombuffer(b"".join(keys), dtype="<u8").reshape(-1, 2)
+        mixed = wanted[:, 0] + wanted[:, 1] * np.uint64(_MIX)  # wraps like the & _MASK64
+        shift = np.uint64(64 - self.buckets.bit_length() + 1)
+        buckets = (mixed * np.uint64(_GOLDEN)) >> shift if shift < 64 else mixed * 0
+        rows = buckets.astype(np.int64)[:, None] * self.ways + np.arange(self.ways)
+        slots = self._slots[rows]  # a copy: (keys, ways)
+        ours = np.frombuffer(namespace, dtype="<u8")
+        found = (
+            (slots["key"] == wanted[:, None, :]).all(axis=2)
+            & (slots["namespace"] == ours).all(axis=2)
+            & (slots["length"] != 0)
+            & (slots["seq"] & np.uint64(1) == 0)
+        )
+        return found.any(axis=1)  # type: ignore[no-any-return]
+
     def unchanged(self, hit: SlotHit) -> bool:
         """Whether the slot ``hit`` came from has not changed since :meth:`find` read it."""
         slot, seq = hit[0], hit[1]
@@ -203,5 +240,6 @@ class IndexReader:
     def close(self) -> None:
         """Unmap the index."""
         self._seqs = np.empty(0, dtype=np.uint64)
+        self._slots = np.empty(0, dtype=_SLOT_DTYPE)
         with contextlib.suppress(BufferError):
             self._mapping.close()

@@ -197,6 +197,8 @@ class ShmDataPlane:
         self._tier_names = [""] * 256
         self._tier_names[: len(first.hello.tiers)] = first.hello.tiers
         self._tier_names[ABSENT_TIER] = ""
+        #: The name of the server's top tier, which the index describes when it is "dram".
+        self._arena_tier = first.hello.tiers[0] if first.hello.tiers else ""
         self._arena = np.frombuffer(self._mapping, dtype=np.uint8)
         self._idle: list[_Connection] = [first]
         self._lock = threading.Lock()
@@ -254,12 +256,39 @@ class ShmDataPlane:
     # -- calls -------------------------------------------------------------------------------
 
     def lookup(self, keys: Sequence[bytes], timeout: float | None = None) -> LookupResult:
-        """How many leading keys are stored, and each key's tier."""
+        """How many leading keys are stored, and each key's tier.
+
+        The leading keys published in the index are in ``dram`` without asking; the server is
+        asked about the rest only (lower tiers, Redis), if any are left.
+        """
+        deadline = self._deadline(timeout)
+        local = self._leading_in_index(keys)
+        if local == len(keys):
+            return LookupResult(local, [self._arena_tier] * local)
+        rest = keys[local:]
         with self._connection() as conn:
-            reply = Cursor(conn.call(Op.LOOKUP, pack_keys(keys), self._deadline(timeout)))
+            reply = Cursor(conn.call(Op.LOOKUP, pack_keys(rest), deadline))
             hits = reply.u32()
-            indices = reply.take(len(keys))
-        return LookupResult(hits, list(map(self._tier_names.__getitem__, indices)))
+            indices = reply.take(len(rest))
+        tiers = [self._arena_tier] * local + list(map(self._tier_names.__getitem__, indices))
+        return LookupResult(local + hits, tiers)
+
+    def _leading_in_index(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` the index shows in the arena (0 without an index).
+
+        Only where the arena is the server's top tier: a server with ``hbm`` above it names
+        that tier for blocks held in both, which the index cannot see.
+        """
+        index, touches = self._index, self._touches
+        if index is None or touches is None or not index.open or self._arena_tier != "dram":
+            return 0
+        if touches.failure is not None or self._server_gone():
+            raise ShmUnavailableError(f"the store is gone ({touches.failure or 'hung up'})")
+        present = index.present(keys, self.namespace)
+        leading = len(keys) if present.all() else int(present.argmin())
+        if leading == len(keys):
+            touches.add_lookup()  # answered here entirely: the server counts it from the TOUCH
+        return leading
 
     def get_into(
         self, keys: Sequence[bytes], buffers: Sequence[Any], timeout: float | None = None
@@ -424,9 +453,9 @@ class ShmDataPlane:
             self._arena[offset : offset + size] = source[at : at + size]
             at += size
 
-    def _send_touch(self, keys: Sequence[bytes], calls: int) -> None:
+    def _send_touch(self, keys: Sequence[bytes], calls: int, lookups: int) -> None:
         with self._touch_socket() as conn:
-            conn.send(Op.TOUCH, struct.pack("<I", calls) + pack_keys(keys))
+            conn.send(Op.TOUCH, struct.pack("<II", calls, lookups) + pack_keys(keys))
 
     def _sync(self, deadline: float) -> None:
         with self._touch_socket() as conn:

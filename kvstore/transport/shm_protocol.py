@@ -18,8 +18,8 @@ body. All integers are little-endian. Bodies (``keys`` = ``n:u32`` then ``n`` 16
     RESERVE  keys, then lengths:u64*n -> per key: NO_ROOM | PRESENT | RESERVED id:u64 ranges
     COMMIT   n:u32 ids:u64*n          -> stored:u32 already_present:u32 dropped:u32
     CANCEL   n:u32 ids:u64*n             (no reply)
-    TOUCH    calls:u32, then keys        (no reply; blocks read through the index by ``calls``
-                                         client calls)
+    TOUCH    calls:u32 lookups:u32 keys  (no reply; blocks read through the index by ``calls``
+                                         client calls, and lookups answered from it)
     SYNC     (empty)                  -> (empty), once every earlier request was handled
 
 ``ranges`` is ``count:u16`` then ``count`` pairs ``offset:u64 length:u64`` into the arena; ``tiers``

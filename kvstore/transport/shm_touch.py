@@ -24,18 +24,19 @@ MAX_PENDING_KEYS = 1 << 16
 
 
 class TouchSender:
-    """Collects the keys of reads and sends them through ``send`` every ``window_s``.
+    """Collects the keys of reads (and counts lookups) and sends them every ``window_s``.
 
-    ``send(keys, calls)`` must deliver one TOUCH of at most ``max_keys`` keys (read by ``calls``
-    client calls); ``sync(deadline)`` must return once the server has handled everything sent
-    before (by the :func:`time.monotonic` instant ``deadline``, or raise).
-    Both run under one lock, on the sender's thread or in :meth:`flush`. After a background send
-    fails, :attr:`failure` holds the exception and :meth:`add` raises :class:`ConnectionError`.
+    ``send(keys, calls, lookups)`` must deliver one TOUCH of at most ``max_keys`` keys (read by
+    ``calls`` client calls) and a count of lookups answered from the index; ``sync(deadline)``
+    must return once the server has handled everything sent before (by the
+    :func:`time.monotonic` instant ``deadline``, or raise). Both run under one lock, on the
+    sender's thread or in :meth:`flush`. After a background send fails, :attr:`failure` holds
+    the exception and :meth:`add` raises :class:`ConnectionError`.
     """
 
     def __init__(
         self,
-        send: Callable[[Sequence[bytes], int], None],
+        send: Callable[[Sequence[bytes], int, int], None],
         sync: Callable[[float], None],
         max_keys: int,
         *,
@@ -49,6 +50,7 @@ class TouchSender:
         self._send_lock = threading.Lock()  # one sender at a time, in order
         self._pending: list[bytes] = []
         self._calls = 0
+        self._lookups = 0
         self._wake = threading.Event()
         self._closing = threading.Event()
         self.failure: BaseException | None = None
@@ -60,12 +62,23 @@ class TouchSender:
         if self.failure is not None:
             raise ConnectionError(f"the store's shared-memory socket failed: {self.failure}")
         with self._lock:
-            first = not self._pending
+            first = self._idle()
             if len(self._pending) < MAX_PENDING_KEYS:
                 self._pending.extend(keys)
                 self._calls += 1
         if first:  # the thread sleeps until there is something to send: wake it once
             self._wake.set()
+
+    def add_lookup(self) -> None:
+        """Note one lookup answered without the server."""
+        with self._lock:
+            first = self._idle()
+            self._lookups += 1
+        if first:
+            self._wake.set()
+
+    def _idle(self) -> bool:
+        return not self._pending and not self._calls and not self._lookups
 
     def flush(self, deadline: float) -> None:
         """Send what is pending now; return once the server has handled every TOUCH so far.
@@ -90,9 +103,14 @@ class TouchSender:
         with self._lock:
             keys, self._pending = self._pending, []
             calls, self._calls = self._calls, 0
-        for start in range(0, len(keys), self._max_keys):
-            # The call count rides with the first chunk only.
-            self._send(keys[start : start + self._max_keys], calls if start == 0 else 0)
+            lookups, self._lookups = self._lookups, 0
+        if not (keys or calls or lookups):
+            return
+        # The counts ride with the first chunk only (an empty one if only lookups happened).
+        for start in range(0, max(len(keys), 1), self._max_keys):
+            first = start == 0
+            chunk = keys[start : start + self._max_keys]
+            self._send(chunk, calls if first else 0, lookups if first else 0)
 
     def _run(self) -> None:
         while True:

@@ -543,10 +543,10 @@ def test_every_call_of_a_stalled_server_raises_deadline_exceeded_but_dram_reads_
         try:
             for name, call in calls.items():
                 started = time.monotonic()
-                if name == "get" and client.data_plane == "shm":
-                    # Blocks in dram are read through the published index, which a stopped
-                    # server cannot change: they are still served, and correctly.
-                    assert call() == values
+                if name in ("lookup", "get") and client.data_plane == "shm":
+                    # Blocks in dram are found and read through the published index, which a
+                    # stopped server cannot change: they are still served, and correctly.
+                    assert call() == (2 if name == "lookup" else values)
                 else:
                     with pytest.raises(DeadlineExceededError):
                         call()

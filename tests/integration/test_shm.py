@@ -55,6 +55,7 @@ KiB = 1024
 MiB = 1024**2
 NS = Namespace(model="shm-test", num_layers=2, num_kv_heads=2, head_size=64, dtype="bfloat16")
 NS_BYTES = NS.fingerprint()
+OTHER_NS = Namespace(model="shm-test-other")
 OK, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, INTERNAL = 0, 3, 8, 13
 POLL_S = 5.0
 
@@ -855,6 +856,41 @@ def test_blocks_in_the_index_are_read_without_leases(
         assert after.get("blocks_read_direct", 0) == before.get("blocks_read_direct", 0)
 
 
+def test_lookups_answered_from_the_index_match_the_servers(
+    server_factory: ServerFactory,
+) -> None:
+    """Leading dram keys are answered by the client itself; the rest, and every mix of tiers,
+    misses and namespaces, must read exactly as the server (gRPC) says."""
+    server = server_factory(dram_capacity="1MiB", nvme_capacity="16MiB")
+    keys, values = make_blocks(45, 24, 64 * KiB)
+    other_keys, other_values = make_blocks(46, 2, 64 * KiB)
+    missing, _ = make_blocks(47, 2, 64 * KiB)
+    with (
+        KVStoreClient(server.target, namespace=NS, data_plane="shm") as shm,
+        KVStoreClient(server.target, namespace=NS, data_plane="grpc") as grpc_client,
+        KVStoreClient(server.target, namespace=OTHER_NS, data_plane="grpc") as other,
+    ):
+        assert shm.put(keys, values).stored == 24  # 1 MiB of dram: the first ones went to nvme
+        assert other.put(other_keys, other_values).stored == 2
+        tiers = grpc_client.lookup_tiers(keys).tiers
+        assert {"dram", "nvme"} <= set(tiers)
+        in_dram = [k for k, t in zip(keys, tiers, strict=True) if t == "dram"]
+        in_nvme = [k for k, t in zip(keys, tiers, strict=True) if t == "nvme"]
+        before = counters(grpc_client).get("lookups", 0)
+        cases = [
+            in_dram,
+            in_dram[:3] + in_nvme[:2],
+            in_dram[:2] + missing + in_dram[2:4],
+            in_dram[:2] + other_keys[:1] + in_dram[2:3],
+            in_nvme[:1] + in_dram[:3],
+            missing,
+        ]
+        for case in cases:
+            assert shm.lookup_tiers(case) == grpc_client.lookup_tiers(case), case
+        # Every lookup is counted once, whoever answered it (stats() waits for the TOUCH).
+        assert counters(shm).get("lookups", 0) - before == 2 * len(cases)
+
+
 def test_a_deleted_block_is_not_read_through_the_index(shared: ServerProcess) -> None:
     keys, values = make_blocks(41, 2, 64 * KiB)
     with KVStoreClient(shared.target, namespace=NS, data_plane="shm") as client:
@@ -867,10 +903,9 @@ def test_a_deleted_block_is_not_read_through_the_index(shared: ServerProcess) ->
 
 def test_another_namespace_does_not_read_through_the_index(shared: ServerProcess) -> None:
     keys, values = make_blocks(42, 2, 64 * KiB)
-    other = Namespace(model="shm-test-other")
     with (
         KVStoreClient(shared.target, namespace=NS, data_plane="shm") as owner,
-        KVStoreClient(shared.target, namespace=other, data_plane="shm") as stranger,
+        KVStoreClient(shared.target, namespace=OTHER_NS, data_plane="shm") as stranger,
     ):
         assert owner.put(keys, values).stored == 2
         assert stranger.get(keys) == [None, None]

@@ -87,6 +87,30 @@ def test_any_change_to_a_slot_invalidates_what_was_read(
     assert not reader.unchanged(again)
 
 
+def test_present_agrees_with_find_for_every_key() -> None:
+    """The vectorized lookup hashes keys into buckets exactly as the per-key one does."""
+    writer = IndexWriter(max_blocks=4096)
+    reader = IndexReader(writer.fd, writer.size)
+    try:
+        rng = np.random.default_rng(5)
+        keys = [rng.bytes(16) for _ in range(3000)] + [key(n) for n in range(500)]
+        for n, k in enumerate(keys):
+            if n % 3:
+                writer.publish(k, NS if n % 5 else OTHER_NS, n * PAGE, 100)
+        writer.withdraw(keys[1])
+        expected = [reader.find(k, NS) is not None for k in keys]
+        assert 1000 < sum(expected) < 3000
+        assert reader.present(keys, NS).tolist() == expected
+        # A slot in the middle of an update is absent for both.
+        slot = writer._slot_of[keys[2]]
+        writer._seqs[(64 + slot * 64) // 8] += 1
+        assert reader.find(keys[2], NS) is None
+        assert not reader.present(keys[2:3], NS)[0]
+    finally:
+        reader.close()
+        writer.close()
+
+
 def test_a_full_bucket_refuses_more_and_counts_it(index: tuple[IndexWriter, IndexReader]) -> None:
     writer, reader = index
     same_bucket = [k for k in map(key, range(5000)) if _bucket(k, writer.buckets) == 0]
