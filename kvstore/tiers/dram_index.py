@@ -57,17 +57,8 @@ MIN_SLOTS = 64
 _HEADER = struct.Struct("<QIIQQ")
 _CLOSED_AT = 24  # byte offset of ``closed`` in the header
 _FIELDS = struct.Struct(f"<{KEY_BYTES}s{NAMESPACE_BYTES}sQQ")  # the slot after its seq
-# The same slot for whole-table numpy work: keys and namespaces as pairs of u64.
-_SLOT_DTYPE = np.dtype(
-    [
-        ("seq", "<u8"),
-        ("key", "<u8", (2,)),
-        ("namespace", "<u8", (2,)),
-        ("offset", "<u8"),
-        ("length", "<u8"),
-        ("pad", "<u8"),
-    ]
-)
+# The slot as 8 u64 words for whole-table numpy work: seq, key (2), namespace (2), offset, length.
+_WORDS = SLOT_BYTES // 8
 _U64 = 8
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E37_79B9_7F4A_7C15
@@ -184,9 +175,9 @@ class IndexReader:
         self.ways = ways
         self.buckets = buckets
         self._seqs = np.frombuffer(self._mapping, dtype=np.uint64)
-        self._slots = np.frombuffer(
-            self._mapping, dtype=_SLOT_DTYPE, count=ways * buckets, offset=HEADER_BYTES
-        )
+        self._words = np.frombuffer(
+            self._mapping, dtype="<u8", count=ways * buckets * _WORDS, offset=HEADER_BYTES
+        ).reshape(-1, _WORDS)
 
     @property
     def open(self) -> bool:
@@ -222,13 +213,15 @@ class IndexReader:
         shift = np.uint64(64 - self.buckets.bit_length() + 1)
         buckets = (mixed * np.uint64(_GOLDEN)) >> shift if shift < 64 else mixed * 0
         rows = buckets.astype(np.int64)[:, None] * self.ways + np.arange(self.ways)
-        slots = self._slots[rows]  # a copy: (keys, ways)
+        slots = self._words[rows]  # a copy: (keys, ways, words)
         ours = np.frombuffer(namespace, dtype="<u8")
         found = (
-            (slots["key"] == wanted[:, None, :]).all(axis=2)
-            & (slots["namespace"] == ours).all(axis=2)
-            & (slots["length"] != 0)
-            & (slots["seq"] & np.uint64(1) == 0)
+            (slots[:, :, 1] == wanted[:, None, 0])
+            & (slots[:, :, 2] == wanted[:, None, 1])
+            & (slots[:, :, 3] == ours[0])
+            & (slots[:, :, 4] == ours[1])
+            & (slots[:, :, 6] != 0)  # length
+            & (slots[:, :, 0] & np.uint64(1) == 0)  # seq: not mid-update
         )
         return found.any(axis=1)  # type: ignore[no-any-return]
 
@@ -240,6 +233,6 @@ class IndexReader:
     def close(self) -> None:
         """Unmap the index."""
         self._seqs = np.empty(0, dtype=np.uint64)
-        self._slots = np.empty(0, dtype=_SLOT_DTYPE)
+        self._words = np.empty((0, _WORDS), dtype="<u8")
         with contextlib.suppress(BufferError):
             self._mapping.close()
