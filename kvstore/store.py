@@ -734,10 +734,10 @@ class TieredStore:
         """Count reads a co-located client served itself from the arena's published index.
 
         Such reads take no lease and never reach :meth:`acquire`, so this is what keeps the LRU
-        order and the hit counters true to them; ``calls`` is how many client calls read them
-        (counted as gets), ``lookups`` how many lookups the client answered from the index. Keys
-        no longer resident (evicted since) or of another namespace are ignored. Returns how many
-        keys were counted.
+        order and the hit counters true to them; ``calls`` is how many client calls read them and
+        no other way (counted as gets), ``lookups`` how many lookups the client answered from the
+        index. Every key counts as a hit (the client did read it); those still resident under
+        ``namespace`` (not evicted since) are also aged. Returns how many were aged.
         """
         if keys or calls:
             self._check_keys(keys, namespace)
@@ -745,18 +745,18 @@ class TieredStore:
         if lookups:
             self._counters.add("lookups", lookups)
         resident = self._recency[self._host_level]
-        counted: list[bytes] = []
+        aged: list[bytes] = []
         for key in keys:
             meta = self._meta.get(key)
             if meta is not None and meta.namespace == namespace and key in resident:
-                counted.append(key)
+                aged.append(key)
                 self._count_hit(key)
-        self._age_chain(counted)
-        self._tier_hits[arena.name] += len(counted)
+        self._age_chain(aged)
+        self._tier_hits[arena.name] += len(keys)
         self._counters.add("gets", calls)
-        self._counters.add("hits", len(counted))
-        self._counters.add("blocks_read_direct", len(counted))
-        return len(counted)
+        self._counters.add("hits", len(keys))
+        self._counters.add("blocks_read_direct", len(keys))
+        return len(aged)
 
     async def reserve(
         self, keys: Sequence[bytes], lengths: Sequence[int], namespace: bytes

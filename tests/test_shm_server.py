@@ -17,7 +17,16 @@ from kvstore.keys import Namespace
 from kvstore.server.shm import ShmServer, _Session
 from kvstore.store import TieredStore
 from kvstore.tiers.dram import DramTier
-from kvstore.transport.shm_protocol import Cursor, Op, ProtocolError, pack_ids, pack_keys
+from kvstore.transport.shm_protocol import (
+    PROTOCOL_VERSION,
+    Cursor,
+    Hello,
+    Op,
+    ProtocolError,
+    pack_ids,
+    pack_keys,
+    unpack_hello,
+)
 
 PAGE = 4096
 NS = Namespace(model="shm-server-test").fingerprint()
@@ -87,3 +96,11 @@ def test_counts_are_checked_against_the_frame_before_use() -> None:
     with pytest.raises(ProtocolError, match="truncated"):
         Cursor(struct.pack("<H", 1000) + bytes(16)).ranges()
     assert Cursor(pack_ids([1, 2**64 - 1])).ids() == [1, 2**64 - 1]
+
+
+def test_a_greeting_of_another_protocol_version_is_refused() -> None:
+    hello = Hello(1 << 20, 4096, 1000, bytes(16), ["dram", "nvme"])
+    assert unpack_hello(hello.pack()) == hello
+    older = struct.pack("<I", PROTOCOL_VERSION - 1) + hello.pack()[4:]
+    with pytest.raises(ProtocolError, match="protocol"):
+        unpack_hello(older)

@@ -314,25 +314,34 @@ async def test_direct_reads_are_counted_and_keep_blocks_recent(store: TieredStor
     await put_blocks(store, range(4))  # dram is full; 0 is the least recently used
     before = counters(store)
     hits_before = dram_stats(store)["hits"]
-    # Two client calls' reads, sent in one TOUCH: one of them read key 50, a miss then.
+    # Two client calls' reads, sent in one TOUCH; key 50 was evicted since it was read.
     assert store.record_direct_reads([key(0), key(50)], NS, calls=2) == 1
     after = counters(store)
     assert {n: delta(before, after, n) for n in ("gets", "hits", "blocks_read_direct")} == {
         "gets": 2,
-        "hits": 1,
-        "blocks_read_direct": 1,
+        "hits": 2,
+        "blocks_read_direct": 2,
     }
-    assert dram_stats(store)["hits"] == hits_before + 1
+    assert dram_stats(store)["hits"] == hits_before + 2
     await put_blocks(store, [4])  # evicts the least recently used block: now 1, not 0
     assert tiers_of(store, [0, 1, 4]) == ["dram", "nvme", "dram"]
 
 
-async def test_direct_reads_of_other_namespaces_or_gone_blocks_count_nothing(
+async def test_direct_reads_of_other_namespaces_or_gone_blocks_age_nothing(
     store: TieredStore,
 ) -> None:
     await put_blocks(store, range(5))  # 0 went down to nvme
     assert store.record_direct_reads([key(1)], OTHER_NS) == 0
     assert store.record_direct_reads([key(0)], NS) == 0  # not in the arena any more
+    # Lookups answered by the client only move the lookup counter.
+    before = counters(store)
+    assert store.record_direct_reads([], NS, calls=0, lookups=3) == 0
+    after = counters(store)
+    assert {n: delta(before, after, n) for n in ("lookups", "gets", "hits")} == {
+        "lookups": 3,
+        "gets": 0,
+        "hits": 0,
+    }
     with pytest.raises(InvalidRequestError):
         store.record_direct_reads([b"short"], NS)
 

@@ -97,8 +97,10 @@ class DramTier(Tier):
         if self.capacity:
             self._fd = os.memfd_create("kvstore-dram", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
             os.ftruncate(self._fd, self.capacity)
-            # Clients get this fd: one that shrank it would crash the server on its next access.
-            fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+            # Clients get this fd: one that shrank it would crash the server on its next access,
+            # one that sealed it against writable mappings would lock every later client out.
+            seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+            fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, seals)
             self._mapping: mmap.mmap | None = mmap.mmap(self._fd, self.capacity)
             self._arena = np.frombuffer(self._mapping, dtype=np.uint8)
             self.index = IndexWriter(max_blocks=num_pages)

@@ -26,6 +26,10 @@ one sends the key down the leased path, which never sees a block change under it
 The argument relies on loads not passing older loads and stores not passing older stores, which
 x86-64 guarantees (TSO) and Python cannot enforce with barriers elsewhere; readers therefore use
 this index only on x86-64 (:data:`DIRECT_READS_SUPPORTED`) and take the leased path everywhere else.
+The one kind of store x86 does reorder, the non-temporal stores a large ``memcpy`` uses, cannot
+overtake a withdraw either: between the sequence bump and any rewrite of those pages there is a
+locked instruction (numpy's copy releases the GIL; a client writing reserved pages learned of them
+through socket system calls), and locked instructions order all stores.
 """
 
 from __future__ import annotations
@@ -154,8 +158,9 @@ class IndexWriter:
 
 
 def _seal(fd: int) -> None:
-    """Forbid resizing the index and mapping it writable again (clients only ever read it)."""
-    seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+    """Forbid resizing the index, mapping it writable again (clients only ever read it) and
+    adding seals later (a client could otherwise seal it against the server)."""
+    seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
     try:
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals | _SEAL_FUTURE_WRITE)
     except OSError:  # a kernel before 5.1: still sealed against resizing
@@ -174,6 +179,7 @@ class IndexReader:
             raise ValueError("not a kvstore dram index of this version")
         self.ways = ways
         self.buckets = buckets
+        self.closed = False
         self._seqs = np.frombuffer(self._mapping, dtype=np.uint64)
         self._words = np.frombuffer(
             self._mapping, dtype="<u8", count=ways * buckets * _WORDS, offset=HEADER_BYTES
@@ -181,8 +187,8 @@ class IndexReader:
 
     @property
     def open(self) -> bool:
-        """False once the server has closed the index (it is shutting down)."""
-        return not self._seqs[_CLOSED_AT // _U64]
+        """False once the server has closed the index (it is shutting down) or this reader was."""
+        return not self.closed and not self._seqs[_CLOSED_AT // _U64]
 
     def find(self, key: bytes, namespace: bytes) -> SlotHit | None:
         """Where ``key`` was published, or ``None`` (absent, mid-update, or another namespace).
@@ -231,8 +237,9 @@ class IndexReader:
         return int(self._seqs[(HEADER_BYTES + slot * SLOT_BYTES) // _U64]) == seq
 
     def close(self) -> None:
-        """Unmap the index."""
-        self._seqs = np.empty(0, dtype=np.uint64)
-        self._words = np.empty((0, _WORDS), dtype="<u8")
-        with contextlib.suppress(BufferError):
-            self._mapping.close()
+        """Stop using the index; the mapping goes with the last reference to this reader.
+
+        Not unmapped here: another thread may be in :meth:`find` right now, and reading an
+        unmapped page would crash the process.
+        """
+        self.closed = True

@@ -41,6 +41,7 @@ from kvstore.transport.shm_protocol import (
     Cursor,
     Hello,
     Op,
+    ProtocolError,
     Slot,
     frame,
     frame_length,
@@ -216,9 +217,17 @@ class ShmDataPlane:
 
     def _open(self) -> _Connection:
         try:
-            return _Connection(self.path, self.namespace, self.timeout)
-        except (OSError, ValueError) as exc:
+            conn = _Connection(self.path, self.namespace, self.timeout)
+        except (OSError, ValueError, ProtocolError) as exc:
             raise ShmUnavailableError(f"cannot open {self.path}: {exc}") from exc
+        first = getattr(self, "hello", None)
+        if first is not None and conn.hello.instance_id != first.instance_id:
+            # Another server process on the same path: its arena is not the one mapped here,
+            # and nothing it says (lease ranges, reservations) may be applied to that one.
+            conn.close_fd()
+            conn.sock.close()
+            raise ShmUnavailableError(f"the store at {self.path} restarted")
+        return conn
 
     @contextlib.contextmanager
     def _connection(self) -> Iterator[_Connection]:
@@ -280,10 +289,10 @@ class ShmDataPlane:
         that tier for blocks held in both, which the index cannot see.
         """
         index, touches = self._index, self._touches
-        if index is None or touches is None or not index.open or self._arena_tier != "dram":
+        if index is None or touches is None or self._arena_tier != "dram":
             return 0
-        if touches.failure is not None or self._server_gone():
-            raise ShmUnavailableError(f"the store is gone ({touches.failure or 'hung up'})")
+        if not self._direct_ok(index, touches):
+            return 0
         present = index.present(keys, self.namespace)
         leading = len(keys) if present.all() else int(present.argmin())
         if leading == len(keys):
@@ -346,10 +355,7 @@ class ShmDataPlane:
         copied = [False] * len(keys)
         pending = list(range(len(keys)))
         index, touches = self._index, self._touches
-        if index is not None and touches is not None and index.open:
-            # A dead server's arena stays mapped here, frozen: stop reading it at once.
-            if touches.failure is not None or self._server_gone():
-                raise ShmUnavailableError(f"the store is gone ({touches.failure or 'hung up'})")
+        if index is not None and touches is not None and self._direct_ok(index, touches):
             pending = self._read_direct(index, touches, keys, copy, copied)
             # Like the leased path and puts: a call that ran past its deadline fails, whatever
             # it managed to copy.
@@ -400,7 +406,8 @@ class ShmDataPlane:
         if len(pending) < len(keys):
             served = [key for key, ok in zip(keys, copied, strict=True) if ok]
             try:
-                touches.add(served)
+                # A call that also leases counts as a get there; count it once.
+                touches.add(served, counts_call=not pending)
             except ConnectionError as exc:
                 raise ShmUnavailableError(str(exc)) from exc
         return pending
@@ -495,20 +502,32 @@ class ShmDataPlane:
             except TimeoutError as exc:
                 raise DeadlineExceededError(str(exc)) from exc
 
-    def _server_gone(self) -> bool:
-        """Whether the server hung up the TOUCH socket (it exited, or was killed)."""
+    def _direct_ok(self, index: IndexReader, touches: TouchSender) -> bool:
+        """Whether the index may be used now; raises if the server is known to be gone.
+
+        A dead server's arena and index stay mapped here, frozen: the TOUCH socket is how its
+        death shows (the kernel hangs it up). While that socket is being replaced (after a
+        failed TOUCH or SYNC) the server's liveness is unknown, so reads take the leased path,
+        whose connections check that they reach the same server process.
+        """
+        if touches.failure is not None:
+            raise ShmUnavailableError(f"the store's socket failed: {touches.failure}")
+        if not index.open:
+            return False
         conn = self._touch_conn
         fd = -1 if conn is None else conn.sock.fileno()
-        if fd < 0:  # being reopened: the next TOUCH finds out
+        if fd < 0:
             return False
         hangup = select.poll()  # one per call: a poll object is not for concurrent use
         hangup.register(fd, _HANGUP)
-        return bool(hangup.poll(0))
+        if hangup.poll(0):
+            raise ShmUnavailableError("the store hung up its shared-memory socket")
+        return True
 
     def close(self) -> None:
         """Close the sockets (the server releases what they held) and unmap the arena."""
         if self._touches is not None:
-            self._touches.close()  # the reads since the last TOUCH still count
+            self._touches.close(timeout=0.2)  # the reads since the last TOUCH still count
         if self._touch_conn is not None:
             self._touch_conn.sock.close()
         with self._lock:

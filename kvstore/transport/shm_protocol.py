@@ -10,8 +10,8 @@ A request is ``length:u32 | op:u8 | body`` (``length`` counts op and body). Ever
 body``, where status 0 is OK and anything else is a gRPC status code with a UTF-8 message as the
 body. All integers are little-endian. Bodies (``keys`` = ``n:u32`` then ``n`` 16-byte keys)::
 
-    HELLO    namespace[16]            -> arena_size:u64 index_size:u64 max_keys:u32
-                                         instance_id[16] tiers
+    HELLO    namespace[16]            -> version:u32 arena_size:u64 index_size:u64
+                                         max_keys:u32 instance_id[16] tiers
     LOOKUP   keys                     -> hits:u32, then per key: tier index:u8 (255 absent)
     ACQUIRE  keys                     -> per key: MISS | LEASE id:u64 ranges | BYTES n:u64 data
     RELEASE  n:u32 ids:u64*n             (no reply)
@@ -24,6 +24,7 @@ body. All integers are little-endian. Bodies (``keys`` = ``n:u32`` then ``n`` 16
 
 ``ranges`` is ``count:u16`` then ``count`` pairs ``offset:u64 length:u64`` into the arena; ``tiers``
 is the tier names joined by newlines. ``index_size`` is 0 when no index fd came along.
+``version`` is :data:`PROTOCOL_VERSION`; a client refuses any other (and falls back to gRPC).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from kvstore.keys import KEY_BYTES
 __all__ = [
     "ABSENT_TIER",
     "MAX_REQUEST_BYTES",
+    "PROTOCOL_VERSION",
     "Cursor",
     "Hello",
     "Op",
@@ -49,6 +51,9 @@ __all__ = [
     "pack_ranges",
     "unpack_hello",
 ]
+
+#: Bumped whenever a frame's layout changes.
+PROTOCOL_VERSION = 2
 
 #: Requests carry keys and ids only; anything longer is not a kvstore client.
 MAX_REQUEST_BYTES = 16 * 1024**2
@@ -216,14 +221,24 @@ class Hello:
     def pack(self) -> bytes:
         """The HELLO reply body."""
         head = struct.pack(
-            "<QQI16s", self.arena_size, self.index_size, self.max_keys, self.instance_id
+            "<IQQI16s",
+            PROTOCOL_VERSION,
+            self.arena_size,
+            self.index_size,
+            self.max_keys,
+            self.instance_id,
         )
         return head + "\n".join(self.tiers).encode()
 
 
 def unpack_hello(body: bytes | memoryview) -> Hello:
-    """Parse a HELLO reply body."""
+    """Parse a HELLO reply body; ProtocolError if the server speaks another version."""
     cursor = Cursor(body)
+    (version,) = cursor.unpack("I")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"the store speaks shared-memory protocol {version}, this client {PROTOCOL_VERSION}"
+        )
     arena_size, index_size, max_keys = cursor.unpack("QQI")
     instance_id = bytes(cursor.take(16))
     rest = bytes(cursor.take(len(cursor.rest())))

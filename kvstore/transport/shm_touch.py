@@ -6,8 +6,10 @@ system call (and a wake-up of the server) on every read, which costs as much as 
 (0.1 ms per call measured on a cold cache). :class:`TouchSender` instead collects the keys read
 and a background thread sends them as one ``TOUCH`` per short window (a few milliseconds): the
 server learns of every read, a little later, at one message per window however many reads there
-were. :meth:`TouchSender.flush` sends what is pending at once and waits until the server has
-handled it, for callers that read the counters next (a client's ``stats()``).
+were. One TOUCH ages the keys of the calls in its window together, which blurs their order
+within those few milliseconds and nothing more. :meth:`TouchSender.flush` sends what is pending
+at once and waits until the server has handled it, for callers that read the counters next (a
+client's ``stats()``).
 """
 
 from __future__ import annotations
@@ -57,15 +59,16 @@ class TouchSender:
         self._thread = threading.Thread(target=self._run, name="kvstore-shm-touch", daemon=True)
         self._thread.start()
 
-    def add(self, keys: Sequence[bytes]) -> None:
-        """Note one call's reads; raises ConnectionError once the server is known to be gone."""
+    def add(self, keys: Sequence[bytes], *, counts_call: bool = True) -> None:
+        """Note one call's reads (``counts_call``: count the call as a get too); raises
+        ConnectionError once the server is known to be gone."""
         if self.failure is not None:
             raise ConnectionError(f"the store's shared-memory socket failed: {self.failure}")
         with self._lock:
             first = self._idle()
             if len(self._pending) < MAX_PENDING_KEYS:
                 self._pending.extend(keys)
-                self._calls += 1
+                self._calls += counts_call
         if first:  # the thread sleeps until there is something to send: wake it once
             self._wake.set()
 

@@ -13,6 +13,7 @@ two passes.
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import signal
@@ -24,6 +25,7 @@ import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -34,8 +36,9 @@ import torch
 from kvstore import AsyncKVStoreClient, KVStoreClient, Namespace, StoreUnavailableError
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
-from kvstore.errors import InvalidRequestError
+from kvstore.errors import DeadlineExceededError, InvalidRequestError
 from kvstore.transport import shm_link
+from kvstore.transport.shm_client import ShmDataPlane, ShmUnavailableError
 from kvstore.transport.shm_protocol import (
     MAX_REQUEST_BYTES,
     Cursor,
@@ -638,6 +641,9 @@ def test_a_client_cannot_resize_the_arena_or_write_the_index(shared: ServerProce
             with pytest.raises(PermissionError):
                 mmap.mmap(index_fd, 4096)
             mmap.mmap(index_fd, 4096, prot=mmap.PROT_READ).close()
+            for fd in fds:  # no seal can be added either (it would lock later clients out)
+                with pytest.raises(PermissionError):
+                    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, 0x0010)  # F_SEAL_FUTURE_WRITE
         finally:
             for fd in fds:
                 os.close(fd)
@@ -891,6 +897,27 @@ def test_lookups_answered_from_the_index_match_the_servers(
         assert counters(shm).get("lookups", 0) - before == 2 * len(cases)
 
 
+def test_a_call_read_partly_through_the_index_counts_one_get(
+    server_factory: ServerFactory,
+) -> None:
+    server = server_factory(dram_capacity="1MiB", nvme_capacity="16MiB")
+    keys, values = make_blocks(50, 24, 64 * KiB)
+    with KVStoreClient(server.target, namespace=NS, data_plane="shm") as client:
+        assert client.put(keys, values).stored == 24
+        tiers = client.lookup_tiers(keys).tiers
+        dram_at, nvme_at = tiers.index("dram"), tiers.index("nvme")
+        before = counters(client)
+        outs = [bytearray(64 * KiB), bytearray(64 * KiB)]
+        assert client.get_into([keys[dram_at], keys[nvme_at]], outs) == [True, True]
+        assert [bytes(o) for o in outs] == [values[dram_at], values[nvme_at]]
+        after = counters(client)
+        assert {n: after[n] - before.get(n, 0) for n in ("gets", "hits", "blocks_leased")} == {
+            "gets": 1,
+            "hits": 2,
+            "blocks_leased": 1,
+        }
+
+
 def test_a_deleted_block_is_not_read_through_the_index(shared: ServerProcess) -> None:
     keys, values = make_blocks(41, 2, 64 * KiB)
     with KVStoreClient(shared.target, namespace=NS, data_plane="shm") as client:
@@ -965,6 +992,83 @@ def test_churn_never_hands_back_wrong_bytes(server_factory: ServerFactory) -> No
         assert stats["counters"].get("blocks_read_direct", 0) > 0
         assert stats["tiers"]["dram"]["evictions"] > 0
         assert client.get(keys) == values  # nothing was damaged either
+
+
+def test_a_new_server_on_the_same_socket_is_not_mistaken_for_the_old_one(
+    server_factory: ServerFactory, tmp_path: Path
+) -> None:
+    """The old server's arena stays mapped in the client; the new server's answers (or its
+    absence of them) must never be applied to it. Found by review: a client whose TOUCH socket
+    had just been dropped went on reading the dead server's arena."""
+    path = str(tmp_path / "kv.sock")
+    old = server_factory("--shm-socket", path, dram_capacity="4MiB")
+    [key], _ = make_blocks(49, 1, 4 * KiB)
+    old_value, new_value = b"A" * 4096, b"B" * 4096
+    with KVStoreClient(old.target, namespace=NS, data_plane="shm", timeout=2) as client:
+        assert client.put([key], [old_value]).stored == 1
+        assert client.get([key]) == [old_value]
+        plane = client._shm.plane
+        assert plane is not None and plane.direct_reads
+        with pytest.raises(DeadlineExceededError):  # drops the TOUCH socket
+            plane.flush_reads(timeout=1e-9)
+        old.kill()
+        new = server_factory("--shm-socket", path, dram_capacity="4MiB")
+        with KVStoreClient(new.target, namespace=NS, data_plane="grpc") as other:
+            assert other.put([key], [new_value]).stored == 1
+        for _ in range(3):
+            out = bytearray(4096)
+            with pytest.raises(StoreUnavailableError):  # the old server's target is dead
+                client.get_into([key], [out])
+            assert bytes(out) != old_value
+        # Spoken to directly, the plane refuses the new server instead of trusting it.
+        with pytest.raises(ShmUnavailableError):
+            plane.get_into([key], [bytearray(4096)])
+
+
+def test_closing_a_plane_under_busy_readers_only_ever_refuses(shared: ServerProcess) -> None:
+    """Found by review: a reader inside the index while another thread closed the plane hit an
+    IndexError instead of falling back."""
+    keys, values = make_blocks(48, 4, 64 * KiB)
+    with KVStoreClient(shared.target, namespace=NS, data_plane="grpc") as client:
+        assert client.put(keys, values).stored == 4
+    for _ in range(5):
+        assert _close_under_readers(ShmDataPlane(shm_path(shared), NS_BYTES), keys, values) == []
+
+
+def _close_under_readers(
+    plane: ShmDataPlane, keys: list[bytes], values: list[bytes]
+) -> list[BaseException]:
+    """Close ``plane`` while two threads read ``keys`` through it; what went wrong for them."""
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def read() -> None:
+        while not stop.is_set():
+            outs = [bytearray(len(value)) for value in values]
+            try:
+                filled = plane.get_into(keys, outs)
+                found = plane.lookup(keys).hits
+            except ShmUnavailableError:
+                continue
+            except BaseException as exc:
+                errors.append(exc)
+                return
+            if found not in (0, len(keys)) or any(
+                ok and bytes(out) != value
+                for ok, out, value in zip(filled, outs, values, strict=True)
+            ):
+                errors.append(AssertionError(f"wrong answer: {filled}, {found}"))
+
+    threads = [threading.Thread(target=read) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.05)
+    plane.close()
+    time.sleep(0.05)
+    stop.set()
+    for thread in threads:
+        thread.join(timeout=10)
+    return errors
 
 
 def test_a_dead_server_is_not_read_through_its_orphaned_arena(
