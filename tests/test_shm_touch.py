@@ -136,3 +136,16 @@ def test_lookups_are_counted_even_without_reads() -> None:
     assert recorder.sent[1:] == [([key(n) for n in range(4)], 1), ([key(4), key(5)], 0)]
     assert recorder.lookups == 3
     sender.close()
+
+
+def test_an_idle_sender_sleeps_and_the_next_read_wakes_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shm_touch, "IDLE_WINDOWS", 3)
+    recorder = Recorder()
+    sender = TouchSender(recorder, recorder.sync, max_keys=64, window_s=0.001)
+    wait_for(lambda: sender._asleep)  # polled a few empty windows, then blocked
+    sender.add([key(1)])
+    wait_for(lambda: recorder.keys() == [key(1)])
+    wait_for(lambda: sender._asleep)
+    sender.add_lookup()
+    wait_for(lambda: recorder.lookups == 1)
+    sender.close()

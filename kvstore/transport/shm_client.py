@@ -474,6 +474,17 @@ class ShmDataPlane:
         self._touch_conn = conn
         return conn
 
+    def _reopen_touch_socket(self) -> _Connection | None:
+        """A new TOUCH socket after a failure dropped the last one (None if another thread is
+        sending TOUCHes right now; raises if the server is gone or is another process)."""
+        touches = self._touches
+        if touches is None or not touches.try_hold():
+            return None
+        try:
+            return self._touch_conn or self._open_touch_socket()
+        finally:
+            touches.release_hold()
+
     @contextlib.contextmanager
     def _touch_socket(self) -> Iterator[_Connection]:
         """The TOUCH socket (reopened if an earlier failure closed it); closed if this use fails."""
@@ -515,7 +526,11 @@ class ShmDataPlane:
         if not index.open:
             return False
         conn = self._touch_conn
-        fd = -1 if conn is None else conn.sock.fileno()
+        if conn is None:
+            conn = self._reopen_touch_socket()
+            if conn is None:
+                return False
+        fd = conn.sock.fileno()
         if fd < 0:
             return False
         hangup = select.poll()  # one per call: a poll object is not for concurrent use

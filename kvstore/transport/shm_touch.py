@@ -6,7 +6,9 @@ system call (and a wake-up of the server) on every read, which costs as much as 
 (0.1 ms per call measured on a cold cache). :class:`TouchSender` instead collects the keys read
 and a background thread sends them as one ``TOUCH`` per short window (a few milliseconds): the
 server learns of every read, a little later, at one message per window however many reads there
-were. One TOUCH ages the keys of the calls in its window together, which blurs their order
+were. While reads keep coming the thread polls once per window; after a quiet spell it blocks
+until the next read wakes it, so an idle client costs nothing and a busy one never pays for a
+wake-up. One TOUCH ages the keys of the calls in its window together, which blurs their order
 within those few milliseconds and nothing more. :meth:`TouchSender.flush` sends what is pending
 at once and waits until the server has handled it, for callers that read the counters next (a
 client's ``stats()``).
@@ -14,6 +16,7 @@ client's ``stats()``).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -23,6 +26,8 @@ __all__ = ["TouchSender"]
 #: Keys held for the next TOUCH at most; past this (a server that stopped reading), new reads
 #: go uncounted rather than piling up in memory.
 MAX_PENDING_KEYS = 1 << 16
+#: Empty windows in a row after which the thread stops polling and blocks until woken.
+IDLE_WINDOWS = 50
 
 
 class TouchSender:
@@ -54,6 +59,7 @@ class TouchSender:
         self._calls = 0
         self._lookups = 0
         self._wake = threading.Event()
+        self._asleep = False  # blocked on _wake, not polling (guarded by _lock)
         self._closing = threading.Event()
         self.failure: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="kvstore-shm-touch", daemon=True)
@@ -65,20 +71,25 @@ class TouchSender:
         if self.failure is not None:
             raise ConnectionError(f"the store's shared-memory socket failed: {self.failure}")
         with self._lock:
-            first = self._idle()
             if len(self._pending) < MAX_PENDING_KEYS:
                 self._pending.extend(keys)
                 self._calls += counts_call
-        if first:  # the thread sleeps until there is something to send: wake it once
+            wake = self._wake_if_asleep()
+        if wake:
             self._wake.set()
 
     def add_lookup(self) -> None:
         """Note one lookup answered without the server."""
         with self._lock:
-            first = self._idle()
             self._lookups += 1
-        if first:
+            wake = self._wake_if_asleep()
+        if wake:
             self._wake.set()
+
+    def _wake_if_asleep(self) -> bool:
+        """Whether the caller must wake the thread (under ``_lock``); at most once per sleep."""
+        asleep, self._asleep = self._asleep, False
+        return asleep
 
     def _idle(self) -> bool:
         return not self._pending and not self._calls and not self._lookups
@@ -96,35 +107,55 @@ class TouchSender:
         finally:
             self._send_lock.release()
 
+    def try_hold(self) -> bool:
+        """Take the sending lock if it is free (to replace the socket ``send`` uses)."""
+        return self._send_lock.acquire(blocking=False)
+
+    def release_hold(self) -> None:
+        """Give back the lock :meth:`try_hold` took."""
+        self._send_lock.release()
+
     def close(self, timeout: float = 1.0) -> None:
         """Send what is pending and stop the thread."""
         self._closing.set()
         self._wake.set()
         self._thread.join(timeout)
 
-    def _deliver(self) -> None:
+    def _deliver(self) -> bool:
+        """Send what is pending; whether there was anything."""
         with self._lock:
             keys, self._pending = self._pending, []
             calls, self._calls = self._calls, 0
             lookups, self._lookups = self._lookups, 0
         if not (keys or calls or lookups):
-            return
+            return False
         # The counts ride with the first chunk only (an empty one if only lookups happened).
         for start in range(0, max(len(keys), 1), self._max_keys):
             first = start == 0
             chunk = keys[start : start + self._max_keys]
             self._send(chunk, calls if first else 0, lookups if first else 0)
+        return True
 
     def _run(self) -> None:
-        while True:
-            self._wake.wait()
+        quiet = 0  # windows in a row with nothing to send
+        while not self._closing.is_set():
+            if quiet >= IDLE_WINDOWS:
+                # Idle for a while: block until a reader wakes us (a futex wake costs the reader
+                # tens of microseconds on a VM, so while reads keep coming we poll instead).
+                with self._lock:
+                    self._asleep = self._idle()
+                    if self._asleep:
+                        self._wake.clear()
+                if self._asleep:
+                    self._wake.wait()
+                quiet = 0
             self._closing.wait(self._window_s)  # let more reads join this TOUCH
-            self._wake.clear()
             try:
                 with self._send_lock:
-                    self._deliver()
+                    sent = self._deliver()
             except Exception as exc:  # the server is gone; the next add() says so
                 self.failure = exc
                 return
-            if self._closing.is_set():
-                return
+            quiet = 0 if sent else quiet + 1
+        with contextlib.suppress(Exception), self._send_lock:
+            self._deliver()  # closing: what is left

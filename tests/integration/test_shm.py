@@ -918,6 +918,25 @@ def test_a_call_read_partly_through_the_index_counts_one_get(
         }
 
 
+def test_direct_reads_resume_once_the_touch_socket_is_replaced(shared: ServerProcess) -> None:
+    """A failed SYNC drops the TOUCH socket; the next read opens a new one (same server) and
+    reads through the index again instead of leasing from then on."""
+    keys, values = make_blocks(51, 2, 64 * KiB)
+    with KVStoreClient(shared.target, namespace=NS, data_plane="shm") as client:
+        assert client.put(keys, values).stored == 2
+        before = counters(client)
+        plane = client._shm.plane
+        assert plane is not None
+        with pytest.raises(DeadlineExceededError):
+            plane.flush_reads(timeout=1e-9)
+        assert plane._touch_conn is None
+        assert client.get(keys) == values
+        assert plane._touch_conn is not None
+        after = counters(client)
+        assert after["blocks_read_direct"] - before.get("blocks_read_direct", 0) == 2
+        assert after.get("blocks_leased", 0) == before.get("blocks_leased", 0)
+
+
 def test_a_deleted_block_is_not_read_through_the_index(shared: ServerProcess) -> None:
     keys, values = make_blocks(41, 2, 64 * KiB)
     with KVStoreClient(shared.target, namespace=NS, data_plane="shm") as client:
