@@ -167,7 +167,12 @@ class ShmDataPlane:
         self.timeout = timeout
         if direct_reads is None:
             direct_reads = os.environ.get(DIRECT_READS_ENV, "1") != "0"
+        self._instance: bytes | None = None  # every later connection must reach this process
+        self._lock = threading.Lock()
+        self._closed = False
         first = self._open()
+        self.hello: Hello = first.hello
+        self._instance = first.hello.instance_id
         if not first.fds:
             first.sock.close()
             raise ShmUnavailableError("the store sent no arena descriptor")
@@ -193,7 +198,6 @@ class ShmDataPlane:
                 self._index.close()
                 raise
             self._touches = TouchSender(self._send_touch, self._sync, first.hello.max_keys)
-        self.hello: Hello = first.hello
         # Tier name by the one-byte code a LOOKUP reply uses ("" for absent).
         self._tier_names = [""] * 256
         self._tier_names[: len(first.hello.tiers)] = first.hello.tiers
@@ -202,8 +206,6 @@ class ShmDataPlane:
         self._arena_tier = first.hello.tiers[0] if first.hello.tiers else ""
         self._arena = np.frombuffer(self._mapping, dtype=np.uint8)
         self._idle: list[_Connection] = [first]
-        self._lock = threading.Lock()
-        self._closed = False
 
     @property
     def direct_reads(self) -> bool:
@@ -220,8 +222,7 @@ class ShmDataPlane:
             conn = _Connection(self.path, self.namespace, self.timeout)
         except (OSError, ValueError, ProtocolError) as exc:
             raise ShmUnavailableError(f"cannot open {self.path}: {exc}") from exc
-        first = getattr(self, "hello", None)
-        if first is not None and conn.hello.instance_id != first.instance_id:
+        if self._instance is not None and conn.hello.instance_id != self._instance:
             # Another server process on the same path: its arena is not the one mapped here,
             # and nothing it says (lease ranges, reservations) may be applied to that one.
             conn.close_fd()
