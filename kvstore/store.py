@@ -736,8 +736,8 @@ class TieredStore:
         Such reads take no lease and never reach :meth:`acquire`, so this is what keeps the LRU
         order and the hit counters true to them; ``calls`` is how many client calls read them and
         no other way (counted as gets), ``lookups`` how many lookups the client answered from the
-        index. Every key counts as a hit (the client did read it); those still resident under
-        ``namespace`` (not evicted since) are also aged. Returns how many were aged.
+        index. Keys stored under ``namespace`` count as hits (if evicted since, the client read
+        them before that); those still in the arena are also aged. Returns how many were aged.
         """
         if keys or calls:
             self._check_keys(keys, namespace)
@@ -745,18 +745,22 @@ class TieredStore:
         if lookups:
             self._counters.add("lookups", lookups)
         resident = self._recency[self._host_level]
-        aged: list[bytes] = []
+        read = 0
+        ages: list[bytes] = []
         for key in keys:
             meta = self._meta.get(key)
-            if meta is not None and meta.namespace == namespace and key in resident:
-                aged.append(key)
+            if meta is None or meta.namespace != namespace:
+                continue  # not what a client can have read through the index
+            read += 1
+            if key in resident:
+                ages.append(key)
                 self._count_hit(key)
-        self._age_chain(aged)
-        self._tier_hits[arena.name] += len(keys)
+        self._age_chain(ages)
+        self._tier_hits[arena.name] += read
         self._counters.add("gets", calls)
-        self._counters.add("hits", len(keys))
-        self._counters.add("blocks_read_direct", len(keys))
-        return len(aged)
+        self._counters.add("hits", read)
+        self._counters.add("blocks_read_direct", read)
+        return len(ages)
 
     async def reserve(
         self, keys: Sequence[bytes], lengths: Sequence[int], namespace: bytes

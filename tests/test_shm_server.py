@@ -104,3 +104,21 @@ def test_a_greeting_of_another_protocol_version_is_refused() -> None:
     older = struct.pack("<I", PROTOCOL_VERSION - 1) + hello.pack()[4:]
     with pytest.raises(ProtocolError, match="protocol"):
         unpack_hello(older)
+
+
+@pytest.mark.parametrize(
+    ("calls", "lookups"),
+    [(2, 0), (0, 1 << 17)],
+    ids=["more-calls-than-keys", "too-many-lookups"],
+)
+async def test_a_touch_claiming_impossible_counts_counts_nothing(
+    server: ShmServer, calls: int, lookups: int
+) -> None:
+    before = dict(server.store.stats()["counters"])
+    body = struct.pack("<II", calls, lookups) + pack_keys([KEY])
+    assert await server._dispatch(session(), Op.TOUCH, memoryview(body)) is None  # one-way
+    assert dict(server.store.stats()["counters"]) == before
+    good = struct.pack("<II", 1, 3) + pack_keys([KEY])
+    assert await server._dispatch(session(), Op.TOUCH, memoryview(good)) is None
+    after = server.store.stats()["counters"]
+    assert after["blocks_read_direct"] == 1 and after["lookups"] - before.get("lookups", 0) == 3

@@ -311,11 +311,12 @@ async def test_acquire_counts_like_a_get(tmp_path: Path) -> None:
 
 async def test_direct_reads_are_counted_and_keep_blocks_recent(store: TieredStore) -> None:
     """Reads a client served from the published index reach the store only as a TOUCH."""
-    await put_blocks(store, range(4))  # dram is full; 0 is the least recently used
+    await put_blocks(store, range(5))  # 0 went down to nvme; 1 is the least recent in dram
     before = counters(store)
     hits_before = dram_stats(store)["hits"]
-    # Two client calls' reads, sent in one TOUCH; key 50 was evicted since it was read.
-    assert store.record_direct_reads([key(0), key(50)], NS, calls=2) == 1
+    # Two client calls' reads in one TOUCH: 1 (in dram), 0 (read before it was evicted), and
+    # 50, which was never stored and so cannot have been read: ignored.
+    assert store.record_direct_reads([key(1), key(0), key(50)], NS, calls=2) == 1
     after = counters(store)
     assert {n: delta(before, after, n) for n in ("gets", "hits", "blocks_read_direct")} == {
         "gets": 2,
@@ -323,8 +324,8 @@ async def test_direct_reads_are_counted_and_keep_blocks_recent(store: TieredStor
         "blocks_read_direct": 2,
     }
     assert dram_stats(store)["hits"] == hits_before + 2
-    await put_blocks(store, [4])  # evicts the least recently used block: now 1, not 0
-    assert tiers_of(store, [0, 1, 4]) == ["dram", "nvme", "dram"]
+    await put_blocks(store, [5])  # evicts the least recently used block: now 2, not 1
+    assert tiers_of(store, [1, 2, 5]) == ["dram", "nvme", "dram"]
 
 
 async def test_direct_reads_of_other_namespaces_or_gone_blocks_age_nothing(

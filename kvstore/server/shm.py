@@ -36,6 +36,7 @@ from kvstore.tiers.dram import DramLease, Reservation
 from kvstore.transport.shm_protocol import (
     ABSENT_TIER,
     MAX_REQUEST_BYTES,
+    MAX_TOUCH_LOOKUPS,
     Cursor,
     Hello,
     Op,
@@ -295,6 +296,11 @@ class ShmServer:
         calls, lookups = cursor.unpack("II")
         keys = cursor.keys(self.store.max_keys_per_request)
         cursor.done()
+        # Every call read at least one of the keys; lookups are capped by the client.
+        if calls > len(keys) or lookups > MAX_TOUCH_LOOKUPS:
+            raise ProtocolError(
+                f"TOUCH of {len(keys)} keys claims {calls} calls, {lookups} lookups"
+            )
         self.store.record_direct_reads(keys, self._namespace(session), calls, lookups)
         return b""
 

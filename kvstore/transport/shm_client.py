@@ -187,16 +187,21 @@ class ShmDataPlane:
         finally:
             first.close_fd()
         self._touches: TouchSender | None = None
-        # The TOUCH messages' own socket, used under the sender's lock only; also how a reader
-        # notices at once that the server died (the kernel hangs it up).
+        # The TOUCH messages' own socket, used under the sender's lock only (replaced after a
+        # failure); opened on first use.
         self._touch_conn: _Connection | None = None
+        # A socket that carries nothing and is closed only by close(): how a reader notices at
+        # once that the server died (the kernel hangs it up) without racing a replacement.
+        self._liveness: socket.socket | None = None
         if self._index is not None:
             try:
-                self._open_touch_socket()
+                probe = self._open()
             except ShmUnavailableError:
                 first.sock.close()
                 self._index.close()
                 raise
+            probe.close_fd()
+            self._liveness = probe.sock
             self._touches = TouchSender(self._send_touch, self._sync, first.hello.max_keys)
         # Tier name by the one-byte code a LOOKUP reply uses ("" for absent).
         self._tier_names = [""] * 256
@@ -217,9 +222,11 @@ class ShmDataPlane:
         """The server process's identity, to compare with what gRPC's ``DataPlane`` says."""
         return self.hello.instance_id
 
-    def _open(self) -> _Connection:
+    def _open(self, timeout: float | None = None) -> _Connection:
+        if timeout is not None and timeout <= 0:
+            raise DeadlineExceededError("deadline exceeded before connecting to the store")
         try:
-            conn = _Connection(self.path, self.namespace, self.timeout)
+            conn = _Connection(self.path, self.namespace, timeout or self.timeout)
         except (OSError, ValueError, ProtocolError) as exc:
             raise ShmUnavailableError(f"cannot open {self.path}: {exc}") from exc
         if self._instance is not None and conn.hello.instance_id != self._instance:
@@ -462,38 +469,26 @@ class ShmDataPlane:
             at += size
 
     def _send_touch(self, keys: Sequence[bytes], calls: int, lookups: int) -> None:
-        with self._touch_socket() as conn:
+        with self._touch_socket(self._deadline(None)) as conn:
             conn.send(Op.TOUCH, struct.pack("<II", calls, lookups) + pack_keys(keys))
 
     def _sync(self, deadline: float) -> None:
-        with self._touch_socket() as conn:
+        with self._touch_socket(deadline) as conn:
             conn.call(Op.SYNC, b"", deadline)
 
-    def _open_touch_socket(self) -> _Connection:
-        conn = self._open()
-        conn.close_fd()
-        self._touch_conn = conn
-        return conn
-
-    def _reopen_touch_socket(self) -> _Connection | None:
-        """A new TOUCH socket after a failure dropped the last one (None if another thread is
-        sending TOUCHes right now; raises if the server is gone or is another process)."""
-        touches = self._touches
-        if touches is None or not touches.try_hold():
-            return None
-        try:
-            return self._touch_conn or self._open_touch_socket()
-        finally:
-            touches.release_hold()
-
     @contextlib.contextmanager
-    def _touch_socket(self) -> Iterator[_Connection]:
-        """The TOUCH socket (reopened if an earlier failure closed it); closed if this use fails."""
+    def _touch_socket(self, deadline: float) -> Iterator[_Connection]:
+        """The TOUCH socket (opened if there is none); closed if this use fails.
+
+        Runs under the TOUCH sender's lock only, so nothing else ever sees it replaced.
+        """
         conn = self._touch_conn
         if conn is None:
             if self._closed:
                 raise ShmUnavailableError("the shared-memory path is closed")
-            conn = self._open_touch_socket()
+            conn = self._open(timeout=deadline - time.monotonic())
+            conn.close_fd()
+            self._touch_conn = conn
         try:
             yield conn
         except BaseException as exc:
@@ -517,26 +512,23 @@ class ShmDataPlane:
     def _direct_ok(self, index: IndexReader, touches: TouchSender) -> bool:
         """Whether the index may be used now; raises if the server is known to be gone.
 
-        A dead server's arena and index stay mapped here, frozen: the TOUCH socket is how its
-        death shows (the kernel hangs it up). While that socket is being replaced (after a
-        failed TOUCH or SYNC) the server's liveness is unknown, so reads take the leased path,
-        whose connections check that they reach the same server process.
+        A dead server's arena and index stay mapped here, frozen: the liveness socket is how its
+        death shows (the kernel hangs it up), and a failed TOUCH says so too.
         """
         if touches.failure is not None:
             raise ShmUnavailableError(f"the store's socket failed: {touches.failure}")
-        if not index.open:
+        liveness = self._liveness
+        if not index.open or liveness is None:
             return False
-        conn = self._touch_conn
-        if conn is None:
-            conn = self._reopen_touch_socket()
-            if conn is None:
-                return False
-        fd = conn.sock.fileno()
-        if fd < 0:
+        fd = liveness.fileno()
+        if fd < 0:  # closed by close() just now
             return False
         hangup = select.poll()  # one per call: a poll object is not for concurrent use
         hangup.register(fd, _HANGUP)
-        if hangup.poll(0):
+        events = hangup.poll(0)
+        if events and events[0][1] & select.POLLNVAL:  # closed between the two lines above
+            return False
+        if events:
             raise ShmUnavailableError("the store hung up its shared-memory socket")
         return True
 
@@ -544,10 +536,13 @@ class ShmDataPlane:
         """Close the sockets (the server releases what they held) and unmap the arena."""
         if self._touches is not None:
             self._touches.close(timeout=0.2)  # the reads since the last TOUCH still count
-        if self._touch_conn is not None:
-            self._touch_conn.sock.close()
         with self._lock:
             self._closed = True
+        if self._touch_conn is not None:
+            self._touch_conn.sock.close()
+        if self._liveness is not None:
+            self._liveness.close()
+        with self._lock:
             idle, self._idle = self._idle, []
         for conn in idle:
             conn.sock.close()

@@ -19,7 +19,8 @@ body. All integers are little-endian. Bodies (``keys`` = ``n:u32`` then ``n`` 16
     COMMIT   n:u32 ids:u64*n          -> stored:u32 already_present:u32 dropped:u32
     CANCEL   n:u32 ids:u64*n             (no reply)
     TOUCH    calls:u32 lookups:u32 keys  (no reply; blocks read through the index by ``calls``
-                                         client calls, and lookups answered from it)
+                                         client calls, calls <= keys, and lookups answered
+                                         from it, at most MAX_TOUCH_LOOKUPS)
     SYNC     (empty)                  -> (empty), once every earlier request was handled
 
 ``ranges`` is ``count:u16`` then ``count`` pairs ``offset:u64 length:u64`` into the arena; ``tiers``
@@ -39,6 +40,7 @@ from kvstore.keys import KEY_BYTES
 __all__ = [
     "ABSENT_TIER",
     "MAX_REQUEST_BYTES",
+    "MAX_TOUCH_LOOKUPS",
     "PROTOCOL_VERSION",
     "Cursor",
     "Hello",
@@ -54,6 +56,9 @@ __all__ = [
 
 #: Bumped whenever a frame's layout changes.
 PROTOCOL_VERSION = 2
+
+#: The most lookups one TOUCH may report (a client holds no more between two TOUCHes).
+MAX_TOUCH_LOOKUPS = 1 << 16
 
 #: Requests carry keys and ids only; anything longer is not a kvstore client.
 MAX_REQUEST_BYTES = 16 * 1024**2

@@ -21,10 +21,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from kvstore.transport.shm_protocol import MAX_TOUCH_LOOKUPS
+
 __all__ = ["TouchSender"]
 
-#: Keys held for the next TOUCH at most; past this (a server that stopped reading), new reads
-#: go uncounted rather than piling up in memory.
+#: Keys held for the next TOUCH at most (lookups: MAX_TOUCH_LOOKUPS); past this (a server that
+#: stopped reading), new reads go uncounted rather than piling up in memory.
 MAX_PENDING_KEYS = 1 << 16
 #: Empty windows in a row after which the thread stops polling and blocks until woken.
 IDLE_WINDOWS = 50
@@ -81,7 +83,7 @@ class TouchSender:
     def add_lookup(self) -> None:
         """Note one lookup answered without the server."""
         with self._lock:
-            self._lookups += 1
+            self._lookups = min(self._lookups + 1, MAX_TOUCH_LOOKUPS)
             wake = self._wake_if_asleep()
         if wake:
             self._wake.set()
@@ -107,18 +109,11 @@ class TouchSender:
         finally:
             self._send_lock.release()
 
-    def try_hold(self) -> bool:
-        """Take the sending lock if it is free (to replace the socket ``send`` uses)."""
-        return self._send_lock.acquire(blocking=False)
-
-    def release_hold(self) -> None:
-        """Give back the lock :meth:`try_hold` took."""
-        self._send_lock.release()
-
     def close(self, timeout: float = 1.0) -> None:
         """Send what is pending and stop the thread."""
-        self._closing.set()
-        self._wake.set()
+        with self._lock:  # so that the thread cannot decide to sleep in between
+            self._closing.set()
+            self._wake.set()
         self._thread.join(timeout)
 
     def _deliver(self) -> bool:
@@ -143,7 +138,7 @@ class TouchSender:
                 # Idle for a while: block until a reader wakes us (a futex wake costs the reader
                 # tens of microseconds on a VM, so while reads keep coming we poll instead).
                 with self._lock:
-                    self._asleep = self._idle()
+                    self._asleep = self._idle() and not self._closing.is_set()
                     if self._asleep:
                         self._wake.clear()
                 if self._asleep:
