@@ -40,9 +40,10 @@ import numpy as np
 
 from kvstore.block import BlockHeader
 from kvstore.buffers import byte_view
-from kvstore.tiers.base import Buffer, StoredBlock, Tier
+from kvstore.tiers.base import Buffer, StoredBlock
 from kvstore.tiers.dram_index import IndexWriter
-from kvstore.tiers.pages import Extent, PageAllocator, byte_ranges
+from kvstore.tiers.paged import PagedTier
+from kvstore.tiers.pages import Extent
 
 __all__ = ["DramLease", "DramTier", "Reservation"]
 
@@ -81,17 +82,13 @@ class Reservation:
     open: bool = True
 
 
-class DramTier(Tier):
+class DramTier(PagedTier):
     """Blocks in a page-allocated, memfd-backed host arena."""
 
     name = "dram"
 
     def __init__(self, capacity: int, page_size: int = 64 * 1024) -> None:
-        if page_size <= 0:
-            raise ValueError(f"page_size must be > 0, got {page_size}")
-        self.page_size = page_size
-        num_pages = capacity // page_size
-        self.capacity = num_pages * page_size
+        num_pages = self._init_pages(capacity, page_size)
         self._fd = -1
         self.index: IndexWriter | None = None
         if self.capacity:
@@ -108,7 +105,6 @@ class DramTier(Tier):
             self._mapping = None
             self._arena = np.empty(0, dtype=np.uint8)
         self.pinned = _page_lock(self._arena)
-        self._pages = PageAllocator(num_pages)
         self._blocks: dict[bytes, _Resident] = {}
         self._payload_bytes = 0
         self._leases = 0
@@ -120,25 +116,10 @@ class DramTier(Tier):
         """The memfd holding the arena (``-1`` when the tier has no capacity)."""
         return self._fd
 
-    def footprint(self, length: int) -> int:
-        """Whole pages: ``ceil(length / page_size) * page_size``."""
-        return -(-length // self.page_size) * self.page_size
-
-    @property
-    def used(self) -> int:
-        """Bytes of pages handed out."""
-        return self._pages.used_pages * self.page_size
-
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._blocks
-
     def extents(self, key: bytes) -> list[tuple[int, int]]:
         """Byte ranges ``(offset, length)`` of ``key``'s payload in the arena, in order."""
         resident = self._blocks[key]
         return self._ranges(resident.extents, resident.header.length)
-
-    def _ranges(self, extents: Sequence[Extent], length: int) -> list[tuple[int, int]]:
-        return byte_ranges(extents, self.page_size, length)
 
     def write_sync(self, header: BlockHeader, payload: Buffer) -> bool:
         """:meth:`write` without the coroutine, for callers already on the event loop."""

@@ -20,13 +20,14 @@ from typing import Any
 
 from kvstore.block import BlockHeader
 from kvstore.buffers import byte_view
-from kvstore.tiers.base import Buffer, StoredBlock, Tier
-from kvstore.tiers.pages import Extent, PageAllocator, byte_ranges
+from kvstore.tiers.base import Buffer, StoredBlock
+from kvstore.tiers.paged import PagedTier
+from kvstore.tiers.pages import Extent
 
 __all__ = ["HbmTier"]
 
 
-class HbmTier(Tier):
+class HbmTier(PagedTier):
     """Blocks in one page-allocated tensor on an accelerator (or, for tests, on the CPU)."""
 
     name = "hbm"
@@ -35,31 +36,11 @@ class HbmTier(Tier):
     def __init__(self, capacity: int, page_size: int = 1024**2, device: str = "cuda") -> None:
         import torch  # the server imports torch only when this tier is configured
 
-        if page_size <= 0:
-            raise ValueError(f"page_size must be > 0, got {page_size}")
-        self.page_size = page_size
-        num_pages = capacity // page_size
-        self.capacity = num_pages * page_size
+        self._init_pages(capacity, page_size)
         self.torch_device = torch.device(device)
         self._pool = torch.empty(self.capacity, dtype=torch.uint8, device=self.torch_device)
-        self._pages = PageAllocator(num_pages)
         self._blocks: dict[bytes, tuple[BlockHeader, list[Extent]]] = {}
         self._payload_bytes = 0
-
-    def footprint(self, length: int) -> int:
-        """Whole pages: ``ceil(length / page_size) * page_size``."""
-        return -(-length // self.page_size) * self.page_size
-
-    @property
-    def used(self) -> int:
-        """Bytes of pages handed out."""
-        return self._pages.used_pages * self.page_size
-
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._blocks
-
-    def _ranges(self, extents: Sequence[Extent], length: int) -> list[tuple[int, int]]:
-        return byte_ranges(extents, self.page_size, length)
 
     async def write(self, header: BlockHeader, payload: Buffer) -> bool:
         """Copy a block from host memory into free pages; False if too few are free."""
