@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstore import KVStoreClient
 from kvstore.keys import KEY_BYTES
 
 __all__ = [
@@ -409,3 +410,18 @@ class KeySource:
     def take(self, count: int) -> list[bytes]:
         """``count`` new keys."""
         return [self._rng.bytes(KEY_BYTES) for _ in range(count)]
+
+
+def fresh_put_case(
+    client: KVStoreClient, blocks: Sequence[Any], fresh: KeySource, name: str
+) -> Callable[[], float]:
+    """A case timing one put of ``blocks`` under new keys (deleted again, untimed)."""
+
+    def case() -> float:
+        keys = fresh.take(len(blocks))
+        seconds, result = timed(lambda: client.put(keys, blocks))
+        check(result.stored == len(blocks), f"{name}: stored {result.stored} of {len(blocks)}")
+        client.delete(keys)
+        return seconds
+
+    return case

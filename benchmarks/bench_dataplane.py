@@ -61,6 +61,7 @@ from _common import (
     KeySource,
     check,
     exit_on_sigterm,
+    fresh_put_case,
     kvstore_server,
     machine_info,
     markdown_table,
@@ -126,14 +127,7 @@ def _throughput_cases(
         return case
 
     def put(client: KVStoreClient, name: str) -> Callable[[], float]:
-        def case() -> float:
-            fresh = fresh_keys.take(batch)
-            seconds, result = timed(lambda: client.put(fresh, blocks))
-            check(result.stored == batch, f"{name}: stored {result.stored} of {batch}")
-            client.delete(fresh)
-            return seconds
-
-        return case
+        return fresh_put_case(client, blocks, fresh_keys, name)
 
     def redis_get() -> float:
         def call() -> list[Any]:

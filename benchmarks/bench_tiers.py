@@ -61,6 +61,7 @@ from _common import (
     ServerProcess,
     check,
     exit_on_sigterm,
+    fresh_put_case,
     kvstore_server,
     machine_info,
     markdown_table,
@@ -197,14 +198,7 @@ def _cases(
         return seconds
 
     def put(client: KVStoreClient, name: str) -> Callable[[], float]:
-        def case() -> float:
-            keys = fresh.take(batch)
-            seconds, result = timed(lambda: client.put(keys, blocks))
-            check(result.stored == batch, f"{name}: stored {result.stored} of {batch}")
-            client.delete(keys)
-            return seconds
-
-        return case
+        return fresh_put_case(client, blocks, fresh, name)
 
     def get(client: KVStoreClient, keys: list[bytes], name: str) -> Callable[[], float]:
         def case() -> float:
