@@ -270,10 +270,7 @@ class KVStoreClient:
 
     def stats(self, *, timeout: float | None = None) -> dict[str, Any]:
         """Tier usage and counters (including every read this client made before the call)."""
-        budget = self._deadline(timeout)
-        started = time.monotonic()
-        _flush_reads(self._shm.plane, budget)
-        remaining = max(budget - (time.monotonic() - started), 0.0)
+        remaining = _flush_reads(self._shm.plane, self._deadline(timeout))
         try:
             response = self._stub.Stats(pb.StatsRequest(), timeout=remaining)
         except grpc.RpcError as exc:
@@ -482,10 +479,7 @@ class AsyncKVStoreClient:
 
     async def stats(self, *, timeout: float | None = None) -> dict[str, Any]:
         """Tier usage and counters (including every read this client made before the call)."""
-        budget = self._deadline(timeout)
-        started = time.monotonic()
-        await asyncio.to_thread(_flush_reads, self._shm.plane, budget)
-        remaining = max(budget - (time.monotonic() - started), 0.0)
+        remaining = await asyncio.to_thread(_flush_reads, self._shm.plane, self._deadline(timeout))
         try:
             response = await self._stub.Stats(pb.StatsRequest(), timeout=remaining)
         except grpc.RpcError as exc:
@@ -509,11 +503,14 @@ class AsyncKVStoreClient:
         await self.aclose()
 
 
-def _flush_reads(plane: ShmDataPlane | None, timeout: float) -> None:
-    """Let the server count the reads ``plane`` served itself, before its counters are read.
+def _flush_reads(plane: ShmDataPlane | None, timeout: float) -> float:
+    """Let the server count the reads ``plane`` served itself, before its counters are read;
+    what is left of ``timeout`` (seconds) for the Stats call.
 
     Best effort: a server that cannot be reached now is what the Stats call will report.
     """
+    started = time.monotonic()
     if plane is not None:
         with contextlib.suppress(ShmUnavailableError, KVStoreError):
             plane.flush_reads(timeout)
+    return max(timeout - (time.monotonic() - started), 0.0)

@@ -8,8 +8,8 @@ change meanwhile (:mod:`kvstore.tiers.dram_index`); the server hears of those re
 later, in a one-way ``TOUCH`` that a background thread sends (:mod:`kvstore.transport.shm_touch`).
 The remaining keys take the leased path: acquire leases on their pages (which promotes them from
 lower tiers first), copy each block once, release. A write reserves pages, copies each value once
-into them and commits. The clients in :mod:`kvstore.client` use it by
-themselves when the server is on the same host and fall back to gRPC when it is not.
+into them and commits. The clients in :mod:`kvstore.client` use it by themselves when the server
+is on the same host and fall back to gRPC when it is not.
 
 Thread-safe: each call borrows one socket from a small pool, so concurrent calls from several
 threads proceed in parallel (the copies release the GIL). A socket that fails or times out is
@@ -137,6 +137,24 @@ class _Connection:
         self.sock.sendall(frame(op, body))
 
 
+@contextlib.contextmanager
+def _closed_on_failure(conn: _Connection) -> Iterator[None]:
+    """Close ``conn`` if the block fails (mid-request the stream position is unknown), and say
+    why in the data plane's terms: a timeout is the caller's deadline, a socket error means the
+    path is unusable."""
+    try:
+        yield
+    except TimeoutError as exc:
+        conn.sock.close()
+        raise DeadlineExceededError("deadline exceeded waiting for the store") from exc
+    except OSError as exc:
+        conn.sock.close()
+        raise ShmUnavailableError(f"shared-memory socket failed: {exc}") from exc
+    except BaseException:
+        conn.sock.close()
+        raise
+
+
 def _grpc_code(value: int) -> Any:
     import grpc
 
@@ -246,17 +264,8 @@ class ShmDataPlane:
         if conn is None:
             conn = self._open()
             conn.close_fd()
-        try:
+        with _closed_on_failure(conn):
             yield conn
-        except TimeoutError as exc:
-            conn.sock.close()
-            raise DeadlineExceededError("deadline exceeded waiting for the store") from exc
-        except OSError as exc:
-            conn.sock.close()
-            raise ShmUnavailableError(f"shared-memory socket failed: {exc}") from exc
-        except BaseException:
-            conn.sock.close()  # mid-request: the stream position is unknown
-            raise
         with self._lock:
             if self._closed:
                 conn.sock.close()
@@ -296,11 +305,10 @@ class ShmDataPlane:
         Only where the arena is the server's top tier: a server with ``hbm`` above it names
         that tier for blocks held in both, which the index cannot see.
         """
-        index, touches = self._index, self._touches
-        if index is None or touches is None or self._arena_tier != "dram":
+        usable = self._usable_index() if self._arena_tier == "dram" else None
+        if usable is None:
             return 0
-        if not self._direct_ok(index, touches):
-            return 0
+        index, touches = usable
         present = index.present(keys, self.namespace)
         leading = len(keys) if present.all() else int(present.argmin())
         if leading == len(keys):
@@ -362,9 +370,9 @@ class ShmDataPlane:
         deadline = self._deadline(timeout)
         copied = [False] * len(keys)
         pending = list(range(len(keys)))
-        index, touches = self._index, self._touches
-        if index is not None and touches is not None and self._direct_ok(index, touches):
-            pending = self._read_direct(index, touches, keys, copy, copied)
+        usable = self._usable_index()
+        if usable is not None:
+            pending = self._read_direct(*usable, keys, copy, copied)
             # Like the leased path and puts: a call that ran past its deadline fails, whatever
             # it managed to copy.
             if time.monotonic() > deadline:
@@ -490,15 +498,10 @@ class ShmDataPlane:
             conn.close_fd()
             self._touch_conn = conn
         try:
-            yield conn
-        except BaseException as exc:
-            # Mid-request the stream position is unknown (a late SYNC reply, say): start afresh.
-            conn.sock.close()
-            self._touch_conn = None
-            if isinstance(exc, TimeoutError):
-                raise DeadlineExceededError("deadline exceeded waiting for the store") from exc
-            if isinstance(exc, OSError):
-                raise ShmUnavailableError(f"shared-memory socket failed: {exc}") from exc
+            with _closed_on_failure(conn):
+                yield conn
+        except BaseException:
+            self._touch_conn = None  # (a late SYNC reply, say): the next use opens another
             raise
 
     def flush_reads(self, timeout: float | None = None) -> None:
@@ -509,28 +512,29 @@ class ShmDataPlane:
             except TimeoutError as exc:
                 raise DeadlineExceededError(str(exc)) from exc
 
-    def _direct_ok(self, index: IndexReader, touches: TouchSender) -> bool:
-        """Whether the index may be used now; raises if the server is known to be gone.
+    def _usable_index(self) -> tuple[IndexReader, TouchSender] | None:
+        """The index and its TOUCH sender if the index may be used now (else None); raises if
+        the server is known to be gone.
 
         A dead server's arena and index stay mapped here, frozen: the liveness socket is how its
         death shows (the kernel hangs it up), and a failed TOUCH says so too.
         """
+        index, touches, liveness = self._index, self._touches, self._liveness
+        if index is None or touches is None or liveness is None:
+            return None
         if touches.failure is not None:
             raise ShmUnavailableError(f"the store's socket failed: {touches.failure}")
-        liveness = self._liveness
-        if not index.open or liveness is None:
-            return False
         fd = liveness.fileno()
-        if fd < 0:  # closed by close() just now
-            return False
+        if not index.open or fd < 0:  # the server is closing, or close() ran just now
+            return None
         hangup = select.poll()  # one per call: a poll object is not for concurrent use
         hangup.register(fd, _HANGUP)
         events = hangup.poll(0)
         if events and events[0][1] & select.POLLNVAL:  # closed between the two lines above
-            return False
+            return None
         if events:
             raise ShmUnavailableError("the store hung up its shared-memory socket")
-        return True
+        return index, touches
 
     def close(self) -> None:
         """Close the sockets (the server releases what they held) and unmap the arena."""
