@@ -10,11 +10,11 @@ import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "tiers"))
 from redis_server import RedisServer
+from store_blocks import PAGE, key, payload
 
 from kvstore.config import ConfigError, load_config
 from kvstore.keys import Namespace
@@ -24,16 +24,7 @@ from kvstore.tiers.dram import DramTier
 from kvstore.tiers.nvme import NvmeTier
 from kvstore.tiers.redis import RedisTier
 
-PAGE = 4096
 NS = Namespace(model="policy-test").fingerprint()
-
-
-def key(n: int) -> bytes:
-    return n.to_bytes(4, "little") * 4
-
-
-def payload(n: int) -> bytes:
-    return np.random.default_rng(n).integers(0, 256, size=PAGE, dtype=np.uint8).tobytes()
 
 
 def tiers_of(store: TieredStore, numbers: list[int]) -> list[str]:

@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
+from store_blocks import MIB, PAGE, key, payload
 
 from kvstore.errors import InvalidRequestError, StoreUnavailableError, UnknownPrefetchError
 from kvstore.keys import Namespace
@@ -23,19 +23,9 @@ from kvstore.store import Promotion, TieredStore
 from kvstore.tiers.dram import DramTier
 from kvstore.tiers.nvme import NvmeTier
 
-PAGE = 4096
-MIB = 1024**2
 DRAM_PAGES = 4
 NS = Namespace(model="prefetch-test").fingerprint()
 OTHER_NS = Namespace(model="prefetch-test", tenant="someone-else").fingerprint()
-
-
-def key(n: int) -> bytes:
-    return n.to_bytes(4, "little") * 4
-
-
-def payload(n: int, length: int = PAGE) -> bytes:
-    return np.random.default_rng(n).integers(0, 256, size=length, dtype=np.uint8).tobytes()
 
 
 @pytest.fixture

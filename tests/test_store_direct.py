@@ -14,8 +14,8 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
+from store_blocks import MIB, PAGE, key, make_store, payload
 
 from kvstore.errors import CapacityError, InvalidRequestError, NamespaceMismatchError
 from kvstore.keys import Namespace
@@ -23,27 +23,8 @@ from kvstore.store import TieredStore
 from kvstore.tiers.dram import DramLease, DramTier, Reservation
 from kvstore.tiers.nvme import NvmeTier
 
-PAGE = 4096
-MIB = 1024**2
 NS = Namespace(model="direct-test").fingerprint()
 OTHER_NS = Namespace(model="direct-test", tenant="someone-else").fingerprint()
-
-
-def key(n: int) -> bytes:
-    return n.to_bytes(4, "little") * 4
-
-
-def payload(n: int, length: int = PAGE) -> bytes:
-    return np.random.default_rng(n).integers(0, 256, size=length, dtype=np.uint8).tobytes()
-
-
-def make_store(
-    nvme_path: Path | None, *, dram_pages: int = 4, nvme_capacity: int = MIB, **kwargs: Any
-) -> TieredStore:
-    tiers: list[Any] = [DramTier(dram_pages * PAGE, page_size=PAGE)]
-    if nvme_path is not None:
-        tiers.append(NvmeTier(nvme_path, nvme_capacity))
-    return TieredStore(tiers, **kwargs)
 
 
 @pytest.fixture

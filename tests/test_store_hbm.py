@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from store_blocks import PAGE, key, payload
 
 from kvstore.keys import Namespace
 from kvstore.store import TieredStore
@@ -20,16 +21,7 @@ from kvstore.tiers.dram import DramLease, DramTier
 from kvstore.tiers.hbm import HbmTier
 from kvstore.tiers.nvme import NvmeTier
 
-PAGE = 4096
 NS = Namespace(model="hbm-test").fingerprint()
-
-
-def key(n: int) -> bytes:
-    return n.to_bytes(4, "little") * 4
-
-
-def payload(n: int) -> bytes:
-    return np.random.default_rng(n).integers(0, 256, size=PAGE, dtype=np.uint8).tobytes()
 
 
 def tiers_of(store: TieredStore, numbers: list[int]) -> list[str]:

@@ -12,11 +12,11 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "tiers"))
 from redis_server import RedisServer
+from store_blocks import PAGE, key, payload
 
 import kvstore.store as store_module
 from kvstore.block import BlockHeader
@@ -25,17 +25,8 @@ from kvstore.store import TieredStore
 from kvstore.tiers.dram import DramTier
 from kvstore.tiers.redis import RedisTier
 
-PAGE = 4096
 NS = Namespace(model="test-model").fingerprint()
 OTHER_NS = Namespace(model="test-model", tenant="someone-else").fingerprint()
-
-
-def key(n: int) -> bytes:
-    return n.to_bytes(4, "little") * 4
-
-
-def payload(n: int, length: int = PAGE) -> bytes:
-    return np.random.default_rng(n).integers(0, 256, size=length, dtype=np.uint8).tobytes()
 
 
 @pytest.fixture(scope="module")
