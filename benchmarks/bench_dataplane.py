@@ -25,7 +25,9 @@ go through every path.
 * ``redis-py GET`` / ``redis-py SET``: one pipeline of GET / SET commands (redis-py + hiredis).
 
 The ceiling of the UCX path, in the same run: ``ucx_perftest -t tag_bw`` (UCX's C benchmark)
-between two processes with ``UCX_TLS=tcp`` and, for reference, ``UCX_TLS=posix``.
+between two processes with ``UCX_TLS=tcp`` and, for reference, ``UCX_TLS=posix``; and the floor
+of any transfer made through ucxx: the same batches sent from Python by ucxx alone, with the data
+path's UCX settings, no control call and no store (:mod:`_ucxx_floor`).
 
 Puts write fresh keys and delete them again outside the timed region; gets read one stored batch.
 
@@ -71,6 +73,7 @@ from _common import (
     timed,
 )
 from _ucx_perftest import perftest, perftest_binary
+from _ucxx_floor import ucxx_floor
 
 from kvstore import KVStoreClient, Namespace
 
@@ -196,6 +199,14 @@ def _verify(
     )
 
 
+def batch_and_reps(args: argparse.Namespace, label: str) -> tuple[int, int]:
+    """Blocks per call and calls per case for block size ``label``."""
+    size = SIZES[label]
+    batch = args.batch if size < 16 * MiB else max(1, args.batch // 2)
+    reps = args.reps or max(MIN_REPS, min(MAX_REPS, TARGET_BYTES // (size * batch)))
+    return batch, reps
+
+
 def bench_throughput(
     args: argparse.Namespace, clients: dict[str, KVStoreClient], rds: redis.Redis
 ) -> dict[str, dict[str, Any]]:
@@ -206,11 +217,10 @@ def bench_throughput(
     for label in args.sizes:
         started = time.monotonic()
         size = SIZES[label]
-        batch = args.batch if size < 16 * MiB else max(1, args.batch // 2)
+        batch, reps = batch_and_reps(args, label)
         blocks = [rng.integers(0, 256, size=size, dtype=np.uint8) for _ in range(batch)]
         keys = fresh_keys.take(batch)
         _verify(blocks, keys, clients, rds)
-        reps = args.reps or max(MIN_REPS, min(MAX_REPS, TARGET_BYTES // (size * batch)))
         cases = _throughput_cases(blocks, keys, fresh_keys, clients, rds)
         samples = run_interleaved(cases, reps, warmup=2)
         results[label] = {"block_bytes": size, "batch": batch, "seconds": samples}
@@ -420,6 +430,7 @@ def targets(
     throughput: dict[str, dict[str, Any]],
     lookups: dict[str, list[float]],
     ceiling: dict[str, dict[str, float]],
+    floor: dict[str, float],
 ) -> list[str]:
     """Issue 5's done-when figures, each with the measured value."""
     lines = []
@@ -445,6 +456,8 @@ def targets(
             parts.append(f"{ucx} {ratio:.1f}x {grpc_name} ({'met' if ratio >= 2 else 'MISSED'})")
         tcp = ceiling.get("tcp", {}).get(label)
         roof = f"; ucx_perftest tcp ceiling {tcp:.2f} GB/s" if tcp else ""
+        if label in floor:
+            roof += f"; ucxx alone, no control call: {floor[label]:.2f} GB/s"
         lines.append(
             f"- {label}, UCX over loopback (target >= 2x gRPC): " + ", ".join(parts) + roof
         )
@@ -474,15 +487,31 @@ def bench_perftest(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     return out
 
 
-def ceiling_table(ceiling: dict[str, dict[str, float]]) -> str:
-    """GB/s of ``ucx_perftest -t tag_bw`` per transport and block size."""
-    if not ceiling:
-        return "ucx_perftest was not found (the libucx wheel has no bin/ucx_perftest)."
-    labels = list(next(iter(ceiling.values())))
+def bench_floor(args: argparse.Namespace) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """ucxx alone (:mod:`_ucxx_floor`) on the throughput's batches: seconds per batch, and the
+    median GB/s, per block size."""
+    cases = {label: (SIZES[label], *batch_and_reps(args, label)) for label in args.sizes}
+    samples = ucxx_floor(cases)
+    gbps = {}
+    for label, seconds in samples.items():
+        size, batch, _ = cases[label]
+        gbps[label] = size * batch / summarize(seconds).median / GB
+        print(f"  ucxx alone {label}: {gbps[label]:.2f} GB/s", flush=True)
+    return samples, gbps
+
+
+def ceiling_table(ceiling: dict[str, dict[str, float]], floor: dict[str, float]) -> str:
+    """GB/s of ``ucx_perftest -t tag_bw`` per transport, and of ucxx alone, per block size."""
     rows = [
-        [f"UCX_TLS={tls}", *(f"{ceiling[tls][label]:.2f}" for label in labels)] for tls in ceiling
+        [f"`ucx_perftest -t tag_bw`, `UCX_TLS={tls}`", *ceiling[tls].values()] for tls in ceiling
     ]
-    return markdown_table(["ucx_perftest -t tag_bw", *labels], rows)
+    rows.append(["ucxx from Python: tagged sends + 1-byte ack, no control call", *floor.values()])
+    table = markdown_table(
+        ["path", *floor], [[row[0], *(f"{value:.2f}" for value in row[1:])] for row in rows]
+    )
+    if not ceiling:
+        table += "\n\nucx_perftest was not found (the libucx wheel has no bin/ucx_perftest)."
+    return table
 
 
 def plot(
@@ -568,6 +597,8 @@ def main() -> int:
         check(dram.get("evictions", 0) == 0, f"the server evicted {dram['evictions']} blocks")
     print("ucx_perftest ...", flush=True)
     ceiling = bench_perftest(args)
+    print("ucxx alone ...", flush=True)
+    floor_samples, floor = bench_floor(args)
     elapsed = time.monotonic() - clock
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -576,9 +607,9 @@ def main() -> int:
         [
             "# Data plane: shared memory vs memcpy, gRPC and redis-py",
             f"Command: `{command}`  \nStarted {started:%Y-%m-%d %H:%M} UTC, took {elapsed:.0f} s.",
-            "## Targets (issue 5)\n\n" + "\n".join(targets(throughput, lookups, ceiling)),
+            "## Targets (issue 5)\n\n" + "\n".join(targets(throughput, lookups, ceiling, floor)),
             "## Throughput, one client\n\n" + throughput_table(throughput),
-            "## Ceiling of the UCX path (same run, GB/s)\n\n" + ceiling_table(ceiling),
+            "## Ceiling of the UCX path (same run, GB/s)\n\n" + ceiling_table(ceiling, floor),
             "## Concurrent client processes (aggregate GB/s)\n\n" + concurrency_table(concurrency),
             "## Lookup latency\n\n" + lookup_table(lookups),
             f"![data plane throughput]({out.with_suffix('.png').name})",
@@ -591,6 +622,7 @@ def main() -> int:
         "concurrency": concurrency,
         "lookup": lookups,
         "ucx_perftest": ceiling,
+        "ucxx_floor": floor_samples,
         "machine": info,
         "command": command,
     }

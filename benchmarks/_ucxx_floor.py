@@ -1,0 +1,163 @@
+"""What ucxx's Python layer alone costs to move one batch: the floor of the UCX data path.
+
+``ucx_perftest`` (:mod:`_ucx_perftest`) measures UCX in C. The data path adds two things on top of
+it: ucxx's Python binding (a request object, a future and a wake-up per message) and kvstore's own
+work (the gRPC control call, leases or reservations, checksums at commit). This module measures the
+first alone, between two processes over loopback, with the settings and endpoint options the data
+path uses (``kvstore.transport.ucx``: error handling on, so TCP):
+
+* the receiver posts one receive per block of the next batch, then waits for them;
+* the sender sends the batch as one tagged message per block, then waits for a one-byte
+  acknowledgement the receiver sends once every block is in.
+
+One sample is the sender's time from the first send to the acknowledgement, so the figure is the
+best any ucxx transfer of that batch can do here, with no control call and no store behind it.
+:func:`ucxx_floor` runs both sides as child processes (ucxx binds its context to one event loop,
+and the benchmark process already has one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from _common import free_port
+
+from kvstore.transport.ucx import load_ucxx, transfer_tag
+
+__all__ = ["ucxx_floor"]
+
+#: Tag of the receiver's acknowledgement (transfer tags start at transfer id 1, far above).
+_ACK_TAG = 2
+_WARMUP = 5
+_TIMEOUT_S = 120.0
+
+
+def ucxx_floor(cases: dict[str, tuple[int, int, int]]) -> dict[str, list[float]]:
+    """Seconds per batch for each ``label: (block bytes, blocks per batch, batches timed)``."""
+    script = str(Path(__file__).resolve())
+    port = free_port()
+    spec = json.dumps({"cases": cases, "port": port})
+    receiver = subprocess.Popen(
+        [sys.executable, script, "receive", spec],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert receiver.stdout is not None
+        ready = receiver.stdout.readline()
+        if ready.strip() != "ready":
+            receiver.kill()
+            _, error = receiver.communicate()
+            raise RuntimeError(f"ucxx receiver did not start: {ready}{error}")
+        sender = subprocess.run(
+            [sys.executable, script, "send", spec],
+            capture_output=True,
+            text=True,
+            timeout=_TIMEOUT_S,
+        )
+        if sender.returncode != 0:
+            raise RuntimeError(f"ucxx sender failed:\n{sender.stdout}\n{sender.stderr}")
+        samples: dict[str, list[float]] = json.loads(sender.stdout.splitlines()[-1])
+        return samples
+    finally:
+        try:
+            receiver.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            receiver.kill()
+            receiver.wait()
+
+
+def _rounds(spec: dict[str, Any]) -> list[tuple[str, int, int, int]]:
+    """``(label, block bytes, blocks, transfer id)`` of every batch both sides go through."""
+    rounds = []
+    transfer_id = 1
+    for label, (size, batch, reps) in spec["cases"].items():
+        for _ in range(_WARMUP + reps):
+            rounds.append((label, size, batch, transfer_id))
+            transfer_id += 1
+    return rounds
+
+
+async def _receive(spec: dict[str, Any]) -> None:
+    ucxx = load_ucxx()
+    done = asyncio.get_running_loop().create_future()
+
+    async def serve(endpoint: Any) -> None:
+        buffers: dict[str, list[np.ndarray[Any, np.dtype[np.uint8]]]] = {}
+        ack = np.ones(1, dtype=np.uint8)
+        try:
+            for label, size, batch, transfer_id in _rounds(spec):
+                blocks = buffers.setdefault(
+                    label, [np.empty(size, dtype=np.uint8) for _ in range(batch)]
+                )
+                await asyncio.gather(
+                    *(
+                        endpoint.recv(block, tag=transfer_tag(transfer_id, index))
+                        for index, block in enumerate(blocks)
+                    )
+                )
+                await endpoint.send(ack, tag=_ACK_TAG)
+            done.set_result(None)
+        except Exception as exc:
+            done.set_exception(exc)
+
+    listener = ucxx.create_listener(serve, port=spec["port"], endpoint_error_handling=True)
+    print("ready", flush=True)
+    await asyncio.wait_for(done, _TIMEOUT_S)
+    await asyncio.sleep(0.1)  # let the last acknowledgement leave before the endpoint goes
+    listener.close()
+
+
+async def _send(spec: dict[str, Any]) -> dict[str, list[float]]:
+    ucxx = load_ucxx()
+    endpoint = await ucxx.create_endpoint(
+        "127.0.0.1", spec["port"], endpoint_error_handling=True, connect_timeout=10.0
+    )
+    rng = np.random.default_rng(0)
+    payloads = {
+        label: [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(batch)]
+        for label, (size, batch, _) in spec["cases"].items()
+    }
+    ack = np.empty(1, dtype=np.uint8)
+    samples: dict[str, list[float]] = {label: [] for label in spec["cases"]}
+    seen: dict[str, int] = {}
+    for label, _, _, transfer_id in _rounds(spec):
+        started = time.perf_counter()
+        await asyncio.gather(
+            *(
+                endpoint.send(block, tag=transfer_tag(transfer_id, index))
+                for index, block in enumerate(payloads[label])
+            ),
+            endpoint.recv(ack, tag=_ACK_TAG),
+        )
+        elapsed = time.perf_counter() - started
+        seen[label] = seen.get(label, 0) + 1
+        if seen[label] > _WARMUP:
+            samples[label].append(elapsed)
+    await endpoint.close()
+    return samples
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="one side of the ucxx floor measurement")
+    parser.add_argument("role", choices=["receive", "send"])
+    parser.add_argument("spec", help="JSON: cases (label: [bytes, blocks, reps]), port")
+    args = parser.parse_args()
+    spec = json.loads(args.spec)
+    if args.role == "receive":
+        asyncio.run(_receive(spec))
+    else:
+        print(json.dumps(asyncio.run(_send(spec))), flush=True)
+
+
+if __name__ == "__main__":
+    main()
