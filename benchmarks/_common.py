@@ -12,6 +12,7 @@ path side by side with its baseline in the same run, interleaved, and report dis
 * :func:`exit_on_sigterm` turns SIGTERM into ``SystemExit`` so that ``finally`` blocks (and so the
   context managers above) run when a benchmark is terminated.
 * :func:`run_interleaved` times several cases round-robin, rotating their order every round.
+* :func:`reap` waits for a child that ends by itself (a benchmark's peer process), or kills it.
 * :class:`KeySource` hands out fresh keys; :func:`timed` times one call; :func:`check` raises
   :class:`BenchmarkError` when a path returned wrong data (its timings would mean nothing);
 * :func:`summarize`, :func:`percentile` and :func:`markdown_table` turn samples into tables;
@@ -57,6 +58,7 @@ __all__ = [
     "machine_info",
     "markdown_table",
     "percentile",
+    "reap",
     "redis_server",
     "run_interleaved",
     "summarize",
@@ -149,6 +151,15 @@ def _stop(server: ServerProcess) -> None:
     process.terminate()
     try:
         process.wait(timeout=_STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def reap(process: subprocess.Popen[Any], timeout: float = _STOP_TIMEOUT_S) -> None:
+    """Wait for a child that ends by itself (a benchmark peer); kill it if it does not."""
+    try:
+        process.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()

@@ -15,7 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from _common import GB, free_port
+from _common import GB, free_port, reap
 
 from kvstore.transport.ucx import UCX_ENV_DEFAULTS
 
@@ -63,11 +63,7 @@ def perftest(binary: Path, env: dict[str, str], tls: str, size: int, iters: int)
             timeout=120,
         )
     finally:
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        reap(server)
     match = _FINAL.search(result.stdout)
     if result.returncode != 0 or match is None:
         raise RuntimeError(f"ucx_perftest {tls} failed:\n{result.stdout}\n{result.stderr}")

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import free_port
+from _common import free_port, reap
 
 from kvstore.transport.ucx import load_ucxx, transfer_tag
 
@@ -69,11 +69,7 @@ def ucxx_floor(cases: dict[str, tuple[int, int, int]]) -> dict[str, list[float]]
         samples: dict[str, list[float]] = json.loads(sender.stdout.splitlines()[-1])
         return samples
     finally:
-        try:
-            receiver.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            receiver.kill()
-            receiver.wait()
+        reap(receiver)
 
 
 def _rounds(spec: dict[str, Any]) -> list[tuple[str, int, int, int]]:
