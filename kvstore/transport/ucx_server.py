@@ -109,6 +109,16 @@ class UcxDataServer:
         if host in ("", "0.0.0.0", "::"):
             # The listener takes every interface; advertise one a remote client can reach.
             host = ucxx.get_address()
+        else:
+            # ucxx's listener takes a port, no address: asking for one interface (say loopback)
+            # does not keep other hosts out, and an operator must not believe it does.
+            logger.warning(
+                "the UCX listener on port %d takes every interface (ucxx cannot bind one "
+                "address); %s is only the address advertised to clients: firewall the port "
+                "where other hosts must not reach it",
+                self._listener.port,
+                host,
+            )
         self.address = f"{host}:{self._listener.port}"
         logger.info("UCX data path listening on %s", self.address)
 

@@ -451,3 +451,26 @@ def test_server_stops_cleanly_with_clients_connected(server_factory: ServerFacto
         assert f"dropping UCX client {connection.client_id.hex()}: server closing" in (
             server.stderr()
         )
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """Local IPv4 addresses with a TCP listener on ``port`` (from ``/proc/net/tcp``)."""
+    found = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        address, hex_port = local.split(":")
+        if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+            found.add(socket.inet_ntoa(bytes.fromhex(address)[::-1]))
+    return found
+
+
+def test_a_listener_asked_for_loopback_warns_that_it_takes_every_interface(
+    ucx_server: ServerProcess, address: str
+) -> None:
+    """ucxx binds its listener to every interface whatever HOST says; the server must say so.
+
+    If a ucxx release learns to bind one address, the first assertion fails and the warning (and
+    the README's note) must go."""
+    port = int(address.rpartition(":")[2])
+    assert _listening_addresses(port) == {"0.0.0.0"}
+    assert f"the UCX listener on port {port} takes every interface" in ucx_server.stderr()
