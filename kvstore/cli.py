@@ -4,7 +4,8 @@
 
     kvstore serve [--config FILE] [--listen HOST:PORT] [--dram-capacity SIZE] [--nvme-path DIR]
                   [--nvme-capacity SIZE] [--max-block-bytes SIZE] [--redis-url URL]
-                  [--redis-ttl SECONDS] [--log-level LEVEL]
+                  [--redis-ttl SECONDS] [--shm-socket PATH] [--shm-socket-mode MODE]
+                  [--ucx-listen HOST:PORT] [--log-level LEVEL]
     kvstore stats [--target HOST:PORT] [--json]
     kvstore demo  [--target HOST:PORT] [--wait SECONDS]
 
@@ -46,6 +47,7 @@ _SERVE_FLAGS = {
     "redis_url": "redis.url",
     "redis_ttl": "redis.ttl_s",
     "shm_socket": "server.shm_socket",
+    "shm_socket_mode": "server.shm_socket_mode",
     "ucx_listen": "server.ucx_listen",
 }
 
@@ -69,6 +71,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--shm-socket",
         help="UNIX socket of the shared-memory data plane ('auto' default, '' turns it off)",
+    )
+    serve.add_argument(
+        "--shm-socket-mode",
+        help="octal permission bits of that socket (default 0660: the server's user and group)",
     )
     serve.add_argument(
         "--ucx-listen", help="HOST:PORT of the UCX listener for remote clients (off by default)"

@@ -109,8 +109,10 @@ def default_data_dir() -> str:
 class ServerConfig:
     """The gRPC endpoint, request limits, ``workers`` threads for blocking disk I/O, and the
     shared-memory socket (``shm_socket``: a path, ``auto`` for one in the temp directory named
-    after the process, or empty to turn the shared-memory data plane off), and the UCX listener
-    for remote bulk transfers (``ucx_listen``: HOST:PORT, port 0 picks one; empty is off)."""
+    after the process, or empty to turn the shared-memory data plane off) with its permission bits
+    (``shm_socket_mode``, octal: a client must be able to write the socket to connect), and the
+    UCX listener for remote bulk transfers (``ucx_listen``: HOST:PORT, port 0 picks one; empty is
+    off)."""
 
     listen: str = "127.0.0.1:50051"
     max_block_bytes: int = 64 * 1024**2
@@ -118,6 +120,7 @@ class ServerConfig:
     shutdown_grace_s: float = 5.0
     workers: int = 4
     shm_socket: str = "auto"
+    shm_socket_mode: int = 0o660
     ucx_listen: str = ""
     ucx_transfer_timeout_s: float = 30.0
 
@@ -130,6 +133,12 @@ class ServerConfig:
         _positive("server.workers", self.workers)
         if self.shutdown_grace_s < 0:
             raise ConfigError(f"server.shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        if not 0 <= self.shm_socket_mode <= 0o777:
+            # Shown in octal: a decimal 660 in TOML (not 0o660) lands here as 0o1224.
+            raise ConfigError(
+                "server.shm_socket_mode must be permission bits from 0o000 to 0o777 "
+                f'(0o660 in TOML, "0660" elsewhere), got {oct(self.shm_socket_mode)}'
+            )
 
 
 @dataclass(frozen=True)
@@ -239,6 +248,8 @@ _SIZE_SETTINGS = {
     "dram.page_size",
     "nvme.capacity",
 }
+# Permission bits: strings ("0660", "660", "0o660") are octal; ints (TOML's 0o660) pass through.
+_MODE_SETTINGS = {"server.shm_socket_mode"}
 
 
 def setting_names() -> list[str]:
@@ -257,6 +268,8 @@ def _coerce(setting: str, raw: Any) -> Any:
     try:
         if setting in _SIZE_SETTINGS:
             return parse_size(raw if isinstance(raw, int) else str(raw))
+        if setting in _MODE_SETTINGS:
+            return raw if isinstance(raw, int) else int(str(raw), 8)
         if kind in ("int", int):
             return int(raw)
         if kind in ("float", float):

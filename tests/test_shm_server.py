@@ -1,20 +1,26 @@
 """``ShmServer``'s request handling, driven in-process (the socket: tests/integration/test_shm.py).
 
 A request is parsed whole before the store is touched, so a malformed frame takes nothing; counts
-the peer sends are checked against the frame before anything is built from them.
+the peer sends are checked against the frame before anything is built from them. The socket file
+gets exactly its configured mode whatever the umask, and only users that mode admits can connect
+(checked from a child process that runs as another user, which needs root).
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import socket
+import stat
 import struct
-from collections.abc import AsyncIterator
+import tempfile
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from kvstore.keys import Namespace
-from kvstore.server.shm import ShmServer, _Session
+from kvstore.server.shm import ShmServer, _listen_unix, _Session
 from kvstore.store import TieredStore
 from kvstore.tiers.dram import DramTier
 from kvstore.transport.shm_protocol import (
@@ -31,6 +37,8 @@ from kvstore.transport.shm_protocol import (
 PAGE = 4096
 NS = Namespace(model="shm-server-test").fingerprint()
 KEY = b"k" * 16
+NOBODY = 65534
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch to another uid")
 
 
 @pytest.fixture
@@ -122,3 +130,169 @@ async def test_a_touch_claiming_impossible_counts_counts_nothing(
     assert await server._dispatch(session(), Op.TOUCH, memoryview(good)) is None
     after = server.store.stats()["counters"]
     assert after["blocks_read_direct"] == 1 and after["lookups"] - before.get("lookups", 0) == 3
+
+
+# --- the socket file ------------------------------------------------------------------------------
+
+
+def mode_of(path: Path) -> int:
+    info = os.lstat(path)
+    assert stat.S_ISSOCK(info.st_mode)
+    return stat.S_IMODE(info.st_mode)
+
+
+def stale_socket(path: Path) -> None:
+    """Leave a socket file at ``path`` that nothing listens on, as a crashed server does."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.bind(str(path))
+
+
+def connect(path: Path) -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(5)
+        sock.connect(str(path))
+
+
+@pytest.fixture
+def shared_dir() -> Iterator[Path]:
+    """A directory any user may enter (pytest's own temporary directories are 0700)."""
+    with tempfile.TemporaryDirectory(prefix="kvstore-shm-") as name:
+        os.chmod(name, 0o755)
+        yield Path(name)
+
+
+def as_other_user(action: Callable[[], None], groups: tuple[int, ...] = ()) -> str:
+    """Run ``action`` in a forked child as uid and gid 65534 with supplementary ``groups``; the
+    errno name of the :class:`OSError` it raised, or "" when it succeeded."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never return into pytest
+        code = 1
+        try:
+            os.close(read)
+            os.setgroups(list(groups))
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            try:
+                action()
+                outcome = ""
+            except OSError as exc:
+                outcome = errno.errorcode.get(exc.errno or 0, repr(exc))
+            os.write(write, outcome.encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        outcome = pipe.read().decode()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the child failed before reporting"
+    return outcome
+
+
+@pytest.mark.parametrize("umask", [0o000, 0o077], ids=["umask-000", "umask-077"])
+@pytest.mark.parametrize("mode", [0o660, 0o600, 0o666])
+async def test_the_socket_gets_exactly_its_mode_whatever_the_umask(
+    server: ShmServer, tmp_path: Path, mode: int, umask: int
+) -> None:
+    path = tmp_path / "mode.sock"
+    shm = ShmServer(server.store, str(path), os.urandom(16), mode=mode)
+    previous = os.umask(umask)
+    try:
+        await shm.start()
+    finally:
+        os.umask(previous)
+    try:
+        assert mode_of(path) == mode
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["mode.sock"]  # no temporary left
+        connect(path)
+    finally:
+        await shm.close()
+    assert not path.exists()
+
+
+async def test_the_default_mode_admits_owner_and_group_only(server: ShmServer) -> None:
+    await server.start()
+    try:
+        assert server.mode == 0o660 and mode_of(Path(server.path)) == 0o660
+    finally:
+        await server.close()
+
+
+async def test_a_stale_socket_and_a_stale_temporary_are_replaced(
+    server: ShmServer, tmp_path: Path
+) -> None:
+    path = tmp_path / "s.sock"
+    stale_socket(path)
+    stale_socket(tmp_path / f"s.sock.{os.getpid()}.tmp")  # a crash between bind and rename
+    await server.start()
+    try:
+        assert mode_of(path) == 0o660
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["s.sock"]
+        connect(path)
+    finally:
+        await server.close()
+
+
+@pytest.mark.parametrize("kind", ["file", "directory"])
+async def test_what_is_not_a_socket_is_left_alone(
+    server: ShmServer, tmp_path: Path, kind: str
+) -> None:
+    path = tmp_path / "s.sock"
+    if kind == "file":
+        path.write_text("not a socket")
+    else:
+        path.mkdir()
+    with pytest.raises(FileExistsError, match="not a socket"):
+        await server.start()
+    if kind == "file":
+        assert path.read_text() == "not a socket"
+    else:
+        assert path.is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.sock"]
+
+
+async def test_a_missing_directory_is_an_os_error_that_leaves_nothing(
+    server: ShmServer, tmp_path: Path
+) -> None:
+    shm = ShmServer(server.store, str(tmp_path / "missing" / "s.sock"), os.urandom(16))
+    with pytest.raises(FileNotFoundError):
+        await shm.start()
+    assert list(tmp_path.iterdir()) == []
+    await shm.close()  # closing a server that never started is harmless
+
+
+def test_a_mode_that_is_not_permission_bits_is_refused(server: ShmServer) -> None:
+    with pytest.raises(ValueError, match="permission bits"):
+        ShmServer(server.store, server.path, os.urandom(16), mode=0o4660)
+
+
+@needs_root
+@pytest.mark.parametrize(
+    ("mode", "in_group", "outcome"),
+    [(0o660, False, "EACCES"), (0o666, False, ""), (0o660, True, ""), (0o600, True, "EACCES")],
+    ids=["0660-other", "0666-other", "0660-group-member", "0600-group-member"],
+)
+async def test_only_users_the_mode_admits_can_connect(
+    server: ShmServer, shared_dir: Path, mode: int, in_group: bool, outcome: str
+) -> None:
+    path = shared_dir / "s.sock"
+    shm = ShmServer(server.store, str(path), os.urandom(16), mode=mode)
+    await shm.start()
+    try:
+        # A supplementary group is how a pod of another uid is let in (supplementalGroups).
+        groups = (os.stat(path).st_gid,) if in_group else ()
+        assert as_other_user(lambda: connect(path), groups) == outcome
+    finally:
+        await shm.close()
+
+
+@needs_root
+def test_a_rename_that_fails_leaves_no_temporary(shared_dir: Path) -> None:
+    # In a sticky directory another user's file cannot be replaced: the rename fails after bind.
+    os.chmod(shared_dir, 0o1777)
+    path = shared_dir / "s.sock"
+    stale_socket(path)
+    assert as_other_user(lambda: _listen_unix(str(path), 0o660).close()) == "EPERM"
+    assert sorted(p.name for p in shared_dir.iterdir()) == ["s.sock"]
+    assert os.lstat(path).st_uid == 0  # the stale socket is still the one root left

@@ -126,12 +126,25 @@ def shm_socket_path(setting: str) -> str:
 async def _start_shm(
     config: Config, store: TieredStore, servicer: KVStoreServicer
 ) -> ShmServer | None:
-    """Serve the dram arena to co-located clients, if configured and there is an arena."""
+    """Serve the dram arena to co-located clients, if configured and there is an arena.
+
+    A socket that cannot be created (no such directory, no permission, a path too long) turns
+    only this data plane off: the server announces no socket and clients use gRPC.
+    """
     path = shm_socket_path(config.server.shm_socket)
     if not path or store.arena is None:
         return None
-    shm = ShmServer(store, path, os.urandom(16))
-    await shm.start()
+    shm = ShmServer(store, path, os.urandom(16), mode=config.server.shm_socket_mode)
+    try:
+        await shm.start()
+    except OSError as exc:
+        logger.warning(
+            "shared-memory data plane off: cannot create socket %s (%s); "
+            "co-located clients will use gRPC",
+            path,
+            exc,
+        )
+        return None
     servicer.shm_socket = path
     servicer.instance_id = shm.instance_id
     return shm

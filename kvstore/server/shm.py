@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import itertools
 import logging
 import os
@@ -65,14 +66,24 @@ class _Session:
 
 
 class ShmServer:
-    """Serves the arena of ``store`` to co-located clients on the UNIX socket at ``path``."""
+    """Serves the arena of ``store`` to co-located clients on the UNIX socket at ``path``.
 
-    def __init__(self, store: TieredStore, path: str, instance_id: bytes) -> None:
+    The socket file gets the permission bits ``mode`` whatever the process umask: connecting to a
+    UNIX socket needs write permission on it, so ``mode`` decides which local users may map the
+    arena (the default, ``0o660``, admits the server's user and group).
+    """
+
+    def __init__(
+        self, store: TieredStore, path: str, instance_id: bytes, mode: int = 0o660
+    ) -> None:
         arena = store.arena
         if arena is None:
             raise ValueError("the shared-memory data plane needs a dram tier")
+        if not 0 <= mode <= 0o777:
+            raise ValueError(f"socket mode must be permission bits (0o000 to 0o777), got {mode:#o}")
         self.store = store
         self.path = path
+        self.mode = mode
         self.instance_id = instance_id
         self._arena = arena
         self._ids = itertools.count(1)
@@ -93,13 +104,9 @@ class ShmServer:
         }
 
     async def start(self) -> None:
-        """Bind the socket (replacing a stale one left by a crashed server) and accept."""
-        with contextlib.suppress(FileNotFoundError):
-            if stat.S_ISSOCK(os.stat(self.path).st_mode):
-                os.unlink(self.path)
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(self.path)
-        listener.listen(64)
+        """Create the socket with its mode (replacing a stale one left by a crashed server) and
+        accept; raises :class:`OSError` when it cannot be created, leaving nothing behind."""
+        listener = _listen_unix(self.path, self.mode)
         listener.setblocking(False)
         self._listener = listener
         self._accepting = asyncio.get_running_loop().create_task(self._accept())
@@ -314,6 +321,43 @@ class ShmServer:
         given_back = [session.reservations.pop(i)[1] for i in ids if i in session.reservations]
         self.store.cancel(given_back)
         return b""
+
+
+def _listen_unix(path: str, mode: int) -> socket.socket:
+    """A listening UNIX socket at ``path`` whose file has exactly the permission bits ``mode``.
+
+    ``bind`` creates the file with the umask applied, and changing the umask is process-wide (so
+    racy with other threads); instead the socket is bound and chmod-ed under a temporary name in
+    the same directory and renamed onto ``path``, so no client ever finds it with other bits. The
+    rename also replaces a stale socket atomically; anything else at ``path`` is left alone.
+    """
+    with contextlib.suppress(FileNotFoundError):
+        if not stat.S_ISSOCK(os.stat(path).st_mode):
+            raise FileExistsError(errno.EEXIST, "exists and is not a socket", path)
+    # The pid keeps servers starting side by side apart, so one of this name is left from a crash
+    # (containers reuse pids). The suffix takes up to 12 of the 108 bytes a socket path may have.
+    temporary = f"{path}.{os.getpid()}.tmp"
+    with contextlib.suppress(FileNotFoundError):
+        if stat.S_ISSOCK(os.lstat(temporary).st_mode):
+            os.unlink(temporary)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    bound = False
+    try:
+        listener.bind(temporary)
+        bound = True
+        # chmod before listen: until then a connect, even to the temporary name, is refused, so
+        # no one slips in under the umask's bits. listen before the rename: whoever finds the
+        # socket at ``path`` can connect at once.
+        os.chmod(temporary, mode)
+        listener.listen(64)
+        os.rename(temporary, path)
+    except BaseException:
+        listener.close()
+        if bound:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temporary)
+        raise
+    return listener
 
 
 async def _recv_exact(

@@ -18,6 +18,7 @@ import mmap
 import os
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -1136,6 +1137,36 @@ def test_shm_socket_off(server_factory: ServerFactory) -> None:
         with pytest.raises(StoreUnavailableError):
             client.get(keys)
         assert client.data_plane == "grpc"
+
+
+def test_a_socket_that_cannot_be_created_leaves_grpc_serving(
+    server_factory: ServerFactory, tmp_path: Path
+) -> None:
+    missing = tmp_path / "no-such-dir" / "kvstore.sock"
+    server = server_factory("--shm-socket", str(missing), dram_capacity="4MiB")
+    assert shm_path(server) == ""
+    log = server.stderr()
+    assert "shared-memory data plane off" in log and str(missing) in log and "gRPC" in log
+    keys, values = make_blocks(24, 2, 64 * KiB)
+    with KVStoreClient(server.target, namespace=NS) as client:
+        assert client.put(keys, values).stored == 2
+        assert client.get(keys) == values
+        assert client.data_plane == "grpc"
+    assert not missing.parent.exists()
+
+
+def test_the_socket_mode_flag_sets_the_socket_mode(
+    server_factory: ServerFactory, tmp_path: Path
+) -> None:
+    path = tmp_path / "kvstore.sock"
+    server = server_factory("--shm-socket", str(path), "--shm-socket-mode", "0600")
+    assert shm_path(server) == str(path)
+    assert stat.S_IMODE(os.lstat(path).st_mode) == 0o600
+    keys, values = make_blocks(25, 2, 64 * KiB)
+    with KVStoreClient(server.target, namespace=NS, data_plane="shm") as client:
+        assert client.put(keys, values).stored == 2
+        assert client.get(keys) == values
+        assert client.data_plane == "shm"
 
 
 # --- (i) threads, (j) asyncio ----------------------------------------------------------------
