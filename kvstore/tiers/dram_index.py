@@ -181,9 +181,10 @@ class IndexReader:
         self.buckets = buckets
         self.closed = False
         self._seqs = np.frombuffer(self._mapping, dtype=np.uint64)
-        self._words = np.frombuffer(
+        # The slots as 64-bit words, indexed (bucket, way, word), for :meth:`present`.
+        self._table = np.frombuffer(
             self._mapping, dtype="<u8", count=ways * buckets * _WORDS, offset=HEADER_BYTES
-        ).reshape(-1, _WORDS)
+        ).reshape(buckets, ways, _WORDS)
 
     @property
     def open(self) -> bool:
@@ -217,19 +218,24 @@ class IndexReader:
         wanted = np.frombuffer(b"".join(keys), dtype="<u8").reshape(-1, 2)
         mixed = wanted[:, 0] + wanted[:, 1] * np.uint64(_MIX)  # wraps like the & _MASK64
         shift = np.uint64(64 - self.buckets.bit_length() + 1)
-        buckets = (mixed * np.uint64(_GOLDEN)) >> shift if shift < 64 else mixed * 0
-        rows = buckets.astype(np.int64)[:, None] * self.ways + np.arange(self.ways)
-        slots = self._words[rows]  # a copy: (keys, ways, words)
+        hashed = (mixed * np.uint64(_GOLDEN)) >> shift if shift < 64 else mixed * 0
+        buckets = hashed.astype(np.intp)
+        table = self._table
+        # As find() does: the first way holding the key (published, not mid-update) decides, and
+        # only its namespace is compared. Each gather copies one word per way, not whole slots:
+        # a copy of every candidate slot (512 bytes per key) cost more than the comparisons.
+        live = table[buckets, :, 1] == wanted[:, 0, None]
+        live &= table[buckets, :, 2] == wanted[:, 1, None]
+        live &= table[buckets, :, 6] != 0  # length
+        live &= (table[buckets, :, 0] & np.uint64(1)) == 0  # seq: not mid-update
+        way = live.argmax(axis=1)
+        chosen = table[buckets, way]  # (keys, words): the deciding slot of each key
         ours = np.frombuffer(namespace, dtype="<u8")
-        found = (
-            (slots[:, :, 1] == wanted[:, None, 0])
-            & (slots[:, :, 2] == wanted[:, None, 1])
-            & (slots[:, :, 3] == ours[0])
-            & (slots[:, :, 4] == ours[1])
-            & (slots[:, :, 6] != 0)  # length
-            & (slots[:, :, 0] & np.uint64(1) == 0)  # seq: not mid-update
+        return (  # type: ignore[no-any-return]
+            live[np.arange(len(buckets)), way]
+            & (chosen[:, 3] == ours[0])
+            & (chosen[:, 4] == ours[1])
         )
-        return found.any(axis=1)  # type: ignore[no-any-return]
 
     def unchanged(self, hit: SlotHit) -> bool:
         """Whether the slot ``hit`` came from has not changed since :meth:`find` read it."""
