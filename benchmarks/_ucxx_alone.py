@@ -1,4 +1,4 @@
-"""What ucxx's Python layer alone costs to move one batch: the floor of the UCX data path.
+"""The same batches through ucxx alone: what the UCX data path's Python binding manages by itself.
 
 ``ucx_perftest`` (:mod:`_ucx_perftest`) measures UCX in C. The data path adds two things on top of
 it: ucxx's Python binding (a request object, a future and a wake-up per message) and kvstore's own
@@ -10,9 +10,10 @@ path uses (``kvstore.transport.ucx``: error handling on, so TCP):
 * the sender sends the batch as one tagged message per block, then waits for a one-byte
   acknowledgement the receiver sends once every block is in.
 
-One sample is the sender's time from the first send to the acknowledgement, so the figure is the
-best any ucxx transfer of that batch can do here, with no control call and no store behind it.
-:func:`ucxx_floor` runs both sides as child processes (ucxx binds its context to one event loop,
+One sample is the sender's time from the first send to the acknowledgement: the batch through
+ucxx with no control call and no store behind it. Where kvstore's path takes longer, the
+difference is the control call and the store; where it does not, ucxx itself is the limit.
+:func:`ucxx_alone` runs both sides as child processes (ucxx binds its context to one event loop,
 and the benchmark process already has one).
 """
 
@@ -32,7 +33,7 @@ from _common import free_port, reap
 
 from kvstore.transport.ucx import load_ucxx, transfer_tag
 
-__all__ = ["ucxx_floor"]
+__all__ = ["ucxx_alone"]
 
 #: Tag of the receiver's acknowledgement (transfer tags start at transfer id 1, far above).
 _ACK_TAG = 2
@@ -40,7 +41,7 @@ _WARMUP = 5
 _TIMEOUT_S = 120.0
 
 
-def ucxx_floor(cases: dict[str, tuple[int, int, int]]) -> dict[str, list[float]]:
+def ucxx_alone(cases: dict[str, tuple[int, int, int]]) -> dict[str, list[float]]:
     """Seconds per batch for each ``label: (block bytes, blocks per batch, batches timed)``."""
     script = str(Path(__file__).resolve())
     port = free_port()
@@ -144,7 +145,7 @@ async def _send(spec: dict[str, Any]) -> dict[str, list[float]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="one side of the ucxx floor measurement")
+    parser = argparse.ArgumentParser(description="one side of the ucxx-alone measurement")
     parser.add_argument("role", choices=["receive", "send"])
     parser.add_argument("spec", help="JSON: cases (label: [bytes, blocks, reps]), port")
     args = parser.parse_args()

@@ -25,9 +25,9 @@ go through every path.
 * ``redis-py GET`` / ``redis-py SET``: one pipeline of GET / SET commands (redis-py + hiredis).
 
 The ceiling of the UCX path, in the same run: ``ucx_perftest -t tag_bw`` (UCX's C benchmark)
-between two processes with ``UCX_TLS=tcp`` and, for reference, ``UCX_TLS=posix``; and the floor
-of any transfer made through ucxx: the same batches sent from Python by ucxx alone, with the data
-path's UCX settings, no control call and no store (:mod:`_ucxx_floor`).
+between two processes with ``UCX_TLS=tcp`` and, for reference, ``UCX_TLS=posix``; and the same
+batches sent from Python by ucxx alone, with the data path's UCX settings but no control call and
+no store (:mod:`_ucxx_alone`): what the binding itself manages.
 
 Puts write fresh keys and delete them again outside the timed region; gets read one stored batch.
 
@@ -73,7 +73,7 @@ from _common import (
     timed,
 )
 from _ucx_perftest import perftest, perftest_binary
-from _ucxx_floor import ucxx_floor
+from _ucxx_alone import ucxx_alone
 
 from kvstore import KVStoreClient, Namespace
 
@@ -430,7 +430,7 @@ def targets(
     throughput: dict[str, dict[str, Any]],
     lookups: dict[str, list[float]],
     ceiling: dict[str, dict[str, float]],
-    floor: dict[str, float],
+    alone: dict[str, float],
 ) -> list[str]:
     """Issue 5's done-when figures, each with the measured value."""
     lines = []
@@ -456,8 +456,8 @@ def targets(
             parts.append(f"{ucx} {ratio:.1f}x {grpc_name} ({'met' if ratio >= 2 else 'MISSED'})")
         tcp = ceiling.get("tcp", {}).get(label)
         roof = f"; ucx_perftest tcp ceiling {tcp:.2f} GB/s" if tcp else ""
-        if label in floor:
-            roof += f"; ucxx alone, no control call: {floor[label]:.2f} GB/s"
+        if label in alone:
+            roof += f"; ucxx alone, no control call: {alone[label]:.2f} GB/s"
         lines.append(
             f"- {label}, UCX over loopback (target >= 2x gRPC): " + ", ".join(parts) + roof
         )
@@ -487,11 +487,11 @@ def bench_perftest(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     return out
 
 
-def bench_floor(args: argparse.Namespace) -> tuple[dict[str, list[float]], dict[str, float]]:
-    """ucxx alone (:mod:`_ucxx_floor`) on the throughput's batches: seconds per batch, and the
+def bench_ucxx_alone(args: argparse.Namespace) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """ucxx alone (:mod:`_ucxx_alone`) on the throughput's batches: seconds per batch, and the
     median GB/s, per block size."""
     cases = {label: (SIZES[label], *batch_and_reps(args, label)) for label in args.sizes}
-    samples = ucxx_floor(cases)
+    samples = ucxx_alone(cases)
     gbps = {}
     for label, seconds in samples.items():
         size, batch, _ = cases[label]
@@ -500,14 +500,14 @@ def bench_floor(args: argparse.Namespace) -> tuple[dict[str, list[float]], dict[
     return samples, gbps
 
 
-def ceiling_table(ceiling: dict[str, dict[str, float]], floor: dict[str, float]) -> str:
+def ceiling_table(ceiling: dict[str, dict[str, float]], alone: dict[str, float]) -> str:
     """GB/s of ``ucx_perftest -t tag_bw`` per transport, and of ucxx alone, per block size."""
     rows = [
         [f"`ucx_perftest -t tag_bw`, `UCX_TLS={tls}`", *ceiling[tls].values()] for tls in ceiling
     ]
-    rows.append(["ucxx from Python: tagged sends + 1-byte ack, no control call", *floor.values()])
+    rows.append(["ucxx from Python: tagged sends + 1-byte ack, no control call", *alone.values()])
     table = markdown_table(
-        ["path", *floor], [[row[0], *(f"{value:.2f}" for value in row[1:])] for row in rows]
+        ["path", *alone], [[row[0], *(f"{value:.2f}" for value in row[1:])] for row in rows]
     )
     if not ceiling:
         table += "\n\nucx_perftest was not found (the libucx wheel has no bin/ucx_perftest)."
@@ -598,7 +598,7 @@ def main() -> int:
     print("ucx_perftest ...", flush=True)
     ceiling = bench_perftest(args)
     print("ucxx alone ...", flush=True)
-    floor_samples, floor = bench_floor(args)
+    alone_samples, alone = bench_ucxx_alone(args)
     elapsed = time.monotonic() - clock
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -607,9 +607,10 @@ def main() -> int:
         [
             "# Data plane: shared memory vs memcpy, gRPC and redis-py",
             f"Command: `{command}`  \nStarted {started:%Y-%m-%d %H:%M} UTC, took {elapsed:.0f} s.",
-            "## Targets (issue 5)\n\n" + "\n".join(targets(throughput, lookups, ceiling, floor)),
+            "## Targets (issue 5)\n\n" + "\n".join(targets(throughput, lookups, ceiling, alone)),
             "## Throughput, one client\n\n" + throughput_table(throughput),
-            "## Ceiling of the UCX path (same run, GB/s)\n\n" + ceiling_table(ceiling, floor),
+            "## The UCX path's ceiling and ucxx alone (same run, GB/s)\n\n"
+            + ceiling_table(ceiling, alone),
             "## Concurrent client processes (aggregate GB/s)\n\n" + concurrency_table(concurrency),
             "## Lookup latency\n\n" + lookup_table(lookups),
             f"![data plane throughput]({out.with_suffix('.png').name})",
@@ -622,7 +623,7 @@ def main() -> int:
         "concurrency": concurrency,
         "lookup": lookups,
         "ucx_perftest": ceiling,
-        "ucxx_floor": floor_samples,
+        "ucxx_alone": alone_samples,
         "machine": info,
         "command": command,
     }
