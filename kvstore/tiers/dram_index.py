@@ -5,15 +5,19 @@ without asking the server: it looks the key up in this index, copies the bytes o
 and then checks that the index entry did not change while it copied. The server is the only
 writer; clients map the index read-only (the memfd is sealed against new writable mappings).
 
-**Layout** (little-endian). A 64-byte header, then ``buckets * ways`` slots of 64 bytes::
+**Layout** (little-endian). A 64-byte header, then ``buckets * ways`` slots of 64 bytes, then one
+tag per slot (``buckets * ways`` u64, a bucket's ``ways`` tags side by side in one cache line)::
 
     header  magic:u64 version:u32 ways:u32 buckets:u64 closed:u64 (padding to 64)
     slot    seq:u64 key[16] namespace[16] offset:u64 length:u64 (padding to 64)
+    tag     the slot's first 8 key bytes (0 when empty)
 
 A key lives in one bucket (a hash of the key picks it) in any of its ``ways`` slots; a slot with
-``length == 0`` is empty. A bucket that is full, or a block whose pages are not one contiguous
-run, is simply not published: readers then take the leased path through the server, as they do
-for every key they do not find here.
+``length == 0`` is empty. The tags are only a hint for looking many keys up at once
+(:meth:`IndexReader.present`): one cache line per key says which way to check, instead of all
+``ways`` slots, and the slot itself then decides. A bucket that is full, or a block whose pages
+are not one contiguous run, is simply not published: readers then take the leased path through
+the server, as they do for every key they do not find here.
 
 **Seqlock.** Each slot has a sequence number that only grows. The writer makes it odd, changes the
 slot, and makes it even again. A reader takes the sequence (even, or it gives up on that key),
@@ -50,7 +54,7 @@ from kvstore.keys import KEY_BYTES, NAMESPACE_BYTES
 __all__ = ["DIRECT_READS_SUPPORTED", "IndexReader", "IndexWriter", "SlotHit"]
 
 MAGIC = 0x4B56_5354_4958_0001  # "KVSTIX" + 1
-VERSION = 1
+VERSION = 2
 HEADER_BYTES = 64
 SLOT_BYTES = 64
 WAYS = 8
@@ -64,6 +68,7 @@ _FIELDS = struct.Struct(f"<{KEY_BYTES}s{NAMESPACE_BYTES}sQQ")  # the slot after 
 # The slot as 8 u64 words for whole-table numpy work: seq, key (2), namespace (2), offset, length.
 _WORDS = SLOT_BYTES // 8
 _U64 = 8
+_TAG = struct.Struct("<Q")
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E37_79B9_7F4A_7C15
 _MIX = 0xC2B2_AE3D_27D4_EB4F
@@ -97,7 +102,8 @@ class IndexWriter:
         slots = _slot_count(max_blocks)
         self.ways = WAYS
         self.buckets = slots // WAYS
-        self.size = HEADER_BYTES + slots * SLOT_BYTES
+        self._tags_at = HEADER_BYTES + slots * SLOT_BYTES
+        self.size = self._tags_at + slots * _U64
         self.fd = os.memfd_create("kvstore-dram-index", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, self.size)
@@ -142,6 +148,7 @@ class IndexWriter:
         seq = at // _U64
         self._seqs[seq] += 1  # odd: readers keep off
         _FIELDS.pack_into(self._mapping, at + _U64, key, namespace, offset, length)
+        self._mapping[self._tags_at + slot * _U64 : self._tags_at + (slot + 1) * _U64] = key[:_U64]
         self._seqs[seq] += 1
 
     def close(self) -> None:
@@ -173,7 +180,8 @@ class IndexReader:
     def __init__(self, fd: int, size: int) -> None:
         self._mapping = mmap.mmap(fd, size, prot=mmap.PROT_READ)
         magic, version, ways, buckets, _ = _HEADER.unpack_from(self._mapping, 0)
-        fits = HEADER_BYTES + ways * buckets * SLOT_BYTES <= size
+        slots = ways * buckets
+        fits = HEADER_BYTES + slots * (SLOT_BYTES + _U64) <= size
         if magic != MAGIC or version != VERSION or not fits:
             self._mapping.close()
             raise ValueError("not a kvstore dram index of this version")
@@ -181,10 +189,14 @@ class IndexReader:
         self.buckets = buckets
         self.closed = False
         self._seqs = np.frombuffer(self._mapping, dtype=np.uint64)
-        # The slots as 64-bit words, indexed (bucket, way, word), for :meth:`present`.
+        # The slots as 64-bit words, indexed (bucket, way, word), and the tags, indexed (bucket,
+        # way), for :meth:`present`.
         self._table = np.frombuffer(
-            self._mapping, dtype="<u8", count=ways * buckets * _WORDS, offset=HEADER_BYTES
+            self._mapping, dtype="<u8", count=slots * _WORDS, offset=HEADER_BYTES
         ).reshape(buckets, ways, _WORDS)
+        self._tags = np.frombuffer(
+            self._mapping, dtype="<u8", count=slots, offset=HEADER_BYTES + slots * SLOT_BYTES
+        ).reshape(buckets, ways)
 
     @property
     def open(self) -> bool:
@@ -220,22 +232,27 @@ class IndexReader:
         shift = np.uint64(64 - self.buckets.bit_length() + 1)
         hashed = (mixed * np.uint64(_GOLDEN)) >> shift if shift < 64 else mixed * 0
         buckets = hashed.astype(np.intp)
-        table = self._table
-        # As find() does: the first way holding the key (published, not mid-update) decides, and
-        # only its namespace is compared. Each gather copies one word per way, not whole slots:
-        # a copy of every candidate slot (512 bytes per key) cost more than the comparisons.
-        live = table[buckets, :, 1] == wanted[:, 0, None]
-        live &= table[buckets, :, 2] == wanted[:, 1, None]
-        live &= table[buckets, :, 6] != 0  # length
-        live &= (table[buckets, :, 0] & np.uint64(1)) == 0  # seq: not mid-update
-        way = live.argmax(axis=1)
-        chosen = table[buckets, way]  # (keys, words): the deciding slot of each key
+        # The tags pick each key's way (one cache line per key; reading all of a bucket's slots
+        # touches eight), then that slot alone decides, as in find(): the whole key, published,
+        # not mid-update, and our namespace. A stale tag can only make a key look absent.
+        tagged = self._tags[buckets] == wanted[:, 0, None]  # (keys, ways)
+        way = tagged.argmax(axis=1)
+        slot = self._table[buckets, way]  # (keys, words)
         ours = np.frombuffer(namespace, dtype="<u8")
-        return (  # type: ignore[no-any-return]
-            live[np.arange(len(buckets)), way]
-            & (chosen[:, 3] == ours[0])
-            & (chosen[:, 4] == ours[1])
+        found: np.ndarray[Any, Any] = (
+            tagged[np.arange(len(buckets)), way]
+            & (slot[:, 1] == wanted[:, 0])
+            & (slot[:, 2] == wanted[:, 1])
+            & (slot[:, 3] == ours[0])
+            & (slot[:, 4] == ours[1])
+            & (slot[:, 6] != 0)  # length
+            & ((slot[:, 0] & np.uint64(1)) == 0)  # seq: not mid-update
         )
+        # A tag shared by two ways (keys alike in their first 8 bytes, or a key starting with 8
+        # zero bytes, like every empty slot's tag): the first of them may be the wrong slot.
+        for ambiguous in np.flatnonzero(np.count_nonzero(tagged, axis=1) > 1).tolist():
+            found[ambiguous] = self.find(keys[ambiguous], namespace) is not None
+        return found
 
     def unchanged(self, hit: SlotHit) -> bool:
         """Whether the slot ``hit`` came from has not changed since :meth:`find` read it."""

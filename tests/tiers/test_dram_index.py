@@ -256,3 +256,38 @@ def test_the_arena_cannot_be_resized_by_whoever_holds_its_fd(tier: DramTier) -> 
         os.ftruncate(tier.fd, 0)
     write(tier, 1)
     assert tier.read_sync(key(1)) is not None
+
+
+def test_present_looks_past_a_shared_tag() -> None:
+    """Keys alike in their first 8 bytes share a tag, and so does a key that starts with 8 zero
+    bytes with every empty slot: the vectorized lookup must still find each of them."""
+    writer = IndexWriter(max_blocks=64)  # 8 buckets of 8 ways
+    reader = IndexReader(writer.fd, writer.size)
+    try:
+        low = b"\x11" * 8
+        same_bucket = [low + n.to_bytes(8, "little") for n in range(200)]
+        same_bucket = [k for k in same_bucket if _bucket(k, writer.buckets) == 0][:3]
+        first, second, unpublished = same_bucket
+        writer.publish(first, NS, 0, 100)
+        writer.publish(second, NS, PAGE, 100)
+        assert reader.present([first, second, unpublished], NS).tolist() == [True, True, False]
+        writer.withdraw(first)
+        assert reader.present([first, second], NS).tolist() == [False, True]
+
+        # A key starting with 8 zero bytes behind a way that was emptied: the empty way's tag
+        # matches first.
+        in_bucket_one = [
+            k
+            for k in (n.to_bytes(8, "little") * 2 for n in range(1, 400))
+            if _bucket(k, writer.buckets) == 1
+        ]
+        zeros = (bytes(8) + n.to_bytes(8, "little") for n in range(400))
+        zero_tagged = next(k for k in zeros if _bucket(k, writer.buckets) == 1)
+        writer.publish(in_bucket_one[0], NS, 2 * PAGE, 100)  # way 0
+        writer.publish(zero_tagged, NS, 3 * PAGE, 100)  # way 1
+        writer.withdraw(in_bucket_one[0])  # way 0 empty again: tag 0
+        assert reader.present([zero_tagged], NS).tolist() == [True]
+        assert reader.find(zero_tagged, NS) is not None
+    finally:
+        reader.close()
+        writer.close()
