@@ -5,12 +5,17 @@ without asking the server: it looks the key up in this index, copies the bytes o
 and then checks that the index entry did not change while it copied. The server is the only
 writer; clients map the index read-only (the memfd is sealed against new writable mappings).
 
-**Layout** (little-endian). A 64-byte header, then ``buckets * ways`` slots of 64 bytes, then one
-tag per slot (``buckets * ways`` u64, a bucket's ``ways`` tags side by side in one cache line)::
+**Layout** (little-endian). A 64-byte header, then ``buckets * ways`` slots of 64 bytes, then,
+when ``flags`` has :data:`FLAG_TAGS`, one tag per slot (``buckets * ways`` u64, a bucket's
+``ways`` tags side by side in one cache line)::
 
-    header  magic:u64 version:u32 ways:u32 buckets:u64 closed:u64 (padding to 64)
+    header  magic:u64 version:u32 ways:u32 buckets:u64 closed:u64 flags:u64 (padding to 64)
     slot    seq:u64 key[16] namespace[16] offset:u64 length:u64 (padding to 64)
     tag     the slot's first 8 key bytes (0 when empty)
+
+The tags came after version 1 without changing it: a reader that knows nothing of them reads the
+slots as before (a client and its server may be upgraded at different times), and a reader that
+finds no flag (an older server) looks at every way.
 
 A key lives in one bucket (a hash of the key picks it) in any of its ``ways`` slots; a slot with
 ``length == 0`` is empty. The tags are only a hint for looking many keys up at once
@@ -54,7 +59,9 @@ from kvstore.keys import KEY_BYTES, NAMESPACE_BYTES
 __all__ = ["DIRECT_READS_SUPPORTED", "IndexReader", "IndexWriter", "SlotHit"]
 
 MAGIC = 0x4B56_5354_4958_0001  # "KVSTIX" + 1
-VERSION = 2
+VERSION = 1
+#: ``flags`` bit: the tags follow the slots.
+FLAG_TAGS = 1
 HEADER_BYTES = 64
 SLOT_BYTES = 64
 WAYS = 8
@@ -62,13 +69,12 @@ WAYS = 8
 MAX_SLOTS = 1 << 20
 MIN_SLOTS = 64
 
-_HEADER = struct.Struct("<QIIQQ")
+_HEADER = struct.Struct("<QIIQQQ")
 _CLOSED_AT = 24  # byte offset of ``closed`` in the header
 _FIELDS = struct.Struct(f"<{KEY_BYTES}s{NAMESPACE_BYTES}sQQ")  # the slot after its seq
 # The slot as 8 u64 words for whole-table numpy work: seq, key (2), namespace (2), offset, length.
 _WORDS = SLOT_BYTES // 8
 _U64 = 8
-_TAG = struct.Struct("<Q")
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E37_79B9_7F4A_7C15
 _MIX = 0xC2B2_AE3D_27D4_EB4F
@@ -112,7 +118,7 @@ class IndexWriter:
         except BaseException:
             os.close(self.fd)
             raise
-        _HEADER.pack_into(self._mapping, 0, MAGIC, VERSION, self.ways, self.buckets, 0)
+        _HEADER.pack_into(self._mapping, 0, MAGIC, VERSION, self.ways, self.buckets, 0, FLAG_TAGS)
         self._seqs = np.frombuffer(self._mapping, dtype=np.uint64)
         self._slot_of: dict[bytes, int] = {}
         self._used = bytearray(slots)
@@ -123,6 +129,9 @@ class IndexWriter:
 
     def publish(self, key: bytes, namespace: bytes, offset: int, length: int) -> bool:
         """Make ``key``'s single run of arena bytes findable; False if its bucket is full."""
+        if len(key) != KEY_BYTES or len(namespace) != NAMESPACE_BYTES:
+            # Checked before a sequence turns odd: a failed write would leave its slot odd.
+            raise ValueError("the index holds 16-byte keys under 16-byte namespaces")
         self.withdraw(key)
         first = _bucket(key, self.buckets) * self.ways
         for slot in range(first, first + self.ways):
@@ -179,9 +188,10 @@ class IndexReader:
 
     def __init__(self, fd: int, size: int) -> None:
         self._mapping = mmap.mmap(fd, size, prot=mmap.PROT_READ)
-        magic, version, ways, buckets, _ = _HEADER.unpack_from(self._mapping, 0)
+        magic, version, ways, buckets, _, flags = _HEADER.unpack_from(self._mapping, 0)
         slots = ways * buckets
-        fits = HEADER_BYTES + slots * (SLOT_BYTES + _U64) <= size
+        tagged = bool(flags & FLAG_TAGS)
+        fits = HEADER_BYTES + slots * (SLOT_BYTES + (_U64 if tagged else 0)) <= size
         if magic != MAGIC or version != VERSION or not fits:
             self._mapping.close()
             raise ValueError("not a kvstore dram index of this version")
@@ -194,9 +204,13 @@ class IndexReader:
         self._table = np.frombuffer(
             self._mapping, dtype="<u8", count=slots * _WORDS, offset=HEADER_BYTES
         ).reshape(buckets, ways, _WORDS)
-        self._tags = np.frombuffer(
-            self._mapping, dtype="<u8", count=slots, offset=HEADER_BYTES + slots * SLOT_BYTES
-        ).reshape(buckets, ways)
+        self._tags = (
+            np.frombuffer(
+                self._mapping, dtype="<u8", count=slots, offset=HEADER_BYTES + slots * SLOT_BYTES
+            ).reshape(buckets, ways)
+            if tagged
+            else None
+        )
 
     @property
     def open(self) -> bool:
@@ -232,27 +246,51 @@ class IndexReader:
         shift = np.uint64(64 - self.buckets.bit_length() + 1)
         hashed = (mixed * np.uint64(_GOLDEN)) >> shift if shift < 64 else mixed * 0
         buckets = hashed.astype(np.intp)
+        if self._tags is None:
+            return self._scan(namespace, wanted, buckets)
         # The tags pick each key's way (one cache line per key; reading all of a bucket's slots
         # touches eight), then that slot alone decides, as in find(): the whole key, published,
         # not mid-update, and our namespace. A stale tag can only make a key look absent.
         tagged = self._tags[buckets] == wanted[:, 0, None]  # (keys, ways)
         way = tagged.argmax(axis=1)
-        slot = self._table[buckets, way]  # (keys, words)
-        ours = np.frombuffer(namespace, dtype="<u8")
-        found: np.ndarray[Any, Any] = (
-            tagged[np.arange(len(buckets)), way]
-            & (slot[:, 1] == wanted[:, 0])
-            & (slot[:, 2] == wanted[:, 1])
-            & (slot[:, 3] == ours[0])
-            & (slot[:, 4] == ours[1])
-            & (slot[:, 6] != 0)  # length
-            & ((slot[:, 0] & np.uint64(1)) == 0)  # seq: not mid-update
+        found: np.ndarray[Any, Any] = tagged[np.arange(len(buckets)), way] & self._decides(
+            self._table[buckets, way], wanted, namespace
         )
         # A tag shared by two ways (keys alike in their first 8 bytes, or a key starting with 8
         # zero bytes, like every empty slot's tag): the first of them may be the wrong slot.
         for ambiguous in np.flatnonzero(np.count_nonzero(tagged, axis=1) > 1).tolist():
             found[ambiguous] = self.find(keys[ambiguous], namespace) is not None
         return found
+
+    def _scan(
+        self, namespace: bytes, wanted: np.ndarray[Any, Any], buckets: np.ndarray[Any, Any]
+    ) -> np.ndarray[Any, Any]:
+        """:meth:`present` without tags (an older server): every way of each key's bucket."""
+        table = self._table
+        live = table[buckets, :, 1] == wanted[:, 0, None]
+        live &= table[buckets, :, 2] == wanted[:, 1, None]
+        live &= table[buckets, :, 6] != 0  # length
+        live &= (table[buckets, :, 0] & np.uint64(1)) == 0  # seq: not mid-update
+        way = live.argmax(axis=1)
+        found: np.ndarray[Any, Any] = live[np.arange(len(buckets)), way] & self._decides(
+            table[buckets, way], wanted, namespace
+        )
+        return found
+
+    @staticmethod
+    def _decides(
+        slot: np.ndarray[Any, Any], wanted: np.ndarray[Any, Any], namespace: bytes
+    ) -> np.ndarray[Any, Any]:
+        """Whether each key's deciding slot (``(keys, words)``) holds it as find() would."""
+        ours = np.frombuffer(namespace, dtype="<u8")
+        return (  # type: ignore[no-any-return]
+            (slot[:, 1] == wanted[:, 0])
+            & (slot[:, 2] == wanted[:, 1])
+            & (slot[:, 3] == ours[0])
+            & (slot[:, 4] == ours[1])
+            & (slot[:, 6] != 0)  # length
+            & ((slot[:, 0] & np.uint64(1)) == 0)  # seq: not mid-update
+        )
 
     def unchanged(self, hit: SlotHit) -> bool:
         """Whether the slot ``hit`` came from has not changed since :meth:`find` read it."""

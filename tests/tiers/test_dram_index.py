@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import struct
 from collections.abc import Iterator
 
 import numpy as np
@@ -18,7 +19,16 @@ import pytest
 from kvstore.block import BlockHeader
 from kvstore.buffers import byte_view
 from kvstore.tiers.dram import DramTier
-from kvstore.tiers.dram_index import WAYS, IndexReader, IndexWriter, _bucket
+from kvstore.tiers.dram_index import (
+    FLAG_TAGS,
+    HEADER_BYTES,
+    MAGIC,
+    SLOT_BYTES,
+    WAYS,
+    IndexReader,
+    IndexWriter,
+    _bucket,
+)
 
 NS = bytes(range(16))
 OTHER_NS = bytes(range(16, 32))
@@ -27,6 +37,15 @@ PAGE = 4096
 
 def key(n: int) -> bytes:
     return n.to_bytes(4, "little") * 4
+
+
+def index_reader(writer: IndexWriter, tags: bool = True) -> IndexReader:
+    """A reader of ``writer``'s index; without ``tags`` as if an older server had written it
+    (the flag cleared: the tags go unread)."""
+    if not tags:
+        flags_at = 32  # after magic, version, ways, buckets, closed
+        struct.pack_into("<Q", writer._mapping, flags_at, 0)
+    return IndexReader(writer.fd, writer.size)
 
 
 def payload(n: int, length: int = PAGE) -> bytes:
@@ -87,10 +106,12 @@ def test_any_change_to_a_slot_invalidates_what_was_read(
     assert not reader.unchanged(again)
 
 
-def test_present_agrees_with_find_for_every_key() -> None:
-    """The vectorized lookup hashes keys into buckets exactly as the per-key one does."""
+@pytest.mark.parametrize("tags", [True, False], ids=["tagged", "untagged"])
+def test_present_agrees_with_find_for_every_key(tags: bool) -> None:
+    """The vectorized lookup hashes keys into buckets exactly as the per-key one does, through
+    the tags and, on an index an older server wrote, through every way."""
     writer = IndexWriter(max_blocks=4096)
-    reader = IndexReader(writer.fd, writer.size)
+    reader = index_reader(writer, tags)
     try:
         rng = np.random.default_rng(5)
         keys = [rng.bytes(16) for _ in range(3000)] + [key(n) for n in range(500)]
@@ -256,6 +277,45 @@ def test_the_arena_cannot_be_resized_by_whoever_holds_its_fd(tier: DramTier) -> 
         os.ftruncate(tier.fd, 0)
     write(tier, 1)
     assert tier.read_sync(key(1)) is not None
+
+
+def test_readers_from_before_the_tags_still_read_the_index() -> None:
+    """The tags came without a new version: the header fields, the slots' places and the size a
+    reader of the first layout checks are unchanged, so clients older than their server keep
+    their direct reads."""
+    writer = IndexWriter(max_blocks=256)
+    try:
+        writer.publish(key(5), NS, 3 * PAGE, 777)
+        first_layout = struct.Struct("<QIIQQ")  # magic, version, ways, buckets, closed
+        magic, version, ways, buckets, closed = first_layout.unpack_from(writer._mapping, 0)
+        assert (magic, version, closed) == (MAGIC, 1, 0)
+        assert writer.size >= HEADER_BYTES + ways * buckets * SLOT_BYTES
+        slot = writer._slot_of[key(5)]
+        at = HEADER_BYTES + slot * SLOT_BYTES
+        seq, found, namespace, offset, length = struct.unpack_from(
+            "<Q16s16sQQ", writer._mapping, at
+        )
+        assert seq % 2 == 0 and (found, namespace, offset, length) == (key(5), NS, 3 * PAGE, 777)
+        assert struct.unpack_from("<Q", writer._mapping, 32)[0] == FLAG_TAGS
+    finally:
+        writer.close()
+
+
+def test_a_key_of_the_wrong_size_is_refused_before_any_slot_changes() -> None:
+    writer = IndexWriter(max_blocks=64)
+    reader = IndexReader(writer.fd, writer.size)
+    try:
+        with pytest.raises(ValueError, match="16-byte keys"):
+            writer.publish(b"short", NS, 0, 100)
+        with pytest.raises(ValueError, match="16-byte namespaces"):
+            writer.publish(key(1), b"ns", 0, 100)
+        assert len(writer) == 0 and not reader.present([key(1)], NS)[0]
+        assert writer.publish(key(1), NS, 0, 100) and reader.find(key(1), NS) is not None
+        seqs = writer._seqs[HEADER_BYTES // 8 :: SLOT_BYTES // 8][:64]
+        assert all(int(seq) % 2 == 0 for seq in seqs)  # no slot left mid-update
+    finally:
+        reader.close()
+        writer.close()
 
 
 def test_present_looks_past_a_shared_tag() -> None:
