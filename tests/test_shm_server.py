@@ -8,6 +8,7 @@ gets exactly its configured mode whatever the umask, and only users that mode ad
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
 import socket
@@ -23,6 +24,7 @@ from kvstore.keys import Namespace
 from kvstore.server.shm import ShmServer, _listen_unix, _Session
 from kvstore.store import TieredStore
 from kvstore.tiers.dram import DramTier
+from kvstore.transport.shm_client import ShmDataPlane
 from kvstore.transport.shm_protocol import (
     PROTOCOL_VERSION,
     Cursor,
@@ -296,3 +298,33 @@ def test_a_rename_that_fails_leaves_no_temporary(shared_dir: Path) -> None:
     assert as_other_user(lambda: _listen_unix(str(path), 0o660).close()) == "EPERM"
     assert sorted(p.name for p in shared_dir.iterdir()) == ["s.sock"]
     assert os.lstat(path).st_uid == 0  # the stale socket is still the one root left
+
+
+# --- a client that cannot read the index ----------------------------------------------------------
+
+
+async def test_a_client_that_cannot_read_the_index_still_reads_through_the_server(
+    server: ShmServer,
+) -> None:
+    """An index of a layout the client does not know (here: its version rewritten, as a future
+    server's would be) costs the client its direct reads, not the shared-memory plane: reads and
+    lookups go through the server over the same socket, and the bytes are right."""
+    arena = server.store.arena
+    assert arena is not None and arena.index is not None
+    struct.pack_into("<I", arena.index._mapping, 8, 99)  # the version field
+    await server.start()
+    try:
+        plane = await asyncio.to_thread(ShmDataPlane, server.path, NS)
+        try:
+            assert plane._index is None
+            stored = (await server.store.get([KEY], NS))[0].payload
+            out = bytearray(PAGE)
+            assert await asyncio.to_thread(plane.get_into, [KEY], [out]) == [True]
+            assert bytes(out) == bytes(stored)
+            assert (await asyncio.to_thread(plane.lookup, [KEY, b"x" * 16])).hits == 1
+            counters = server.store.stats()["counters"]
+            assert counters.get("blocks_read_direct", 0) == 0
+        finally:
+            await asyncio.to_thread(plane.close)
+    finally:
+        await server.close()

@@ -19,6 +19,7 @@ closed, never reused, and the server then gives back whatever that socket held.
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
 import os
 import select
@@ -52,6 +53,8 @@ from kvstore.transport.shm_protocol import (
 from kvstore.transport.shm_touch import TouchSender
 
 __all__ = ["DIRECT_READS_ENV", "ShmDataPlane", "ShmUnavailableError"]
+
+logger = logging.getLogger(__name__)
 
 _HELLO_REPLY_LIMIT = 4096
 _GREETING_FDS = 2  # the arena and its index
@@ -155,6 +158,16 @@ def _closed_on_failure(conn: _Connection) -> Iterator[None]:
         raise
 
 
+def _index_reader(fd: int, size: int) -> IndexReader | None:
+    """The server's published index, or ``None`` if this client cannot read it (another
+    layout): reads then all go through the server, which still serves them over this plane."""
+    try:
+        return IndexReader(fd, size)
+    except ValueError as exc:
+        logger.info("not reading the server's dram index directly: %s", exc)
+        return None
+
+
 def _grpc_code(value: int) -> Any:
     import grpc
 
@@ -198,7 +211,7 @@ class ShmDataPlane:
         try:
             self._mapping = mmap.mmap(first.fds[0], first.hello.arena_size)
             if direct_reads and DIRECT_READS_SUPPORTED and first.hello.index_size and first.fds[1:]:
-                self._index = IndexReader(first.fds[1], first.hello.index_size)
+                self._index = _index_reader(first.fds[1], first.hello.index_size)
         except (OSError, ValueError) as exc:
             first.sock.close()
             raise ShmUnavailableError(f"cannot map what {path} sent: {exc}") from exc
