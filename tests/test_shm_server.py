@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.keys import Namespace
-from kvstore.server.shm import ShmServer, _listen_unix, _Session
+from kvstore.server.shm import ShmServer, _chmod_socket, _listen_unix, _Session
 from kvstore.store import TieredStore
 from kvstore.tiers.dram import DramTier
 from kvstore.transport.shm_client import ShmDataPlane
@@ -221,12 +221,9 @@ async def test_the_default_mode_admits_owner_and_group_only(server: ShmServer) -
         await server.close()
 
 
-async def test_a_stale_socket_and_a_stale_temporary_are_replaced(
-    server: ShmServer, tmp_path: Path
-) -> None:
+async def test_a_stale_socket_is_replaced(server: ShmServer, tmp_path: Path) -> None:
     path = tmp_path / "s.sock"
     stale_socket(path)
-    stale_socket(tmp_path / f"s.sock.{os.getpid()}.tmp")  # a crash between bind and rename
     await server.start()
     try:
         assert mode_of(path) == 0o660
@@ -234,6 +231,60 @@ async def test_a_stale_socket_and_a_stale_temporary_are_replaced(
         connect(path)
     finally:
         await server.close()
+
+
+async def test_a_live_socket_is_not_taken_over(server: ShmServer) -> None:
+    """A second server on the same path fails (and would serve without shared memory) instead of
+    stealing the socket from the first, whose clients keep connecting."""
+    await server.start()
+    try:
+        second = ShmServer(server.store, server.path, os.urandom(16))
+        with pytest.raises(OSError, match="another server is listening") as refused:
+            await second.start()
+        assert refused.value.errno == errno.EADDRINUSE
+        await second.close()
+        connect(Path(server.path))
+    finally:
+        await server.close()
+    assert not Path(server.path).exists()
+
+
+async def test_closing_leaves_a_socket_that_replaced_ours(server: ShmServer) -> None:
+    """Only our own socket file is removed: one another server put there since stays."""
+    await server.start()
+    path = Path(server.path)
+    path.unlink()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as newer:
+        newer.bind(str(path))
+        await server.close()
+        assert stat.S_ISSOCK(os.lstat(path).st_mode)
+
+
+async def test_a_path_near_the_length_limit_works(server: ShmServer, tmp_path: Path) -> None:
+    """Socket paths may take up to 107 bytes; no temporary name eats into that."""
+    base = str(tmp_path / "d")
+    path = Path(base + "x" * (104 - len(base) - len("/s.sock")) + "/s.sock")
+    path.parent.mkdir()
+    assert len(str(path)) == 104
+    shm = ShmServer(server.store, str(path), os.urandom(16))
+    await shm.start()
+    try:
+        connect(path)
+    finally:
+        await shm.close()
+
+
+def test_the_mode_is_not_set_through_a_symlink(tmp_path: Path) -> None:
+    """If the freshly bound socket was swapped for a symlink (a directory others may write to),
+    the file it points to keeps its mode."""
+    target = tmp_path / "target"
+    target.write_text("x")
+    os.chmod(target, 0o600)
+    link = tmp_path / "s.sock"
+    link.symlink_to(target)
+    with pytest.raises(OSError, match="no longer the socket"):
+        _chmod_socket(str(link), 0o666)
+    assert stat.S_IMODE(os.stat(target).st_mode) == 0o600
 
 
 @pytest.mark.parametrize("kind", ["file", "directory"])
@@ -290,11 +341,17 @@ async def test_only_users_the_mode_admits_can_connect(
 
 
 @needs_root
-def test_a_rename_that_fails_leaves_no_temporary(shared_dir: Path) -> None:
-    # In a sticky directory another user's file cannot be replaced: the rename fails after bind.
+def test_another_users_socket_in_a_sticky_directory_is_left_alone(
+    shared_dir: Path,
+) -> None:
+    # Another user can neither tell whether it is live (no permission to connect) nor, in a
+    # sticky directory, remove it: the start fails cleanly either way.
     os.chmod(shared_dir, 0o1777)
     path = shared_dir / "s.sock"
     stale_socket(path)
+    os.chmod(path, 0o755)
+    assert as_other_user(lambda: _listen_unix(str(path), 0o660).close()) == "EACCES"
+    os.chmod(path, 0o777)  # it may connect now: stale, but not its own to remove
     assert as_other_user(lambda: _listen_unix(str(path), 0o660).close()) == "EPERM"
     assert sorted(p.name for p in shared_dir.iterdir()) == ["s.sock"]
     assert os.lstat(path).st_uid == 0  # the stale socket is still the one root left

@@ -90,6 +90,7 @@ class ShmServer:
         self._sessions: set[_Session] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._listener: socket.socket | None = None
+        self._socket_file: tuple[int, int] | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._handlers: dict[int, Callable[[_Session, Cursor], Any]] = {
             Op.HELLO: self._hello,
@@ -105,10 +106,12 @@ class ShmServer:
 
     async def start(self) -> None:
         """Create the socket with its mode (replacing a stale one left by a crashed server) and
-        accept; raises :class:`OSError` when it cannot be created, leaving nothing behind."""
+        accept; raises :class:`OSError` when it cannot be created (no directory, no permission,
+        another server listening on it), leaving nothing behind."""
         listener = _listen_unix(self.path, self.mode)
         listener.setblocking(False)
         self._listener = listener
+        self._socket_file = _file_id(self.path)
         self._accepting = asyncio.get_running_loop().create_task(self._accept())
         logger.info("shared-memory data plane on %s", self.path)
 
@@ -123,7 +126,8 @@ class ShmServer:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._listener is not None:
             self._listener.close()
-            with contextlib.suppress(FileNotFoundError):
+            # Only our own socket: another server may have replaced it since (ours went stale).
+            if self._socket_file is not None and _file_id(self.path) == self._socket_file:
                 os.unlink(self.path)
 
     def stats(self) -> dict[str, int]:
@@ -327,37 +331,70 @@ def _listen_unix(path: str, mode: int) -> socket.socket:
     """A listening UNIX socket at ``path`` whose file has exactly the permission bits ``mode``.
 
     ``bind`` creates the file with the umask applied, and changing the umask is process-wide (so
-    racy with other threads); instead the socket is bound and chmod-ed under a temporary name in
-    the same directory and renamed onto ``path``, so no client ever finds it with other bits. The
-    rename also replaces a stale socket atomically; anything else at ``path`` is left alone.
+    racy with other threads). Instead the file's bits are set between ``bind`` and ``listen``:
+    until ``listen`` every connect is refused, so no one gets in under the umask's bits. A stale
+    socket (a crashed server's: nobody accepts on it) is replaced; a live one, or anything that
+    is not a socket, is left alone and the call fails.
     """
-    with contextlib.suppress(FileNotFoundError):
-        if not stat.S_ISSOCK(os.stat(path).st_mode):
-            raise FileExistsError(errno.EEXIST, "exists and is not a socket", path)
-    # The pid keeps servers starting side by side apart, so one of this name is left from a crash
-    # (containers reuse pids). The suffix takes up to 12 of the 108 bytes a socket path may have.
-    temporary = f"{path}.{os.getpid()}.tmp"
-    with contextlib.suppress(FileNotFoundError):
-        if stat.S_ISSOCK(os.lstat(temporary).st_mode):
-            os.unlink(temporary)
+    _remove_stale_socket(path)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     bound = False
     try:
-        listener.bind(temporary)
+        listener.bind(path)
         bound = True
-        # chmod before listen: until then a connect, even to the temporary name, is refused, so
-        # no one slips in under the umask's bits. listen before the rename: whoever finds the
-        # socket at ``path`` can connect at once.
-        os.chmod(temporary, mode)
+        _chmod_socket(path, mode)
         listener.listen(64)
-        os.rename(temporary, path)
     except BaseException:
         listener.close()
         if bound:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(temporary)
+                os.unlink(path)
         raise
     return listener
+
+
+def _remove_stale_socket(path: str) -> None:
+    """Unlink the socket at ``path`` if no server accepts on it; refuse anything else there."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(info.st_mode):
+        raise FileExistsError(errno.EEXIST, "exists and is not a socket", path)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)  # a live server with a full backlog would block a plain connect
+        try:
+            probe.connect(path)
+        except ConnectionRefusedError:
+            os.unlink(path)  # stale: left by a server that died without removing it
+            return
+        except PermissionError:
+            raise PermissionError(
+                errno.EACCES, "a socket this user may not connect to, live or not", path
+            ) from None
+        except TimeoutError:
+            pass  # a server too busy to accept is still a live one
+    raise OSError(errno.EADDRINUSE, "another server is listening on it", path)
+
+
+def _chmod_socket(path: str, mode: int) -> None:
+    """``chmod`` the socket just bound at ``path`` without following a symlink put there since
+    (in a directory others may write to), where the platform can say so."""
+    try:
+        os.chmod(path, mode, follow_symlinks=False)
+    except NotImplementedError:  # no lchmod here, or ``path`` became a symlink
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise OSError(errno.ELOOP, "no longer the socket just bound", path) from None
+        os.chmod(path, mode)
+
+
+def _file_id(path: str) -> tuple[int, int] | None:
+    """``(device, inode)`` of the file at ``path``, or ``None`` if there is none."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    return info.st_dev, info.st_ino
 
 
 async def _recv_exact(
