@@ -269,7 +269,8 @@ def _coerce(setting: str, raw: Any) -> Any:
         if setting in _SIZE_SETTINGS:
             return parse_size(raw if isinstance(raw, int) else str(raw))
         if setting in _MODE_SETTINGS:
-            return raw if isinstance(raw, int) else int(str(raw), 8)
+            # type() and not isinstance(): a TOML bool is an int subclass, not permission bits.
+            return raw if type(raw) is int else int(str(raw), 8)
         if kind in ("int", int):
             return int(raw)
         if kind in ("float", float):

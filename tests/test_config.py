@@ -509,3 +509,10 @@ def test_config_is_frozen() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.server.workers = 1  # type: ignore[misc]
     assert isinstance(config, Config)
+
+
+def test_a_boolean_shm_socket_mode_in_toml_is_refused(tmp_path: Path) -> None:
+    """TOML's ``true`` is an int to Python: it must not become mode 0o001."""
+    path = write_toml(tmp_path, "[server]\nshm_socket_mode = true\n")
+    with pytest.raises(ConfigError, match=r"server\.shm_socket_mode"):
+        load_config(path, env={})
