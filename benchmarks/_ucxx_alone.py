@@ -22,11 +22,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import selectors
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 from _common import free_port, reap
@@ -38,39 +40,61 @@ __all__ = ["ucxx_alone"]
 #: Tag of the receiver's acknowledgement (transfer tags start at transfer id 1, far above).
 _ACK_TAG = 2
 _WARMUP = 5
-_TIMEOUT_S = 120.0
+#: How long the receiver may take to listen, and each batch at most (a generous bound: the
+#: largest batches take about 30 ms here).
+_START_TIMEOUT_S = 30.0
+_BATCH_TIMEOUT_S = 1.0
 
 
 def ucxx_alone(cases: dict[str, tuple[int, int, int]]) -> dict[str, list[float]]:
     """Seconds per batch for each ``label: (block bytes, blocks per batch, batches timed)``."""
     script = str(Path(__file__).resolve())
-    port = free_port()
-    spec = json.dumps({"cases": cases, "port": port})
-    receiver = subprocess.Popen(
-        [sys.executable, script, "receive", spec],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert receiver.stdout is not None
-        ready = receiver.stdout.readline()
-        if ready.strip() != "ready":
-            receiver.kill()
-            _, error = receiver.communicate()
-            raise RuntimeError(f"ucxx receiver did not start: {ready}{error}")
-        sender = subprocess.run(
-            [sys.executable, script, "send", spec],
-            capture_output=True,
+    spec = json.dumps({"cases": cases, "port": free_port()})
+    batches = sum(_WARMUP + reps for _, _, reps in cases.values())
+    timeout = _START_TIMEOUT_S + batches * _BATCH_TIMEOUT_S
+    with tempfile.TemporaryFile("w+") as receiver_log:
+        receiver = subprocess.Popen(
+            [sys.executable, script, "receive", spec],
+            stdout=subprocess.PIPE,
+            stderr=receiver_log,
             text=True,
-            timeout=_TIMEOUT_S,
         )
-        if sender.returncode != 0:
-            raise RuntimeError(f"ucxx sender failed:\n{sender.stdout}\n{sender.stderr}")
-        samples: dict[str, list[float]] = json.loads(sender.stdout.splitlines()[-1])
-        return samples
-    finally:
-        reap(receiver)
+        try:
+            _wait_for_ready(receiver, receiver_log)
+            sender = subprocess.run(
+                [sys.executable, script, "send", spec],
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+            )
+            if sender.returncode != 0:
+                raise RuntimeError(
+                    f"ucxx sender failed:\n{sender.stdout}\n{sender.stderr}\n"
+                    f"receiver:\n{_contents(receiver_log)}"
+                )
+            samples: dict[str, list[float]] = json.loads(sender.stdout.splitlines()[-1])
+            return samples
+        finally:
+            reap(receiver)
+            if receiver.stdout is not None:
+                receiver.stdout.close()
+
+
+def _wait_for_ready(receiver: subprocess.Popen[str], log: IO[str]) -> None:
+    """Wait until the receiver listens; raise with its log if it does not within the limit."""
+    assert receiver.stdout is not None
+    with selectors.DefaultSelector() as selector:
+        selector.register(receiver.stdout, selectors.EVENT_READ)
+        line = receiver.stdout.readline() if selector.select(_START_TIMEOUT_S) else ""
+    if line.strip() != "ready":
+        receiver.kill()
+        receiver.wait()
+        raise RuntimeError(f"ucxx receiver did not start: {line!r}\n{_contents(log)}")
+
+
+def _contents(log: IO[str]) -> str:
+    log.seek(0)
+    return log.read()
 
 
 def _rounds(spec: dict[str, Any]) -> list[tuple[str, int, int, int]]:
@@ -109,7 +133,8 @@ async def _receive(spec: dict[str, Any]) -> None:
 
     listener = ucxx.create_listener(serve, port=spec["port"], endpoint_error_handling=True)
     print("ready", flush=True)
-    await asyncio.wait_for(done, _TIMEOUT_S)
+    batches = sum(_WARMUP + reps for _, _, reps in spec["cases"].values())
+    await asyncio.wait_for(done, _START_TIMEOUT_S + batches * _BATCH_TIMEOUT_S)
     await asyncio.sleep(0.1)  # let the last acknowledgement leave before the endpoint goes
     listener.close()
 
