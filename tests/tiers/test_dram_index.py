@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from store_blocks import PAGE, key, payload
 
 from kvstore.block import BlockHeader
 from kvstore.buffers import byte_view
@@ -32,11 +33,6 @@ from kvstore.tiers.dram_index import (
 
 NS = bytes(range(16))
 OTHER_NS = bytes(range(16, 32))
-PAGE = 4096
-
-
-def key(n: int) -> bytes:
-    return n.to_bytes(4, "little") * 4
 
 
 def index_reader(writer: IndexWriter, tags: bool = True) -> IndexReader:
@@ -46,10 +42,6 @@ def index_reader(writer: IndexWriter, tags: bool = True) -> IndexReader:
         flags_at = 32  # after magic, version, ways, buckets, closed
         struct.pack_into("<Q", writer._mapping, flags_at, 0)
     return IndexReader(writer.fd, writer.size)
-
-
-def payload(n: int, length: int = PAGE) -> bytes:
-    return np.random.default_rng(n).integers(0, 256, size=length, dtype=np.uint8).tobytes()
 
 
 @pytest.fixture
