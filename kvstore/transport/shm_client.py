@@ -201,7 +201,7 @@ class ShmDataPlane:
         self._instance: bytes | None = None  # every later connection must reach this process
         self._lock = threading.Lock()
         self._closed = False
-        first = self._open()
+        first = self._open(keep_fds=True)
         self.hello: Hello = first.hello
         self._instance = first.hello.instance_id
         if not first.fds:
@@ -231,7 +231,6 @@ class ShmDataPlane:
                 first.sock.close()
                 self._index.close()
                 raise
-            probe.close_fd()
             self._liveness = probe.sock
             self._touches = TouchSender(self._send_touch, self._sync, first.hello.max_keys)
         # Tier name by the one-byte code a LOOKUP reply uses ("" for absent).
@@ -253,7 +252,9 @@ class ShmDataPlane:
         """The server process's identity, to compare with what gRPC's ``DataPlane`` says."""
         return self.hello.instance_id
 
-    def _open(self, timeout: float | None = None) -> _Connection:
+    def _open(self, timeout: float | None = None, *, keep_fds: bool = False) -> _Connection:
+        """A new connection to the same server; its greeting's fds closed unless ``keep_fds``
+        (only the first connection maps them)."""
         if timeout is not None and timeout <= 0:
             raise DeadlineExceededError("deadline exceeded before connecting to the store")
         try:
@@ -266,6 +267,8 @@ class ShmDataPlane:
             conn.close_fd()
             conn.sock.close()
             raise ShmUnavailableError(f"the store at {self.path} restarted")
+        if not keep_fds:
+            conn.close_fd()
         return conn
 
     @contextlib.contextmanager
@@ -276,7 +279,6 @@ class ShmDataPlane:
             conn = self._idle.pop() if self._idle else None
         if conn is None:
             conn = self._open()
-            conn.close_fd()
         with _closed_on_failure(conn):
             yield conn
         with self._lock:
@@ -508,7 +510,6 @@ class ShmDataPlane:
             if self._closed:
                 raise ShmUnavailableError("the shared-memory path is closed")
             conn = self._open(timeout=deadline - time.monotonic())
-            conn.close_fd()
             self._touch_conn = conn
         try:
             with _closed_on_failure(conn):
@@ -555,12 +556,11 @@ class ShmDataPlane:
             self._touches.close(timeout=0.2)  # the reads since the last TOUCH still count
         with self._lock:
             self._closed = True
+            idle, self._idle = self._idle, []
         if self._touch_conn is not None:
             self._touch_conn.sock.close()
         if self._liveness is not None:
             self._liveness.close()
-        with self._lock:
-            idle, self._idle = self._idle, []
         for conn in idle:
             conn.sock.close()
         self._arena = np.empty(0, dtype=np.uint8)
