@@ -49,12 +49,12 @@ _BATCH_TIMEOUT_S = 1.0
 def ucxx_alone(cases: dict[str, tuple[int, int, int]]) -> dict[str, list[float]]:
     """Seconds per batch for each ``label: (block bytes, blocks per batch, batches timed)``."""
     script = str(Path(__file__).resolve())
-    spec = json.dumps({"cases": cases, "port": free_port()})
-    batches = sum(_WARMUP + reps for _, _, reps in cases.values())
-    timeout = _START_TIMEOUT_S + batches * _BATCH_TIMEOUT_S
+    spec = {"cases": cases, "port": free_port()}
+    timeout = _time_limit(spec)
+    argument = json.dumps(spec)
     with tempfile.TemporaryFile("w+") as receiver_log:
         receiver = subprocess.Popen(
-            [sys.executable, script, "receive", spec],
+            [sys.executable, script, "receive", argument],
             stdout=subprocess.PIPE,
             stderr=receiver_log,
             text=True,
@@ -62,7 +62,7 @@ def ucxx_alone(cases: dict[str, tuple[int, int, int]]) -> dict[str, list[float]]
         try:
             _wait_for_ready(receiver, receiver_log)
             sender = subprocess.run(
-                [sys.executable, script, "send", spec],
+                [sys.executable, script, "send", argument],
                 capture_output=True,
                 text=True,
                 timeout=timeout,
@@ -95,6 +95,11 @@ def _wait_for_ready(receiver: subprocess.Popen[str], log: IO[str]) -> None:
 def _contents(log: IO[str]) -> str:
     log.seek(0)
     return log.read()
+
+
+def _time_limit(spec: dict[str, Any]) -> float:
+    """Seconds both sides may take for every batch of ``spec``, start-up included."""
+    return _START_TIMEOUT_S + len(_rounds(spec)) * _BATCH_TIMEOUT_S
 
 
 def _rounds(spec: dict[str, Any]) -> list[tuple[str, int, int, int]]:
@@ -133,8 +138,7 @@ async def _receive(spec: dict[str, Any]) -> None:
 
     listener = ucxx.create_listener(serve, port=spec["port"], endpoint_error_handling=True)
     print("ready", flush=True)
-    batches = sum(_WARMUP + reps for _, _, reps in spec["cases"].values())
-    await asyncio.wait_for(done, _START_TIMEOUT_S + batches * _BATCH_TIMEOUT_S)
+    await asyncio.wait_for(done, _time_limit(spec))
     await asyncio.sleep(0.1)  # let the last acknowledgement leave before the endpoint goes
     listener.close()
 
