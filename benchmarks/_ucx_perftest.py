@@ -3,7 +3,7 @@
 The binary ships in the ``libucx`` wheel that ucxx depends on, and runs only with that wheel's
 ``lib`` directory on ``LD_LIBRARY_PATH``; :func:`perftest_binary` finds both. :func:`perftest` runs
 ``ucx_perftest -t tag_bw`` between two processes over loopback with the UCX settings the Python path
-uses (``kvstore.transport.ucx.UCX_ENV_DEFAULTS``) and one ``UCX_TLS``. It reports MB/s with
+uses (``kvstore.protocol.ucx.UCX_ENV_DEFAULTS``) and one ``UCX_TLS``. It reports MB/s with
 MB = 2**20; this module converts to GB = 10**9 bytes like every other figure.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from _common import GB, free_port, reap
 
-from kvstore.transport.ucx import UCX_ENV_DEFAULTS
+from kvstore.protocol.ucx import UCX_ENV_DEFAULTS
 
 __all__ = ["perftest", "perftest_binary"]
 

@@ -4,7 +4,7 @@
 it: ucxx's Python binding (a request object, a future and a wake-up per message) and kvstore's own
 work (the gRPC control call, leases or reservations, checksums at commit). This module measures the
 first alone, between two processes over loopback, with the settings and endpoint options the data
-path uses (``kvstore.transport.ucx``: error handling on, so TCP):
+path uses (``kvstore.protocol.ucx``: error handling on, so TCP):
 
 * the receiver posts one receive per block of the next batch, then waits for them;
 * the sender sends the batch as one tagged message per block, then waits for a one-byte
@@ -33,7 +33,7 @@ from typing import IO, Any
 import numpy as np
 from _common import free_port, reap
 
-from kvstore.transport.ucx import load_ucxx, transfer_tag
+from kvstore.protocol.ucx import load_ucxx, transfer_tag
 
 __all__ = ["ucxx_alone"]
 

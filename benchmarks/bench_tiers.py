@@ -72,7 +72,7 @@ from _common import (
 )
 
 from kvstore import KVStoreClient, Namespace
-from kvstore.prefetch import PrefetchState
+from kvstore.types import PrefetchState
 
 MiB = 1024**2
 SIZES = {"1 MiB": MiB, "4 MiB": 4 * MiB}

@@ -4,11 +4,14 @@ The public surface::
 
     Namespace, ChunkHasher          name KV blocks by chained prefix-chunk keys
     KVStoreClient, AsyncKVStoreClient   talk to a ``kvstore serve`` process
-    TieredStore                     the store core, for embedding
+    TieredStore                     the store core, for embedding (loaded on first use: a
+                                    client process never pays for LMDB or Redis)
     LookupResult, PutResult         results of client and store calls
     Config, load_config             configuration
     KVStoreError and subclasses     the one exception tree (see :mod:`kvstore.errors`)
 """
+
+from typing import TYPE_CHECKING, Any
 
 from kvstore.client import AsyncKVStoreClient, KVStoreClient
 from kvstore.config import Config, load_config
@@ -24,9 +27,22 @@ from kvstore.errors import (
     UnknownPrefetchError,
 )
 from kvstore.keys import BlockKey, ChunkHasher, Namespace
-from kvstore.store import LookupResult, PutResult, TieredStore
+from kvstore.types import LookupResult, PutResult
+
+if TYPE_CHECKING:
+    from kvstore.store import TieredStore
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    # The store (and with it LMDB, Redis and every tier) loads only when someone embeds it.
+    if name == "TieredStore":
+        from kvstore.store import TieredStore
+
+        return TieredStore
+    raise AttributeError(f"module 'kvstore' has no attribute {name!r}")
+
 
 __all__ = [
     "AsyncKVStoreClient",

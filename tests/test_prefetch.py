@@ -1,4 +1,4 @@
-"""Tests of :class:`kvstore.prefetch.Prefetcher` over a real DRAM arena and a real LMDB directory.
+"""Tests of :class:`kvstore.store.prefetch.Prefetcher` over a real DRAM arena and a real LMDB dir.
 
 Prefetch moves nvme-only blocks into dram (and a later get is served from dram), counts every key
 as ready / missing / failed, keeps at most ``max_concurrency`` promote batches in flight, in
@@ -18,8 +18,8 @@ from store_blocks import MIB, PAGE, key, payload
 
 from kvstore.errors import InvalidRequestError, StoreUnavailableError, UnknownPrefetchError
 from kvstore.keys import Namespace
-from kvstore.prefetch import Prefetcher, PrefetchProgress, PrefetchState
 from kvstore.store import Promotion, TieredStore
+from kvstore.store.prefetch import Prefetcher, PrefetchProgress, PrefetchState
 from kvstore.tiers.dram import DramTier
 from kvstore.tiers.nvme import NvmeTier
 

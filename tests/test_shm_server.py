@@ -20,12 +20,9 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.client.shm import ShmDataPlane
 from kvstore.keys import Namespace
-from kvstore.server.shm import ShmServer, _chmod_socket, _listen_unix, _Session
-from kvstore.store import TieredStore
-from kvstore.tiers.dram import DramTier
-from kvstore.transport.shm_client import ShmDataPlane
-from kvstore.transport.shm_protocol import (
+from kvstore.protocol.shm_frames import (
     PROTOCOL_VERSION,
     Cursor,
     Hello,
@@ -35,6 +32,9 @@ from kvstore.transport.shm_protocol import (
     pack_keys,
     unpack_hello,
 )
+from kvstore.server.shm import ShmServer, _chmod_socket, _listen_unix, _Session
+from kvstore.store import TieredStore
+from kvstore.tiers.dram import DramTier
 
 PAGE = 4096
 NS = Namespace(model="shm-server-test").fingerprint()

@@ -1,4 +1,4 @@
-"""Tests of :class:`kvstore.transport.shm_touch.TouchSender`: reads reach the server coalesced.
+"""Tests of :class:`kvstore.client.shm_touch.TouchSender`: reads reach the server coalesced.
 
 ``send`` here records what it is given instead of writing to a socket; the socket side is covered
 by the integration tests (``tests/integration/test_shm.py``), where a real server counts them.
@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from kvstore.transport import shm_touch
-from kvstore.transport.shm_touch import TouchSender
+from kvstore.client import shm_touch
+from kvstore.client.shm_touch import TouchSender
 
 
 def key(n: int) -> bytes:

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).parent / "tiers"))
 from redis_server import RedisServer
 from store_blocks import PAGE, key, payload
 
-import kvstore.store as store_module
+import kvstore.store.tiered as store_module
 from kvstore.block import BlockHeader
 from kvstore.keys import Namespace
 from kvstore.store import TieredStore

@@ -19,15 +19,15 @@ import grpc
 from grpc_health.v1 import _async as health_async
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore._wire import MESSAGE_TARGET_BYTES
 from kvstore.config import Config
 from kvstore.policy import Policy
+from kvstore.protocol.messages import MESSAGE_TARGET_BYTES
+from kvstore.protocol.ucx import UcxTransportError
 from kvstore.server.servicer import SERVICE_NAME, KVStoreServicer, add_to_server
 from kvstore.server.shm import ShmServer
+from kvstore.server.ucx import UcxDataServer, add_ucx_to_server
 from kvstore.store import TieredStore
 from kvstore.tiers import build_tiers
-from kvstore.transport.ucx import UcxTransportError
-from kvstore.transport.ucx_server import UcxDataServer, add_ucx_to_server
 
 __all__ = ["SERVICE_NAME", "RunningServer", "run_server", "start_server"]
 

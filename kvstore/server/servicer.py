@@ -16,10 +16,10 @@ from google.protobuf.message import DecodeError, Message
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
-from kvstore._wire import MESSAGE_TARGET_BYTES
 from kvstore.errors import InvalidRequestError, KVStoreError, status_of
-from kvstore.prefetch import Prefetcher, PrefetchState
+from kvstore.protocol.messages import MESSAGE_TARGET_BYTES
 from kvstore.store import GetResult, TieredStore
+from kvstore.store.prefetch import Prefetcher, PrefetchState
 
 __all__ = ["KVStoreServicer", "add_to_server", "guard"]
 

@@ -32,9 +32,7 @@ from typing import Any
 
 from kvstore.errors import InvalidRequestError, KVStoreError, status_of
 from kvstore.keys import NAMESPACE_BYTES
-from kvstore.store import TieredStore
-from kvstore.tiers.dram import DramLease, Reservation
-from kvstore.transport.shm_protocol import (
+from kvstore.protocol.shm_frames import (
     ABSENT_TIER,
     MAX_REQUEST_BYTES,
     MAX_TOUCH_LOOKUPS,
@@ -47,6 +45,8 @@ from kvstore.transport.shm_protocol import (
     frame_length,
     pack_ranges,
 )
+from kvstore.store import TieredStore
+from kvstore.tiers.dram import DramLease, Reservation
 
 __all__ = ["ShmServer"]
 

@@ -17,7 +17,7 @@ Two things let a co-located client touch the pages directly (``kvstore.server.sh
 * a **reservation** (:meth:`DramTier.reserve`) hands out free pages before there is a block: the
   client writes the payload into them, then :meth:`DramTier.install` makes them a block.
 
-Resident blocks are also *published* (:mod:`kvstore.tiers.dram_index`): a client that finds a
+Resident blocks are also *published* (:mod:`kvstore.protocol.dram_index`): a client that finds a
 block there copies it without asking the server and checks afterwards that the entry did not
 change; a block is withdrawn from that index before its pages can be freed.
 
@@ -40,8 +40,8 @@ import numpy as np
 
 from kvstore.block import BlockHeader
 from kvstore.buffers import byte_view
+from kvstore.protocol.dram_index import IndexWriter
 from kvstore.tiers.base import Buffer, StoredBlock
-from kvstore.tiers.dram_index import IndexWriter
 from kvstore.tiers.paged import PagedTier
 from kvstore.tiers.pages import Extent
 

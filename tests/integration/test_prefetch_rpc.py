@@ -23,7 +23,7 @@ from kvstore import AsyncKVStoreClient, ChunkHasher, InvalidRequestError, Namesp
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.errors import UnknownPrefetchError
-from kvstore.prefetch import PrefetchProgress, PrefetchState
+from kvstore.types import PrefetchProgress, PrefetchState
 
 if TYPE_CHECKING:
     from conftest import ServerFactory, ServerProcess

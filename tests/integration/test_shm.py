@@ -2,7 +2,7 @@
 
 Clients on this host pick shared memory by themselves (``KVSTORE_DATA_PLANE=auto``) and gRPC when
 told to; both paths return the same bytes for every kind of buffer. The server's UNIX socket is
-also driven with raw frames (:mod:`kvstore.transport.shm_protocol`), to check what no well-behaved
+also driven with raw frames (:mod:`kvstore.protocol.shm_frames`), to check what no well-behaved
 client does: dying while holding leases and reservations, holding a lease on a deleted block,
 and sending garbage. None of it may leak arena space, change a stored byte or stop the server.
 
@@ -37,10 +37,10 @@ import torch
 from kvstore import AsyncKVStoreClient, KVStoreClient, Namespace, StoreUnavailableError
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore.client import shm_link
+from kvstore.client.shm import ShmDataPlane, ShmUnavailableError
 from kvstore.errors import DeadlineExceededError, InvalidRequestError
-from kvstore.transport import shm_link
-from kvstore.transport.shm_client import ShmDataPlane, ShmUnavailableError
-from kvstore.transport.shm_protocol import (
+from kvstore.protocol.shm_frames import (
     MAX_REQUEST_BYTES,
     Cursor,
     Hello,
@@ -443,7 +443,7 @@ def test_block_bigger_than_the_arena_goes_around_it(server_factory: ServerFactor
 HOLDER = textwrap.dedent(
     """
     import mmap, os, socket, struct, sys, time
-    from kvstore.transport.shm_protocol import (
+    from kvstore.protocol.shm_frames import (
         Cursor, Op, Slot, frame, pack_keys, unpack_hello,
     )
 

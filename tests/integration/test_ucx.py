@@ -32,9 +32,9 @@ import pytest
 from kvstore import KVStoreClient, Namespace
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
-from kvstore._wire import namespace_bytes
 from kvstore.errors import InvalidRequestError, NamespaceMismatchError, StoreUnavailableError
-from kvstore.transport.ucx import ucx_unavailable_reason
+from kvstore.protocol.messages import namespace_bytes
+from kvstore.protocol.ucx import ucx_unavailable_reason
 
 if TYPE_CHECKING:
     from conftest import ServerFactory, ServerProcess
@@ -48,7 +48,7 @@ if _REASON is not None:
         "where UCX is not expected."
     )
 
-from kvstore.transport.ucx_client import UcxDataClient  # noqa: E402
+from kvstore.client.ucx import UcxDataClient  # noqa: E402
 
 NAMESPACE = Namespace(model="ucx-test", num_layers=2, num_kv_heads=2, head_size=64)
 OTHER = Namespace(model="ucx-test-other", num_layers=2, num_kv_heads=2, head_size=64)

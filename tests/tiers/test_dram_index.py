@@ -1,4 +1,4 @@
-"""Tests of the dram tier's published index (:mod:`kvstore.tiers.dram_index`).
+"""Tests of the dram tier's published index (:mod:`kvstore.protocol.dram_index`).
 
 The writer and a reader live in one process here but share nothing except the memfd, which the
 reader maps read-only, exactly as a co-located client does. The seqlock's promise is checked the
@@ -19,8 +19,7 @@ from store_blocks import PAGE, key, payload
 
 from kvstore.block import BlockHeader
 from kvstore.buffers import byte_view
-from kvstore.tiers.dram import DramTier
-from kvstore.tiers.dram_index import (
+from kvstore.protocol.dram_index import (
     FLAG_TAGS,
     HEADER_BYTES,
     MAGIC,
@@ -30,6 +29,7 @@ from kvstore.tiers.dram_index import (
     IndexWriter,
     _bucket,
 )
+from kvstore.tiers.dram import DramTier
 
 NS = bytes(range(16))
 OTHER_NS = bytes(range(16, 32))

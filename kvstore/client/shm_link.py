@@ -9,7 +9,7 @@ shared memory again after :data:`RETRY_AFTER_S` seconds (a restarted server, say
 ``data_plane="grpc"`` never tries; ``"shm"`` insists and raises
 :class:`~kvstore.errors.StoreUnavailableError` where ``"auto"`` (the default) would fall back;
 ``"ucx"`` skips shared memory for the UCX path (which ``"auto"`` takes when shared memory is not
-possible and the server has a UCX listener; see :mod:`kvstore.transport.ucx_client`).
+possible and the server has a UCX listener; see :mod:`kvstore.client.ucx`).
 A client built without ``data_plane`` takes it from ``KVSTORE_DATA_PLANE``, else ``"auto"``.
 """
 
@@ -21,9 +21,9 @@ import threading
 import time
 from typing import Any
 
+from kvstore.client.shm import ShmDataPlane, ShmUnavailableError
 from kvstore.errors import StoreUnavailableError
 from kvstore.keys import NAMESPACE_BYTES
-from kvstore.transport.shm_client import ShmDataPlane, ShmUnavailableError
 
 __all__ = ["DATA_PLANES", "RETRY_AFTER_S", "ShmLink"]
 

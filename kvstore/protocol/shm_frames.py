@@ -3,7 +3,7 @@
 gRPC stays the control plane and the fallback. This socket carries metadata only (keys, lengths,
 page ranges, lease ids); payload bytes move by one memcpy through the ``dram`` arena, which the
 server hands to the client once, as a memfd, in the reply to ``HELLO`` (``SCM_RIGHTS``), together
-with the memfd of the arena's published index (:mod:`kvstore.tiers.dram_index`) when it has one.
+with the memfd of the arena's published index (:mod:`kvstore.protocol.dram_index`) when it has one.
 
 A request is ``length:u32 | op:u8 | body`` (``length`` counts op and body). Every request but
 ``RELEASE``, ``CANCEL`` and ``TOUCH`` gets one reply, in order: ``length:u32 | status:u8 |

@@ -19,8 +19,7 @@ from kvstore.errors import (
     error_from_status,
 )
 from kvstore.keys import Namespace
-from kvstore.prefetch import PrefetchProgress, PrefetchState
-from kvstore.store import LookupResult, PutResult
+from kvstore.types import LookupResult, PrefetchProgress, PrefetchState, PutResult
 
 #: Soft size of one streamed Put or Get message; a single larger block still goes out whole.
 MESSAGE_TARGET_BYTES = 4 * 1024**2

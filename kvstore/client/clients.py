@@ -9,7 +9,7 @@ Values are any bytes-like buffer: bytes, memoryview, numpy arrays, contiguous CP
 
 Data calls (``lookup``, ``put``, ``get``, ``get_into``) go through the server's shared-memory data
 plane when the client runs on the same host, and through gRPC otherwise; ``data_plane="grpc"``
-turns that off, ``"shm"`` makes its absence an error (see :mod:`kvstore.transport.shm_link`).
+turns that off, ``"shm"`` makes its absence an error (see :mod:`kvstore.client.shm_link`).
 
 >>> client = KVStoreClient("127.0.0.1:50051", namespace=Namespace(model="m"))  # doctest: +SKIP
 >>> client.put(keys, blocks); client.lookup(keys); client.get(keys)            # doctest: +SKIP
@@ -27,17 +27,16 @@ from typing import Any, TypeVar
 
 import grpc
 
-from kvstore import _wire
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore.client.shm import ShmDataPlane, ShmUnavailableError
+from kvstore.client.shm_link import ShmLink
+from kvstore.client.ucx import UcxDataClient
 from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace
-from kvstore.prefetch import PrefetchProgress
-from kvstore.store import LookupResult, PutResult
-from kvstore.transport.shm_client import ShmDataPlane, ShmUnavailableError
-from kvstore.transport.shm_link import ShmLink
-from kvstore.transport.ucx import ucx_unavailable_reason
-from kvstore.transport.ucx_client import UcxDataClient
+from kvstore.protocol import messages as _wire
+from kvstore.protocol.ucx import ucx_unavailable_reason
+from kvstore.types import LookupResult, PrefetchProgress, PutResult
 
 __all__ = ["AsyncKVStoreClient", "KVStoreClient"]
 

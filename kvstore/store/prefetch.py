@@ -19,7 +19,6 @@ already moved stay in dram.
 from __future__ import annotations
 
 import asyncio
-import enum
 import itertools
 import logging
 from collections import Counter, deque
@@ -28,46 +27,12 @@ from dataclasses import dataclass, field
 
 from kvstore.errors import InvalidRequestError, StoreUnavailableError, UnknownPrefetchError
 from kvstore.keys import KEY_BYTES, NAMESPACE_BYTES
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
+from kvstore.types import PrefetchProgress, PrefetchState
 
 __all__ = ["PrefetchProgress", "PrefetchState", "Prefetcher"]
 
 logger = logging.getLogger(__name__)
-
-
-class PrefetchState(enum.Enum):
-    """Where a prefetch is in its life; DONE and CANCELLED are final."""
-
-    QUEUED = "queued"
-    RUNNING = "running"
-    DONE = "done"
-    CANCELLED = "cancelled"
-
-    @property
-    def finished(self) -> bool:
-        """True for the final states."""
-        return self in (PrefetchState.DONE, PrefetchState.CANCELLED)
-
-
-@dataclass(frozen=True, slots=True)
-class PrefetchProgress:
-    """A snapshot of one prefetch: its state and how its keys have fared so far.
-
-    ``ready`` keys are resident in dram (already there, or moved), ``missing`` ones are in no tier
-    under the namespace, ``failed`` ones were found but could not be moved. Keys of batches not
-    yet run (or never run, after a cancel) are in none of the three.
-    """
-
-    state: PrefetchState
-    total: int
-    ready: int = 0
-    missing: int = 0
-    failed: int = 0
-
-    @property
-    def finished(self) -> bool:
-        """True once the prefetch is DONE or CANCELLED."""
-        return self.state.finished
 
 
 @dataclass(eq=False)

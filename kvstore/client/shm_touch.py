@@ -1,6 +1,6 @@
 """Telling the server about reads it did not serve, off the reader's path.
 
-A read through the published index (:mod:`kvstore.tiers.dram_index`) never reaches the server,
+A read through the published index (:mod:`kvstore.protocol.dram_index`) never reaches the server,
 yet the server's LRU order and hit counts should see it. Sending a message per read would put a
 system call (and a wake-up of the server) on every read, which costs as much as the index saves
 (0.1 ms per call measured on a cold cache). :class:`TouchSender` instead collects the keys read
@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from kvstore.transport.shm_protocol import MAX_TOUCH_LOOKUPS
+from kvstore.protocol.shm_frames import MAX_TOUCH_LOOKUPS
 
 __all__ = ["TouchSender"]
 

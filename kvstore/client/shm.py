@@ -2,10 +2,10 @@
 
 :class:`ShmDataPlane` maps the server's ``dram`` arena and the arena's published index (both
 received as memfds on the first connection) and talks to the server over its UNIX socket (see
-:mod:`kvstore.transport.shm_protocol`). A read first looks every key up in the index and copies
+:mod:`kvstore.protocol.shm_frames`). A read first looks every key up in the index and copies
 what it finds straight into the caller's buffer, keeping a copy only if the index entry did not
-change meanwhile (:mod:`kvstore.tiers.dram_index`); the server hears of those reads a moment
-later, in a one-way ``TOUCH`` that a background thread sends (:mod:`kvstore.transport.shm_touch`).
+change meanwhile (:mod:`kvstore.protocol.dram_index`); the server hears of those reads a moment
+later, in a one-way ``TOUCH`` that a background thread sends (:mod:`kvstore.client.shm_touch`).
 The remaining keys take the leased path: acquire leases on their pages (which promotes them from
 lower tiers first), copy each block once, release. A write reserves pages, copies each value once
 into them and commits. The clients in :mod:`kvstore.client` use it by themselves when the server
@@ -33,11 +33,11 @@ from typing import Any
 import numpy as np
 
 from kvstore.buffers import byte_view, writable_byte_view
+from kvstore.client.shm_touch import TouchSender
 from kvstore.errors import DeadlineExceededError, InvalidRequestError, error_from_status
 from kvstore.keys import KEY_BYTES
-from kvstore.store import LookupResult, PutResult
-from kvstore.tiers.dram_index import DIRECT_READS_SUPPORTED, IndexReader
-from kvstore.transport.shm_protocol import (
+from kvstore.protocol.dram_index import DIRECT_READS_SUPPORTED, IndexReader
+from kvstore.protocol.shm_frames import (
     ABSENT_TIER,
     Cursor,
     Hello,
@@ -50,7 +50,7 @@ from kvstore.transport.shm_protocol import (
     pack_keys,
     unpack_hello,
 )
-from kvstore.transport.shm_touch import TouchSender
+from kvstore.types import LookupResult, PutResult
 
 __all__ = ["DIRECT_READS_ENV", "ShmDataPlane", "ShmUnavailableError"]
 

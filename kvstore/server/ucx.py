@@ -37,10 +37,7 @@ from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import ucx_pb2 as ucx_pb
 from kvstore._proto.kvstore.v1 import ucx_pb2_grpc as ucx_pb_grpc
 from kvstore.errors import CapacityError, InvalidRequestError, KVStoreError
-from kvstore.server.servicer import guard
-from kvstore.store import Acquired, TieredStore
-from kvstore.tiers.dram import DramLease, DramTier, Reservation
-from kvstore.transport.ucx import (
+from kvstore.protocol.ucx import (
     CLIENT_ID_BYTES,
     HELLO_TAG,
     MAX_BATCH,
@@ -49,6 +46,9 @@ from kvstore.transport.ucx import (
     parse_address,
     transfer_tag,
 )
+from kvstore.server.servicer import guard
+from kvstore.store import Acquired, TieredStore
+from kvstore.tiers.dram import DramLease, DramTier, Reservation
 
 __all__ = ["UCX_SERVICE_NAME", "UcxDataServer", "add_ucx_to_server"]
 
@@ -560,7 +560,7 @@ async def add_ucx_to_server(
     """Start a :class:`UcxDataServer` for ``store`` and register its service on ``server``.
 
     Call on the server's event loop before ``server.start()``. Raises
-    :class:`~kvstore.transport.ucx.UcxTransportError` (and registers nothing) when ucxx is missing
+    :class:`~kvstore.protocol.ucx.UcxTransportError` (and registers nothing) when ucxx is missing
     or the listener cannot start; the caller then serves without the UCX path.
     """
     data_server = UcxDataServer(store, listen, transfer_timeout_s=transfer_timeout_s)

@@ -7,9 +7,9 @@ some, TCP otherwise). The pieces live in small modules:
 
 * this one: loading ``ucxx`` (optional: the ``ucx`` extra), the tag of each payload, the address
   format, and :class:`UcxTransportError`, the one failure that means "use gRPC for this call";
-* :mod:`kvstore.transport.ucx_server`: :class:`~kvstore.transport.ucx_server.UcxDataServer`, the
+* :mod:`kvstore.server.ucx`: :class:`~kvstore.server.ucx.UcxDataServer`, the
   listener and the gRPC servicer, on the server's event loop;
-* :mod:`kvstore.transport.ucx_client`: :class:`~kvstore.transport.ucx_client.UcxDataClient`, used
+* :mod:`kvstore.client.ucx`: :class:`~kvstore.client.ucx.UcxDataClient`, used
   by the blocking ``KVStoreClient``, with its own event-loop thread.
 
 Endpoints are created with UCX error handling on, so that a dead peer fails the transfers in

@@ -43,12 +43,13 @@ from typing import Any, Literal
 from kvstore.block import BlockHeader
 from kvstore.buffers import byte_view
 from kvstore.errors import CapacityError, InvalidRequestError, NamespaceMismatchError
-from kvstore.eviction import RecencyIndex
 from kvstore.keys import KEY_BYTES, NAMESPACE_BYTES
 from kvstore.policy import Policy
+from kvstore.store.eviction import RecencyIndex
 from kvstore.tiers.base import Buffer, Tier
 from kvstore.tiers.dram import DramLease, DramTier, Reservation
 from kvstore.tiers.redis import RedisTier
+from kvstore.types import LookupResult, PutResult
 
 __all__ = ["Acquired", "GetResult", "LookupResult", "Promotion", "PutResult", "TieredStore"]
 
@@ -67,23 +68,6 @@ Acquired = DramLease | bytes | memoryview | None
 
 Promotion = Literal["ready", "missing", "failed"]
 """What :meth:`TieredStore.promote` did with one key."""
-
-
-@dataclass(frozen=True, slots=True)
-class LookupResult:
-    """``hits`` leading keys are present; ``tiers[i]`` is where key ``i`` is ("" if absent)."""
-
-    hits: int
-    tiers: list[str]
-
-
-@dataclass(frozen=True, slots=True)
-class PutResult:
-    """How a put went: newly stored, already present (skipped), or dropped for lack of room."""
-
-    stored: int = 0
-    already_present: int = 0
-    dropped: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,13 +33,12 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-from kvstore import _wire
 from kvstore._proto.kvstore.v1 import ucx_pb2 as ucx_pb
 from kvstore._proto.kvstore.v1 import ucx_pb2_grpc as ucx_pb_grpc
 from kvstore.buffers import byte_view, writable_byte_view
 from kvstore.errors import InvalidRequestError
-from kvstore.store import PutResult
-from kvstore.transport.ucx import (
+from kvstore.protocol import messages as _wire
+from kvstore.protocol.ucx import (
     CLIENT_ID_BYTES,
     HELLO_TAG,
     UcxTransportError,
@@ -48,6 +47,7 @@ from kvstore.transport.ucx import (
     parse_address,
     transfer_tag,
 )
+from kvstore.types import PutResult
 
 __all__ = ["UcxDataClient"]
 

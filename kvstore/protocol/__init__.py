@@ -1,0 +1,11 @@
+"""What the client and the server agree on, and nothing else.
+
+* :mod:`kvstore.protocol.messages`: gRPC messages to and from the domain types, status mapping;
+* :mod:`kvstore.protocol.shm_frames`: the shared-memory socket's frame format;
+* :mod:`kvstore.protocol.dram_index`: the published dram index (server writes, clients read);
+* :mod:`kvstore.protocol.ucx`: UCX conventions (tags, addresses, loading ``ucxx``).
+
+Modules here import only the standard library, numpy, grpc, the generated ``_proto`` code and
+kvstore's own leaf modules (``errors``, ``keys``, ``types``, ``buffers``): never a client, the
+store, a tier or the server.
+"""
