@@ -28,6 +28,7 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Container, Iterator, Mapping
 from dataclasses import dataclass
+from typing import cast
 
 from kvstore.policy import EVICTIONS
 
@@ -45,6 +46,7 @@ __all__ = [
 ]
 
 Priority = tuple[int, ...]
+_Item = tuple[int | bytes, ...]
 
 
 @dataclass(slots=True)
@@ -229,7 +231,8 @@ class PriorityIndex(RecencyIndex):
         self._priority = self.policy.priority
         self._entries: dict[bytes, Entry] = {}
         self._footprints: dict[bytes, int] = {}
-        self._heap: list[tuple[Priority, int, bytes]] = []
+        # Items are ``rank + (stamp, key)``: flat tuples of ints compare faster than nested ones.
+        self._heap: list[_Item] = []
         self._seq = 0
         self._clock = 0
 
@@ -286,13 +289,13 @@ class PriorityIndex(RecencyIndex):
         if needed <= 0:
             return []
         heap, entries = self._heap, self._entries
-        popped: list[tuple[Priority, int, bytes]] = []
+        popped: list[_Item] = []
         chosen: list[bytes] = []
         freed = 0
         last: Entry | None = None
         while heap and freed < needed:
             item = heapq.heappop(heap)
-            _, stamp, key = item
+            stamp, key = cast(int, item[-2]), cast(bytes, item[-1])
             entry = entries.get(key)
             if entry is None or entry.stamp != stamp:
                 continue  # stale: dropping it changes nothing
@@ -317,7 +320,8 @@ class PriorityIndex(RecencyIndex):
             return  # its live item still ranks it right (fifo touches): no new item
         entry.rank, entry.stamp = rank, entry.last_access
         heap = self._heap
-        heapq.heappush(heap, (rank, entry.stamp, key))
+        item: _Item = (*rank, entry.stamp, key)
+        heapq.heappush(heap, item)
         if len(heap) > _STALE_RATIO * len(self._entries) + _STALE_FLOOR:
-            self._heap = [(e.rank, e.stamp, k) for k, e in self._entries.items()]
+            self._heap = [(*e.rank, e.stamp, k) for k, e in self._entries.items()]
             heapq.heapify(self._heap)
