@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.errors import ConfigError
-from kvstore.policy import NVME_ADMISSIONS, SHARED_WRITES
+from kvstore.policy import EVICTIONS, NVME_ADMISSIONS, SHARED_WRITES
 
 __all__ = [
     "Config",
@@ -206,6 +206,7 @@ class PolicyConfig:
 
     shared_write: str = "through"
     nvme_admission: str = "all"
+    eviction: str = "lru"
 
     def __post_init__(self) -> None:
         if self.shared_write not in SHARED_WRITES:
@@ -217,6 +218,10 @@ class PolicyConfig:
             raise ConfigError(
                 f"policy.nvme_admission must be one of {list(NVME_ADMISSIONS)}, "
                 f"got {self.nvme_admission!r}"
+            )
+        if self.eviction not in EVICTIONS:
+            raise ConfigError(
+                f"policy.eviction must be one of {list(EVICTIONS)}, got {self.eviction!r}"
             )
 
 

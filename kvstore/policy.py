@@ -15,6 +15,10 @@
   and a suffix without its prefix is worthless to an engine (a lookup counts leading hits only).
   :meth:`Policy.recency_order` gives the order in which to touch a request's keys so that the
   prefix ends up most recently used.
+* **Which blocks leave a full tier first?** ``eviction``: ``lru`` (default), the least recently
+  used; ``fifo``, the oldest stored; ``lfu-aging``, the least often used, with dynamic ageing so
+  that blocks popular long ago age out (a chain's shared prefix, read by many requests, outlives
+  one-off suffixes). Each is a priority function in :mod:`kvstore.store.eviction`.
 """
 
 from __future__ import annotations
@@ -22,20 +26,23 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["NVME_ADMISSIONS", "SHARED_WRITES", "Policy"]
+__all__ = ["EVICTIONS", "NVME_ADMISSIONS", "SHARED_WRITES", "Policy"]
 
 #: Accepted values of ``policy.shared_write``.
 SHARED_WRITES = ("through", "back")
 #: Accepted values of ``policy.nvme_admission``.
 NVME_ADMISSIONS = ("all", "hit")
+#: Accepted values of ``policy.eviction`` (the policies of :mod:`kvstore.store.eviction`).
+EVICTIONS = ("lru", "fifo", "lfu-aging")
 
 
 @dataclass(frozen=True)
 class Policy:
-    """The store's write and admission rules (see the module docstring)."""
+    """The store's write, admission and eviction rules (see the module docstring)."""
 
     shared_write: str = "through"
     nvme_admission: str = "all"
+    eviction: str = "lru"
 
     def __post_init__(self) -> None:
         if self.shared_write not in SHARED_WRITES:
@@ -44,6 +51,8 @@ class Policy:
             raise ValueError(
                 f"nvme_admission must be one of {NVME_ADMISSIONS}: {self.nvme_admission!r}"
             )
+        if self.eviction not in EVICTIONS:
+            raise ValueError(f"eviction must be one of {EVICTIONS}: {self.eviction!r}")
 
     @property
     def write_through(self) -> bool:
