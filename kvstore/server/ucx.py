@@ -1,4 +1,5 @@
-"""The server side of the UCX data path: a UCX listener and the ``kvstore.v1.UcxTransfer`` service.
+"""The server side of the UCX data path: a UCX listener that moves the payloads of
+``kvstore.v1.UcxTransfer`` calls (the gRPC service itself: :mod:`kvstore.server.ucx_service`).
 
 Everything here runs on the server's one asyncio event loop (the grpc.aio loop), the only thread
 allowed to touch the :class:`~kvstore.store.TieredStore`. ucxx binds its context to that loop the
@@ -35,7 +36,6 @@ import numpy as np
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import ucx_pb2 as ucx_pb
-from kvstore._proto.kvstore.v1 import ucx_pb2_grpc as ucx_pb_grpc
 from kvstore.errors import CapacityError, InvalidRequestError, KVStoreError
 from kvstore.protocol.ucx import (
     CLIENT_ID_BYTES,
@@ -46,15 +46,12 @@ from kvstore.protocol.ucx import (
     parse_address,
     transfer_tag,
 )
-from kvstore.server.servicer import guard
 from kvstore.store import Acquired, TieredStore
 from kvstore.tiers.dram import DramLease, DramTier, Reservation
 
-__all__ = ["UCX_SERVICE_NAME", "UcxDataServer", "add_ucx_to_server"]
+__all__ = ["UcxDataServer"]
 
 logger = logging.getLogger(__name__)
-
-UCX_SERVICE_NAME = "kvstore.v1.UcxTransfer"
 
 #: How long a new endpoint may take to say who it is.
 HELLO_TIMEOUT_S = 5.0
@@ -73,7 +70,8 @@ class _Client:
 class UcxDataServer:
     """A UCX listener serving one store's blocks to remote clients, plus its gRPC control service.
 
-    Create it with :func:`add_ucx_to_server`, which also registers the service on the gRPC server.
+    Create it with :func:`~kvstore.server.ucx_service.add_ucx_to_server`, which also registers
+    the gRPC service on the server.
     """
 
     def __init__(
@@ -525,45 +523,3 @@ def _scatter(
 def _check_batch(count: int) -> None:
     if count > MAX_BATCH:
         raise InvalidRequestError(f"{count} keys in one UCX transfer; the limit is {MAX_BATCH}")
-
-
-# A transfer that failed is the client's cue to use gRPC instead, not a server bug.
-_ABORTED: dict[type[Exception], grpc.StatusCode] = {UcxTransportError: grpc.StatusCode.ABORTED}
-
-
-class UcxTransferServicer(ucx_pb_grpc.UcxTransferServicer):  # type: ignore[misc]  # generated
-    """Serves ``kvstore.v1.UcxTransfer`` for one :class:`UcxDataServer`."""
-
-    def __init__(self, data_server: UcxDataServer) -> None:
-        self.data_server = data_server
-
-    async def UcxGet(
-        self, request: ucx_pb.UcxGetRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> ucx_pb.UcxGetResponse:
-        """See :meth:`UcxDataServer.get`."""
-        return await guard(context, lambda: self.data_server.get(request, context), _ABORTED)
-
-    async def UcxPut(
-        self, request: ucx_pb.UcxPutRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.PutResponse:
-        """See :meth:`UcxDataServer.put`."""
-        return await guard(context, lambda: self.data_server.put(request, context), _ABORTED)
-
-
-async def add_ucx_to_server(
-    server: grpc.aio.Server,
-    store: TieredStore,
-    listen: str = "0.0.0.0:0",
-    *,
-    transfer_timeout_s: float = 30.0,
-) -> UcxDataServer:
-    """Start a :class:`UcxDataServer` for ``store`` and register its service on ``server``.
-
-    Call on the server's event loop before ``server.start()``. Raises
-    :class:`~kvstore.protocol.ucx.UcxTransportError` (and registers nothing) when ucxx is missing
-    or the listener cannot start; the caller then serves without the UCX path.
-    """
-    data_server = UcxDataServer(store, listen, transfer_timeout_s=transfer_timeout_s)
-    await data_server.start()
-    ucx_pb_grpc.add_UcxTransferServicer_to_server(UcxTransferServicer(data_server), server)
-    return data_server
