@@ -10,11 +10,12 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator
 
+import numpy as np
 import pytest
 
 from kvstore.errors import InvalidRequestError
 from kvstore.keys import Namespace
-from kvstore.server.sessions import ArenaSessions, Leased, Reserved
+from kvstore.server.sessions import ArenaSessions, Leased, Reserved, gather, scatter
 from kvstore.store import TieredStore
 from kvstore.tiers.dram import DramTier
 
@@ -70,3 +71,13 @@ async def test_a_commit_naming_an_unknown_or_repeated_id_commits_nothing(
     session.cancel([reserved.id])  # committed: nothing left to give back
     sessions.close(session)
     assert dram(sessions)["reserved_bytes"] == 0
+
+
+async def test_gather_and_scatter_follow_the_runs_in_order(sessions: ArenaSessions) -> None:
+    arena = sessions.store.arena
+    assert arena is not None
+    ranges = [(5 * PAGE, 100), (2 * PAGE, 50)]
+    data = np.arange(150, dtype=np.uint8)
+    scatter(arena, ranges, data)
+    assert bytes(arena.range_view(2 * PAGE, 50)) == bytes(data[100:])
+    assert bytes(gather(arena, ranges, 150)) == bytes(data)

@@ -17,14 +17,16 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Literal, NamedTuple, TypeVar, overload
+from typing import Any, Literal, NamedTuple, TypeVar, overload
+
+import numpy as np
 
 from kvstore.errors import InvalidRequestError
 from kvstore.store import TieredStore
-from kvstore.tiers.dram import DramLease, Reservation
+from kvstore.tiers.dram import DramLease, DramTier, Reservation
 from kvstore.types import PutResult
 
-__all__ = ["ArenaSession", "ArenaSessions", "Leased", "Reserved"]
+__all__ = ["ArenaSession", "ArenaSessions", "Leased", "Reserved", "gather", "scatter"]
 
 logger = logging.getLogger(__name__)
 
@@ -181,3 +183,27 @@ class ArenaSessions:
             "leases": sum(len(s.leases) for s in self._open),
             "reservations": sum(len(s.reservations) for s in self._open),
         }
+
+
+def gather(
+    arena: DramTier, ranges: Sequence[tuple[int, int]], length: int
+) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    """A copy of the ``length`` bytes held in the runs of arena pages ``ranges`` names, as one
+    contiguous buffer (for a lease in several runs, where one buffer is needed)."""
+    out = np.empty(length, dtype=np.uint8)
+    done = 0
+    for offset, size in ranges:
+        out[done : done + size] = arena.range_view(offset, size)
+        done += size
+    return out
+
+
+def scatter(
+    arena: DramTier, ranges: Sequence[tuple[int, int]], data: np.ndarray[Any, np.dtype[np.uint8]]
+) -> None:
+    """Copy ``data`` into the runs of arena pages ``ranges`` names, in order (the way back of
+    :func:`gather`, for a reservation in several runs)."""
+    done = 0
+    for offset, size in ranges:
+        arena.range_view(offset, size)[:] = data[done : done + size]
+        done += size
