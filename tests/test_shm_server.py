@@ -51,8 +51,8 @@ async def server(tmp_path: Path) -> AsyncIterator[ShmServer]:
     await store.close()
 
 
-def session() -> _Session:
-    held = _Session()
+def session(server: ShmServer) -> _Session:
+    held = server._sessions.open(_Session)
     held.namespace = NS
     return held
 
@@ -78,7 +78,7 @@ def dram(server: ShmServer) -> dict[str, int]:
 async def test_trailing_bytes_are_refused_before_anything_is_taken(
     server: ShmServer, op: int, body: bytes
 ) -> None:
-    held = session()
+    held = session(server)
     reply = await server._dispatch(held, op, memoryview(body))
     assert status(reply) == 3  # INVALID_ARGUMENT
     assert not held.leases and not held.reservations
@@ -86,7 +86,7 @@ async def test_trailing_bytes_are_refused_before_anything_is_taken(
 
 
 async def test_a_commit_with_trailing_bytes_stores_nothing(server: ShmServer) -> None:
-    held = session()
+    held = session(server)
     reply = await server._dispatch(
         held, Op.RESERVE, memoryview(pack_keys([b"n" * 16]) + struct.pack("<Q", PAGE))
     )
@@ -95,7 +95,7 @@ async def test_a_commit_with_trailing_bytes_stores_nothing(server: ShmServer) ->
     reply = await server._dispatch(held, Op.COMMIT, memoryview(pack_ids([reservation_id]) + b"x"))
     assert status(reply) == 3
     assert server.store.lookup([b"n" * 16], NS).hits == 0
-    server._give_back(held)  # what closing the socket does
+    server._sessions.close(held)  # what closing the socket does
     assert dram(server)["reserved_bytes"] == 0
 
 
@@ -126,10 +126,10 @@ async def test_a_touch_claiming_impossible_counts_counts_nothing(
 ) -> None:
     before = dict(server.store.stats()["counters"])
     body = struct.pack("<II", calls, lookups) + pack_keys([KEY])
-    assert await server._dispatch(session(), Op.TOUCH, memoryview(body)) is None  # one-way
+    assert await server._dispatch(session(server), Op.TOUCH, memoryview(body)) is None  # one-way
     assert dict(server.store.stats()["counters"]) == before
     good = struct.pack("<II", 1, 3) + pack_keys([KEY])
-    assert await server._dispatch(session(), Op.TOUCH, memoryview(good)) is None
+    assert await server._dispatch(session(server), Op.TOUCH, memoryview(good)) is None
     after = server.store.stats()["counters"]
     assert after["blocks_read_direct"] == 1 and after["lookups"] - before.get("lookups", 0) == 3
 

@@ -25,7 +25,8 @@ from kvstore.protocol.messages import MESSAGE_TARGET_BYTES
 from kvstore.protocol.ucx import UcxTransportError
 from kvstore.server.servicer import SERVICE_NAME, KVStoreServicer, add_to_server
 from kvstore.server.shm import ShmServer
-from kvstore.server.ucx import UcxDataServer, add_ucx_to_server
+from kvstore.server.ucx import UcxDataServer
+from kvstore.server.ucx_service import add_ucx_to_server
 from kvstore.store import TieredStore
 from kvstore.tiers import build_tiers
 

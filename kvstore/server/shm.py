@@ -8,9 +8,10 @@ order and the hit counts see the read); for the others it asks *where* they are:
 the client copies in and commits. Payload bytes never cross the socket, except for a block that
 cannot be brought into the arena, which comes back inline.
 
-Everything a connection holds (leases, reservations) belongs to it: when the client closes the
-socket or its process dies, the kernel closes the socket and the server gives everything back,
-so a crashed engine cannot leak arena space or pins.
+Everything a connection holds (leases, reservations) belongs to its arena session
+(:mod:`kvstore.server.sessions`): when the client closes the socket or its process dies, the
+kernel closes the socket and the server closes the session, giving everything back, so a crashed
+engine cannot leak arena space or pins.
 
 The server runs on the store's event loop, like the gRPC server, because the store is not
 thread-safe; requests are metadata only, so this loop never copies a payload.
@@ -21,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import itertools
 import logging
 import os
 import socket
@@ -45,8 +45,8 @@ from kvstore.protocol.shm_frames import (
     frame_length,
     pack_ranges,
 )
+from kvstore.server.sessions import ArenaSession, ArenaSessions, Leased, Reserved
 from kvstore.store import TieredStore
-from kvstore.tiers.dram import DramLease, Reservation
 
 __all__ = ["ShmServer"]
 
@@ -56,13 +56,10 @@ _OK = 0
 _INTERNAL = 13  # grpc.StatusCode.INTERNAL
 
 
-class _Session:
-    """One client connection: its namespace and everything it holds."""
+class _Session(ArenaSession):
+    """One client connection: what it holds, and the namespace its greeting named."""
 
-    def __init__(self) -> None:
-        self.namespace: bytes | None = None
-        self.leases: dict[int, DramLease] = {}
-        self.reservations: dict[int, tuple[bytes, Reservation]] = {}
+    namespace: bytes | None = None
 
 
 class ShmServer:
@@ -86,8 +83,7 @@ class ShmServer:
         self.mode = mode
         self.instance_id = instance_id
         self._arena = arena
-        self._ids = itertools.count(1)
-        self._sessions: set[_Session] = set()
+        self._sessions = ArenaSessions(store)
         self._tasks: set[asyncio.Task[None]] = set()
         self._listener: socket.socket | None = None
         self._socket_file: tuple[int, int] | None = None
@@ -132,11 +128,7 @@ class ShmServer:
 
     def stats(self) -> dict[str, int]:
         """Open connections and what they hold."""
-        return {
-            "connections": len(self._sessions),
-            "leases": sum(len(s.leases) for s in self._sessions),
-            "reservations": sum(len(s.reservations) for s in self._sessions),
-        }
+        return {"connections": len(self._sessions), **self._sessions.stats()}
 
     # -- connections -------------------------------------------------------------------------
 
@@ -152,8 +144,7 @@ class ShmServer:
 
     async def _serve(self, conn: socket.socket) -> None:
         loop = asyncio.get_running_loop()
-        session = _Session()
-        self._sessions.add(session)
+        session = self._sessions.open(_Session)
         try:
             while True:
                 head = await _recv_exact(loop, conn, 4)
@@ -178,19 +169,12 @@ class ShmServer:
         except (ConnectionError, OSError) as exc:
             logger.debug("shm connection ended: %s", exc)
         finally:
-            self._sessions.discard(session)
-            self._give_back(session)
+            self._sessions.close(session)
             conn.close()
 
     def _greeting_fds(self) -> list[int]:
         index = self._arena.index
         return [self._arena.fd] if index is None else [self._arena.fd, index.fd]
-
-    def _give_back(self, session: _Session) -> None:
-        self.store.release(list(session.leases.values()))
-        self.store.cancel([reservation for _, reservation in session.reservations.values()])
-        session.leases.clear()
-        session.reservations.clear()
 
     async def _dispatch(self, session: _Session, op: int, body: memoryview) -> bytes | None:
         """Run one request; its reply frame (``None`` for one-way requests)."""
@@ -248,15 +232,15 @@ class ShmServer:
     async def _acquire(self, session: _Session, cursor: Cursor) -> bytes:
         keys = cursor.keys(self.store.max_keys_per_request)
         cursor.done()  # the whole request parses before anything is taken
-        acquired = await self.store.acquire(keys, self._namespace(session))
+        acquired = await session.acquire(keys, self._namespace(session))
         parts: list[bytes] = []
         for item in acquired:
             if item is None:
                 parts.append(bytes([Slot.MISS]))
-            elif isinstance(item, DramLease):
-                lease_id = next(self._ids)
-                session.leases[lease_id] = item
-                parts.append(struct.pack("<BQ", Slot.LEASE, lease_id) + pack_ranges(item.ranges))
+            elif isinstance(item, Leased):
+                parts.append(
+                    struct.pack("<BQ", Slot.LEASE, item.id) + pack_ranges(item.lease.ranges)
+                )
             else:
                 parts.append(struct.pack("<BQ", Slot.BYTES, len(item)) + bytes(item))
         return b"".join(parts)
@@ -264,43 +248,29 @@ class ShmServer:
     def _release(self, session: _Session, cursor: Cursor) -> bytes:
         ids = cursor.ids()
         cursor.done()
-        leases = [session.leases.pop(i) for i in ids if i in session.leases]
-        self.store.release(leases)
+        session.release(ids)
         return b""
 
     async def _reserve(self, session: _Session, cursor: Cursor) -> bytes:
         keys = cursor.keys(self.store.max_keys_per_request)
         lengths = cursor.u64s(len(keys))
         cursor.done()
-        reserved = await self.store.reserve(keys, lengths, self._namespace(session))
+        reserved = await session.reserve(keys, lengths, self._namespace(session))
         parts: list[bytes] = []
-        for key, item in zip(keys, reserved, strict=True):
+        for item in reserved:
             if item is None:
                 parts.append(bytes([Slot.NO_ROOM]))
-            elif item == "present":
+            elif isinstance(item, Reserved):
+                ranges = pack_ranges(item.reservation.ranges)
+                parts.append(struct.pack("<BQ", Slot.RESERVED, item.id) + ranges)
+            else:  # "present"
                 parts.append(bytes([Slot.PRESENT]))
-            else:
-                reservation_id = next(self._ids)
-                session.reservations[reservation_id] = (key, item)
-                parts.append(
-                    struct.pack("<BQ", Slot.RESERVED, reservation_id) + pack_ranges(item.ranges)
-                )
         return b"".join(parts)
 
     async def _commit(self, session: _Session, cursor: Cursor) -> bytes:
         ids = cursor.ids()
         cursor.done()
-        unknown = [i for i in ids if i not in session.reservations]
-        if unknown:
-            raise InvalidRequestError(f"no open reservation {unknown[0]} on this connection")
-        if len(set(ids)) != len(ids):
-            raise InvalidRequestError("COMMIT names a reservation twice")
-        written = [session.reservations.pop(i) for i in ids]
-        try:
-            result = await self.store.commit(written, self._namespace(session))
-        except BaseException:
-            self.store.cancel([reservation for _, reservation in written])  # idempotent
-            raise
+        result = await session.commit(ids, self._namespace(session))
         return struct.pack("<III", result.stored, result.already_present, result.dropped)
 
     def _touch(self, session: _Session, cursor: Cursor) -> bytes:
@@ -322,8 +292,7 @@ class ShmServer:
     def _cancel(self, session: _Session, cursor: Cursor) -> bytes:
         ids = cursor.ids()
         cursor.done()
-        given_back = [session.reservations.pop(i)[1] for i in ids if i in session.reservations]
-        self.store.cancel(given_back)
+        session.cancel(ids)
         return b""
 
 

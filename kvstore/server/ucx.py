@@ -1,4 +1,5 @@
-"""The server side of the UCX data path: a UCX listener and the ``kvstore.v1.UcxTransfer`` service.
+"""The server side of the UCX data path: a UCX listener that moves the payloads of
+``kvstore.v1.UcxTransfer`` calls (the gRPC service itself: :mod:`kvstore.server.ucx_service`).
 
 Everything here runs on the server's one asyncio event loop (the grpc.aio loop), the only thread
 allowed to touch the :class:`~kvstore.store.TieredStore`. ucxx binds its context to that loop the
@@ -12,12 +13,15 @@ that fails or runs late drops the client's endpoint, which cancels whatever else
 and the client reconnects on its next call.
 
 When the store's top tier is a dram arena, payloads do not get copied on the server: a get leases
-the blocks (:meth:`~kvstore.store.TieredStore.acquire`) and UCX sends straight from their pages,
-the leases coming back when the sends end, however they end; a put reserves pages
-(:meth:`~kvstore.store.TieredStore.reserve`), UCX receives into them and the store commits them, or
-cancels them if the transfer fails. A block split across several runs of pages still travels as
-one message (the client's wire format), so it goes through a contiguous copy; a block the arena
-has no room for is received into a buffer of its own and stored like a ``Put``.
+the blocks (:meth:`~kvstore.store.TieredStore.acquire`) and UCX sends straight from their pages; a
+put reserves pages (:meth:`~kvstore.store.TieredStore.reserve`), UCX receives into them and the
+store commits them. What a transfer takes belongs to its own arena session
+(:mod:`kvstore.server.sessions`), closed when the transfer ends, however it ends: a client that
+dies fails its transfers, which gives everything back. (Not when the endpoint goes: UCX may still
+be receiving into reserved pages until the transfer's operations end.) A block split across
+several runs of pages still travels as one message (the client's wire format), so it goes through
+a contiguous copy; a block the arena has no room for is received into a buffer of its own and
+stored like a ``Put``.
 """
 
 from __future__ import annotations
@@ -28,14 +32,13 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import grpc
 import numpy as np
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import ucx_pb2 as ucx_pb
-from kvstore._proto.kvstore.v1 import ucx_pb2_grpc as ucx_pb_grpc
 from kvstore.errors import CapacityError, InvalidRequestError, KVStoreError
 from kvstore.protocol.ucx import (
     CLIENT_ID_BYTES,
@@ -46,20 +49,16 @@ from kvstore.protocol.ucx import (
     parse_address,
     transfer_tag,
 )
-from kvstore.server.servicer import guard
-from kvstore.store import Acquired, TieredStore
-from kvstore.tiers.dram import DramLease, DramTier, Reservation
+from kvstore.server.sessions import ArenaSession, ArenaSessions, Leased, Reserved, gather, scatter
+from kvstore.store import TieredStore
+from kvstore.tiers.dram import DramTier
 
-__all__ = ["UCX_SERVICE_NAME", "UcxDataServer", "add_ucx_to_server"]
+__all__ = ["UcxDataServer"]
 
 logger = logging.getLogger(__name__)
 
-UCX_SERVICE_NAME = "kvstore.v1.UcxTransfer"
-
 #: How long a new endpoint may take to say who it is.
 HELLO_TIMEOUT_S = 5.0
-
-T = TypeVar("T")
 
 
 @dataclass
@@ -73,7 +72,8 @@ class _Client:
 class UcxDataServer:
     """A UCX listener serving one store's blocks to remote clients, plus its gRPC control service.
 
-    Create it with :func:`add_ucx_to_server`, which also registers the service on the gRPC server.
+    Create it with :func:`~kvstore.server.ucx_service.add_ucx_to_server`, which also registers
+    the gRPC service on the server.
     """
 
     def __init__(
@@ -88,6 +88,7 @@ class UcxDataServer:
         self.transfer_timeout_s = transfer_timeout_s
         self._listener: Any = None
         self._clients: dict[bytes, _Client] = {}
+        self._sessions = ArenaSessions(store)
         self._tasks: set[asyncio.Task[None]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         #: Counters for logs and tests: transfers, blocks and bytes each way, failures.
@@ -212,44 +213,44 @@ class UcxDataServer:
         if arena is None:
             return await self._get_copies(client, request, keys, sizes, context)
         tiers = self._tiers_before_acquire(arena, keys, request.namespace)
-        acquired = await self.store.acquire(keys, request.namespace)
-        # The leases this call still has to give back (the send task takes over the ones it
-        # sends from). Leases of a key asked for twice are equal but distinct: tell them by id.
-        held = [item for item in acquired if isinstance(item, DramLease)]
+        session = self._sessions.open()
+        sending = False
         try:
+            acquired = await session.acquire(keys, request.namespace)
             lengths = [_acquired_length(item) for item in acquired]
             sent = [n > 0 and (not sizes or sizes[i] == n) for i, n in enumerate(lengths)]
             payloads: list[tuple[int, Any]] = []
-            travelling: list[DramLease] = []
+            travelling: set[int] = set()
             for index, item in enumerate(acquired):
                 if item is None or not sent[index]:
                     continue
-                if not isinstance(item, DramLease):
+                if not isinstance(item, Leased):
                     payloads.append((index, item))  # bytes the store could not lease
-                elif len(item.ranges) == 1:
+                elif len(item.lease.ranges) == 1:
                     # Zero copy: UCX reads the leased pages themselves.
-                    payloads.append((index, arena.range_view(*item.ranges[0])))
-                    travelling.append(item)
+                    payloads.append((index, arena.range_view(*item.lease.ranges[0])))
+                    travelling.add(item.id)
                 else:
                     # The wire format is one message per block: gather its runs into a copy.
-                    payloads.append((index, _gather(arena, item.ranges, lengths[index])))
+                    payloads.append((index, gather(arena, item.lease.ranges, lengths[index])))
+            # Only the leases UCX reads from travel with the sends; the others come back now.
+            session.release([i for i in session.leases if i not in travelling])
             if payloads:
                 # The answer goes first: the client posts its receives only after reading the
                 # lengths. The task's done callback runs however it ends (even cancelled before
                 # it started), so the leases it sends from always come back.
-                moving = {id(lease) for lease in travelling}
-                rest = [lease for lease in held if id(lease) not in moving]
                 task = self._spawn(
                     self._send(client, request.transfer_id, payloads, self._timeout(context))
                 )
-                held = rest
-                task.add_done_callback(lambda _: self._release(travelling))
+                task.add_done_callback(lambda _: self._sessions.close(session))
+                sending = True
         finally:
-            self._release(held)
+            if not sending:
+                self._sessions.close(session)
         for index, item in enumerate(acquired):
             if item is None:
                 tiers[index] = ""
-            elif isinstance(item, DramLease) and not tiers[index]:
+            elif isinstance(item, Leased) and not tiers[index]:
                 tiers[index] = arena.name  # stored meanwhile: the arena served it
         return ucx_pb.UcxGetResponse(lengths=lengths, sent=sent, tiers=tiers)
 
@@ -300,15 +301,6 @@ class UcxDataServer:
             self.counters["blocks_sent"] += len(payloads)
             self.counters["bytes_sent"] += sum(len(p) for _, p in payloads)
 
-    def _release(self, leases: Sequence[DramLease]) -> None:
-        """Give leases back; never raises (it runs in done callbacks and error paths)."""
-        if not leases:
-            return
-        try:
-            self.store.release(leases)
-        except Exception:
-            logger.exception("releasing %d UCX lease(s) failed", len(leases))
-
     # -- put -------------------------------------------------------------------------------
 
     async def put(
@@ -330,35 +322,37 @@ class UcxDataServer:
             self._drop(client, "refused a put")
             raise
         arena = self.store.arena
-        reserved: list[Reservation | Literal["present"] | None] | None = None
-        if arena is not None:
+        if arena is None:
+            return await self._put_copies(client, request, keys, lengths, context)
+        session = self._sessions.open()
+        try:
             try:
-                reserved = await self.store.reserve(keys, lengths, request.namespace)
+                reserved = await session.reserve(keys, lengths, request.namespace)
             except KVStoreError:
                 # Refused (bad keys, another namespace's key): receive as before, and let the put
                 # refuse it the same way once the bytes are in.
                 reserved = None
-        if arena is None or reserved is None:
-            return await self._put_copies(client, request, keys, lengths, context)
-        held = [item for item in reserved if isinstance(item, Reservation)]
-        try:
-            return await self._put_reserved(
-                client, request, arena, keys, lengths, reserved, context
-            )
+            if reserved is not None:
+                return await self._put_reserved(
+                    client, request, arena, session, keys, lengths, reserved, context
+                )
         finally:
-            # Installed reservations are closed, so this gives back only what was not committed.
-            self.store.cancel(held)
+            # Committed reservations are closed, so this gives back only what was not committed.
+            self._sessions.close(session)
+        return await self._put_copies(client, request, keys, lengths, context)
 
     async def _put_reserved(
         self,
         client: _Client,
         request: ucx_pb.UcxPutRequest,
         arena: DramTier,
+        session: ArenaSession,
         keys: list[bytes],
         lengths: list[int],
-        reserved: list[Reservation | Literal["present"] | None],
+        reserved: list[Reserved | Literal["present"] | None],
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> pb.PutResponse:
+        """Receive into ``session``'s reservations (and buffers for the rest), then commit."""
         present = [
             length for item, length in zip(reserved, lengths, strict=True) if item == "present"
         ]
@@ -366,12 +360,12 @@ class UcxDataServer:
         # are dropped. Concurrent writes into one scratch buffer are harmless, nobody reads it.
         scratch = np.empty(max(present, default=0), dtype=np.uint8)
         buffers: list[Any] = []
-        gathered: list[tuple[np.ndarray[Any, np.dtype[np.uint8]], Reservation]] = []
+        gathered: list[tuple[np.ndarray[Any, np.dtype[np.uint8]], Reserved]] = []
         fallback: list[int] = []
         for index, (item, length) in enumerate(zip(reserved, lengths, strict=True)):
-            if isinstance(item, Reservation):
-                if len(item.ranges) == 1:
-                    buffers.append(arena.range_view(*item.ranges[0]))  # zero copy
+            if isinstance(item, Reserved):
+                if len(item.reservation.ranges) == 1:
+                    buffers.append(arena.range_view(*item.reservation.ranges[0]))  # zero copy
                 else:
                     buffer = np.empty(length, dtype=np.uint8)
                     gathered.append((buffer, item))
@@ -382,14 +376,10 @@ class UcxDataServer:
                 buffers.append(np.empty(length, dtype=np.uint8))
                 fallback.append(index)
         await self._receive(client, request.transfer_id, buffers, context)
-        for buffer, reservation in gathered:
-            _scatter(arena, reservation.ranges, buffer)
-        written = [
-            (key, item)
-            for key, item in zip(keys, reserved, strict=True)
-            if isinstance(item, Reservation)
-        ]
-        result = await self.store.commit(written, request.namespace)
+        for buffer, item in gathered:
+            scatter(arena, item.reservation.ranges, buffer)
+        written = [item.id for item in reserved if isinstance(item, Reserved)]
+        result = await session.commit(written, request.namespace)
         stored = result.stored
         already = result.already_present + len(present)
         dropped = result.dropped
@@ -491,79 +481,15 @@ class UcxDataServer:
         return task
 
 
-def _acquired_length(item: Acquired) -> int:
-    """Payload length of one :meth:`TieredStore.acquire` answer (0 for a miss)."""
+def _acquired_length(item: Leased | bytes | memoryview | None) -> int:
+    """Payload length of one :meth:`ArenaSession.acquire` answer (0 for a miss)."""
     if item is None:
         return 0
-    if isinstance(item, DramLease):
-        return sum(length for _, length in item.ranges)
+    if isinstance(item, Leased):
+        return sum(length for _, length in item.lease.ranges)
     return len(item)
-
-
-def _gather(
-    arena: DramTier, ranges: Sequence[tuple[int, int]], length: int
-) -> np.ndarray[Any, np.dtype[np.uint8]]:
-    """A copy of a block held in several runs of pages, as one contiguous buffer."""
-    out = np.empty(length, dtype=np.uint8)
-    done = 0
-    for offset, size in ranges:
-        out[done : done + size] = arena.range_view(offset, size)
-        done += size
-    return out
-
-
-def _scatter(
-    arena: DramTier, ranges: Sequence[tuple[int, int]], data: np.ndarray[Any, np.dtype[np.uint8]]
-) -> None:
-    """Copy ``data`` into the runs of pages ``ranges`` names, in order."""
-    done = 0
-    for offset, size in ranges:
-        arena.range_view(offset, size)[:] = data[done : done + size]
-        done += size
 
 
 def _check_batch(count: int) -> None:
     if count > MAX_BATCH:
         raise InvalidRequestError(f"{count} keys in one UCX transfer; the limit is {MAX_BATCH}")
-
-
-# A transfer that failed is the client's cue to use gRPC instead, not a server bug.
-_ABORTED: dict[type[Exception], grpc.StatusCode] = {UcxTransportError: grpc.StatusCode.ABORTED}
-
-
-class UcxTransferServicer(ucx_pb_grpc.UcxTransferServicer):  # type: ignore[misc]  # generated
-    """Serves ``kvstore.v1.UcxTransfer`` for one :class:`UcxDataServer`."""
-
-    def __init__(self, data_server: UcxDataServer) -> None:
-        self.data_server = data_server
-
-    async def UcxGet(
-        self, request: ucx_pb.UcxGetRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> ucx_pb.UcxGetResponse:
-        """See :meth:`UcxDataServer.get`."""
-        return await guard(context, lambda: self.data_server.get(request, context), _ABORTED)
-
-    async def UcxPut(
-        self, request: ucx_pb.UcxPutRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.PutResponse:
-        """See :meth:`UcxDataServer.put`."""
-        return await guard(context, lambda: self.data_server.put(request, context), _ABORTED)
-
-
-async def add_ucx_to_server(
-    server: grpc.aio.Server,
-    store: TieredStore,
-    listen: str = "0.0.0.0:0",
-    *,
-    transfer_timeout_s: float = 30.0,
-) -> UcxDataServer:
-    """Start a :class:`UcxDataServer` for ``store`` and register its service on ``server``.
-
-    Call on the server's event loop before ``server.start()``. Raises
-    :class:`~kvstore.protocol.ucx.UcxTransportError` (and registers nothing) when ucxx is missing
-    or the listener cannot start; the caller then serves without the UCX path.
-    """
-    data_server = UcxDataServer(store, listen, transfer_timeout_s=transfer_timeout_s)
-    await data_server.start()
-    ucx_pb_grpc.add_UcxTransferServicer_to_server(UcxTransferServicer(data_server), server)
-    return data_server

@@ -1,0 +1,64 @@
+"""The ``kvstore.v1.UcxTransfer`` gRPC service: the control half of the UCX data path.
+
+``UcxGet`` and ``UcxPut`` carry a transfer's metadata (keys, lengths, the client id, the transfer
+id) over gRPC; :class:`~kvstore.server.ucx.UcxDataServer` moves the payloads over UCX.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore._proto.kvstore.v1 import ucx_pb2 as ucx_pb
+from kvstore._proto.kvstore.v1 import ucx_pb2_grpc as ucx_pb_grpc
+from kvstore.protocol.ucx import UcxTransportError
+from kvstore.server.servicer import guard
+from kvstore.server.ucx import UcxDataServer
+from kvstore.store import TieredStore
+
+__all__ = ["UCX_SERVICE_NAME", "UcxTransferServicer", "add_ucx_to_server"]
+
+UCX_SERVICE_NAME = "kvstore.v1.UcxTransfer"
+
+# A transfer that failed is the client's cue to use gRPC instead, not a server bug.
+_ABORTED: dict[type[Exception], grpc.StatusCode] = {UcxTransportError: grpc.StatusCode.ABORTED}
+
+
+class UcxTransferServicer(ucx_pb_grpc.UcxTransferServicer):  # type: ignore[misc]  # generated
+    """Serves ``kvstore.v1.UcxTransfer`` for one :class:`UcxDataServer`."""
+
+    def __init__(self, data_server: UcxDataServer) -> None:
+        self.data_server = data_server
+
+    async def UcxGet(
+        self, request: ucx_pb.UcxGetRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> ucx_pb.UcxGetResponse:
+        """See :meth:`UcxDataServer.get`."""
+        return await guard(context, lambda: self.data_server.get(request, context), _ABORTED)
+
+    async def UcxPut(
+        self, request: ucx_pb.UcxPutRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.PutResponse:
+        """See :meth:`UcxDataServer.put`."""
+        return await guard(context, lambda: self.data_server.put(request, context), _ABORTED)
+
+
+async def add_ucx_to_server(
+    server: grpc.aio.Server,
+    store: TieredStore,
+    listen: str = "0.0.0.0:0",
+    *,
+    transfer_timeout_s: float = 30.0,
+) -> UcxDataServer:
+    """Start a :class:`UcxDataServer` for ``store`` and register its service on ``server``.
+
+    Call on the server's event loop before ``server.start()``. Raises
+    :class:`~kvstore.protocol.ucx.UcxTransportError` (and registers nothing) when ucxx is missing
+    or the listener cannot start; the caller then serves without the UCX path.
+    """
+    data_server = UcxDataServer(store, listen, transfer_timeout_s=transfer_timeout_s)
+    await data_server.start()
+    ucx_pb_grpc.add_UcxTransferServicer_to_server(UcxTransferServicer(data_server), server)
+    return data_server
