@@ -78,6 +78,35 @@ async def test_a_full_tier_evicts_the_suffix_of_a_chain_before_its_prefix() -> N
     await store.close()
 
 
+async def store_after_reads(eviction: str) -> TieredStore:
+    """Three blocks in a three-page dram tier, block 0 read three times, then a fourth put."""
+    store = TieredStore([DramTier(3 * PAGE, page_size=PAGE)], policy=Policy(eviction=eviction))
+    for n in (0, 1, 2):
+        await store.put([key(n)], [payload(n)], NS)
+    for _ in range(3):
+        await store.get([key(0)], NS)
+    await store.get([key(1)], NS)
+    await store.get([key(2)], NS)
+    await store.put([key(3)], [payload(3)], NS)
+    return store
+
+
+@pytest.mark.parametrize(
+    ("eviction", "evicted"),
+    [
+        ("lru", 0),  # least recently read, however often it was read before
+        ("fifo", 0),  # stored first
+        ("lfu-aging", 1),  # read least often (once, like 2, but earlier)
+    ],
+)
+async def test_the_configured_eviction_policy_picks_the_victim(eviction: str, evicted: int) -> None:
+    store = await store_after_reads(eviction)
+    tiers = tiers_of(store, [0, 1, 2, 3])
+    assert tiers[evicted] == ""
+    assert tiers.count("dram") == 3
+    await store.close()
+
+
 # -- nvme admission --------------------------------------------------------------------------------
 
 

@@ -592,7 +592,7 @@ async def test_reacquiring_a_replaced_key_leases_the_new_block(store: TieredStor
 async def test_a_cancelled_acquire_gives_back_the_leases_it_took(store: TieredStore) -> None:
     await put_blocks(store, range(6))  # 4 dram pages: blocks 0 and 1 went down to nvme
     assert tiers_of(store, [0, 5]) == ["nvme", "dram"]
-    async with store._lock:  # the promotion of block 0 waits for the lock: cancel it there
+    async with store._mover.lock:  # the promotion of block 0 waits for the lock: cancel it there
         task = asyncio.ensure_future(store.acquire([key(5), key(0)], NS))
         await asyncio.sleep(0.01)
         assert dram_stats(store)["leases"] == 1  # block 5 was leased before the wait
@@ -600,12 +600,12 @@ async def test_a_cancelled_acquire_gives_back_the_leases_it_took(store: TieredSt
         with pytest.raises(asyncio.CancelledError):
             await task
     assert dram_stats(store)["leases"] == 0
-    assert not store._pins
+    assert not store._index.pins
 
 
 async def test_a_cancelled_reserve_gives_back_its_reservations(store: TieredStore) -> None:
     stall = asyncio.Event()
-    real_make_room = store._make_room
+    real_make_room = store._mover.make_room
     calls = 0
 
     async def make_room(level: int, footprint: int) -> bool:
@@ -615,7 +615,7 @@ async def test_a_cancelled_reserve_gives_back_its_reservations(store: TieredStor
             await stall.wait()  # the second key's eviction never finishes
         return await real_make_room(level, footprint)
 
-    store._make_room = make_room  # type: ignore[method-assign]
+    store._mover.make_room = make_room  # type: ignore[method-assign]
     task = asyncio.ensure_future(store.reserve([key(1), key(2)], [PAGE, PAGE], NS))
     await asyncio.sleep(0.01)
     assert dram_stats(store)["reserved_bytes"] == PAGE

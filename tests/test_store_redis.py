@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).parent / "tiers"))
 from redis_server import RedisServer
 from store_blocks import PAGE, key, payload
 
-import kvstore.store.tiered as store_module
+import kvstore.store.shared_writer as shared_writer_module
 from kvstore.block import BlockHeader
 from kvstore.keys import Namespace
 from kvstore.store import TieredStore
@@ -161,7 +161,7 @@ async def test_write_through_backlog_is_bounded(
     redis_server: RedisServer, node: TieredStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Room for two blocks in flight: while Redis stalls, the third put's copy is not kept.
-    monkeypatch.setattr(store_module, "_WRITE_THROUGH_BACKLOG_BYTES", 2 * PAGE)
+    monkeypatch.setattr(shared_writer_module, "_WRITE_THROUGH_BACKLOG_BYTES", 2 * PAGE)
     redis_server.pause()
     try:
         for n in range(3):

@@ -201,7 +201,7 @@ class TiersMachine(RuleBasedStateMachine):
         return self.loop.run_until_complete(coroutine)
 
     def settle(self) -> None:
-        while any(store._background for store in self.nodes):
+        while any(store._tasks for store in self.nodes):
             for store in self.nodes:
                 self.run(store.drain())
 

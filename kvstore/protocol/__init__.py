@@ -3,7 +3,9 @@
 * :mod:`kvstore.protocol.messages`: gRPC messages to and from the domain types, status mapping;
 * :mod:`kvstore.protocol.shm_frames`: the shared-memory socket's frame format;
 * :mod:`kvstore.protocol.dram_index`: the published dram index (server writes, clients read);
-* :mod:`kvstore.protocol.ucx`: UCX conventions (tags, addresses, loading ``ucxx``).
+* :mod:`kvstore.protocol.ucx`: UCX conventions (tags, addresses, loading ``ucxx``);
+* :mod:`kvstore.protocol.checks`: the rules a request must meet (counts, key and namespace sizes,
+  value sizes against capacity), one copy for every server and client.
 
 Modules here import only the standard library, numpy, grpc, the generated ``_proto`` code and
 kvstore's own leaf modules (``errors``, ``keys``, ``types``, ``buffers``): never a client, the

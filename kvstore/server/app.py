@@ -44,6 +44,7 @@ def build_store(config: Config) -> TieredStore:
         policy=Policy(
             shared_write=config.policy.shared_write,
             nvme_admission=config.policy.nvme_admission,
+            eviction=config.policy.eviction,
         ),
     )
     store.load_index()

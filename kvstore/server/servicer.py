@@ -17,6 +17,7 @@ from google.protobuf.message import DecodeError, Message
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.errors import InvalidRequestError, KVStoreError, status_of
+from kvstore.protocol.checks import check_streamed_keys
 from kvstore.protocol.messages import MESSAGE_TARGET_BYTES
 from kvstore.store import GetResult, TieredStore
 from kvstore.store.prefetch import Prefetcher, PrefetchState
@@ -104,10 +105,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
                 for block in message.blocks:
                     keys.append(block.key)
                     values.append(block.value)
-                if len(keys) > self.store.max_keys_per_request:
-                    raise InvalidRequestError(
-                        f"more than {self.store.max_keys_per_request} keys in one request"
-                    )
+                check_streamed_keys(len(keys), self.store.max_keys_per_request)
             result = await self.store.put(keys, values, namespace or b"")
             return pb.PutResponse(
                 stored=result.stored, already_present=result.already_present, dropped=result.dropped

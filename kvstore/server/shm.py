@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvstore.errors import InvalidRequestError, KVStoreError, status_of
-from kvstore.keys import NAMESPACE_BYTES
+from kvstore.protocol.checks import check_namespace
 from kvstore.protocol.shm_frames import (
     ABSENT_TIER,
     MAX_REQUEST_BYTES,
@@ -206,10 +206,7 @@ class ShmServer:
 
     def _hello(self, session: _Session, cursor: Cursor) -> bytes:
         namespace = bytes(cursor.take(len(cursor.rest())))
-        if len(namespace) != NAMESPACE_BYTES:
-            raise InvalidRequestError(
-                f"namespace fingerprint is {len(namespace)} bytes; it must be {NAMESPACE_BYTES}"
-            )
+        check_namespace(namespace)
         session.namespace = namespace
         tiers = [tier.name for tier in self.store.tiers]
         index = self._arena.index

@@ -39,7 +39,8 @@ import numpy as np
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import ucx_pb2 as ucx_pb
-from kvstore.errors import CapacityError, InvalidRequestError, KVStoreError
+from kvstore.errors import InvalidRequestError, KVStoreError
+from kvstore.protocol.checks import check_pairs
 from kvstore.protocol.ucx import (
     CLIENT_ID_BYTES,
     HELLO_TAG,
@@ -207,8 +208,8 @@ class UcxDataServer:
         keys = list(request.keys)
         _check_batch(len(keys))
         sizes = list(request.sizes)
-        if sizes and len(sizes) != len(keys):
-            raise InvalidRequestError(f"{len(keys)} keys but {len(sizes)} buffer sizes")
+        if sizes:
+            check_pairs(keys, sizes, "buffer sizes")
         arena = self.store.arena
         if arena is None:
             return await self._get_copies(client, request, keys, sizes, context)
@@ -434,22 +435,9 @@ class UcxDataServer:
     def _check_put(self, keys: Sequence[bytes], lengths: Sequence[int]) -> None:
         """Refuse, before receiving anything, a batch the store would refuse or cannot hold."""
         _check_batch(len(keys))
-        if len(lengths) != len(keys):
-            raise InvalidRequestError(f"{len(keys)} keys but {len(lengths)} lengths")
-        for index, length in enumerate(lengths):
-            if length == 0:
-                raise InvalidRequestError(f"value {index} is empty")
-            if length > self.store.max_block_bytes:
-                raise CapacityError(
-                    f"value {index} is {length} bytes; the block limit is "
-                    f"{self.store.max_block_bytes} bytes"
-                )
+        check_pairs(keys, lengths, "lengths")
         # Receive buffers are allocated up front: never more than every tier could hold.
-        capacity = sum(tier.capacity for tier in self.store.tiers if not tier.shared)
-        if sum(lengths) > capacity:
-            raise CapacityError(
-                f"the request holds {sum(lengths)} bytes; all tiers together hold {capacity} bytes"
-            )
+        self.store.check_sizes(lengths)
 
     # -- transfers -------------------------------------------------------------------------
 

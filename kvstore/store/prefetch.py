@@ -25,8 +25,8 @@ from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvstore.errors import InvalidRequestError, StoreUnavailableError, UnknownPrefetchError
-from kvstore.keys import KEY_BYTES, NAMESPACE_BYTES
+from kvstore.errors import StoreUnavailableError, UnknownPrefetchError
+from kvstore.protocol.checks import check_keys
 from kvstore.store.tiered import TieredStore
 from kvstore.types import PrefetchProgress, PrefetchState
 
@@ -157,21 +157,7 @@ class Prefetcher:
     def _validate(self, keys: Sequence[bytes], namespace: bytes) -> None:
         # The same rules as the store applies to each promote batch, checked over the whole
         # request up front so that a bad key fails the Prefetch call rather than a later batch.
-        if not keys:
-            raise InvalidRequestError("the request names no keys")
-        if len(keys) > self.store.max_keys_per_request:
-            raise InvalidRequestError(
-                f"{len(keys)} keys in one request; the limit is {self.store.max_keys_per_request}"
-            )
-        for index, key in enumerate(keys):
-            if len(key) != KEY_BYTES:
-                raise InvalidRequestError(
-                    f"key {index} is {len(key)} bytes; keys are {KEY_BYTES} bytes"
-                )
-        if len(namespace) != NAMESPACE_BYTES:
-            raise InvalidRequestError(
-                f"namespace fingerprint is {len(namespace)} bytes; it must be {NAMESPACE_BYTES}"
-            )
+        check_keys(keys, namespace, self.store.max_keys_per_request)
 
     def _job(self, prefetch_id: int) -> _Job:
         job = self._jobs.get(prefetch_id)

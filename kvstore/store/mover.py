@@ -1,0 +1,253 @@
+"""``BlockMover``: every change of where blocks live, under the store's one lock.
+
+* :meth:`~BlockMover.place` writes a block into the fastest tier of a range that can make room;
+  making room evicts that tier's least recently used unpinned blocks, and eviction *demotes*: the
+  victim is copied to the next tier down (if the admission policy lets it and it is not already
+  there) before its pages are freed. A block evicted from the last local tier leaves the store
+  (and, under write-back, goes to the shared tier).
+* :meth:`~BlockMover.promote_hit` copies a block that was read below the top tier up into the
+  fastest tier that takes it; :meth:`~BlockMover.copy_into` copies one into one given tier (the
+  arena, for prefetch and leases). The hierarchy is inclusive: the lower copy stays.
+* :meth:`~BlockMover.delete` and :meth:`~BlockMover.persist` (the shutdown copy down into the
+  first persistent tier).
+
+Demotion awaits slower tiers mid-way, hence the lock: callers hold :attr:`BlockMover.lock`
+around :meth:`place`, :meth:`make_room` and :meth:`evict`; the other methods take it themselves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+from kvstore.block import BlockHeader
+from kvstore.policy import Policy
+from kvstore.store.counters import StoreCounters
+from kvstore.store.index import BlockIndex
+from kvstore.store.layout import TierStack
+from kvstore.store.shared_writer import SharedTierWriter
+
+__all__ = ["BlockMover"]
+
+# How many extra LRU blocks to evict when a tier reports "no room" despite its accounting
+# (LMDB's map can fill with B-tree and free pages before our estimate says so).
+_MAX_WRITE_RETRIES = 8
+
+
+class BlockMover:
+    """Places, evicts, demotes, promotes and deletes blocks, one change at a time."""
+
+    def __init__(
+        self,
+        stack: TierStack,
+        index: BlockIndex,
+        counters: StoreCounters,
+        writer: SharedTierWriter,
+        policy: Policy,
+    ) -> None:
+        self.lock = asyncio.Lock()
+        #: Bumped by every delete: a block read from the shared tier before a delete must not be
+        #: promoted after it (it would bring back a deleted block).
+        self.delete_epoch = 0
+        self._stack = stack
+        self._index = index
+        self._counters = counters
+        self._writer = writer
+        self._policy = policy
+
+    # -- placement and eviction (caller holds the lock) ---------------------------------------
+
+    async def place(
+        self, header: BlockHeader, payload: memoryview, start: int, stop: int
+    ) -> str | None:
+        """Write a block into the fastest tier in ``[start, stop)`` that can make room for it.
+
+        Returns the tier's name, or ``None`` if none could. Must hold :attr:`lock`.
+        """
+        for level in range(start, min(stop, self._stack.local_levels)):
+            tier = self._stack[level]
+            footprint = tier.footprint(header.length)
+            if footprint > tier.capacity:
+                continue
+            if not await self.make_room(level, footprint):
+                continue
+            for _ in range(_MAX_WRITE_RETRIES):
+                if await tier.write(header, payload):
+                    self._index.add(header.key, header.namespace, header.length, level, footprint)
+                    return tier.name
+                # The tier's own limit bit before our estimate: evict one more block and retry.
+                if not await self.evict(level, 1):
+                    break
+        return None
+
+    async def make_room(self, level: int, footprint: int) -> bool:
+        """Evict (demoting) LRU blocks of tier ``level`` until ``footprint`` bytes are free."""
+        tier = self._stack[level]
+        return await self.evict(level, footprint - (tier.capacity - tier.used)) and (
+            tier.capacity - tier.used >= footprint
+        )
+
+    async def evict(self, level: int, needed: int) -> bool:
+        """Demote LRU blocks of tier ``level`` worth at least ``needed`` bytes.
+
+        Returns False, having evicted nothing, if unpinned blocks cannot add up to ``needed``.
+        """
+        if level >= self._stack.local_levels:
+            return False  # the shared tier evicts by itself (TTL, maxmemory)
+        recency = self._index.levels[level]
+        pins = self._index.pins
+        victims = recency.victims(needed, exclude=pins)
+        if victims is None:
+            return False
+        for victim in victims:
+            # Demotion awaits, so a reader may have pinned a later victim in the meantime.
+            if victim in pins or victim not in recency:
+                continue
+            await self._demote(victim, level)
+        return True
+
+    async def _demote(self, key: bytes, level: int) -> None:
+        """Move a block out of tier ``level`` into a lower tier, or out of the store."""
+        stack, index = self._stack, self._index
+        tier = stack[level]
+        self._counters.evictions[tier.name] += 1
+        lower = next((lv for lv in range(level + 1, len(stack)) if key in index.levels[lv]), None)
+        meta = index.meta.get(key)
+        write_back = self._writer.writes_back
+        block = None
+        if lower is None and level + 1 < stack.local_levels:
+            if self._policy.admit_on_demotion(
+                stack[level + 1].persistent, meta.hits if meta else 0
+            ):
+                block = (await tier.read([key]))[0]
+                if block is not None and await self.place(
+                    block.header, memoryview(block.payload), level + 1, stack.local_levels
+                ):
+                    self._counters.add("demotions")
+            else:
+                self._counters.add("demotions_refused")
+        leaving = not any(key in r for lv, r in enumerate(index.levels) if lv != level)
+        if leaving and write_back and block is None:
+            block = (await tier.read([key]))[0]  # write-back: this node's last copy goes out
+        if not await tier.remove([key]):
+            return  # still on the medium: keep indexing it rather than orphan it
+        if index.forget_in(level, key):
+            self._counters.add("evicted_from_store")
+            if write_back and block is not None:
+                self._writer.send([(block.header, bytes(block.payload))])
+                self._counters.add("written_back")
+
+    # -- promotion (takes the lock) ------------------------------------------------------------
+
+    async def promote_hit(
+        self, header: BlockHeader, payload: bytes | memoryview, level: int, epoch: int
+    ) -> bool:
+        """Copy a block just read from tier ``level`` into the fastest tier above it that can
+        make room (a block read again is hot: device tiers take it).
+
+        ``epoch``: :attr:`delete_epoch` when the block was read; for a shared-tier block, a delete
+        since then means it may be a deleted one, and it is dropped. Returns True if the block is
+        in the top tier afterwards.
+        """
+        return await self._copy_up(header, payload, level, epoch, None)
+
+    async def copy_into(
+        self, header: BlockHeader, payload: bytes | memoryview, level: int, into: int, epoch: int
+    ) -> bool:
+        """Copy a block read from tier ``level`` into tier ``into`` exactly (the arena, for
+        prefetch and leases); ``epoch`` as for :meth:`promote_hit`. Returns True if the block is
+        in tier ``into`` afterwards."""
+        return await self._copy_up(header, payload, level, epoch, into)
+
+    async def _copy_up(
+        self,
+        header: BlockHeader,
+        payload: bytes | memoryview,
+        level: int,
+        epoch: int,
+        into: int | None,
+    ) -> bool:
+        key, levels = header.key, self._index.levels
+        shared_level = self._stack.shared_level
+        async with self.lock:
+            if level == shared_level and epoch != self.delete_epoch:
+                return False
+            current = self._index.level_of(key)
+            meta = self._index.meta.get(key)
+            if meta is not None and meta.namespace != header.namespace:
+                return False
+            target = 0 if into is None else into
+            if level == shared_level:
+                # Not indexed locally when read; a put or another promotion may have stored it
+                # meanwhile.
+                if current is not None and (into is None or key in levels[into]):
+                    return key in levels[target]
+            elif current is None:  # deleted meanwhile
+                return False
+            elif into is None and current < level:  # already promoted meanwhile
+                return current == 0
+            elif into is not None and key in levels[into]:
+                return True
+            start, stop = (0, level) if into is None else (into, into + 1)
+            if await self.place(header, memoryview(payload), start, stop):
+                self._counters.add("promotions")
+            return key in levels[target]
+
+    # -- delete and persist (take the lock) ----------------------------------------------------
+
+    async def delete(self, keys: Sequence[bytes], namespace: bytes | None) -> int:
+        """Remove blocks from every tier; see :meth:`TieredStore.delete`. Returns how many."""
+        index = self._index
+        removed = 0
+        deleted: list[bytes] = []
+        unindexed: list[bytes] = []
+        async with self.lock:
+            self.delete_epoch += 1
+            for key in dict.fromkeys(keys):  # each key once, in order
+                meta = index.meta.get(key)
+                if meta is None:
+                    unindexed.append(key)
+                    continue
+                if namespace is not None and meta.namespace != namespace:
+                    continue
+                for level, tier in enumerate(self._stack.tiers):
+                    if key in index.levels[level] and await tier.remove([key]):
+                        index.levels[level].discard(key)
+                # A read that found the block gone while a remove above was awaited may have
+                # dropped the entry already.
+                if index.forget_if_unheld(key):
+                    removed += 1
+                    deleted.append(key)
+                else:  # a tier could not delete it; it stays visible instead of coming back later
+                    self._counters.add("delete_failures")
+            if self._writer.tier is not None and (deleted or unindexed):
+                # Otherwise the next get here, or anywhere, brings the block back.
+                await self._writer.remove(deleted + unindexed, written=deleted)
+        return removed
+
+    async def persist(self, budget_s: float) -> int:
+        """Copy blocks held only in volatile tiers down into the first persistent tier.
+
+        Most recently used blocks go first, and copying stops after ``budget_s`` seconds. Returns
+        the number of blocks copied.
+        """
+        tiers = self._stack.tiers
+        target = next((lv for lv, tier in enumerate(tiers) if tier.persistent), None)
+        if target is None:
+            return 0
+        deadline = time.monotonic() + budget_s
+        copied = 0
+        async with self.lock:
+            for level in range(target):
+                for key in reversed(list(self._index.levels[level])):
+                    if time.monotonic() > deadline:
+                        return copied
+                    if key in self._index.levels[target]:
+                        continue
+                    block = (await tiers[level].read([key]))[0]
+                    if block is not None and await self.place(
+                        block.header, memoryview(block.payload), target, target + 1
+                    ):
+                        copied += 1
+        return copied

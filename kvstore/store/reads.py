@@ -1,0 +1,123 @@
+"""``BlockReader``: reads that serve blocks (``get``) or bring them into the arena (``promote``).
+
+Both find each key in the fastest tier holding it, read one batch per tier, fastest first, and
+ask the shared tier (one batched read) for keys this node does not index; :meth:`_read_found`
+is that common walk. They differ in what they do with a block found below: a get returns it at
+once and promotes it upward in the background; a promote copies it into the arena and waits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from kvstore.store.background import BackgroundTasks
+from kvstore.store.counters import StoreCounters
+from kvstore.store.index import BlockIndex, Whereabouts
+from kvstore.store.layout import TierStack
+from kvstore.store.mover import BlockMover
+from kvstore.tiers.base import StoredBlock
+
+__all__ = ["BlockReader", "GetResult", "Promotion"]
+
+Promotion = Literal["ready", "missing", "failed"]
+"""What :meth:`TieredStore.promote` did with one key."""
+
+
+@dataclass(frozen=True, slots=True)
+class GetResult:
+    """One key's answer to a get: the payload and the tier it came from, or a miss."""
+
+    payload: bytes | memoryview | None
+    tier: str = ""
+
+    @property
+    def found(self) -> bool:
+        """True for a hit."""
+        return self.payload is not None
+
+
+class BlockReader:
+    """Serves gets and promotions into the arena tier from the tiers, via the index."""
+
+    def __init__(
+        self,
+        stack: TierStack,
+        index: BlockIndex,
+        counters: StoreCounters,
+        mover: BlockMover,
+        tasks: BackgroundTasks,
+    ) -> None:
+        self._stack = stack
+        self._index = index
+        self._counters = counters
+        self._mover = mover
+        self._tasks = tasks
+
+    async def get(self, keys: Sequence[bytes], namespace: bytes) -> list[GetResult]:
+        """Each key's payload and the tier that served it (see :meth:`TieredStore.get`)."""
+        results = [GetResult(None)] * len(keys)
+        where = self._index.locate(keys, namespace)
+        if where.mismatched:
+            self._counters.add("namespace_mismatches", where.mismatched)
+        shared_level = self._stack.shared_level
+        async for index, level, block, epoch in self._read_found(keys, namespace, where):
+            tier = self._stack[level].name
+            results[index] = GetResult(block.payload, tier)
+            self._counters.tier_hits[tier] += 1
+            if level != shared_level:
+                self._index.count_hit(keys[index])
+            if level > 0:  # returned now, promoted in the background
+                self._tasks.spawn(
+                    self._mover.promote_hit(block.header, block.payload, level, epoch)
+                )
+        self._index.age_chain(
+            [key for key, result in zip(keys, results, strict=True) if result.found]
+        )
+        found = sum(result.found for result in results)
+        self._counters.add("gets")
+        self._counters.add("hits", found)
+        self._counters.add("misses", len(keys) - found)
+        return results
+
+    async def promote(self, keys: Sequence[bytes], namespace: bytes) -> list[Promotion]:
+        """Bring each key into the arena tier now (see :meth:`TieredStore.promote`)."""
+        host = self._stack.host_level
+        outcomes: list[Promotion] = ["missing"] * len(keys)
+        where = self._index.locate(keys, namespace, resident=host)
+        for index in where.resident:
+            outcomes[index] = "ready"
+            self._index.levels[host].touch(keys[index])
+        async for index, level, block, epoch in self._read_found(keys, namespace, where):
+            promoted = await self._mover.copy_into(block.header, block.payload, level, host, epoch)
+            outcomes[index] = "ready" if promoted else "failed"
+        return outcomes
+
+    async def _read_found(
+        self, keys: Sequence[bytes], namespace: bytes, where: Whereabouts
+    ) -> AsyncIterator[tuple[int, int, StoredBlock, int]]:
+        """Read the keys of ``where`` one batch per tier, fastest first, then the unindexed ones
+        from the shared tier; yield ``(index, level, block, epoch)`` per block found under
+        ``namespace`` (``epoch``: the mover's delete epoch when that batch was read).
+
+        A block a local tier no longer has (vanished, or failed verification and was dropped) is
+        forgotten there.
+        """
+        by_level = where.by_level
+        shared_level = self._stack.shared_level
+        if where.unindexed and shared_level is not None:
+            by_level = {**by_level, shared_level: where.unindexed}
+        for level in sorted(by_level):
+            indices = by_level[level]
+            epoch = self._mover.delete_epoch
+            blocks = await self._stack[level].read([keys[index] for index in indices])
+            for index, block in zip(indices, blocks, strict=True):
+                if block is None:
+                    if level != shared_level:
+                        self._index.forget_in(level, keys[index])
+                    continue
+                if block.header.namespace != namespace:
+                    self._counters.add("namespace_mismatches")
+                    continue
+                yield index, level, block, epoch
