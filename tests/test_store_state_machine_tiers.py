@@ -55,7 +55,7 @@ from hypothesis.stateful import (
 )
 
 sys.path.insert(0, str(Path(__file__).parent / "tiers"))
-from redis_server import RedisServer, redis_server_binary
+from redis_server import RedisServer
 
 from kvstore.block import decode_value
 from kvstore.errors import NamespaceMismatchError
@@ -66,8 +66,6 @@ from kvstore.tiers.dram import DramLease, DramTier, Reservation
 from kvstore.tiers.hbm import HbmTier
 from kvstore.tiers.nvme import NvmeTier
 from kvstore.tiers.redis import RedisTier
-
-pytestmark = pytest.mark.skipif(redis_server_binary() is None, reason="needs redis-server")
 
 PAGE = 4096
 POOL = 10

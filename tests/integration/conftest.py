@@ -7,7 +7,9 @@ signal, asserting that a graceful stop exits 0. Fixtures:
 * ``server_factory`` / ``module_server_factory``: start servers with given flags and environment;
   every server they started is killed at the end of the test (or module) if still running.
 * ``server``: a default server for one test; ``client``: a :class:`KVStoreClient` on it.
-* ``data_plane`` (autouse): runs each test once on the automatic data plane, once on gRPC only.
+* ``data_plane`` (autouse): the plane clients choose through ``KVSTORE_DATA_PLANE``. A test
+  marked ``each_plane`` runs twice, on the automatic plane and on gRPC only; any other runs
+  once, on the automatic plane (what users get).
 """
 
 from __future__ import annotations
@@ -225,16 +227,43 @@ def unused_target() -> str:
     return f"127.0.0.1:{free_port()}"
 
 
-@pytest.fixture(
-    scope="module", autouse=True, params=["auto", "grpc"], ids=["shm-or-grpc", "grpc-only"]
-)
-def data_plane(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Run every integration module twice: with clients choosing their data plane themselves
-    (shared memory, since tests and servers share this host, where the server has a dram arena)
-    and with clients held to gRPC, so that both paths keep the same behaviour.
+#: The planes an ``each_plane`` test runs on, and the ids its runs get.
+PLANES = {"shm-or-grpc": "auto", "grpc-only": "grpc"}
 
-    Module-scoped, and a dependency of ``module_server_factory``, so that each pass gets fresh
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "each_plane: the behaviour depends on the client's data plane (the bytes' path, its "
+        "fallbacks or its failure handling): run once on the automatic plane, once on gRPC only",
+    )
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Run ``each_plane`` tests on every plane of :data:`PLANES`, the others on the first.
+
+    Every test gets the parameter, also those that run once: a module-scoped fixture is set up
+    again whenever its parameter changes, so one value for all of a module's tests on the
+    automatic plane keeps its module servers to one per plane. A module that defines its own
+    ``data_plane`` fixture (test_ucx) pins its plane itself and is left alone.
+    """
+    if "data_plane" not in metafunc.fixturenames or hasattr(metafunc.module, "data_plane"):
+        return
+    each = metafunc.definition.get_closest_marker("each_plane") is not None
+    ids = list(PLANES) if each else ["shm-or-grpc"]
+    values = [PLANES[name] for name in ids]
+    metafunc.parametrize("data_plane", values, ids=ids, indirect=True, scope="module")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def data_plane(request: pytest.FixtureRequest) -> Iterator[str]:
+    """``KVSTORE_DATA_PLANE`` for the clients a module's tests build without a ``data_plane``
+    argument (their subprocesses too): ``"auto"`` (shared memory, since tests and servers share
+    this host, where the server has a dram arena) or ``"grpc"``.
+
+    Module-scoped, and a dependency of ``module_server_factory``, so that each plane gets fresh
     module servers (tests that reuse fixed keys would otherwise find them already stored)."""
+    plane = str(request.param)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("KVSTORE_DATA_PLANE", str(request.param))
-        yield str(request.param)
+        patch.setenv("KVSTORE_DATA_PLANE", plane)
+        yield plane

@@ -5,6 +5,10 @@ Each test sends its bad input both through a raw gRPC stub (which reaches the se
 the client would refuse earlier) and through :class:`KVStoreClient` (which must raise the matching
 exception class), then calls :func:`assert_intact`. The server is shared by the module; it holds
 seed blocks in two namespaces, spread over ``dram`` and ``nvme``, that no test may disturb.
+
+Input the client sends over gRPC whatever its plane (no keys, too many, keys or a namespace of the
+wrong length) and raw messages are tested once; input the shared-memory plane carries itself
+(values, key/value counts, namespace clashes) is tested on each plane (``each_plane``).
 """
 
 from __future__ import annotations
@@ -279,6 +283,7 @@ def test_put_stream_naming_two_namespaces(seeded: Seeded, stub: pb_grpc.KVStoreS
 # -- values ----------------------------------------------------------------------------------
 
 
+@pytest.mark.each_plane
 def test_value_over_the_block_limit(seeded: Seeded, stub: pb_grpc.KVStoreStub) -> None:
     keys = chain(NS_A, 2, seed=500)
     values = [b"fits", bytes(MAX_BLOCK + 1)]
@@ -290,6 +295,7 @@ def test_value_over_the_block_limit(seeded: Seeded, stub: pb_grpc.KVStoreStub) -
     assert_intact(seeded)
 
 
+@pytest.mark.each_plane
 def test_value_far_over_the_grpc_message_limit(seeded: Seeded, stub: pb_grpc.KVStoreStub) -> None:
     # The server's gRPC limit is 2 * max_block_bytes + 1 MiB; gRPC itself refuses 40 MiB.
     keys = chain(NS_A, 1, seed=600)
@@ -303,6 +309,7 @@ def test_value_far_over_the_grpc_message_limit(seeded: Seeded, stub: pb_grpc.KVS
     assert_intact(seeded)
 
 
+@pytest.mark.each_plane
 def test_value_no_tier_can_hold(seeded: Seeded, stub: pb_grpc.KVStoreStub) -> None:
     # Under the 8 MiB block limit, but over the largest tier (nvme: 90% of 8 MiB).
     keys = chain(NS_A, 1, seed=700)
@@ -315,6 +322,7 @@ def test_value_no_tier_can_hold(seeded: Seeded, stub: pb_grpc.KVStoreStub) -> No
     assert_intact(seeded)
 
 
+@pytest.mark.each_plane
 def test_put_larger_than_all_tiers_together(seeded: Seeded, stub: pb_grpc.KVStoreStub) -> None:
     # Five 2 MiB blocks: each fits a tier, together they exceed 2 MiB dram + 7.2 MiB nvme.
     keys = chain(NS_A, 5, seed=800)
@@ -328,6 +336,7 @@ def test_put_larger_than_all_tiers_together(seeded: Seeded, stub: pb_grpc.KVStor
     assert_intact(seeded)
 
 
+@pytest.mark.each_plane
 def test_empty_value(seeded: Seeded, stub: pb_grpc.KVStoreStub) -> None:
     keys = chain(NS_A, 2, seed=900)
     message = "value 1 is empty"
@@ -341,6 +350,7 @@ def test_empty_value(seeded: Seeded, stub: pb_grpc.KVStoreStub) -> None:
     assert_intact(seeded)
 
 
+@pytest.mark.each_plane
 def test_mismatched_key_and_value_counts(seeded: Seeded, stub: pb_grpc.KVStoreStub) -> None:
     keys = chain(NS_A, 3, seed=1000)
     with seeded.client() as client:
@@ -369,6 +379,7 @@ def test_mismatched_key_and_value_counts(seeded: Seeded, stub: pb_grpc.KVStoreSt
 # -- namespaces ------------------------------------------------------------------------------
 
 
+@pytest.mark.each_plane
 def test_put_of_a_key_held_under_another_namespace(
     seeded: Seeded, stub: pb_grpc.KVStoreStub
 ) -> None:
@@ -388,6 +399,7 @@ def test_put_of_a_key_held_under_another_namespace(
     assert_intact(seeded)
 
 
+@pytest.mark.each_plane
 def test_get_under_another_namespace_is_a_miss(seeded: Seeded, stub: pb_grpc.KVStoreStub) -> None:
     keys = seeded.keys_a[:4]
     with seeded.client(NS_B) as client:

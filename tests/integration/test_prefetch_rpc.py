@@ -66,6 +66,7 @@ def two_nodes(
     )
 
 
+@pytest.mark.each_plane
 def test_prefetch_brings_a_redis_only_block_into_dram(
     two_nodes: tuple[ServerProcess, ServerProcess],
 ) -> None:

@@ -72,6 +72,7 @@ def shared(module_server_factory: ServerFactory) -> ServerProcess:
 # -- the clients ------------------------------------------------------------------------------
 
 
+@pytest.mark.each_plane
 def test_sync_client_put_lookup_get_delete_stats(shared: ServerProcess) -> None:
     keys, values = make_blocks(1, 6, 64 * KiB)
     with KVStoreClient(shared.target, namespace=NS) as client:
@@ -111,6 +112,7 @@ def test_sync_client_put_lookup_get_delete_stats(shared: ServerProcess) -> None:
         assert client.stats()["blocks"] == stats["blocks"] - 2
 
 
+@pytest.mark.each_plane
 async def test_async_client_put_lookup_get_delete_stats(shared: ServerProcess) -> None:
     keys, values = make_blocks(2, 5, 100 * KiB + 3)
     async with AsyncKVStoreClient(shared.target, namespace=NS) as client:
@@ -186,6 +188,7 @@ def _cross_process(role: str, target: str, seed: int) -> str:
     return done.stdout.strip()
 
 
+@pytest.mark.each_plane
 def test_block_put_by_one_process_reads_back_identical_in_others(shared: ServerProcess) -> None:
     seed = 20240607
     assert _cross_process("put", shared.target, seed) == "stored 7"
@@ -204,6 +207,7 @@ def test_block_put_by_one_process_reads_back_identical_in_others(shared: ServerP
 # -- values of every buffer kind ------------------------------------------------------------
 
 
+@pytest.mark.each_plane
 def test_values_as_bytes_numpy_and_torch_roundtrip(shared: ServerProcess) -> None:
     import torch
 
@@ -247,6 +251,7 @@ def test_values_as_bytes_numpy_and_torch_roundtrip(shared: ServerProcess) -> Non
     assert torch.equal(out_bf16, tensor_bf16)
 
 
+@pytest.mark.each_plane
 def test_get_into_fills_numpy_buffers(shared: ServerProcess) -> None:
     keys, values = make_blocks(4, 4, 96 * KiB)
     with KVStoreClient(shared.target, namespace=NS) as client:
@@ -263,6 +268,7 @@ def test_get_into_fills_numpy_buffers(shared: ServerProcess) -> None:
     assert (missing == 0xEF).all()
 
 
+@pytest.mark.each_plane
 def test_large_batch_spans_several_streamed_messages(shared: ServerProcess) -> None:
     keys, values = make_blocks(5, 40, 512 * KiB)
     with KVStoreClient(shared.target, namespace=NS, timeout=60) as client:
@@ -283,6 +289,7 @@ def test_large_batch_spans_several_streamed_messages(shared: ServerProcess) -> N
     assert [result.value for result in results] == values
 
 
+@pytest.mark.each_plane
 async def test_large_batch_async_reads_back_intact(shared: ServerProcess) -> None:
     keys, values = make_blocks(6, 24, 512 * KiB + 17)
     async with AsyncKVStoreClient(shared.target, namespace=NS, timeout=60) as client:
@@ -391,6 +398,7 @@ def test_corrupted_lmdb_value_becomes_a_miss_after_restart(
 # -- lifecycle ------------------------------------------------------------------------------
 
 
+@pytest.mark.each_plane
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
 def test_signal_shuts_down_gracefully_after_serving_health(
     server_factory: ServerFactory, sig: signal.Signals
@@ -457,6 +465,7 @@ def test_demo_cli_against_the_server(shared: ServerProcess) -> None:
 # -- failures of the transport --------------------------------------------------------------
 
 
+@pytest.mark.each_plane
 def test_no_server_raises_unavailable_within_deadline(unused_target: str) -> None:
     keys, values = make_blocks(12, 1, 16)
     with KVStoreClient(unused_target, namespace=NS, timeout=3.0) as client:
@@ -474,6 +483,7 @@ def test_no_server_raises_unavailable_within_deadline(unused_target: str) -> Non
             assert time.monotonic() - started < 3.5, name
 
 
+@pytest.mark.each_plane
 async def test_no_server_raises_unavailable_within_deadline_async(unused_target: str) -> None:
     keys, _ = make_blocks(12, 1, 16)
     async with AsyncKVStoreClient(unused_target, namespace=NS, timeout=3.0) as client:
@@ -485,6 +495,7 @@ async def test_no_server_raises_unavailable_within_deadline_async(unused_target:
         assert time.monotonic() - started < 7
 
 
+@pytest.mark.each_plane
 def test_killed_server_raises_unavailable(server: ServerProcess, client: KVStoreClient) -> None:
     keys, values = make_blocks(13, 2, 4 * KiB)
     client.put(keys, values)
@@ -496,6 +507,7 @@ def test_killed_server_raises_unavailable(server: ServerProcess, client: KVStore
     assert time.monotonic() - started < 3.5
 
 
+@pytest.mark.each_plane
 def test_tiny_deadline_raises_deadline_exceeded(shared: ServerProcess) -> None:
     # gRPC enforces deadlines at about millisecond resolution, so a sub-millisecond unary call
     # may still beat timeout=1e-6; moving 8 MiB cannot.
@@ -511,6 +523,7 @@ def test_tiny_deadline_raises_deadline_exceeded(shared: ServerProcess) -> None:
         assert client.get(keys) == values
 
 
+@pytest.mark.each_plane
 async def test_tiny_deadline_raises_deadline_exceeded_async(shared: ServerProcess) -> None:
     keys, values = make_blocks(15, 16, 512 * KiB)
     async with AsyncKVStoreClient(shared.target, namespace=NS, timeout=30) as client:
@@ -523,6 +536,7 @@ async def test_tiny_deadline_raises_deadline_exceeded_async(shared: ServerProces
         assert await client.get(keys) == values
 
 
+@pytest.mark.each_plane
 def test_every_call_of_a_stalled_server_raises_deadline_exceeded_but_dram_reads_over_shm(
     server_factory: ServerFactory, data_plane: str
 ) -> None:
@@ -560,6 +574,7 @@ def test_every_call_of_a_stalled_server_raises_deadline_exceeded_but_dram_reads_
 # -- a small --max-block-bytes --------------------------------------------------------------
 
 
+@pytest.mark.each_plane
 def test_batched_put_of_valid_blocks_under_small_block_limit(
     server_factory: ServerFactory,
 ) -> None:
@@ -569,6 +584,7 @@ def test_batched_put_of_valid_blocks_under_small_block_limit(
         assert client.put(keys, values).stored == 8
 
 
+@pytest.mark.each_plane
 def test_batched_get_of_valid_blocks_under_small_block_limit(
     server_factory: ServerFactory,
 ) -> None:

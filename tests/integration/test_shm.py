@@ -6,9 +6,9 @@ also driven with raw frames (:mod:`kvstore.protocol.shm_frames`), to check what 
 client does: dying while holding leases and reservations, holding a lease on a deleted block,
 and sending garbage. None of it may leak arena space, change a stored byte or stop the server.
 
-Tests that need shared memory whatever the pass of the autouse ``data_plane`` fixture build their
-clients with ``data_plane="shm"``; tests that follow the environment check both paths across the
-two passes.
+Most tests name the plane of every client they build (``data_plane="shm"`` or ``"grpc"``) and run
+once; the ``each_plane`` ones build clients that follow the environment, and check both paths
+across their two runs (see the ``data_plane`` fixture).
 """
 
 from __future__ import annotations
@@ -240,6 +240,7 @@ def shared(module_server_factory: ServerFactory) -> ServerProcess:
 # --- (a) which path a client takes -----------------------------------------------------------
 
 
+@pytest.mark.each_plane
 def test_client_picks_shm_by_itself_unless_told_grpc(
     shared: ServerProcess, data_plane: str
 ) -> None:
@@ -344,6 +345,7 @@ def test_get_into_bytearray_memoryview_and_misses(shared: ServerProcess) -> None
         assert client.data_plane == "shm"
 
 
+@pytest.mark.each_plane
 def test_get_into_a_buffer_of_the_wrong_size_is_false_and_untouched(
     shared: ServerProcess, data_plane: str
 ) -> None:
@@ -376,6 +378,7 @@ def test_get_into_a_read_only_buffer_is_refused(shared: ServerProcess) -> None:
             assert client.get(keys) == values
 
 
+@pytest.mark.each_plane
 def test_fragmented_arena_round_trips(server_factory: ServerFactory, data_plane: str) -> None:
     """Blocks split over many page runs go both ways intact."""
     server = server_factory("--dram-page-size", "4KiB", dram_capacity="256KiB")
@@ -786,6 +789,7 @@ def test_commit_naming_one_reservation_twice_leaks_nothing(
 # --- (g) a server restart --------------------------------------------------------------------
 
 
+@pytest.mark.each_plane
 def test_live_client_survives_a_server_restart(
     server_factory: ServerFactory, data_plane: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1172,6 +1176,7 @@ def test_the_socket_mode_flag_sets_the_socket_mode(
 # --- (i) threads, (j) asyncio ----------------------------------------------------------------
 
 
+@pytest.mark.each_plane
 def test_threads_of_one_client_get_their_own_bytes(shared: ServerProcess, data_plane: str) -> None:
     common_keys, common_values = make_blocks(22, 8, 32 * KiB)
     errors: list[BaseException] = []

@@ -54,6 +54,7 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
         yield server
 
 
+@pytest.mark.each_plane
 def test_two_nodes_share_blocks_and_survive_a_redis_outage(
     server_factory: ServerFactory, redis_server: RedisServer
 ) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import typing
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -203,8 +204,19 @@ def test_public_api() -> None:
         "gather_blocks",
         "scatter_blocks",
     }
-    for name in kvstore_kernels.__all__:
-        assert getattr(kvstore_kernels, name) is not None
+    # A star import resolves every name of __all__ (AttributeError for one that is missing).
+    star: dict[str, Any] = {}
+    exec("from kvstore_kernels import *", star)
+    assert set(star) - {"__builtins__"} == set(kvstore_kernels.__all__)
+    # Each name is the object it stands for, not a leftover of another kind.
+    assert star["CacheLayout"] is CacheLayout
+    assert isinstance(star["CPU_LAYOUT"], CacheLayout) and star["CPU_LAYOUT"].block_dim == 0
+    assert isinstance(star["CUDA_LAYOUT"], CacheLayout) and star["CUDA_LAYOUT"].block_dim == 1
+    assert star["BlockIds"] is kvstore_kernels._checks.BlockIds
+    assert typing.get_args(star["Impl"]) == ("auto", "torch", "triton")
+    assert star["chunk_nbytes"] is kvstore_kernels.layout.chunk_nbytes
+    for name in ("gather_blocks", "scatter_blocks"):
+        assert star[name].__module__ == "kvstore_kernels", name  # the dispatching front door
 
 
 def test_auto_uses_reference_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -222,9 +234,12 @@ def test_auto_uses_reference_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(reference, "gather_blocks", gather)
     monkeypatch.setattr(reference, "scatter_blocks", scatter)
     caches = _caches()
+    # Both calls on the default impl ("auto"): on CPU caches each must reach the reference.
     out = kvstore_kernels.gather_blocks(caches, [1], CUDA_LAYOUT)
-    kvstore_kernels.scatter_blocks(out, caches, [2], CUDA_LAYOUT, impl="torch")
+    kvstore_kernels.scatter_blocks(out, caches, [2], CUDA_LAYOUT)
     assert calls == ["gather", "scatter"]
+    for cache in caches:  # and the reference really ran: block 1 was copied onto block 2
+        assert same_bytes(block(cache, CUDA_LAYOUT, 2), block(cache, CUDA_LAYOUT, 1))
 
 
 def test_package_imports_and_runs_without_triton() -> None:

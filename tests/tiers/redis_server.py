@@ -19,11 +19,18 @@ import redis
 __all__ = ["RedisServer", "free_port", "redis_server_binary"]
 
 
-def redis_server_binary() -> str | None:
-    """Path of ``redis-server``, or None where it is not installed."""
-    return shutil.which("redis-server") or (
+def redis_server_binary() -> str:
+    """Path of ``redis-server``; a missing one is an error (the test command installs it), so the
+    Redis tests fail loudly instead of quietly skipping."""
+    binary = shutil.which("redis-server") or (
         "/usr/bin/redis-server" if os.path.exists("/usr/bin/redis-server") else None
     )
+    if binary is None:
+        raise RuntimeError(
+            "redis-server is not installed: the Redis tests need a real one "
+            "(scripts/test.sh installs it; on Debian: apt-get install redis-server)"
+        )
+    return binary
 
 
 def free_port() -> int:
@@ -37,10 +44,7 @@ class RedisServer:
     """One non-persistent redis-server on ``127.0.0.1:port`` with its files in ``directory``."""
 
     def __init__(self, directory: Path, port: int | None = None) -> None:
-        binary = redis_server_binary()
-        if binary is None:
-            raise RuntimeError("redis-server is not installed")
-        self.binary = binary
+        self.binary = redis_server_binary()
         self.directory = directory
         self.port = port or free_port()
         self.log_path = directory / f"redis-{self.port}.log"
