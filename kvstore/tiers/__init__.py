@@ -31,7 +31,10 @@ def build_tiers(config: Config) -> list[Tier]:
     if hbm is not None:
         tiers.append(hbm)
     if config.dram.capacity:
-        tiers.append(DramTier(config.dram.capacity, config.dram.page_size))
+        dram = config.dram
+        tiers.append(
+            DramTier(dram.capacity, dram.page_size, force_cuda_check=dram.force_cuda_check)
+        )
     if config.nvme.path:
         tiers.append(NvmeTier(config.nvme.path, config.nvme.capacity, config.server.workers))
     if len(tiers) == (hbm is not None):
