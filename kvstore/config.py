@@ -36,6 +36,7 @@ __all__ = [
     "RedisConfig",
     "ServerConfig",
     "format_size",
+    "hash_secret",
     "load_config",
     "machine_defaults",
     "parse_size",
@@ -400,3 +401,14 @@ def load_config(
 def _positive(name: str, value: int) -> None:
     if value <= 0:
         raise ConfigError(f"{name} must be > 0, got {value}")
+
+
+#: Holds the secret chunk keys are derived with (:class:`kvstore.keys.ChunkHasher`).
+HASH_SECRET_ENV = "KVSTORE_HASH_SECRET"
+
+
+def hash_secret(env: Mapping[str, str] | None = None) -> str:
+    """The key-derivation secret of processes that name chunks (the vLLM connector's default
+    ``secret``): ``$KVSTORE_HASH_SECRET`` of ``env`` (the process environment if ``None``), empty
+    when unset. Every replica sharing a store must use the same one."""
+    return (os.environ if env is None else env).get(HASH_SECRET_ENV, "")
