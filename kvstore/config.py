@@ -7,15 +7,20 @@ Every setting has one dotted name (``dram.capacity``), one environment variable
     built-in defaults  <  TOML file (--config / KVSTORE_CONFIG)  <  environment  <  flags
 
 Sizes accept plain bytes or ``KiB/MiB/GiB/TiB`` (and ``KB/MB/GB/TB``, decimal) suffixes.
+
+The dataclasses are plain data; the defaults that depend on the machine (``dram.capacity`` from
+its memory, ``nvme.path`` under its home directory) come from :func:`machine_defaults`, and the
+loader is the only reader of environment variables.
 """
 
 from __future__ import annotations
 
 import os
+import pwd
 import re
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +36,9 @@ __all__ = [
     "RedisConfig",
     "ServerConfig",
     "format_size",
+    "hash_secret",
     "load_config",
+    "machine_defaults",
     "parse_size",
 ]
 
@@ -83,26 +90,59 @@ def format_size(num_bytes: float) -> str:
     return f"{num_bytes:.1f} TiB"
 
 
-def _available_memory() -> int:
-    """Bytes of memory available to new allocations (``MemAvailable``), or 4 GiB if unknown."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 4 * 1024**3
+_DEFAULT_AVAILABLE = 4 * 1024**3
 
 
-def default_dram_capacity() -> int:
-    """A quarter of available memory, capped at 16 GiB and rounded down to a MiB."""
-    return min(_available_memory() // 4, 16 * 1024**3) // 1024**2 * 1024**2
+def available_memory(meminfo: str | None = None) -> int:
+    """``MemAvailable`` in bytes from the text of ``/proc/meminfo`` (read when ``None``); 4 GiB
+    when it cannot be read or says nothing about it."""
+    if meminfo is None:
+        try:
+            meminfo = Path("/proc/meminfo").read_text()
+        except OSError:
+            return _DEFAULT_AVAILABLE
+    for line in meminfo.splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return _DEFAULT_AVAILABLE
 
 
-def default_data_dir() -> str:
-    """``$XDG_DATA_HOME/kvstore`` (``~/.local/share/kvstore``): where embedded nvme data lives."""
-    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+def default_dram_capacity(available: int) -> int:
+    """A quarter of ``available`` bytes, capped at 16 GiB and rounded down to a MiB."""
+    return min(available // 4, 16 * 1024**3) // 1024**2 * 1024**2
+
+
+def default_data_dir(env: Mapping[str, str]) -> str:
+    """``$XDG_DATA_HOME/kvstore`` (``~/.local/share/kvstore``): where embedded nvme data lives.
+
+    The home directory is ``$HOME`` of ``env``, else the user's entry in the password database
+    (what :meth:`Path.home` falls back to), so that nothing here reads the process environment.
+    """
+    base = env.get("XDG_DATA_HOME") or str(_home(env) / ".local" / "share")
     return str(Path(base) / "kvstore")
+
+
+def _home(env: Mapping[str, str]) -> Path:
+    if env.get("HOME"):
+        return Path(env["HOME"])
+    try:
+        return Path(pwd.getpwuid(os.getuid()).pw_dir)
+    except KeyError:  # a uid without an entry: what expanduser("~") gives then
+        return Path("~")
+
+
+def machine_defaults(env: Mapping[str, str], meminfo: str | None = None) -> dict[str, Any]:
+    """The defaults that depend on the machine, by dotted setting name; the one place they are
+    worked out (the dataclasses below hold plain data).
+
+    ``dram.capacity`` is :func:`default_dram_capacity` of the memory ``meminfo`` (the text of
+    ``/proc/meminfo``, read when ``None``) says is available; ``nvme.path`` is ``nvme`` under
+    :func:`default_data_dir` of ``env``.
+    """
+    return {
+        "dram.capacity": default_dram_capacity(available_memory(meminfo)),
+        "nvme.path": str(Path(default_data_dir(env)) / "nvme"),
+    }
 
 
 @dataclass(frozen=True)
@@ -158,10 +198,13 @@ class HbmConfig:
 
 @dataclass(frozen=True)
 class DramConfig:
-    """The host-memory arena. ``capacity`` 0 disables the tier."""
+    """The host-memory arena. ``capacity`` 0 disables the tier (:func:`load_config` defaults it
+    from the machine's memory). The arena is page-locked for CUDA where an NVIDIA driver is seen
+    (``/dev/nvidiactl``); ``force_cuda_check`` asks torch even where that file is missing."""
 
-    capacity: int = field(default_factory=default_dram_capacity)
+    capacity: int
     page_size: int = 64 * 1024
+    force_cuda_check: bool = False
 
     def __post_init__(self) -> None:
         if self.capacity < 0:
@@ -173,9 +216,10 @@ class DramConfig:
 
 @dataclass(frozen=True)
 class NvmeConfig:
-    """The LMDB tier. ``path`` empty disables the tier."""
+    """The LMDB tier. ``path`` empty disables the tier (:func:`load_config` defaults it to
+    ``nvme`` under :func:`default_data_dir`)."""
 
-    path: str = field(default_factory=lambda: str(Path(default_data_dir()) / "nvme"))
+    path: str
     capacity: int = 8 * 1024**3
 
     def __post_init__(self) -> None:
@@ -225,14 +269,18 @@ class PolicyConfig:
             )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Config:
-    """The whole configuration of one ``kvstore serve`` process."""
+    """The whole configuration of one ``kvstore serve`` process.
+
+    ``dram`` and ``nvme`` have no defaults here: theirs depend on the machine, and
+    :func:`load_config` works them out (:func:`machine_defaults`).
+    """
 
     server: ServerConfig = field(default_factory=ServerConfig)
     hbm: HbmConfig = field(default_factory=HbmConfig)
-    dram: DramConfig = field(default_factory=DramConfig)
-    nvme: NvmeConfig = field(default_factory=NvmeConfig)
+    dram: DramConfig
+    nvme: NvmeConfig
     redis: RedisConfig = field(default_factory=RedisConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
 
@@ -255,6 +303,10 @@ _SIZE_SETTINGS = {
 }
 # Permission bits: strings ("0660", "660", "0o660") are octal; ints (TOML's 0o660) pass through.
 _MODE_SETTINGS = {"server.shm_socket_mode"}
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off", ""})
+# Names from before every variable followed env_var(); any non-empty value meant "on".
+_LEGACY_FLAGS = {"KVSTORE_FORCE_CUDA_CHECK": "dram.force_cuda_check"}
 
 
 def setting_names() -> list[str]:
@@ -276,6 +328,8 @@ def _coerce(setting: str, raw: Any) -> Any:
         if setting in _MODE_SETTINGS:
             # type() and not isinstance(): a TOML bool is an int subclass, not permission bits.
             return raw if type(raw) is int else int(str(raw), 8)
+        if kind in ("bool", bool):
+            return _boolean(raw)
         if kind in ("int", int):
             return int(raw)
         if kind in ("float", float):
@@ -287,6 +341,15 @@ def _coerce(setting: str, raw: Any) -> Any:
         raise ConfigError(f"{setting}: cannot use {raw!r} ({exc})") from exc
 
 
+def _boolean(raw: Any) -> bool:
+    if type(raw) is bool:
+        return raw
+    text = str(raw).strip().lower()
+    if text not in _TRUE | _FALSE:
+        raise ValueError(f"expected one of {sorted(_TRUE)} or {sorted(_FALSE - {''})}")
+    return text in _TRUE
+
+
 def load_config(
     path: str | os.PathLike[str] | None = None,
     env: Mapping[str, str] | None = None,
@@ -294,12 +357,14 @@ def load_config(
 ) -> Config:
     """Build a :class:`Config` from defaults, a TOML file, the environment and flag overrides.
 
-    ``overrides`` maps dotted setting names to values (``None`` values are ignored), which is what
-    the CLI passes for the flags it was given. Unknown names in the file or the overrides are an
-    error that lists the known ones.
+    ``env`` is the environment to read (``os.environ`` when ``None``); given one, nothing else
+    of the process environment is read, the machine-dependent defaults included
+    (:func:`machine_defaults`). ``overrides`` maps dotted setting names to values (``None``
+    values are ignored), which is what the CLI passes for the flags it was given. Unknown names
+    in the file or the overrides are an error that lists the known ones.
     """
     env = os.environ if env is None else env
-    merged: dict[str, Any] = {}
+    merged: dict[str, Any] = machine_defaults(env)
     path = path if path is not None else env.get("KVSTORE_CONFIG") or None
     if path is not None:
         try:
@@ -313,6 +378,9 @@ def load_config(
             for name, value in values.items():
                 merged[f"{section}.{name}"] = value
     known = setting_names()
+    for variable, setting in _LEGACY_FLAGS.items():
+        if variable in env:
+            merged[setting] = bool(env[variable])
     for setting in known:
         if env_var(setting) in env:
             merged[setting] = env[env_var(setting)]
@@ -322,21 +390,30 @@ def load_config(
     unknown = sorted(set(merged) - set(known))
     if unknown:
         raise ConfigError(f"unknown settings {unknown}; known: {known}")
-    config = Config()
-    for section, cls in _SECTIONS.items():
-        values = {
-            s.split(".")[1]: _coerce(s, v) for s, v in merged.items() if s.startswith(section + ".")
-        }
-        if values:
-            config = replace(config, **{section: cls(**{**_as_dict(config, section), **values})})
-    return config
-
-
-def _as_dict(config: Config, section: str) -> dict[str, Any]:
-    current = getattr(config, section)
-    return {f.name: getattr(current, f.name) for f in fields(current)}
+    sections = {
+        section: cls(
+            **{
+                s.split(".")[1]: _coerce(s, v)
+                for s, v in merged.items()
+                if s.startswith(section + ".")
+            }
+        )
+        for section, cls in _SECTIONS.items()
+    }
+    return Config(**sections)
 
 
 def _positive(name: str, value: int) -> None:
     if value <= 0:
         raise ConfigError(f"{name} must be > 0, got {value}")
+
+
+#: Holds the secret chunk keys are derived with (:class:`kvstore.keys.ChunkHasher`).
+HASH_SECRET_ENV = "KVSTORE_HASH_SECRET"
+
+
+def hash_secret(env: Mapping[str, str] | None = None) -> str:
+    """The key-derivation secret of processes that name chunks (the vLLM connector's default
+    ``secret``): ``$KVSTORE_HASH_SECRET`` of ``env`` (the process environment if ``None``), empty
+    when unset. Every replica sharing a store must use the same one."""
+    return (os.environ if env is None else env).get(HASH_SECRET_ENV, "")

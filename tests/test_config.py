@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
+import pwd
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 
@@ -166,23 +168,92 @@ def test_defaults_without_file_or_env() -> None:
     assert config.nvme.capacity == 8 * GiB
 
 
-def test_default_dram_capacity_is_a_quarter_capped_and_rounded(
+def meminfo(available: int) -> str:
+    """``/proc/meminfo`` text saying ``available`` bytes (whole KiB) are available."""
+    return f"MemTotal:       99999999 kB\nMemAvailable:   {available // KiB} kB\nCached: 1 kB\n"
+
+
+def test_default_dram_capacity_is_a_quarter_capped_and_rounded() -> None:
+    assert config_module.default_dram_capacity(10 * GiB + 123) == 10 * GiB // 4 // MiB * MiB
+    assert config_module.default_dram_capacity(4 * MiB + 5 * KiB) == MiB
+    assert config_module.default_dram_capacity(512 * GiB) == 16 * GiB
+    defaults = config_module.machine_defaults({}, meminfo=meminfo(512 * GiB))
+    assert defaults["dram.capacity"] == 16 * GiB
+    defaults = config_module.machine_defaults({}, meminfo=meminfo(10 * GiB))
+    assert defaults["dram.capacity"] == 10 * GiB // 4
+
+
+def test_available_memory_reads_memavailable_else_assumes_4_gib() -> None:
+    assert config_module.available_memory(meminfo(10 * GiB)) == 10 * GiB
+    assert config_module.available_memory("MemTotal: 1 kB\n") == 4 * GiB
+    assert config_module.available_memory() > 0  # this machine's /proc/meminfo
+
+
+def test_default_nvme_path_follows_xdg_data_home(tmp_path: Path) -> None:
+    env = {"XDG_DATA_HOME": str(tmp_path), "HOME": "/home/elsewhere"}
+    defaults = config_module.machine_defaults(env, meminfo=meminfo(GiB))
+    assert defaults["nvme.path"] == str(tmp_path / "kvstore" / "nvme")
+    assert load_config(env=env).nvme.path == str(tmp_path / "kvstore" / "nvme")
+
+
+def test_default_nvme_path_without_xdg_data_home_is_under_home() -> None:
+    defaults = config_module.machine_defaults({"HOME": "/home/someone"}, meminfo="")
+    assert defaults["nvme.path"] == "/home/someone/.local/share/kvstore/nvme"
+    # No HOME either: the password database's home, as Path.home() would find it.
+    home = Path(pwd.getpwuid(os.getuid()).pw_dir)
+    no_home = config_module.machine_defaults({}, meminfo="")["nvme.path"]
+    assert no_home == str(home / ".local" / "share" / "kvstore" / "nvme")
+
+
+class _NoEnviron(dict[str, str]):
+    """Stands in for ``os.environ``: any read of it fails the test."""
+
+    def _read(self, *args: object) -> NoReturn:
+        raise AssertionError(f"os.environ was read {args}")
+
+    __getitem__ = __contains__ = get = keys = items = __iter__ = __len__ = _read
+
+
+def test_load_config_with_an_env_reads_no_process_environment(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(config_module, "_available_memory", lambda: 10 * GiB + 123)
-    assert config_module.default_dram_capacity() == 10 * GiB // 4 // MiB * MiB
-    monkeypatch.setattr(config_module, "_available_memory", lambda: 4 * MiB + 5 * KiB)
-    assert config_module.default_dram_capacity() == MiB
-    monkeypatch.setattr(config_module, "_available_memory", lambda: 512 * GiB)
-    assert config_module.default_dram_capacity() == 16 * GiB
-    assert DramConfig().capacity == 16 * GiB
+    monkeypatch.setenv("XDG_DATA_HOME", "/distinctive-xdg")
+    monkeypatch.setenv("HOME", "/distinctive-home")
+    monkeypatch.setenv("KVSTORE_SERVER_WORKERS", "7")
+    monkeypatch.setenv("KVSTORE_FORCE_CUDA_CHECK", "1")
+    config = load_config(env={})
+    assert not config.nvme.path.startswith(("/distinctive-xdg", "/distinctive-home"))
+    assert config.server.workers == 4
+    assert config.dram.force_cuda_check is False
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "environ", _NoEnviron())
+        assert load_config(env={"HOME": "/h"}).nvme.path == "/h/.local/share/kvstore/nvme"
+    # Without an env, the process environment is the env.
+    assert load_config().nvme.path == "/distinctive-xdg/kvstore/nvme"
 
 
-def test_default_nvme_path_follows_xdg_data_home(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
-    assert NvmeConfig().path == str(tmp_path / "kvstore" / "nvme")
+def test_dataclasses_are_plain_data() -> None:
+    """Machine-dependent settings have no default in the dataclasses: the loader supplies them."""
+    with pytest.raises(TypeError):
+        DramConfig()  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        NvmeConfig()  # type: ignore[call-arg]
+    config = Config(dram=DramConfig(capacity=MiB), nvme=NvmeConfig(path=""))
+    assert config.server == ServerConfig()
+    assert config.dram.page_size == 64 * KiB
+
+
+def test_force_cuda_check_is_a_setting_with_its_old_variable_kept() -> None:
+    assert load_config(env={}).dram.force_cuda_check is False
+    assert load_config(env={"KVSTORE_DRAM_FORCE_CUDA_CHECK": "true"}).dram.force_cuda_check
+    assert not load_config(env={"KVSTORE_DRAM_FORCE_CUDA_CHECK": "0"}).dram.force_cuda_check
+    # The name from before the loader read it: any non-empty value turns it on, as it did.
+    assert load_config(env={"KVSTORE_FORCE_CUDA_CHECK": "yes"}).dram.force_cuda_check
+    assert not load_config(env={"KVSTORE_FORCE_CUDA_CHECK": ""}).dram.force_cuda_check
+    both = {"KVSTORE_FORCE_CUDA_CHECK": "1", "KVSTORE_DRAM_FORCE_CUDA_CHECK": "off"}
+    assert not load_config(env=both).dram.force_cuda_check
+    with pytest.raises(ConfigError, match=r"dram\.force_cuda_check"):
+        load_config(env={"KVSTORE_DRAM_FORCE_CUDA_CHECK": "maybe"})
 
 
 def test_setting_names_and_env_vars() -> None:

@@ -35,6 +35,7 @@ plans loads and saves; the worker half (:mod:`~kvstore.integrations.vllm_worker`
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -43,7 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvstore.integrations.vllm_common import ConnectorSettings, KVStoreConnectorMetadata
+from kvstore.integrations.vllm_common import ConnectorSettings, StepPlan
 from kvstore.integrations.vllm_scheduler import SchedulerSide
 from kvstore.integrations.vllm_worker import WorkerSide
 
@@ -60,6 +61,17 @@ if TYPE_CHECKING:
 __all__ = ["ConnectorSettings", "KVStoreConnector", "KVStoreConnectorMetadata"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class KVStoreConnectorMetadata(StepPlan, KVConnectorMetadata):  # type: ignore[misc, unused-ignore]  # untyped base
+    """One engine step's :class:`~kvstore.integrations.vllm_common.StepPlan` as the connector
+    metadata vLLM carries from the scheduler to the workers."""
+
+    @classmethod
+    def of(cls, plan: StepPlan) -> KVStoreConnectorMetadata:
+        """The same plan, typed for vLLM."""
+        return cls(loads=plan.loads, saves=plan.saves, preempted_req_ids=plan.preempted_req_ids)
 
 
 class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
@@ -134,7 +146,9 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """This step's load and save plan for the workers."""
-        return self._scheduler_side().build_connector_meta(scheduler_output)
+        return KVStoreConnectorMetadata.of(
+            self._scheduler_side().build_connector_meta(scheduler_output)
+        )
 
     def request_finished(
         self, request: Request, block_ids: list[int]

@@ -2,7 +2,10 @@
 
 The scheduler half (:mod:`kvstore.integrations.vllm_scheduler`) decides, and the worker half
 (:mod:`kvstore.integrations.vllm_worker`) moves bytes; the only thing that travels between them is
-one :class:`KVStoreConnectorMetadata` per engine step, so everything in it is plain picklable data.
+one :class:`StepPlan` per engine step, so everything in it is plain picklable data.
+
+Nothing here imports vLLM (its configuration objects are only read, duck-typed), so this logic is
+tested without it; :mod:`kvstore.integrations.vllm` wraps the plan in vLLM's metadata type.
 
 A stored value is one *chunk*: ``chunk_size`` tokens of every layer, laid out as the gather kernel
 writes it, ``[num_layers, chunk_size // block_size, *block_shape]``, where a block is one slice of
@@ -12,17 +15,16 @@ the engine's per-layer paged cache along its block dimension, copied whole.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import xxhash
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from kvstore.client import KVStoreClient
+from kvstore.config import hash_secret
 from kvstore.errors import (
     ConfigError,
     DeadlineExceededError,
@@ -40,9 +42,9 @@ __all__ = [
     "Breaker",
     "ConnectorSettings",
     "EngineShape",
-    "KVStoreConnectorMetadata",
     "LoadSpec",
     "SaveSpec",
+    "StepPlan",
     "engine_shape",
     "make_hasher",
     "rank_keys",
@@ -52,7 +54,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_SIZE = 256
-SECRET_ENV = "KVSTORE_HASH_SECRET"
 _RANK_TAG = b"kvstore-rank-key-v1\x00"
 
 _KNOWN_KEYS = frozenset(
@@ -85,7 +86,8 @@ class ConnectorSettings:
             misses, skip saves) before trying it again.
         hash_algorithm: ``"xxh3_128"`` or ``"sha256"``.
         secret: Key-derivation secret; defaults to the ``KVSTORE_HASH_SECRET`` environment
-            variable. Every replica sharing a store must use the same one.
+            variable (:func:`kvstore.config.hash_secret`). Every replica sharing a store must
+            use the same one.
     """
 
     target: str
@@ -109,8 +111,13 @@ class ConnectorSettings:
             raise ConfigError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
 
     @classmethod
-    def from_extra_config(cls, extra: dict[str, Any]) -> ConnectorSettings:
-        """Read and validate the settings; unknown keys are an error (they are usually typos)."""
+    def from_extra_config(
+        cls, extra: dict[str, Any], env: Mapping[str, str] | None = None
+    ) -> ConnectorSettings:
+        """Read and validate the settings; unknown keys are an error (they are usually typos).
+
+        ``env`` is where a missing ``secret`` is looked up (the process environment if ``None``).
+        """
         unknown = set(extra) - _KNOWN_KEYS
         if unknown:
             raise ConfigError(
@@ -128,7 +135,7 @@ class ConnectorSettings:
                 lookup_timeout_s=float(extra.get("lookup_timeout_s", 0.5)),
                 retry_after_s=float(extra.get("retry_after_s", 5.0)),
                 hash_algorithm=extra.get("hash_algorithm", "xxh3_128"),
-                secret=str(extra.get("secret", os.environ.get(SECRET_ENV, ""))),
+                secret=str(extra["secret"]) if "secret" in extra else hash_secret(env),
             )
         except (TypeError, ValueError) as exc:
             if isinstance(exc, ConfigError):
@@ -299,7 +306,7 @@ class SaveSpec:
 
 
 @dataclass
-class KVStoreConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc, unused-ignore]  # untyped base
+class StepPlan:
     """The plan for one engine step, built by the scheduler half for the workers."""
 
     loads: list[LoadSpec] = field(default_factory=list)
@@ -314,14 +321,15 @@ class Breaker:
     own connection attempt and every save for its own deadline.
     """
 
-    def __init__(self, retry_after_s: float) -> None:
+    def __init__(self, retry_after_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self._retry_after_s = retry_after_s
+        self._clock = clock
         self._down_until = 0.0
         self._lock = threading.Lock()
 
     def is_open(self) -> bool:
         """True while the store is considered down."""
-        return time.monotonic() < self._down_until
+        return self._clock() < self._down_until
 
     def trip(self, error: BaseException) -> None:
         """Record a failure; the first one of an outage is logged."""
@@ -332,7 +340,7 @@ class Breaker:
                     error,
                     self._retry_after_s,
                 )
-            self._down_until = time.monotonic() + self._retry_after_s
+            self._down_until = self._clock() + self._retry_after_s
 
 
 def warm_up(client: KVStoreClient, breaker: Breaker, timeout: float) -> None:

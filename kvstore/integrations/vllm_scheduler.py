@@ -32,15 +32,16 @@ from kvstore.errors import (
 from kvstore.integrations.vllm_common import (
     Breaker,
     ConnectorSettings,
-    KVStoreConnectorMetadata,
     LoadSpec,
     SaveSpec,
+    StepPlan,
     base_namespace,
     blocks_per_chunk,
     engine_shape,
     make_hasher,
     warm_up,
 )
+from kvstore.integrations.vllm_plan import load_targets
 from kvstore.keys import ChunkHasher
 
 if TYPE_CHECKING:
@@ -88,7 +89,9 @@ class SchedulerSide:
         settings: ConnectorSettings,
         vllm_config: VllmConfig,
         kv_cache_config: KVCacheConfig,
+        client: KVStoreClient | None = None,
     ) -> None:
+        """``client`` replaces the store client the scheduler would open (tests pass stand-ins)."""
         self._settings = settings
         shape = engine_shape(vllm_config, kv_cache_config, pp_rank=0)
         self._block_size = shape.block_size
@@ -96,9 +99,11 @@ class SchedulerSide:
         # Lookups use rank 0's keys: every rank saves the same chunks, and a rank whose own
         # chunk is missing reports a failed load, which vLLM recomputes.
         self._base = base_namespace(vllm_config, shape, settings, tp_rank=0)
-        self._client = KVStoreClient(
-            settings.target, namespace=self._base, timeout=settings.timeout_s
-        )
+        if client is None:
+            client = KVStoreClient(
+                settings.target, namespace=self._base, timeout=settings.timeout_s
+            )
+        self._client = client
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvstore-lookup")
         self._breaker = Breaker(settings.retry_after_s)
         self._hashers: dict[tuple[str, str], ChunkHasher] = {}
@@ -222,22 +227,21 @@ class SchedulerSide:
         state = self._requests.get(request.request_id)
         if state is None:  # vLLM asked another connector; nothing of ours to load
             return
-        chunk, bs = self._settings.chunk_size, self._block_size
-        start, end = state.load_from, state.load_from + num_external_tokens
-        first_chunk, end_chunk = start // chunk, math.ceil(end / chunk)
-        first_block, end_block = start // bs, math.ceil(end / bs)
         (block_ids,) = blocks.get_block_ids()
-        targets = [
-            block_ids[b] if first_block <= b < end_block and b < len(block_ids) else -1
-            for b in range(first_chunk * self._blocks_per_chunk, end_chunk * self._blocks_per_chunk)
-        ]
-        self._pending_loads.append(
-            LoadSpec(request.request_id, state.keys[first_chunk:end_chunk], targets)
+        chunks, targets = load_targets(
+            block_ids,
+            state.load_from,
+            state.load_from + num_external_tokens,
+            self._settings.chunk_size,
+            self._block_size,
+            self._blocks_per_chunk,
         )
+        keys = state.keys[chunks.start : chunks.stop]
+        self._pending_loads.append(LoadSpec(request.request_id, keys, targets))
 
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVStoreConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StepPlan:
         """This step's loads (recorded since the last call) and saves; resets the loads."""
-        meta = KVStoreConnectorMetadata(
+        meta = StepPlan(
             loads=self._pending_loads,
             preempted_req_ids=set(scheduler_output.preempted_req_ids or ()),
         )
@@ -253,9 +257,7 @@ class SchedulerSide:
                 self._plan_save(meta, req_id, computed + scheduled.get(req_id, 0), now)
         return meta
 
-    def _plan_save(
-        self, meta: KVStoreConnectorMetadata, req_id: str, computed: int, now: float
-    ) -> None:
+    def _plan_save(self, meta: StepPlan, req_id: str, computed: int, now: float) -> None:
         """Plan saving the prompt chunks that are complete once this step has run."""
         state = self._requests.get(req_id)
         if state is None or self._kv_cache_manager is None:

@@ -40,14 +40,15 @@ from kvstore.errors import ConfigError, DeadlineExceededError, KVStoreError, Sto
 from kvstore.integrations.vllm_common import (
     Breaker,
     ConnectorSettings,
-    KVStoreConnectorMetadata,
     LoadSpec,
+    StepPlan,
     base_namespace,
     blocks_per_chunk,
     engine_shape,
     rank_keys,
     warm_up,
 )
+from kvstore.integrations.vllm_plan import ScatterPlan, chunk_blocks, kernel_ids, plan_scatter
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -98,11 +99,7 @@ class _StepLoad:
     fetch_s: float = 0.0  # the get itself, on the fetch thread
     waited_s: float = 0.0  # how long the forward pass waited for it
     scatter_s: float = 0.0
-    # Filled on the first scatter: chunks loaded whole (scattered with one call per layer) and
-    # their kernel block ids; chunks only partly new to the engine go one by one.
-    whole: list[int] | None = None
-    whole_ids: list[int] = field(default_factory=list)
-    partial: list[tuple[int, LoadSpec, int]] = field(default_factory=list)
+    plan: ScatterPlan | None = None  # made on the first scatter, once the fetch has answered
 
 
 @dataclass(slots=True)
@@ -120,7 +117,9 @@ class WorkerSide:
         settings: ConnectorSettings,
         vllm_config: VllmConfig,
         kv_cache_config: KVCacheConfig,
+        client: KVStoreClient | None = None,
     ) -> None:
+        """``client`` replaces the store client the worker would open (tests pass stand-ins)."""
         tp_rank, pp_rank = _ranks(vllm_config)
         shape = engine_shape(vllm_config, kv_cache_config, pp_rank=pp_rank)
         self._settings = settings
@@ -130,9 +129,11 @@ class WorkerSide:
         self._layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
         self._tp_rank, self._pp_rank = tp_rank, pp_rank
         self._namespace = base_namespace(vllm_config, shape, settings, tp_rank=tp_rank)
-        self._client = KVStoreClient(
-            settings.target, namespace=self._namespace, timeout=settings.timeout_s
-        )
+        if client is None:
+            client = KVStoreClient(
+                settings.target, namespace=self._namespace, timeout=settings.timeout_s
+            )
+        self._client = client
         self._breaker = Breaker(settings.retry_after_s)
         # Filled by register_kv_caches.
         self._caches: list[torch.Tensor] = []
@@ -234,14 +235,11 @@ class WorkerSide:
         return rank_keys(keys, self._namespace, self._tp_rank, self._pp_rank)
 
     def _kernel_ids(self, block_ids: Sequence[int]) -> list[int]:
-        ratio = self._ratio
-        if ratio == 1:
-            return list(block_ids)
-        return [b * ratio + i for b in block_ids for i in range(ratio)]
+        return kernel_ids(block_ids, self._ratio)
 
     # -- loads -------------------------------------------------------------------------------
 
-    def start_load_kv(self, meta: KVStoreConnectorMetadata) -> None:
+    def start_load_kv(self, meta: StepPlan) -> None:
         """Start fetching this step's chunks; the forward pass goes on meanwhile."""
         self._load = None
         if not meta.loads:
@@ -290,43 +288,18 @@ class WorkerSide:
             return
         ok = self._resolve(load)
         started = time.perf_counter()
-        if load.whole is None:
-            self._plan_scatter(load, ok)
-        assert load.whole is not None
+        if load.plan is None:
+            load.plan = plan_scatter(load.specs, ok, self._blocks_per_chunk, self._ratio)
+        plan = load.plan
         cache = [self._caches[layer]]
-        if load.whole:
+        if plan.whole:
             # One call for every whole chunk of the step: [1, chunks * blocks, *block].
-            src = load.buffer[load.whole, layer].flatten(0, 1).unsqueeze(0)
-            _scatter(src, cache, load.whole_ids, self._layout)
-        for chunk, spec, index in load.partial:
+            src = load.buffer[plan.whole, layer].flatten(0, 1).unsqueeze(0)
+            _scatter(src, cache, plan.whole_ids, self._layout)
+        for chunk, spec, index in plan.partial:
             self._scatter_chunk(load.buffer[chunk, layer : layer + 1], cache, spec, index)
         load.scattered.add(layer)
         load.scatter_s += time.perf_counter() - started
-
-    def _plan_scatter(self, load: _StepLoad, ok: list[bool]) -> None:
-        """Sort the step's loaded chunks into whole ones and partly new ones (see _StepLoad)."""
-        bpc = self._blocks_per_chunk
-        load.whole = []
-        chunk = 0
-        for spec in load.specs:
-            for index in range(len(spec.keys)):
-                if ok[chunk]:
-                    targets = spec.block_ids[index * bpc : (index + 1) * bpc]
-                    if len(targets) == bpc and all(b >= 0 for b in targets):
-                        load.whole.append(chunk)
-                        load.whole_ids.extend(self._kernel_ids(targets))
-                    else:
-                        load.partial.append((chunk, spec, index))
-                chunk += 1
-        if len(set(load.whole_ids)) != len(load.whole_ids):  # never expected; stay exact anyway
-            load.partial = [
-                (chunk, spec, index)
-                for chunk, (spec, index) in enumerate(
-                    (spec, index) for spec in load.specs for index in range(len(spec.keys))
-                )
-                if ok[chunk]
-            ]
-            load.whole, load.whole_ids = [], []
 
     def _resolve(self, load: _StepLoad) -> list[bool]:
         """Wait for the fetch (bounded by the get deadline) and record the chunks that failed."""
@@ -353,15 +326,14 @@ class WorkerSide:
         return load.ok
 
     def _targets(self, spec: LoadSpec, index: int) -> list[int]:
-        bpc = self._blocks_per_chunk
-        return [b for b in spec.block_ids[index * bpc : (index + 1) * bpc] if b >= 0]
+        return [b for b in chunk_blocks(spec.block_ids, index, self._blocks_per_chunk) if b >= 0]
 
     def _scatter_chunk(
         self, src: torch.Tensor, caches: list[torch.Tensor], spec: LoadSpec, index: int
     ) -> None:
         """Write chunk ``index`` of ``spec`` (``src``: ``[layers, kernel blocks, *block]``)."""
         bpc, ratio = self._blocks_per_chunk, self._ratio
-        targets = spec.block_ids[index * bpc : (index + 1) * bpc]
+        targets = chunk_blocks(spec.block_ids, index, bpc)
         wanted = [j for j, b in enumerate(targets) if b >= 0]
         if not wanted:
             return
@@ -386,7 +358,7 @@ class WorkerSide:
 
     # -- saves -------------------------------------------------------------------------------
 
-    def handle_preemptions(self, meta: KVStoreConnectorMetadata) -> None:
+    def handle_preemptions(self, meta: StepPlan) -> None:
         """Finish reading the blocks of preempted requests before vLLM reuses them."""
         with self._lock:
             waiting = meta.preempted_req_ids & set(self._ungathered)
@@ -396,7 +368,7 @@ class WorkerSide:
                     timeout=self._settings.timeout_s,
                 )
 
-    def wait_for_save(self, meta: KVStoreConnectorMetadata) -> None:
+    def wait_for_save(self, meta: StepPlan) -> None:
         """Queue this step's saves; the gather and put threads do the work."""
         if not self._caches:
             return

@@ -65,7 +65,8 @@ def _dram_tier(config: Config) -> Tier | None:
     """The dram tier, if it has a capacity."""
     if not config.dram.capacity:
         return None
-    return DramTier(config.dram.capacity, config.dram.page_size)
+    dram = config.dram
+    return DramTier(dram.capacity, dram.page_size, force_cuda_check=dram.force_cuda_check)
 
 
 def _nvme_tier(config: Config) -> Tier | None:

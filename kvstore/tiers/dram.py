@@ -83,11 +83,17 @@ class Reservation:
 
 
 class DramTier(PagedTier):
-    """Blocks in a page-allocated, memfd-backed host arena."""
+    """Blocks in a page-allocated, memfd-backed host arena.
+
+    The arena is page-locked for CUDA where ``/dev/nvidiactl`` exists, or, with
+    ``force_cuda_check`` (setting ``dram.force_cuda_check``), wherever torch sees a CUDA device.
+    """
 
     name = "dram"
 
-    def __init__(self, capacity: int, page_size: int = 64 * 1024) -> None:
+    def __init__(
+        self, capacity: int, page_size: int = 64 * 1024, *, force_cuda_check: bool = False
+    ) -> None:
         num_pages = self._init_pages(capacity, page_size)
         self._fd = -1
         self.index: IndexWriter | None = None
@@ -104,7 +110,7 @@ class DramTier(PagedTier):
         else:
             self._mapping = None
             self._arena = np.empty(0, dtype=np.uint8)
-        self.pinned = _page_lock(self._arena)
+        self.pinned = _page_lock(self._arena, force_cuda_check)
         self._blocks: dict[bytes, _Resident] = {}
         self._payload_bytes = 0
         self._leases = 0
@@ -358,14 +364,14 @@ class DramTier(PagedTier):
             self._pages.release(resident.extents)
 
 
-def _cuda_present() -> bool:
+def _cuda_present(force_check: bool) -> bool:
     """Whether an NVIDIA driver is there, checked without importing torch (slow) on CPU hosts."""
-    return os.path.exists("/dev/nvidiactl") or bool(os.environ.get("KVSTORE_FORCE_CUDA_CHECK"))
+    return os.path.exists("/dev/nvidiactl") or force_check
 
 
-def _page_lock(arena: np.ndarray[Any, Any]) -> bool:
+def _page_lock(arena: np.ndarray[Any, Any], force_cuda_check: bool) -> bool:
     """Page-lock ``arena`` for CUDA DMA where a CUDA device exists; False where it cannot."""
-    if arena.nbytes == 0 or not _cuda_present():
+    if arena.nbytes == 0 or not _cuda_present(force_cuda_check):
         return False
     try:
         import torch

@@ -361,3 +361,10 @@ def test_arena_is_page_locked_exactly_where_cuda_exists() -> None:
     tier = DramTier(1024**2, page_size=64 * 1024)
     assert tier.pinned == torch.cuda.is_available()
     assert tier.stats()["pinned"] == int(torch.cuda.is_available())
+
+
+def test_forced_cuda_check_asks_torch_even_without_the_driver_file() -> None:
+    """``dram.force_cuda_check``: the answer is torch's, whether /dev/nvidiactl exists or not."""
+    tier = DramTier(1024**2, page_size=64 * 1024, force_cuda_check=True)
+    assert tier.pinned == torch.cuda.is_available()
+    asyncio.run(tier.close())

@@ -24,8 +24,8 @@ from store_process import StoreProcess, free_port
 from kvstore.errors import ConfigError
 from kvstore.integrations.vllm_common import (
     ConnectorSettings,
-    KVStoreConnectorMetadata,
     LoadSpec,
+    StepPlan,
     base_namespace,
     engine_shape,
     rank_keys,
@@ -217,7 +217,7 @@ def test_failed_load_is_reported_and_leaves_blocks_alone(
     worker.register_kv_caches(target)
     # Plan a load of chunks the store never held (as after an eviction since the lookup).
     missing = scheduler._state(_request("x", list(range(5000, 5000 + 2 * CHUNK + 1)))).keys
-    meta = KVStoreConnectorMetadata(loads=[LoadSpec("x", missing, [1, 2, 3, 4])])
+    meta = StepPlan(loads=[LoadSpec("x", missing, [1, 2, 3, 4])])
     worker.start_load_kv(meta)
     for name in target:
         worker.wait_for_layer_load(name)

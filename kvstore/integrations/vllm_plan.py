@@ -1,0 +1,91 @@
+"""The vLLM connector's block arithmetic, free of vLLM and torch so that it is tested alone.
+
+A stored chunk is ``blocks_per_chunk`` engine blocks, and an engine block may be ``ratio`` kernel
+blocks (attention kernels may split it). A :class:`~kvstore.integrations.vllm_common.LoadSpec`
+names, for every block of its chunks, the engine block to write or ``-1`` for one the engine
+already holds; these functions turn requests' block lists into such specs (scheduler half) and
+specs into the kernel block ids that are written (worker half).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvstore.integrations.vllm_common import LoadSpec
+
+__all__ = ["ScatterPlan", "chunk_blocks", "kernel_ids", "load_targets", "plan_scatter"]
+
+
+def load_targets(
+    block_ids: Sequence[int],
+    start: int,
+    end: int,
+    chunk_size: int,
+    block_size: int,
+    blocks_per_chunk: int,
+) -> tuple[range, list[int]]:
+    """Where loading tokens ``[start, end)`` of a request with blocks ``block_ids`` lands.
+
+    Returns the chunks the range touches and, for every block of those chunks, the request's
+    block to write, or ``-1`` for a block outside the range (the engine computed it or holds it
+    from its own prefix cache, so it must not be written).
+    """
+    first_chunk, end_chunk = start // chunk_size, math.ceil(end / chunk_size)
+    first_block, end_block = start // block_size, math.ceil(end / block_size)
+    targets = [
+        block_ids[b] if first_block <= b < end_block and b < len(block_ids) else -1
+        for b in range(first_chunk * blocks_per_chunk, end_chunk * blocks_per_chunk)
+    ]
+    return range(first_chunk, end_chunk), targets
+
+
+def chunk_blocks(block_ids: Sequence[int], index: int, blocks_per_chunk: int) -> list[int]:
+    """The entries of ``block_ids`` that belong to chunk ``index``."""
+    return list(block_ids[index * blocks_per_chunk : (index + 1) * blocks_per_chunk])
+
+
+def kernel_ids(block_ids: Sequence[int], ratio: int) -> list[int]:
+    """The kernel blocks of engine blocks ``block_ids`` when one engine block is ``ratio``."""
+    if ratio == 1:
+        return list(block_ids)
+    return [b * ratio + i for b in block_ids for i in range(ratio)]
+
+
+@dataclass(slots=True)
+class ScatterPlan:
+    """How one step's loaded chunks are written into the cache.
+
+    Chunks are numbered by their position in the step (every spec's chunks, in order).
+    """
+
+    #: Chunks written whole, all with one kernel call per layer ...
+    whole: list[int] = field(default_factory=list)
+    #: ... into these kernel blocks, in order.
+    whole_ids: list[int] = field(default_factory=list)
+    #: Chunks only partly new to the engine, written one by one: (position, spec, index in spec).
+    partial: list[tuple[int, LoadSpec, int]] = field(default_factory=list)
+
+
+def plan_scatter(
+    specs: Sequence[LoadSpec], ok: Sequence[bool], blocks_per_chunk: int, ratio: int
+) -> ScatterPlan:
+    """Sort the chunks that loaded (``ok``, by position) into whole and partly new ones."""
+    plan = ScatterPlan()
+    chunk = 0
+    for spec in specs:
+        for index in range(len(spec.keys)):
+            if ok[chunk]:
+                targets = chunk_blocks(spec.block_ids, index, blocks_per_chunk)
+                if len(targets) == blocks_per_chunk and all(b >= 0 for b in targets):
+                    plan.whole.append(chunk)
+                    plan.whole_ids.extend(kernel_ids(targets, ratio))
+                else:
+                    plan.partial.append((chunk, spec, index))
+            chunk += 1
+    if len(set(plan.whole_ids)) != len(plan.whole_ids):  # never expected; stay exact anyway
+        chunks = [(spec, index) for spec in specs for index in range(len(spec.keys))]
+        partial = [(chunk, spec, index) for chunk, (spec, index) in enumerate(chunks) if ok[chunk]]
+        return ScatterPlan(partial=partial)
+    return plan

@@ -1,0 +1,482 @@
+"""The vLLM connector's logic without vLLM: load and save planning, key ranks, the breaker.
+
+vLLM is not imported here. Its objects are stood in for by plain namespaces carrying only the
+fields the connector reads: ``_vllm_config`` and ``_kv_cache_config`` stand in for vLLM's
+``VllmConfig`` and ``KVCacheConfig``, ``_request`` for ``vllm.v1.request.Request``, ``_Blocks``
+for ``KVCacheBlocks``, ``_Manager`` for ``KVCacheManager`` and ``_output`` for
+``SchedulerOutput``. The store is :class:`FakeStore`, an in-memory stand-in for
+:class:`kvstore.KVStoreClient`; the KV caches are real CPU tensors in vLLM's CPU layout. The same
+halves against a real store and a real engine are tested in tests/vllm (the vLLM suite).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from kvstore.errors import ConfigError, StoreUnavailableError
+from kvstore.integrations.vllm_common import (
+    Breaker,
+    ConnectorSettings,
+    LoadSpec,
+    SaveSpec,
+    StepPlan,
+    base_namespace,
+    engine_shape,
+    rank_keys,
+)
+from kvstore.integrations.vllm_plan import kernel_ids, load_targets, plan_scatter
+from kvstore.integrations.vllm_scheduler import SchedulerSide
+from kvstore.integrations.vllm_worker import WorkerSide
+
+BLOCK = 16
+CHUNK = 32  # two blocks per chunk
+LAYERS = 2
+NUM_BLOCKS = 24
+
+
+class FakeStore:
+    """Stands in for :class:`kvstore.KVStoreClient`: chunks in a dict, calls counted."""
+
+    def __init__(self) -> None:
+        self.chunks: dict[bytes, torch.Tensor] = {}
+        self.down = False
+        self.lookups = 0
+        self.lock = threading.Lock()
+
+    def _check(self) -> None:
+        if self.down:
+            raise StoreUnavailableError("store is down")
+
+    def lookup(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
+        self.lookups += 1
+        self._check()
+        hits = 0
+        while hits < len(keys) and keys[hits] in self.chunks:
+            hits += 1
+        return hits
+
+    def get_into(
+        self, keys: Sequence[bytes], buffers: Sequence[torch.Tensor], **_: Any
+    ) -> list[bool]:
+        self._check()
+        found = []
+        for key, buffer in zip(keys, buffers, strict=True):
+            chunk = self.chunks.get(key)
+            if chunk is not None and chunk.shape == buffer.shape:
+                buffer.copy_(chunk)
+            found.append(chunk is not None)
+        return found
+
+    def put(self, keys: Sequence[bytes], values: Sequence[torch.Tensor], **_: Any) -> None:
+        self._check()
+        with self.lock:
+            for key, value in zip(keys, values, strict=True):
+                self.chunks[key] = value.clone()
+
+    def stats(self, *, timeout: float | None = None) -> dict[str, Any]:
+        self._check()
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+def _vllm_config(tp_size: int = 1, pp_size: int = 1) -> Any:
+    return SimpleNamespace(
+        model_config=SimpleNamespace(model="test-model", revision=None, max_model_len=4 * CHUNK),
+        parallel_config=SimpleNamespace(
+            tensor_parallel_size=tp_size, pipeline_parallel_size=pp_size
+        ),
+        device_config=SimpleNamespace(device_type="cpu"),
+        cache_config=SimpleNamespace(kv_cache_layout=None, cache_dtype="auto"),
+    )
+
+
+def _kv_cache_config() -> Any:
+    spec = SimpleNamespace(block_size=BLOCK, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
+    group = SimpleNamespace(
+        layer_names=[f"layers.{i}.attn" for i in range(LAYERS)], kv_cache_spec=spec
+    )
+    return SimpleNamespace(num_blocks=NUM_BLOCKS, kv_cache_groups=[group])
+
+
+def _settings(**extra: Any) -> ConnectorSettings:
+    return ConnectorSettings.from_extra_config(
+        {"target": "127.0.0.1:1", "chunk_size": CHUNK, **extra}, env={}
+    )
+
+
+def _request(req_id: str, tokens: list[int], **fields: Any) -> Any:
+    return SimpleNamespace(
+        **{
+            "request_id": req_id,
+            "prompt_token_ids": tokens,
+            "mm_features": [],
+            "prompt_embeds": None,
+            "lora_request": None,
+            "cache_salt": None,
+            **fields,
+        }
+    )
+
+
+class _Blocks:
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+
+    def get_block_ids(self) -> tuple[list[int]]:
+        return (self.ids,)
+
+
+class _Manager:
+    def __init__(self) -> None:
+        self.blocks: dict[str, list[int]] = {}
+
+    def get_block_ids(self, req_id: str) -> tuple[list[int]]:
+        return (self.blocks[req_id],)
+
+
+def _output(new: list[tuple[str, int, int]]) -> Any:
+    """A scheduler output with new requests ``(req_id, num_computed, num_scheduled)``."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, num_computed_tokens=c) for r, c, _ in new],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+        num_scheduled_tokens={r: n for r, _, n in new},
+        preempted_req_ids=set(),
+    )
+
+
+def _caches(seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    shape = (NUM_BLOCKS, 2, BLOCK, 16)  # vLLM CPU: [blocks, kv heads, block size, 2 * head size]
+    return {
+        f"layers.{i}.attn": torch.randn(shape, generator=gen).to(torch.bfloat16)
+        for i in range(LAYERS)
+    }
+
+
+def _answer(side: SchedulerSide, request: Any, computed: int) -> int | None:
+    """Ask until the lookup has answered (the first call may say "not known yet")."""
+    deadline = time.monotonic() + 5
+    while True:
+        tokens, is_async = side.get_num_new_matched_tokens(request, computed)
+        assert is_async is False
+        if tokens is not None or time.monotonic() > deadline:
+            return tokens
+
+
+@pytest.fixture()
+def store() -> FakeStore:
+    return FakeStore()
+
+
+@pytest.fixture()
+def scheduler(store: FakeStore) -> Iterator[tuple[SchedulerSide, _Manager]]:
+    side = SchedulerSide(_settings(), _vllm_config(), _kv_cache_config(), client=store)  # type: ignore[arg-type]
+    manager = _Manager()
+    side.bind_kv_cache_manager(manager)  # type: ignore[arg-type]
+    yield side, manager
+    side.shutdown()
+
+
+@pytest.fixture()
+def worker(store: FakeStore) -> Iterator[WorkerSide]:
+    side = WorkerSide(_settings(), _vllm_config(), _kv_cache_config(), client=store)  # type: ignore[arg-type]
+    yield side
+    side.shutdown()
+
+
+def _chunk_keys(side: SchedulerSide, request: Any) -> list[bytes]:
+    return side._state(request).keys
+
+
+# -- the scheduler half: lookups and load planning -----------------------------------------------
+
+
+def test_lookup_hits_count_beyond_the_computed_tokens(
+    scheduler: tuple[SchedulerSide, _Manager], store: FakeStore
+) -> None:
+    side, _ = scheduler
+    tokens = list(range(3 * CHUNK + 5))
+    keys = _chunk_keys(side, _request("probe", tokens))
+    assert len(keys) == 3
+    for key in keys[:2]:
+        store.chunks[key] = torch.zeros(1)
+    assert _answer(side, _request("a", tokens), 0) == 2 * CHUNK
+    assert _answer(side, _request("b", tokens), BLOCK) == 2 * CHUNK - BLOCK
+    assert _answer(side, _request("c", tokens), 2 * CHUNK) == 0
+
+
+def test_the_last_prompt_token_is_never_loaded(
+    scheduler: tuple[SchedulerSide, _Manager], store: FakeStore
+) -> None:
+    side, _ = scheduler
+    tokens = list(range(3 * CHUNK))  # three whole chunks, all stored
+    for key in _chunk_keys(side, _request("probe", tokens)):
+        store.chunks[key] = torch.zeros(1)
+    # vLLM must compute at least one token, so the third chunk is not loadable.
+    assert _answer(side, _request("a", tokens), 0) == 2 * CHUNK
+
+
+def test_requests_that_token_ids_do_not_describe_neither_load_nor_save(
+    scheduler: tuple[SchedulerSide, _Manager], store: FakeStore
+) -> None:
+    side, _ = scheduler
+    tokens = list(range(3 * CHUNK))
+    for fields in ({"mm_features": ["image"]}, {"prompt_embeds": object()}):
+        request = _request("mm", tokens, **fields)
+        assert _chunk_keys(side, request) == []
+        assert side.get_num_new_matched_tokens(request, 0) == (0, False)
+        side.request_finished(request, [])
+    assert store.lookups == 0
+
+
+def test_salt_and_lora_separate_keys(scheduler: tuple[SchedulerSide, _Manager]) -> None:
+    side, _ = scheduler
+    tokens = list(range(2 * CHUNK + 1))
+    plain = _chunk_keys(side, _request("p", tokens))
+    salted = _chunk_keys(side, _request("s", tokens, cache_salt="tenant-7"))
+    lora = SimpleNamespace(lora_name="adapter", lora_path="/adapters/a")
+    adapted = _chunk_keys(side, _request("l", tokens, lora_request=lora))
+    assert len(plain) == len(salted) == len(adapted) == 2
+    assert len(set(plain) | set(salted) | set(adapted)) == 6
+    assert _chunk_keys(side, _request("p2", tokens)) == plain
+
+
+def test_load_plan_writes_only_the_blocks_the_engine_lacks(
+    scheduler: tuple[SchedulerSide, _Manager], store: FakeStore
+) -> None:
+    side, _ = scheduler
+    tokens = list(range(3 * CHUNK + 3))
+    request = _request("b", tokens)
+    keys = _chunk_keys(side, request)
+    for key in keys:
+        store.chunks[key] = torch.zeros(1)
+    # The engine's own prefix cache holds the first block; the store supplies the rest.
+    assert _answer(side, request, BLOCK) == 3 * CHUNK - BLOCK
+    side.update_state_after_alloc(request, _Blocks([30, 20, 21, 22, 23, 24, 25]), 3 * CHUNK - BLOCK)  # type: ignore[arg-type]
+    plan = side.build_connector_meta(_output([]))
+    assert plan.loads == [LoadSpec("b", keys, [-1, 20, 21, 22, 23, 24])]
+    assert side.build_connector_meta(_output([])).loads == []  # handed out once
+    side.update_state_after_alloc(request, _Blocks([1]), 0)  # type: ignore[arg-type]
+    assert side.build_connector_meta(_output([])).loads == []
+
+
+def test_load_targets() -> None:
+    blocks = [10, 11, 12, 13, 14, 15]
+    # Tokens [16, 64): chunk 0 from its second block, and all of chunk 1.
+    chunks, targets = load_targets(blocks, 16, 64, CHUNK, BLOCK, 2)
+    assert chunks == range(0, 2)
+    assert targets == [-1, 11, 12, 13]
+    # Tokens [32, 80) end mid-chunk: the blocks past the end stay -1.
+    chunks, targets = load_targets(blocks, 32, 80, CHUNK, BLOCK, 2)
+    assert chunks == range(1, 3)
+    assert targets == [12, 13, 14, -1]
+    # More blocks asked for than the request has: the missing ones are -1.
+    assert load_targets(blocks[:3], 0, 64, CHUNK, BLOCK, 2)[1] == [10, 11, 12, -1]
+
+
+# -- the scheduler half: save planning ---------------------------------------------------------
+
+
+def test_save_plan_covers_chunks_completed_this_step_and_absent_from_the_store(
+    scheduler: tuple[SchedulerSide, _Manager], store: FakeStore
+) -> None:
+    side, manager = scheduler
+    tokens = list(range(3 * CHUNK + 5))
+    request = _request("a", tokens)
+    keys = _chunk_keys(side, request)
+    store.chunks[keys[0]] = torch.zeros(1)
+    assert _answer(side, request, 0) == CHUNK
+    manager.blocks["a"] = list(range(7, 14))
+    # A first step computes 2.5 chunks: chunk 0 is stored already, chunk 1 is new.
+    plan = side.build_connector_meta(_output([("a", 0, 2 * CHUNK + CHUNK // 2)]))
+    assert [(s.req_id, s.keys, s.block_ids) for s in plan.saves] == [("a", [keys[1]], [9, 10])]
+    # The next completes the prompt: chunk 2 only.
+    cached = SimpleNamespace(req_ids=["a"], num_computed_tokens=[2 * CHUNK + CHUNK // 2])
+    output = _output([])
+    output.scheduled_cached_reqs = cached
+    output.num_scheduled_tokens = {"a": CHUNK}
+    plan = side.build_connector_meta(output)
+    assert [(s.keys, s.block_ids) for s in plan.saves] == [([keys[2]], [11, 12])]
+    assert side.request_finished(request, manager.blocks["a"]) == (True, None)
+
+
+def test_a_chunk_is_planned_once_across_requests_sharing_it(
+    scheduler: tuple[SchedulerSide, _Manager],
+) -> None:
+    side, manager = scheduler
+    tokens = list(range(2 * CHUNK + 1))
+    first, second = _request("a", tokens), _request("b", tokens)
+    assert _answer(side, first, 0) == 0
+    assert _answer(side, second, 0) == 0
+    manager.blocks["a"], manager.blocks["b"] = [1, 2, 3, 4, 5], [6, 7, 8, 9, 10]
+    plan = side.build_connector_meta(_output([("a", 0, len(tokens)), ("b", 0, len(tokens))]))
+    assert [(s.req_id, len(s.keys)) for s in plan.saves] == [("a", 2)]
+    assert side.request_finished(first, []) == (True, None)
+    assert side.request_finished(second, []) == (False, None)  # nothing of its own to save
+
+
+def test_a_dead_store_trips_the_breaker_so_nothing_waits_on_it(
+    scheduler: tuple[SchedulerSide, _Manager], store: FakeStore
+) -> None:
+    side, manager = scheduler
+    store.down = True
+    tokens = list(range(2 * CHUNK + 1))
+    assert _answer(side, _request("a", tokens), 0) == 0
+    calls = store.lookups
+    assert _answer(side, _request("b", tokens), 0) == 0
+    assert store.lookups == calls  # answered a miss without asking the store
+    manager.blocks["a"] = [1, 2, 3, 4, 5]
+    assert side.build_connector_meta(_output([("a", 0, len(tokens))])).saves == []
+
+
+# -- the worker half ---------------------------------------------------------------------------
+
+
+def _wait_for(condition: Any, what: str) -> None:
+    deadline = time.monotonic() + 10
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_saved_chunks_load_into_only_the_planned_blocks(
+    worker: WorkerSide, store: FakeStore
+) -> None:
+    source = _caches(1)
+    worker.register_kv_caches(source)
+    keys = [bytes([i]) * 16 for i in range(3)]
+    worker.wait_for_save(StepPlan(saves=[SaveSpec("a", keys, list(range(7, 13)))]))
+    _wait_for(lambda: len(store.chunks) == 3, "saved chunks never reached the store")
+    assert worker.get_finished({"a"}) == ({"a"}, None)
+
+    target = _caches(2)
+    untouched = {name: t.clone() for name, t in target.items()}
+    worker.register_kv_caches(target)
+    plan = StepPlan(loads=[LoadSpec("b", keys, [-1, 20, 21, 22, 23, -1])])
+    worker.start_load_kv(plan)
+    for name in target:
+        worker.wait_for_layer_load(name)
+    worker.wait_for_save(plan)
+    assert worker.get_block_ids_with_load_errors() == set()
+    for name in target:
+        for a_block, b_block in zip(range(8, 12), range(20, 24), strict=True):
+            assert torch.equal(target[name][b_block], source[name][a_block])
+        for block in set(range(NUM_BLOCKS)) - set(range(20, 24)):
+            assert torch.equal(target[name][block], untouched[name][block])
+
+
+def test_a_failed_load_is_reported_once_and_leaves_blocks_alone(
+    worker: WorkerSide, store: FakeStore
+) -> None:
+    target = _caches(3)
+    untouched = {name: t.clone() for name, t in target.items()}
+    worker.register_kv_caches(target)
+    present, missing = bytes(16), b"\x01" * 16
+    store.chunks[present] = torch.ones((LAYERS, 2, 2, BLOCK, 16), dtype=torch.bfloat16)
+    plan = StepPlan(loads=[LoadSpec("x", [present, missing], [1, 2, 3, 4])])
+    worker.start_load_kv(plan)
+    for name in target:
+        worker.wait_for_layer_load(name)
+    worker.wait_for_save(plan)
+    assert worker.get_block_ids_with_load_errors() == {3, 4}
+    assert worker.get_block_ids_with_load_errors() == set()
+    for name in target:
+        assert torch.equal(target[name][1:3], torch.ones_like(target[name][1:3]))
+        assert torch.equal(target[name][3:], untouched[name][3:])
+
+
+def test_a_layer_never_loaded_makes_the_whole_step_recompute(
+    worker: WorkerSide, store: FakeStore
+) -> None:
+    worker.register_kv_caches(_caches(4))
+    key = bytes(16)
+    store.chunks[key] = torch.ones((LAYERS, 2, 2, BLOCK, 16), dtype=torch.bfloat16)
+    plan = StepPlan(loads=[LoadSpec("x", [key], [5, 6])])
+    worker.start_load_kv(plan)
+    worker.wait_for_layer_load("layers.0.attn")  # layer 1's attention never asks
+    worker.wait_for_save(plan)
+    assert worker.get_block_ids_with_load_errors() == {5, 6}
+
+
+def test_scatter_plan_sorts_whole_and_partly_new_chunks() -> None:
+    specs = [
+        LoadSpec("a", [b"k0", b"k1"], [4, 5, -1, 7]),
+        LoadSpec("b", [b"k2", b"k3"], [8, 9, 10, 11]),
+    ]
+    plan = plan_scatter(specs, [True, True, False, True], blocks_per_chunk=2, ratio=2)
+    assert plan.whole == [0, 3]
+    assert plan.whole_ids == [8, 9, 10, 11, 20, 21, 22, 23]
+    assert plan.partial == [(1, specs[0], 1)]
+    # Chunks naming the same block twice are written one by one, never in one batched call.
+    twice = [LoadSpec("c", [b"k4", b"k5"], [1, 2, 1, 2])]
+    plan = plan_scatter(twice, [True, True], blocks_per_chunk=2, ratio=1)
+    assert (plan.whole, plan.whole_ids) == ([], [])
+    assert plan.partial == [(0, twice[0], 0), (1, twice[0], 1)]
+
+
+def test_kernel_ids_split_engine_blocks() -> None:
+    assert kernel_ids([3, 5], 1) == [3, 5]
+    assert kernel_ids([3, 5], 4) == [12, 13, 14, 15, 20, 21, 22, 23]
+
+
+# -- key ranks, settings, the breaker ----------------------------------------------------------
+
+
+def test_each_rank_stores_under_its_own_keys() -> None:
+    config = _vllm_config(tp_size=2, pp_size=2)
+    settings = _settings()
+    keys = [bytes([i]) * 16 for i in range(3)]
+
+    def ranked(tp_rank: int, pp_rank: int) -> list[bytes]:
+        shape = engine_shape(config, _kv_cache_config(), pp_rank=pp_rank)
+        namespace = base_namespace(config, shape, settings, tp_rank=tp_rank)
+        return rank_keys(keys, namespace, tp_rank, pp_rank)
+
+    assert ranked(0, 0) == keys  # rank 0 keeps the names the scheduler looks up
+    others = [ranked(1, 0), ranked(0, 1), ranked(1, 1)]
+    assert all(len(k) == 16 for ranks in others for k in ranks)
+    assert len({k for ranks in [keys, *others] for k in ranks}) == 12
+    assert ranked(1, 1) == others[2]  # the same for every worker of that rank
+
+
+def test_secret_comes_from_the_config_loader_unless_given() -> None:
+    extra = {"target": "h:1"}
+    assert ConnectorSettings.from_extra_config(extra, env={}).secret == ""
+    env = {"KVSTORE_HASH_SECRET": "s3cret"}
+    assert ConnectorSettings.from_extra_config(extra, env=env).secret == "s3cret"
+    given = {**extra, "secret": "mine"}
+    assert ConnectorSettings.from_extra_config(given, env=env).secret == "mine"
+    with pytest.raises(ConfigError, match="multiple of the engine's block size"):
+        SchedulerSide(_settings(chunk_size=24), _vllm_config(), _kv_cache_config(), FakeStore())  # type: ignore[arg-type]
+
+
+def test_breaker_opens_on_a_failure_for_retry_after_s_and_logs_once_per_outage(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    now = [100.0]
+    breaker = Breaker(retry_after_s=5.0, clock=lambda: now[0])
+    assert not breaker.is_open()
+    with caplog.at_level(logging.WARNING, logger="kvstore.integrations.vllm_common"):
+        breaker.trip(StoreUnavailableError("down"))
+        assert breaker.is_open()
+        now[0] = 103.0
+        breaker.trip(StoreUnavailableError("still down"))  # extends the outage, quietly
+        now[0] = 107.9
+        assert breaker.is_open()
+        now[0] = 108.0
+        assert not breaker.is_open()
+        breaker.trip(StoreUnavailableError("down again"))
+    assert [r.getMessage().split(";")[0] for r in caplog.records] == [
+        "kvstore unavailable (down)",
+        "kvstore unavailable (down again)",
+    ]
