@@ -1,8 +1,9 @@
 """The architecture as tests: a client never loads the server side, imports only run downwards,
 and no module grows past what one can hold in one's head.
 
-(a) Importing the client (the package, its public names, ``kvstore.client``) in a fresh process
-    leaves LMDB, Redis, the store, the tiers and the server out of ``sys.modules``.
+(a) Importing the client (the package, its public names, ``kvstore.client``, the vLLM
+    connector's logic) in a fresh process leaves LMDB, Redis, the store, the tiers and the server
+    out of ``sys.modules`` (and the connector's logic leaves out vLLM).
 (b) Every ``import`` in ``kvstore/`` (generated ``_proto`` aside), read from the source with
     :mod:`ast`, including those inside functions and under ``TYPE_CHECKING``: no module imports one
     of a higher layer of :data:`LAYERS`; the client side imports nothing of the server side nor
@@ -151,6 +152,9 @@ EDGES = [edge for module in CHECKED for edge in _imports(module)]
         "import kvstore",
         "from kvstore import KVStoreClient, AsyncKVStoreClient, ChunkHasher, Namespace",
         "import kvstore.client",
+        # The connector's logic (scheduler and worker halves) without vLLM itself.
+        "import kvstore.integrations.vllm_common",
+        "import kvstore.integrations.vllm_scheduler, kvstore.integrations.vllm_worker",
     ],
 )
 def test_importing_the_client_loads_nothing_of_the_server_side(statement: str) -> None:
@@ -169,6 +173,8 @@ def test_importing_the_client_loads_nothing_of_the_server_side(statement: str) -
     loaded = json.loads(done.stdout.splitlines()[-1])
     assert "kvstore.client" in loaded  # the statement really loaded the client
     assert sorted(m for m in loaded if any(in_part(m, part) for part in SERVER_SIDE)) == []
+    if "integrations" in statement:
+        assert [m for m in loaded if in_part(m, "vllm")] == []
 
 
 # -- (b) the import graph ----------------------------------------------------------------------
