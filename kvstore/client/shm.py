@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import mmap
-import os
 import select
 import socket
 import struct
@@ -50,14 +49,12 @@ from kvstore.protocol.shm_frames import (
 )
 from kvstore.types import LookupResult, PutResult
 
-__all__ = ["DIRECT_READS_ENV", "ShmDataPlane", "ShmUnavailableError"]
+__all__ = ["ShmDataPlane", "ShmUnavailableError"]
 
 logger = logging.getLogger(__name__)
 
 _HANGUP = select.POLLHUP | select.POLLERR | select.POLLRDHUP
 _Ranges = list[tuple[int, int]]
-#: Set to 0 to send every read through the server (leases), e.g. to rule the index out.
-DIRECT_READS_ENV = "KVSTORE_SHM_DIRECT_READS"
 
 
 def _index_reader(fd: int, size: int) -> IndexReader | None:
@@ -79,22 +76,25 @@ class ShmDataPlane:
         namespace: bytes,
         *,
         timeout: float = 5.0,
-        direct_reads: bool | None = None,
+        direct_reads: bool = True,
+        connect_timeout: float | None = None,
     ) -> None:
         """Connect to the socket at ``path`` and map the arena.
 
+        ``timeout``: the default of every call, and how long a new socket may take to connect;
+        ``connect_timeout`` (default ``timeout``) bounds this first connection instead, so that a
+        client can fit it into the deadline of the call that opens the plane.
         ``direct_reads``: read blocks found in the published index without asking the server
-        (default: on where the CPU allows it, unless ``KVSTORE_SHM_DIRECT_READS=0``).
+        where the CPU allows it (the client's settings turn this off with
+        ``KVSTORE_SHM_DIRECT_READS=0``).
         """
         self.path = path
         self.namespace = namespace
         self.timeout = timeout
-        if direct_reads is None:
-            direct_reads = os.environ.get(DIRECT_READS_ENV, "1") != "0"
         self._instance: bytes | None = None  # every later connection must reach this process
         self._lock = threading.Lock()
         self._closed = False
-        first = self._open(keep_fds=True)
+        first = self._open(connect_timeout, keep_fds=True)
         self.hello: Hello = first.hello
         self._instance = first.hello.instance_id
         if not first.fds:
@@ -119,7 +119,7 @@ class ShmDataPlane:
         self._liveness: socket.socket | None = None
         if self._index is not None:
             try:
-                probe = self._open()
+                probe = self._open(connect_timeout)
             except ShmUnavailableError:
                 first.sock.close()
                 self._index.close()
@@ -165,13 +165,14 @@ class ShmDataPlane:
         return conn
 
     @contextlib.contextmanager
-    def _connection(self) -> Iterator[ShmConnection]:
+    def _connection(self, deadline: float) -> Iterator[ShmConnection]:
+        """An idle socket, or a new one opened before ``deadline`` (a monotonic instant)."""
         with self._lock:
             if self._closed:
                 raise ShmUnavailableError("the shared-memory path is closed")
             conn = self._idle.pop() if self._idle else None
         if conn is None:
-            conn = self._open()
+            conn = self._open(deadline - time.monotonic())
         with closed_on_failure(conn):
             yield conn
         with self._lock:
@@ -200,7 +201,7 @@ class ShmDataPlane:
         if local == len(keys):
             return LookupResult(local, [self._arena_tier] * local)
         rest = keys[local:]
-        with self._connection() as conn:
+        with self._connection(deadline) as conn:
             reply = Cursor(conn.call(Op.LOOKUP, pack_keys(rest), deadline))
             hits = reply.u32()
             indices = reply.take(len(rest))
@@ -288,7 +289,7 @@ class ShmDataPlane:
             if not pending:
                 return copied
         wanted = [keys[i] for i in pending]
-        with self._connection() as conn:
+        with self._connection(deadline) as conn:
             reply = Cursor(conn.call(Op.ACQUIRE, pack_keys(wanted), deadline))
             leases: list[int] = []
             try:
@@ -350,8 +351,8 @@ class ShmDataPlane:
         lengths = struct.pack(f"<{len(views)}Q", *(len(view) for view in views))
         present = 0
         no_room: list[int] = []
-        with self._connection() as conn:
-            deadline = self._deadline(timeout)
+        deadline = self._deadline(timeout)
+        with self._connection(deadline) as conn:
             reply = Cursor(conn.call(Op.RESERVE, pack_keys(keys) + lengths, deadline))
             reserved: list[int] = []
             try:
