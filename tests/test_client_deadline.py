@@ -25,6 +25,7 @@ import pytest
 from kvstore import AsyncKVStoreClient, KVStoreClient, Namespace
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore.client.ucx import CONNECT_SHARE
 from kvstore.errors import DeadlineExceededError
 
 NS = Namespace(model="deadline-test")
@@ -125,10 +126,15 @@ def test_a_stalled_fast_path_and_a_stalled_fallback_end_within_one_deadline(
     assert TIMEOUT * 0.9 < elapsed < TIMEOUT * 1.3, elapsed
 
 
+@pytest.mark.parametrize("hang_up", [False, True], ids=["silent-shm", "shm-hangs-up"])
 @pytest.mark.parametrize("flavour", GETTERS)
-def test_the_fallback_gets_what_the_stalled_fast_path_left(tmp_path: Path, flavour: str) -> None:
-    with _fake_server(tmp_path, hang_up=True, stall_get=False) as target:
+def test_the_fallback_gets_what_the_stalled_fast_path_left(
+    tmp_path: Path, flavour: str, hang_up: bool
+) -> None:
+    # A silent socket is given up after half the deadline (CONNECT_SHARE), leaving gRPC the rest.
+    stall = HANGUP_AFTER_S if hang_up else TIMEOUT * CONNECT_SHARE
+    with _fake_server(tmp_path, hang_up=hang_up, stall_get=False) as target:
         started = time.monotonic()
         assert GETTERS[flavour](target) == [VALUE]
         elapsed = time.monotonic() - started
-    assert HANGUP_AFTER_S * 0.9 < elapsed < TIMEOUT, elapsed
+    assert stall * 0.9 < elapsed < TIMEOUT, elapsed

@@ -30,7 +30,7 @@ from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.client.settings import ClientSettings
 from kvstore.client.shm import ShmDataPlane, ShmUnavailableError
 from kvstore.client.shm_link import ShmLink
-from kvstore.client.ucx import UcxDataClient
+from kvstore.client.ucx import CONNECT_SHARE, UcxDataClient
 from kvstore.errors import DeadlineExceededError, KVStoreError
 from kvstore.keys import Namespace
 from kvstore.protocol import messages as _wire
@@ -193,8 +193,9 @@ class ClientCore:
         except grpc.RpcError as exc:  # an older server, or none: gRPC calls will say which
             link.failed(exc)
             return None
+        # A socket that never greets must leave the call's gRPC fallback time to run.
         plane: ShmDataPlane | None = yield Blocking(
-            lambda: link.connect(endpoints, deadline.remaining())
+            lambda: link.connect(endpoints, deadline.remaining() * CONNECT_SHARE)
         )
         return plane
 
