@@ -40,6 +40,7 @@ class AsyncKVStoreClient(ClientBase):
         data_plane: str | None = None,
         settings: ClientSettings | None = None,
     ) -> None:
+        resolved = client_settings(settings, data_plane)  # bad settings: fail before connecting
         self._channel = grpc.aio.insecure_channel(target, options=_wire.CHANNEL_OPTIONS)
         self._stub = pb_grpc.KVStoreStub(self._channel)
         # The UCX path's control calls block (in a worker thread): they get a blocking channel,
@@ -49,7 +50,7 @@ class AsyncKVStoreClient(ClientBase):
             target,
             namespace,
             timeout,
-            client_settings(settings, data_plane),
+            resolved,
             self._control_channel,
         )
 

@@ -54,13 +54,14 @@ class KVStoreClient(ClientBase):
         data_plane: str | None = None,
         settings: ClientSettings | None = None,
     ) -> None:
+        resolved = client_settings(settings, data_plane)  # bad settings: fail before connecting
         self._channel = grpc.insecure_channel(target, options=_wire.CHANNEL_OPTIONS)
         self._stub = pb_grpc.KVStoreStub(self._channel)
         super().__init__(
             target,
             namespace,
             timeout,
-            client_settings(settings, data_plane),
+            resolved,
             lambda: self._channel,
         )
 
