@@ -5,6 +5,8 @@
 beside them. Nothing here imports the store, a tier, the server, LMDB or Redis.
 """
 
-from kvstore.client.clients import AsyncKVStoreClient, KVStoreClient
+from kvstore.client.aio import AsyncKVStoreClient
+from kvstore.client.settings import ClientSettings
+from kvstore.client.sync import KVStoreClient
 
-__all__ = ["AsyncKVStoreClient", "KVStoreClient"]
+__all__ = ["AsyncKVStoreClient", "ClientSettings", "KVStoreClient"]

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import mmap
-import os
 import select
 import socket
 import struct
@@ -33,8 +32,9 @@ from typing import Any
 import numpy as np
 
 from kvstore.buffers import byte_view, writable_byte_view
+from kvstore.client.shm_socket import ShmConnection, ShmUnavailableError, closed_on_failure
 from kvstore.client.shm_touch import TouchSender
-from kvstore.errors import DeadlineExceededError, InvalidRequestError, error_from_status
+from kvstore.errors import DeadlineExceededError, InvalidRequestError
 from kvstore.keys import KEY_BYTES
 from kvstore.protocol.dram_index import DIRECT_READS_SUPPORTED, IndexReader
 from kvstore.protocol.shm_frames import (
@@ -44,118 +44,17 @@ from kvstore.protocol.shm_frames import (
     Op,
     ProtocolError,
     Slot,
-    frame,
-    frame_length,
     pack_ids,
     pack_keys,
-    unpack_hello,
 )
 from kvstore.types import LookupResult, PutResult
 
-__all__ = ["DIRECT_READS_ENV", "ShmDataPlane", "ShmUnavailableError"]
+__all__ = ["ShmDataPlane", "ShmUnavailableError"]
 
 logger = logging.getLogger(__name__)
 
-_HELLO_REPLY_LIMIT = 4096
-_GREETING_FDS = 2  # the arena and its index
 _HANGUP = select.POLLHUP | select.POLLERR | select.POLLRDHUP
 _Ranges = list[tuple[int, int]]
-#: Set to 0 to send every read through the server (leases), e.g. to rule the index out.
-DIRECT_READS_ENV = "KVSTORE_SHM_DIRECT_READS"
-
-
-class ShmUnavailableError(ConnectionError):
-    """The shared-memory path cannot be used (now); the caller falls back to gRPC."""
-
-
-class _Connection:
-    """One UNIX socket to the server, used by one call at a time."""
-
-    def __init__(self, path: str, namespace: bytes, timeout: float) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.deadline: float | None = None
-        try:
-            self.sock.settimeout(timeout)
-            self.sock.connect(path)
-            self.sock.sendall(frame(Op.HELLO, namespace))
-            data, fds, _, _ = socket.recv_fds(self.sock, _HELLO_REPLY_LIMIT, _GREETING_FDS)
-        except OSError:
-            self.sock.close()
-            raise
-        #: The arena's memfd, then the index's (when the server has one).
-        self.fds = list(fds)
-        try:
-            body = self._complete(bytearray(data))
-            self.hello = unpack_hello(body)
-        except BaseException:
-            self.close_fd()
-            self.sock.close()
-            raise
-
-    def _complete(self, data: bytearray) -> memoryview:
-        """The body of the reply whose first bytes are ``data`` (reading the rest)."""
-        while len(data) < 4:
-            data += self._recv(4 - len(data))
-        length = frame_length(data[:4])
-        while len(data) < 4 + length:
-            data += self._recv(4 + length - len(data))
-        status = data[4]
-        body = memoryview(data)[5 : 4 + length]
-        if status != 0:
-            raise error_from_status(_grpc_code(status), bytes(body).decode(errors="replace"))
-        return body
-
-    def _recv(self, size: int) -> bytes:
-        if self.deadline is not None:
-            self._set_deadline(self.deadline)
-        chunk = self.sock.recv(max(size, 65536))
-        if not chunk:
-            raise ConnectionResetError("the store closed the shared-memory socket")
-        return chunk
-
-    def close_fd(self) -> None:
-        """Close the fds that came with the greeting (the mappings keep what they map)."""
-        fds, self.fds = self.fds, []
-        for fd in fds:
-            os.close(fd)
-
-    def call(self, op: int, body: bytes, deadline: float) -> memoryview:
-        """Send a request and return its reply body (raising the error it reports).
-
-        ``deadline`` is a :func:`time.monotonic` instant; past it, DeadlineExceededError.
-        """
-        self._set_deadline(deadline)
-        self.sock.sendall(frame(op, body))
-        self.deadline = deadline
-        return self._complete(bytearray())
-
-    def _set_deadline(self, deadline: float) -> None:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise DeadlineExceededError("deadline exceeded before the store answered")
-        self.sock.settimeout(remaining)
-
-    def send(self, op: int, body: bytes) -> None:
-        """Send a request that has no reply."""
-        self.sock.sendall(frame(op, body))
-
-
-@contextlib.contextmanager
-def _closed_on_failure(conn: _Connection) -> Iterator[None]:
-    """Close ``conn`` if the block fails (mid-request the stream position is unknown), and say
-    why in the data plane's terms: a timeout is the caller's deadline, a socket error means the
-    path is unusable."""
-    try:
-        yield
-    except TimeoutError as exc:
-        conn.sock.close()
-        raise DeadlineExceededError("deadline exceeded waiting for the store") from exc
-    except OSError as exc:
-        conn.sock.close()
-        raise ShmUnavailableError(f"shared-memory socket failed: {exc}") from exc
-    except BaseException:
-        conn.sock.close()
-        raise
 
 
 def _index_reader(fd: int, size: int) -> IndexReader | None:
@@ -168,15 +67,6 @@ def _index_reader(fd: int, size: int) -> IndexReader | None:
         return None
 
 
-def _grpc_code(value: int) -> Any:
-    import grpc
-
-    for code in grpc.StatusCode:
-        if code.value[0] == value:
-            return code
-    return grpc.StatusCode.UNKNOWN
-
-
 class ShmDataPlane:
     """A co-located client's direct path to a server's arena (see the module docstring)."""
 
@@ -186,22 +76,25 @@ class ShmDataPlane:
         namespace: bytes,
         *,
         timeout: float = 5.0,
-        direct_reads: bool | None = None,
+        direct_reads: bool = True,
+        connect_timeout: float | None = None,
     ) -> None:
         """Connect to the socket at ``path`` and map the arena.
 
+        ``timeout``: the default of every call, and how long a new socket may take to connect;
+        ``connect_timeout`` (default ``timeout``) bounds this first connection instead, so that a
+        client can fit it into the deadline of the call that opens the plane.
         ``direct_reads``: read blocks found in the published index without asking the server
-        (default: on where the CPU allows it, unless ``KVSTORE_SHM_DIRECT_READS=0``).
+        where the CPU allows it (the client's settings turn this off with
+        ``KVSTORE_SHM_DIRECT_READS=0``).
         """
         self.path = path
         self.namespace = namespace
         self.timeout = timeout
-        if direct_reads is None:
-            direct_reads = os.environ.get(DIRECT_READS_ENV, "1") != "0"
         self._instance: bytes | None = None  # every later connection must reach this process
         self._lock = threading.Lock()
         self._closed = False
-        first = self._open(keep_fds=True)
+        first = self._open(connect_timeout, keep_fds=True)
         self.hello: Hello = first.hello
         self._instance = first.hello.instance_id
         if not first.fds:
@@ -220,13 +113,13 @@ class ShmDataPlane:
         self._touches: TouchSender | None = None
         # The TOUCH messages' own socket, used under the sender's lock only (replaced after a
         # failure); opened on first use.
-        self._touch_conn: _Connection | None = None
+        self._touch_conn: ShmConnection | None = None
         # A socket that carries nothing and is closed only by close(): how a reader notices at
         # once that the server died (the kernel hangs it up) without racing a replacement.
         self._liveness: socket.socket | None = None
         if self._index is not None:
             try:
-                probe = self._open()
+                probe = self._open(connect_timeout)
             except ShmUnavailableError:
                 first.sock.close()
                 self._index.close()
@@ -240,7 +133,7 @@ class ShmDataPlane:
         #: The name of the server's top tier, which the index describes when it is "dram".
         self._arena_tier = first.hello.tiers[0] if first.hello.tiers else ""
         self._arena = np.frombuffer(self._mapping, dtype=np.uint8)
-        self._idle: list[_Connection] = [first]
+        self._idle: list[ShmConnection] = [first]
 
     @property
     def direct_reads(self) -> bool:
@@ -252,13 +145,13 @@ class ShmDataPlane:
         """The server process's identity, to compare with what gRPC's ``DataPlane`` says."""
         return self.hello.instance_id
 
-    def _open(self, timeout: float | None = None, *, keep_fds: bool = False) -> _Connection:
+    def _open(self, timeout: float | None = None, *, keep_fds: bool = False) -> ShmConnection:
         """A new connection to the same server; its greeting's fds closed unless ``keep_fds``
         (only the first connection maps them)."""
         if timeout is not None and timeout <= 0:
             raise DeadlineExceededError("deadline exceeded before connecting to the store")
         try:
-            conn = _Connection(self.path, self.namespace, timeout or self.timeout)
+            conn = ShmConnection(self.path, self.namespace, timeout or self.timeout)
         except (OSError, ValueError, ProtocolError) as exc:
             raise ShmUnavailableError(f"cannot open {self.path}: {exc}") from exc
         if self._instance is not None and conn.hello.instance_id != self._instance:
@@ -272,14 +165,15 @@ class ShmDataPlane:
         return conn
 
     @contextlib.contextmanager
-    def _connection(self) -> Iterator[_Connection]:
+    def _connection(self, deadline: float) -> Iterator[ShmConnection]:
+        """An idle socket, or a new one opened before ``deadline`` (a monotonic instant)."""
         with self._lock:
             if self._closed:
                 raise ShmUnavailableError("the shared-memory path is closed")
             conn = self._idle.pop() if self._idle else None
         if conn is None:
-            conn = self._open()
-        with _closed_on_failure(conn):
+            conn = self._open(deadline - time.monotonic())
+        with closed_on_failure(conn):
             yield conn
         with self._lock:
             if self._closed:
@@ -307,7 +201,7 @@ class ShmDataPlane:
         if local == len(keys):
             return LookupResult(local, [self._arena_tier] * local)
         rest = keys[local:]
-        with self._connection() as conn:
+        with self._connection(deadline) as conn:
             reply = Cursor(conn.call(Op.LOOKUP, pack_keys(rest), deadline))
             hits = reply.u32()
             indices = reply.take(len(rest))
@@ -395,7 +289,7 @@ class ShmDataPlane:
             if not pending:
                 return copied
         wanted = [keys[i] for i in pending]
-        with self._connection() as conn:
+        with self._connection(deadline) as conn:
             reply = Cursor(conn.call(Op.ACQUIRE, pack_keys(wanted), deadline))
             leases: list[int] = []
             try:
@@ -457,8 +351,8 @@ class ShmDataPlane:
         lengths = struct.pack(f"<{len(views)}Q", *(len(view) for view in views))
         present = 0
         no_room: list[int] = []
-        with self._connection() as conn:
-            deadline = self._deadline(timeout)
+        deadline = self._deadline(timeout)
+        with self._connection(deadline) as conn:
             reply = Cursor(conn.call(Op.RESERVE, pack_keys(keys) + lengths, deadline))
             reserved: list[int] = []
             try:
@@ -500,7 +394,7 @@ class ShmDataPlane:
             conn.call(Op.SYNC, b"", deadline)
 
     @contextlib.contextmanager
-    def _touch_socket(self, deadline: float) -> Iterator[_Connection]:
+    def _touch_socket(self, deadline: float) -> Iterator[ShmConnection]:
         """The TOUCH socket (opened if there is none); closed if this use fails.
 
         Runs under the TOUCH sender's lock only, so nothing else ever sees it replaced.
@@ -512,7 +406,7 @@ class ShmDataPlane:
             conn = self._open(timeout=deadline - time.monotonic())
             self._touch_conn = conn
         try:
-            with _closed_on_failure(conn):
+            with closed_on_failure(conn):
                 yield conn
         except BaseException:
             self._touch_conn = None  # (a late SYNC reply, say): the next use opens another

@@ -10,17 +10,18 @@ shared memory again after :data:`RETRY_AFTER_S` seconds (a restarted server, say
 :class:`~kvstore.errors.StoreUnavailableError` where ``"auto"`` (the default) would fall back;
 ``"ucx"`` skips shared memory for the UCX path (which ``"auto"`` takes when shared memory is not
 possible and the server has a UCX listener; see :mod:`kvstore.client.ucx`).
-A client built without ``data_plane`` takes it from ``KVSTORE_DATA_PLANE``, else ``"auto"``.
+A client built without ``data_plane`` takes it from its
+:class:`~kvstore.client.settings.ClientSettings` (``KVSTORE_DATA_PLANE``), else ``"auto"``.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from typing import Any
 
+from kvstore.client.settings import DATA_PLANES, ClientSettings
 from kvstore.client.shm import ShmDataPlane, ShmUnavailableError
 from kvstore.errors import StoreUnavailableError
 from kvstore.keys import NAMESPACE_BYTES
@@ -29,9 +30,6 @@ __all__ = ["DATA_PLANES", "RETRY_AFTER_S", "ShmLink"]
 
 logger = logging.getLogger(__name__)
 
-#: Accepted values of a client's ``data_plane`` argument.
-DATA_PLANES = ("auto", "shm", "ucx", "grpc")
-
 #: Seconds to wait after a failure before trying shared memory again.
 RETRY_AFTER_S = 5.0
 
@@ -39,12 +37,9 @@ RETRY_AFTER_S = 5.0
 class ShmLink:
     """The shared-memory path of one client, if it has one (see the module docstring)."""
 
-    def __init__(self, mode: str | None, namespace: bytes | None, timeout: float) -> None:
-        if mode is None:
-            mode = os.environ.get("KVSTORE_DATA_PLANE") or "auto"
-        if mode not in DATA_PLANES:
-            raise ValueError(f"data_plane must be one of {DATA_PLANES}, got {mode!r}")
-        self.mode = mode
+    def __init__(self, settings: ClientSettings, namespace: bytes | None, timeout: float) -> None:
+        self.mode = settings.data_plane
+        self._direct_reads = settings.shm_direct_reads
         self._namespace = namespace
         self._timeout = timeout
         self._plane: ShmDataPlane | None = None
@@ -65,8 +60,9 @@ class ShmLink:
         """The connected path, if any."""
         return self._plane
 
-    def connect(self, endpoints: Any) -> ShmDataPlane | None:
-        """Connect to the socket a ``DataPlaneResponse`` names; ``None`` means use gRPC."""
+    def connect(self, endpoints: Any, timeout: float | None = None) -> ShmDataPlane | None:
+        """Connect to the socket a ``DataPlaneResponse`` names, waiting at most ``timeout``
+        seconds (default: the client's) for its greeting; ``None`` means use gRPC."""
         with self._lock:
             if self._plane is not None:
                 return self._plane
@@ -75,7 +71,13 @@ class ShmLink:
                 if not endpoints.shm_socket:
                     raise ShmUnavailableError("the server has no shared-memory data plane")
                 assert self._namespace is not None
-                plane = ShmDataPlane(endpoints.shm_socket, self._namespace, timeout=self._timeout)
+                plane = ShmDataPlane(
+                    endpoints.shm_socket,
+                    self._namespace,
+                    timeout=self._timeout,
+                    direct_reads=self._direct_reads,
+                    connect_timeout=timeout,
+                )
                 if plane.instance_id != endpoints.instance_id:
                     raise ShmUnavailableError(
                         f"{endpoints.shm_socket} belongs to another server (not on this host?)"

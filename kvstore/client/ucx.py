@@ -59,6 +59,9 @@ T = TypeVar("T")
 _TRANSPORT_CODES = {grpc.StatusCode.ABORTED, grpc.StatusCode.UNIMPLEMENTED}
 #: Extra time the caller's thread waits for the UCX loop beyond a coroutine's own deadline.
 _LOOP_GRACE_S = 2.0
+#: The share of a call's remaining time a new connection may take: a listener that vanished can
+#: stall the handshake (no refusal comes), and the call's gRPC fallback needs the rest.
+CONNECT_SHARE = 0.5
 #: How long aborting an endpoint may block (nanoseconds, ucxx's unit).
 _ABORT_PERIOD_NS = 1_000_000_000
 
@@ -337,7 +340,7 @@ class UcxDataClient:
                 return connection
             load_ucxx()
             client_id = os.urandom(CLIENT_ID_BYTES)
-            timeout = min(self.connect_timeout_s, _remaining(deadline))
+            timeout = min(self.connect_timeout_s, _remaining(deadline) * CONNECT_SHARE)
             endpoint = self._loop().run(_open(self._host, self._port, client_id, timeout), timeout)
             self._connection = _Connection(endpoint, client_id)
             self.counters["connects"] += 1

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -152,44 +150,3 @@ def prefetch_progress(response: pb.PrefetchStatusResponse) -> PrefetchProgress:
     return PrefetchProgress(
         state, response.total, response.ready, response.missing, response.failed
     )
-
-
-#: Polling of a prefetch's status starts this often and backs off to :data:`_POLL_MAX_S`.
-_POLL_FIRST_S = 0.001
-_POLL_MAX_S = 0.05
-
-
-def _poll_delays(timeout: float) -> Iterator[tuple[float, float]]:
-    """(remaining seconds, then delay before the next poll) until ``timeout`` has passed."""
-    deadline = time.monotonic() + timeout
-    delay = _POLL_FIRST_S
-    while (remaining := deadline - time.monotonic()) > 0:
-        yield remaining, min(delay, remaining)
-        delay = min(2 * delay, _POLL_MAX_S)
-
-
-def wait_prefetch(
-    status: Callable[[float], PrefetchProgress], timeout: float, call_timeout: float
-) -> PrefetchProgress:
-    """Poll ``status(deadline)`` until the prefetch finishes; DeadlineExceededError after
-    ``timeout`` seconds."""
-    progress = None
-    for remaining, delay in _poll_delays(timeout):
-        progress = status(min(call_timeout, remaining))
-        if progress.finished:
-            return progress
-        time.sleep(delay)
-    raise DeadlineExceededError(f"prefetch not finished within {timeout} s: {progress}")
-
-
-async def wait_prefetch_async(
-    status: Callable[[float], Awaitable[PrefetchProgress]], timeout: float, call_timeout: float
-) -> PrefetchProgress:
-    """The asyncio twin of :func:`wait_prefetch`."""
-    progress = None
-    for remaining, delay in _poll_delays(timeout):
-        progress = await status(min(call_timeout, remaining))
-        if progress.finished:
-            return progress
-        await asyncio.sleep(delay)
-    raise DeadlineExceededError(f"prefetch not finished within {timeout} s: {progress}")

@@ -1,0 +1,164 @@
+"""The asyncio client, :class:`AsyncKVStoreClient`: the shared plans (:mod:`kvstore.client.core`)
+awaited on the caller's event loop.
+
+gRPC calls go over a ``grpc.aio`` channel; blocking work (copies through shared memory, UCX
+transfers, which run on the UCX client's own loop thread and make their control calls on a
+blocking channel of their own) goes to a worker thread, so the event loop never waits on it. Same
+methods, paths, deadlines and errors as :class:`~kvstore.client.sync.KVStoreClient`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any, TypeVar, cast
+
+import grpc
+
+from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore.client.core import Blocking, ClientBase, Plan, Rpc, Step, client_settings
+from kvstore.client.settings import ClientSettings
+from kvstore.keys import Namespace
+from kvstore.protocol import messages as _wire
+from kvstore.types import LookupResult, PrefetchProgress, PutResult
+
+__all__ = ["AsyncKVStoreClient"]
+
+T = TypeVar("T")
+
+
+class AsyncKVStoreClient(ClientBase):
+    """The asyncio twin of :class:`~kvstore.KVStoreClient` (``aclose`` instead of ``close``)."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        namespace: Namespace | bytes | None = None,
+        timeout: float = 5.0,
+        data_plane: str | None = None,
+        settings: ClientSettings | None = None,
+    ) -> None:
+        resolved = client_settings(settings, data_plane)  # bad settings: fail before connecting
+        self._channel = grpc.aio.insecure_channel(target, options=_wire.CHANNEL_OPTIONS)
+        self._stub = pb_grpc.KVStoreStub(self._channel)
+        # The UCX path's control calls block (in a worker thread): they get a blocking channel,
+        # opened only if the server offers UCX.
+        self._control: grpc.Channel | None = None
+        super().__init__(
+            target,
+            namespace,
+            timeout,
+            resolved,
+            self._control_channel,
+        )
+
+    def _control_channel(self) -> grpc.Channel:
+        if self._control is None:
+            self._control = grpc.insecure_channel(self.target, options=_wire.CHANNEL_OPTIONS)
+        return self._control
+
+    async def _run(self, plan: Plan[T]) -> T:
+        """Drive ``plan`` to its end: await each step, send or throw back its outcome."""
+        try:
+            step = next(plan)
+            while True:
+                try:
+                    outcome = await self._step(step)
+                except Exception as exc:
+                    step = plan.throw(exc)
+                else:
+                    step = plan.send(outcome)
+        except StopIteration as stop:
+            return cast(T, stop.value)
+
+    async def _step(self, step: Step) -> Any:
+        if isinstance(step, Rpc):
+            method = getattr(self._stub, step.method)
+            if step.each is None:
+                return await method(step.request, timeout=step.timeout)
+            async for message in method(step.request, timeout=step.timeout):
+                step.each(message)
+            return None
+        if isinstance(step, Blocking):
+            # The copies and transfers release the GIL: a thread keeps the loop responsive.
+            return await asyncio.to_thread(step.call)
+        await asyncio.sleep(step.seconds)
+        return None
+
+    async def lookup(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
+        """How many leading ``keys`` the store holds."""
+        return (await self.lookup_tiers(keys, timeout=timeout)).hits
+
+    async def lookup_tiers(
+        self, keys: Sequence[bytes], *, timeout: float | None = None
+    ) -> LookupResult:
+        """The leading hit count and the tier of every key."""
+        return await self._run(self._core.lookup_tiers(keys, timeout))
+
+    async def put(
+        self, keys: Sequence[bytes], values: Sequence[Any], *, timeout: float | None = None
+    ) -> PutResult:
+        """Store ``values`` under ``keys`` (one round trip, or one streamed call, per batch)."""
+        return await self._run(self._core.put(keys, values, timeout))
+
+    async def get(
+        self, keys: Sequence[bytes], *, timeout: float | None = None
+    ) -> list[bytes | None]:
+        """The payload of each key, ``None`` where missing."""
+        return await self._run(self._core.get(keys, timeout))
+
+    async def get_into(
+        self, keys: Sequence[bytes], buffers: Sequence[Any], *, timeout: float | None = None
+    ) -> list[bool]:
+        """Fill caller-provided buffers; False where the key is missing or its size differs.
+
+        Over shared memory each block is copied once, from the store's arena into its buffer.
+        """
+        return await self._run(self._core.get_into(keys, buffers, timeout))
+
+    async def delete(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
+        """Remove ``keys`` from every tier; returns how many were present."""
+        return await self._run(self._core.delete(keys, timeout))
+
+    async def prefetch(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
+        """Ask the server to move ``keys`` into dram in the background; returns the prefetch id."""
+        return await self._run(self._core.prefetch(keys, timeout))
+
+    async def prefetch_status(
+        self, prefetch_id: int, *, timeout: float | None = None
+    ) -> PrefetchProgress:
+        """State and key counts of a prefetch; UnknownPrefetchError for an unknown id."""
+        return await self._run(self._core.prefetch_status(prefetch_id, timeout))
+
+    async def cancel_prefetch(self, prefetch_id: int, *, timeout: float | None = None) -> bool:
+        """Stop a prefetch (blocks already moved stay); False if it had already finished."""
+        return await self._run(self._core.cancel_prefetch(prefetch_id, timeout))
+
+    async def wait_prefetch(self, prefetch_id: int, timeout: float = 30.0) -> PrefetchProgress:
+        """Poll until the prefetch is DONE or CANCELLED; DeadlineExceededError after ``timeout``
+        seconds."""
+        return await self._run(self._core.wait_prefetch(prefetch_id, timeout))
+
+    async def stats(self, *, timeout: float | None = None) -> dict[str, Any]:
+        """Tier usage and counters (including every read this client made before the call)."""
+        return await self._run(self._core.stats(timeout))
+
+    async def aclose(self) -> None:
+        """Close the shared-memory and UCX paths and the channels."""
+        await asyncio.to_thread(self._core.close)
+        if self._control is not None:
+            self._control.close()
+        await self._channel.close(grace=None)
+
+    async def __aenter__(self) -> AsyncKVStoreClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()

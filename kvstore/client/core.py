@@ -1,0 +1,450 @@
+"""What :class:`KVStoreClient` and :class:`AsyncKVStoreClient` share: every call, without the I/O.
+
+Each call is a *plan*: a generator that builds the requests, decides the data plane (shared
+memory, then UCX, then gRPC, in that order), maps errors and decodes the results, and that yields
+a :data:`Step` wherever something must wait: a gRPC call (:class:`Rpc`), blocking work such as a
+copy through shared memory or a UCX transfer (:class:`Blocking`), or a pause (:class:`Sleep`).
+The blocking client runs the steps in the caller's thread, the asyncio client awaits them (gRPC
+on its ``grpc.aio`` channel, blocking work in a worker thread), so neither blocks an event loop
+and both behave alike by construction. A failed step is thrown back into its plan, which either
+handles it (a fallback) or lets it propagate.
+
+Every plan computes its :class:`Deadline` once, at its start, and gives each step what is left of
+it: a fast path that stalls leaves the fallback less time instead of a fresh timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Generator, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+
+from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.client.settings import ClientSettings
+from kvstore.client.shm import ShmDataPlane, ShmUnavailableError
+from kvstore.client.shm_link import ShmLink
+from kvstore.client.ucx import CONNECT_SHARE, UcxDataClient
+from kvstore.errors import DeadlineExceededError, KVStoreError
+from kvstore.keys import Namespace
+from kvstore.protocol import messages as _wire
+from kvstore.protocol.ucx import ucx_unavailable_reason
+from kvstore.types import LookupResult, PrefetchProgress, PutResult
+
+__all__ = [
+    "UCX_RECHECK_S",
+    "Blocking",
+    "ClientBase",
+    "ClientCore",
+    "Deadline",
+    "Plan",
+    "Rpc",
+    "Sleep",
+    "Step",
+    "client_settings",
+    "poll_delays",
+]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Seconds after which a client whose UCX path is unusable asks the server for it again.
+UCX_RECHECK_S = 30.0
+#: Polling of a prefetch's status starts this often and backs off to :data:`_POLL_MAX_S`.
+_POLL_FIRST_S = 0.001
+_POLL_MAX_S = 0.05
+
+
+class Deadline:
+    """The instant (``time.monotonic``) by which a call must be over."""
+
+    __slots__ = ("at",)
+
+    def __init__(self, timeout: float) -> None:
+        self.at = time.monotonic() + timeout
+
+    def remaining(self) -> float:
+        """Seconds left, never negative (a step given 0 fails with its own deadline error)."""
+        return max(self.at - time.monotonic(), 0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Rpc:
+    """A gRPC call: ``stub.<method>(request, timeout=timeout)``.
+
+    ``each``, for a server-streaming method, receives every message (the step's result is then
+    ``None``); otherwise the result is the response. Failures come back as ``grpc.RpcError``.
+    """
+
+    method: str
+    request: Any
+    timeout: float
+    each: Callable[[Any], None] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Blocking:
+    """Work that blocks (copies, socket waits, UCX transfers): ``call()``'s result."""
+
+    call: Callable[[], Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Sleep:
+    """Wait ``seconds``."""
+
+    seconds: float
+
+
+Step = Rpc | Blocking | Sleep
+#: A call's plan: yields steps, is sent each step's result, returns the call's result.
+Plan = Generator[Step, Any, T]
+
+
+class _Fallback:
+    """What a fast path returns when the call must go the next way instead."""
+
+
+_FALLBACK = _Fallback()
+
+
+def poll_delays(timeout: float) -> Iterator[tuple[float, float]]:
+    """(remaining seconds, then delay before the next poll) until ``timeout`` has passed."""
+    deadline = time.monotonic() + timeout
+    delay = _POLL_FIRST_S
+    while (remaining := deadline - time.monotonic()) > 0:
+        yield remaining, min(delay, remaining)
+        delay = min(2 * delay, _POLL_MAX_S)
+
+
+class ClientCore:
+    """The state and the plans of one client (see the module docstring).
+
+    ``control_channel`` returns a blocking gRPC channel to the server, for the UCX path's control
+    calls (made from a worker thread by the asyncio client); it is asked for only when the server
+    advertises a UCX listener.
+    """
+
+    def __init__(
+        self,
+        *,
+        namespace: Namespace | bytes | None,
+        timeout: float,
+        settings: ClientSettings,
+        control_channel: Callable[[], grpc.Channel],
+    ) -> None:
+        self.timeout = timeout
+        self.settings = settings
+        # Fingerprinting hashes JSON; do it once, not on every call.
+        self.namespace = None if namespace is None else _wire.namespace_bytes(namespace)
+        self.shm = ShmLink(settings, self.namespace, timeout)
+        self.ucx: UcxDataClient | None = None
+        self._ucx_checked_at: float | None = None
+        self._ucx_lock = threading.Lock()
+        self._control_channel = control_channel
+
+    def deadline(self, timeout: float | None) -> Deadline:
+        """The deadline of a call that starts now (``timeout`` None: the client's default)."""
+        return Deadline(self.timeout if timeout is None else timeout)
+
+    @property
+    def data_plane(self) -> str:
+        """``"shm"``, ``"ucx"`` or ``"grpc"``: the path data calls take now."""
+        if self.shm.plane is not None:
+            return "shm"
+        return "ucx" if self.ucx is not None and self.ucx.usable else "grpc"
+
+    # -- building blocks ---------------------------------------------------------------------
+
+    def _rpc(
+        self,
+        method: str,
+        request: Any,
+        deadline: Deadline,
+        each: Callable[[Any], None] | None = None,
+    ) -> Plan[Any]:
+        """A gRPC call in the time left; its failure as a :class:`KVStoreError` (the one place
+        where gRPC errors are mapped)."""
+        try:
+            return (yield Rpc(method, request, deadline.remaining(), each))
+        except grpc.RpcError as exc:
+            raise _wire.map_rpc_error(exc) from exc
+
+    def _endpoints(self, deadline: Deadline) -> Plan[Any]:
+        """The server's ``DataPlaneResponse``; a failure is raised as the ``grpc.RpcError``."""
+        return (yield Rpc("DataPlane", pb.DataPlaneRequest(), deadline.remaining()))
+
+    def _shm_plane(self, deadline: Deadline) -> Plan[ShmDataPlane | None]:
+        """The shared-memory path, connected first if need be; ``None``: not now."""
+        link = self.shm
+        if not link.wanted():
+            return None
+        if link.plane is not None:
+            return link.plane
+        try:
+            endpoints = yield from self._endpoints(deadline)
+        except grpc.RpcError as exc:  # an older server, or none: gRPC calls will say which
+            link.failed(exc)
+            return None
+        # A socket that never greets must leave the call's gRPC fallback time to run.
+        plane: ShmDataPlane | None = yield Blocking(
+            lambda: link.connect(endpoints, deadline.remaining() * CONNECT_SHARE)
+        )
+        return plane
+
+    def _over_shm(
+        self,
+        keys: Sequence[bytes],
+        deadline: Deadline,
+        call: Callable[[ShmDataPlane, float], T],
+    ) -> Plan[T | _Fallback]:
+        """``call(plane, seconds left)`` on the shared-memory path, or ``_FALLBACK``."""
+        plane = yield from self._shm_plane(deadline)
+        if plane is None or not plane.usable_for(keys):
+            return _FALLBACK
+        try:
+            result: T = yield Blocking(lambda: call(plane, deadline.remaining()))
+        except ShmUnavailableError as exc:
+            failure = exc  # ``exc`` is unbound once the except clause ends
+            # Closing the plane may wait briefly for its last TOUCH: not on an event loop.
+            yield Blocking(lambda: self.shm.failed(failure))
+            return _FALLBACK
+        return result
+
+    def _ucx_client(self, deadline: Deadline) -> Plan[UcxDataClient | None]:
+        """The UCX path, when shared memory is out and the server advertises a UCX listener."""
+        if self.shm.mode not in ("auto", "ucx") or self.namespace is None:
+            return None
+        with self._ucx_lock:
+            now = time.monotonic()
+            # Ask again after a while: a restarted server may listen on another port.
+            due = self._ucx_checked_at is None or (
+                now - self._ucx_checked_at > UCX_RECHECK_S
+                and (self.ucx is None or not self.ucx.usable)
+            )
+            if due:
+                self._ucx_checked_at = now
+        if due:
+            try:
+                endpoints = yield from self._endpoints(deadline)
+            except grpc.RpcError:
+                return None  # an older server, or none: the gRPC call will say which
+            stale = self._adopt_ucx(endpoints.ucx_address)
+            if stale is not None:
+                yield Blocking(stale.close)  # aborting its endpoint may wait
+        ucx = self.ucx
+        return ucx if ucx is not None and ucx.usable else None
+
+    def _adopt_ucx(self, address: str) -> UcxDataClient | None:
+        """Follow the UCX listener the server advertises now; the replaced client, to close."""
+        with self._ucx_lock:
+            stale = None
+            if self.ucx is not None and self.ucx.address != address:
+                stale, self.ucx = self.ucx, None
+            if self.ucx is None and address and ucx_unavailable_reason() is None:
+                self.ucx = UcxDataClient(
+                    self._control_channel(), address, self.namespace, timeout=self.timeout
+                )
+        return stale
+
+    def _over_ucx(
+        self, deadline: Deadline, call: Callable[[UcxDataClient, float], T | None]
+    ) -> Plan[T | None]:
+        """``call(ucx, seconds left)`` on the UCX path; ``None``: use gRPC."""
+        ucx = yield from self._ucx_client(deadline)
+        if ucx is None:
+            return None
+        result: T | None = yield Blocking(lambda: call(ucx, deadline.remaining()))
+        return result
+
+    # -- calls -------------------------------------------------------------------------------
+
+    def lookup_tiers(self, keys: Sequence[bytes], timeout: float | None) -> Plan[LookupResult]:
+        """The leading hit count and the tier of every key."""
+        deadline = self.deadline(timeout)
+        fast = yield from self._over_shm(keys, deadline, lambda plane, t: plane.lookup(keys, t))
+        if not isinstance(fast, _Fallback):
+            return fast
+        request = _wire.lookup_request(_wire.namespace_bytes(self.namespace), keys)
+        return _wire.lookup_result((yield from self._rpc("Lookup", request, deadline)))
+
+    def put(
+        self, keys: Sequence[bytes], values: Sequence[Any], timeout: float | None
+    ) -> Plan[PutResult]:
+        """Store ``values`` under ``keys``; what the arena has no room for goes over gRPC."""
+        deadline = self.deadline(timeout)
+        fast = yield from self._over_shm(
+            keys, deadline, lambda plane, t: plane.put(keys, values, t)
+        )
+        if isinstance(fast, _Fallback):
+            remote = yield from self._over_ucx(
+                deadline, lambda ucx, t: ucx.put(keys, values, timeout=t)
+            )
+            if remote is not None:
+                return remote
+            return (yield from self._put_grpc(keys, values, deadline))
+        result, no_room = fast
+        if not no_room:
+            return result
+        rest = yield from self._put_grpc(
+            [keys[i] for i in no_room], [values[i] for i in no_room], deadline
+        )
+        return _wire.combine_put_results(result, rest)
+
+    def _put_grpc(
+        self, keys: Sequence[bytes], values: Sequence[Any], deadline: Deadline
+    ) -> Plan[PutResult]:
+        requests = list(_wire.put_requests(_wire.namespace_bytes(self.namespace), keys, values))
+        return _wire.put_result((yield from self._rpc("Put", iter(requests), deadline)))
+
+    def get(self, keys: Sequence[bytes], timeout: float | None) -> Plan[list[bytes | None]]:
+        """The payload of each key, ``None`` where missing."""
+        deadline = self.deadline(timeout)
+        fast = yield from self._over_shm(keys, deadline, lambda plane, t: plane.get(keys, t))
+        if not isinstance(fast, _Fallback):
+            return fast
+        remote = yield from self._over_ucx(deadline, lambda ucx, t: ucx.get(keys, timeout=t))
+        if remote is not None:
+            return remote
+        return (yield from self._get_grpc(keys, deadline))
+
+    def _get_grpc(self, keys: Sequence[bytes], deadline: Deadline) -> Plan[list[bytes | None]]:
+        values: list[bytes | None] = [None] * len(keys)
+        request = _wire.get_request(_wire.namespace_bytes(self.namespace), keys)
+        yield from self._rpc("Get", request, deadline, lambda r: _wire.add_get_response(values, r))
+        return values
+
+    def get_into(
+        self, keys: Sequence[bytes], buffers: Sequence[Any], timeout: float | None
+    ) -> Plan[list[bool]]:
+        """Fill caller-provided buffers; False where the key is missing or its size differs."""
+        deadline = self.deadline(timeout)
+        fast = yield from self._over_shm(
+            keys, deadline, lambda plane, t: plane.get_into(keys, buffers, t)
+        )
+        if not isinstance(fast, _Fallback):
+            return fast
+        filled = yield from self._over_ucx(
+            deadline, lambda ucx, t: ucx.get_into(keys, buffers, timeout=t)
+        )
+        if filled is not None:
+            return filled
+        return _wire.fill_buffers((yield from self._get_grpc(keys, deadline)), buffers)
+
+    def delete(self, keys: Sequence[bytes], timeout: float | None) -> Plan[int]:
+        """Remove ``keys`` from every tier; how many were present."""
+        request = pb.DeleteRequest(keys=list(keys), namespace=_wire.namespace_bytes(self.namespace))
+        response = yield from self._rpc("Delete", request, self.deadline(timeout))
+        return int(response.deleted)
+
+    def prefetch(self, keys: Sequence[bytes], timeout: float | None) -> Plan[int]:
+        """Start a background prefetch of ``keys`` into dram; its id."""
+        request = pb.PrefetchRequest(
+            namespace=_wire.namespace_bytes(self.namespace), keys=list(keys)
+        )
+        response = yield from self._rpc("Prefetch", request, self.deadline(timeout))
+        return int(response.prefetch_id)
+
+    def prefetch_status(self, prefetch_id: int, timeout: float | None) -> Plan[PrefetchProgress]:
+        """State and key counts of a prefetch."""
+        request = pb.PrefetchStatusRequest(prefetch_id=prefetch_id)
+        response = yield from self._rpc("PrefetchStatus", request, self.deadline(timeout))
+        return _wire.prefetch_progress(response)
+
+    def cancel_prefetch(self, prefetch_id: int, timeout: float | None) -> Plan[bool]:
+        """Stop a prefetch; False if it had already finished."""
+        request = pb.CancelPrefetchRequest(prefetch_id=prefetch_id)
+        response = yield from self._rpc("CancelPrefetch", request, self.deadline(timeout))
+        return bool(response.cancelled)
+
+    def wait_prefetch(self, prefetch_id: int, timeout: float) -> Plan[PrefetchProgress]:
+        """Poll until the prefetch is DONE or CANCELLED; DeadlineExceededError after ``timeout``
+        seconds (each poll waits at most the client's timeout)."""
+        progress = None
+        for remaining, delay in poll_delays(timeout):
+            progress = yield from self.prefetch_status(prefetch_id, min(self.timeout, remaining))
+            if progress.finished:
+                return progress
+            yield Sleep(delay)
+        raise DeadlineExceededError(f"prefetch not finished within {timeout} s: {progress}")
+
+    def stats(self, timeout: float | None) -> Plan[dict[str, Any]]:
+        """Tier usage and counters, including every read this client made before the call."""
+        deadline = self.deadline(timeout)
+        plane = self.shm.plane
+        if plane is not None:
+            yield Blocking(lambda: _flush_reads(plane, deadline))
+        response = yield from self._rpc("Stats", pb.StatsRequest(), deadline)
+        return _wire.stats_dict(response)
+
+    def close(self) -> None:
+        """Close the shared-memory and UCX paths (blocking: briefly, for the last TOUCH and the
+        endpoint's abort)."""
+        self.shm.close()
+        if self.ucx is not None:
+            self.ucx.close()
+
+
+def _flush_reads(plane: ShmDataPlane, deadline: Deadline) -> None:
+    """Let the server count the reads ``plane`` served itself, before its counters are read.
+
+    Best effort: a server that cannot be reached now is what the Stats call will report.
+    """
+    with contextlib.suppress(ShmUnavailableError, KVStoreError):
+        plane.flush_reads(deadline.remaining())
+
+
+def client_settings(settings: ClientSettings | None, data_plane: str | None) -> ClientSettings:
+    """A client's settings: ``settings`` (default: from the environment), with ``data_plane``
+    (the constructor argument) taking precedence where given."""
+    settings = ClientSettings.from_env() if settings is None else settings
+    if data_plane is None or data_plane == settings.data_plane:
+        return settings
+    return dataclasses.replace(settings, data_plane=data_plane)
+
+
+class ClientBase:
+    """What both clients have besides their calls: target, default timeout, data plane, core."""
+
+    def __init__(
+        self,
+        target: str,
+        namespace: Namespace | bytes | None,
+        timeout: float,
+        settings: ClientSettings,
+        control_channel: Callable[[], grpc.Channel],
+    ) -> None:
+        self.target = target
+        self.timeout = timeout
+        self._core = ClientCore(
+            namespace=namespace,
+            timeout=timeout,
+            settings=settings,
+            control_channel=control_channel,
+        )
+
+    @property
+    def data_plane(self) -> str:
+        """``"shm"``, ``"ucx"`` or ``"grpc"``: the path data calls take now."""
+        return self._core.data_plane
+
+    @property
+    def settings(self) -> ClientSettings:
+        """The settings this client was built with."""
+        return self._core.settings
+
+    # Tests and benchmarks look at the paths themselves.
+    @property
+    def _shm(self) -> ShmLink:
+        return self._core.shm
+
+    @property
+    def _ucx(self) -> UcxDataClient | None:
+        return self._core.ucx

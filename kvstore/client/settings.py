@@ -1,0 +1,63 @@
+"""Client-side settings: what a client process takes from its environment, read in one place.
+
+The server's settings come from :func:`kvstore.config.load_config`; a client has only a few, and
+none of them needs a file, so :meth:`ClientSettings.from_env` reads them from the environment
+(``os.environ`` unless given a mapping) and checks them once. The modules below the clients
+receive the resulting object, or the values in it, and never read the environment themselves.
+
+======================== ================================ =======================================
+variable                 values                           meaning
+======================== ================================ =======================================
+``KVSTORE_DATA_PLANE``   ``auto`` (default), ``shm``,     the path of data calls (see
+                         ``ucx``, ``grpc``                :mod:`kvstore.client.shm_link`)
+``KVSTORE_SHM_DIRECT_    ``1`` (default), ``0``           ``0`` sends every shared-memory read
+READS``                                                   through the server (leases), e.g. to
+                                                          rule the published index out
+======================== ================================ =======================================
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from kvstore.errors import ConfigError
+
+__all__ = ["DATA_PLANES", "DATA_PLANE_ENV", "DIRECT_READS_ENV", "ClientSettings"]
+
+#: Accepted values of a client's data plane (its ``data_plane`` argument or the variable).
+DATA_PLANES = ("auto", "shm", "ucx", "grpc")
+DATA_PLANE_ENV = "KVSTORE_DATA_PLANE"
+DIRECT_READS_ENV = "KVSTORE_SHM_DIRECT_READS"
+_SWITCH = {"1": True, "0": False}
+
+
+@dataclass(frozen=True)
+class ClientSettings:
+    """The settings of one client (see the module docstring); checked when built."""
+
+    #: ``"auto"``, ``"shm"``, ``"ucx"`` or ``"grpc"``.
+    data_plane: str = "auto"
+    #: Whether shared-memory reads look in the server's published index first.
+    shm_direct_reads: bool = True
+
+    def __post_init__(self) -> None:
+        if self.data_plane not in DATA_PLANES:
+            raise ConfigError(
+                f"data_plane ({DATA_PLANE_ENV}) must be one of {', '.join(DATA_PLANES)}, "
+                f"got {self.data_plane!r}"
+            )
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> ClientSettings:
+        """The settings in ``env`` (default: ``os.environ``); unset or empty means the default.
+
+        Raises :class:`~kvstore.errors.ConfigError` naming the variable and its allowed values.
+        """
+        env = os.environ if env is None else env
+        data_plane = env.get(DATA_PLANE_ENV) or "auto"
+        direct = env.get(DIRECT_READS_ENV) or "1"
+        if direct not in _SWITCH:
+            raise ConfigError(f"{DIRECT_READS_ENV} must be 1 or 0, got {direct!r}")
+        return cls(data_plane=data_plane, shm_direct_reads=_SWITCH[direct])

@@ -1,0 +1,163 @@
+"""The blocking client, :class:`KVStoreClient`: the shared plans (:mod:`kvstore.client.core`)
+run in the caller's thread.
+
+It takes the namespace once at construction, puts one deadline on every call (``timeout``
+seconds, overridable per call, shared by every path the call tries), and raises only
+:class:`kvstore.errors.KVStoreError` subclasses: a dead server is ``StoreUnavailableError``, a
+slow one ``DeadlineExceededError``.
+
+Values are any bytes-like buffer: bytes, memoryview, numpy arrays, contiguous CPU tensors.
+
+Data calls (``lookup``, ``put``, ``get``, ``get_into``) go through the server's shared-memory data
+plane when the client runs on the same host, through UCX where the server offers it and shared
+memory is out, and through gRPC otherwise; ``data_plane="grpc"`` turns the fast paths off,
+``"shm"`` makes the absence of shared memory an error (see :mod:`kvstore.client.shm_link`).
+
+>>> client = KVStoreClient("127.0.0.1:50051", namespace=Namespace(model="m"))  # doctest: +SKIP
+>>> client.put(keys, blocks); client.lookup(keys); client.get(keys)            # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any, TypeVar, cast
+
+import grpc
+
+from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore.client.core import Blocking, ClientBase, Plan, Rpc, Step, client_settings
+from kvstore.client.settings import ClientSettings
+from kvstore.keys import Namespace
+from kvstore.protocol import messages as _wire
+from kvstore.types import LookupResult, PrefetchProgress, PutResult
+
+__all__ = ["KVStoreClient"]
+
+T = TypeVar("T")
+
+
+class KVStoreClient(ClientBase):
+    """A blocking client. Thread-safe: one channel, many concurrent calls.
+
+    ``data_plane`` (``"auto"``, ``"shm"``, ``"ucx"`` or ``"grpc"``) overrides the one in
+    ``settings``, which default to :meth:`ClientSettings.from_env`.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        namespace: Namespace | bytes | None = None,
+        timeout: float = 5.0,
+        data_plane: str | None = None,
+        settings: ClientSettings | None = None,
+    ) -> None:
+        resolved = client_settings(settings, data_plane)  # bad settings: fail before connecting
+        self._channel = grpc.insecure_channel(target, options=_wire.CHANNEL_OPTIONS)
+        self._stub = pb_grpc.KVStoreStub(self._channel)
+        super().__init__(
+            target,
+            namespace,
+            timeout,
+            resolved,
+            lambda: self._channel,
+        )
+
+    def _run(self, plan: Plan[T]) -> T:
+        """Drive ``plan`` to its end: run each step here, send or throw back its outcome."""
+        try:
+            step = next(plan)
+            while True:
+                try:
+                    outcome = self._step(step)
+                except Exception as exc:
+                    step = plan.throw(exc)
+                else:
+                    step = plan.send(outcome)
+        except StopIteration as stop:
+            return cast(T, stop.value)
+
+    def _step(self, step: Step) -> Any:
+        if isinstance(step, Rpc):
+            method = getattr(self._stub, step.method)
+            if step.each is None:
+                return method(step.request, timeout=step.timeout)
+            for message in method(step.request, timeout=step.timeout):
+                step.each(message)
+            return None
+        if isinstance(step, Blocking):
+            return step.call()
+        time.sleep(step.seconds)
+        return None
+
+    def lookup(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
+        """How many leading ``keys`` the store holds."""
+        return self.lookup_tiers(keys, timeout=timeout).hits
+
+    def lookup_tiers(self, keys: Sequence[bytes], *, timeout: float | None = None) -> LookupResult:
+        """The leading hit count and the tier of every key."""
+        return self._run(self._core.lookup_tiers(keys, timeout))
+
+    def put(
+        self, keys: Sequence[bytes], values: Sequence[Any], *, timeout: float | None = None
+    ) -> PutResult:
+        """Store ``values`` under ``keys`` (one round trip, or one streamed call, per batch)."""
+        return self._run(self._core.put(keys, values, timeout))
+
+    def get(self, keys: Sequence[bytes], *, timeout: float | None = None) -> list[bytes | None]:
+        """The payload of each key, ``None`` where missing."""
+        return self._run(self._core.get(keys, timeout))
+
+    def get_into(
+        self, keys: Sequence[bytes], buffers: Sequence[Any], *, timeout: float | None = None
+    ) -> list[bool]:
+        """Fill caller-provided buffers; False where the key is missing or its size differs.
+
+        Over shared memory each block is copied once, from the store's arena into its buffer.
+        """
+        return self._run(self._core.get_into(keys, buffers, timeout))
+
+    def delete(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
+        """Remove ``keys`` from every tier; returns how many were present."""
+        return self._run(self._core.delete(keys, timeout))
+
+    def prefetch(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
+        """Ask the server to move ``keys`` into dram in the background; returns the prefetch id."""
+        return self._run(self._core.prefetch(keys, timeout))
+
+    def prefetch_status(
+        self, prefetch_id: int, *, timeout: float | None = None
+    ) -> PrefetchProgress:
+        """State and key counts of a prefetch; UnknownPrefetchError for an unknown id."""
+        return self._run(self._core.prefetch_status(prefetch_id, timeout))
+
+    def cancel_prefetch(self, prefetch_id: int, *, timeout: float | None = None) -> bool:
+        """Stop a prefetch (blocks already moved stay); False if it had already finished."""
+        return self._run(self._core.cancel_prefetch(prefetch_id, timeout))
+
+    def wait_prefetch(self, prefetch_id: int, timeout: float = 30.0) -> PrefetchProgress:
+        """Poll until the prefetch is DONE or CANCELLED; DeadlineExceededError after ``timeout``
+        seconds."""
+        return self._run(self._core.wait_prefetch(prefetch_id, timeout))
+
+    def stats(self, *, timeout: float | None = None) -> dict[str, Any]:
+        """Tier usage and counters (including every read this client made before the call)."""
+        return self._run(self._core.stats(timeout))
+
+    def close(self) -> None:
+        """Close the shared-memory and UCX paths and the channel."""
+        self._core.close()
+        self._channel.close()
+
+    def __enter__(self) -> KVStoreClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
