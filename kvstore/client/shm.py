@@ -34,8 +34,9 @@ import numpy as np
 from kvstore.buffers import byte_view, writable_byte_view
 from kvstore.client.shm_socket import ShmConnection, ShmUnavailableError, closed_on_failure
 from kvstore.client.shm_touch import TouchSender
-from kvstore.errors import DeadlineExceededError, InvalidRequestError
+from kvstore.errors import DeadlineExceededError
 from kvstore.keys import KEY_BYTES
+from kvstore.protocol.checks import check_pairs
 from kvstore.protocol.dram_index import DIRECT_READS_SUPPORTED, IndexReader
 from kvstore.protocol.shm_frames import (
     ABSENT_TIER,
@@ -232,8 +233,7 @@ class ShmDataPlane:
         A buffer reported False may have been written to (a block that changed while it was
         copied, then turned out missing); its contents are unspecified.
         """
-        if len(keys) != len(buffers):
-            raise InvalidRequestError(f"{len(keys)} keys but {len(buffers)} buffers")
+        check_pairs(keys, buffers, "buffers")
         targets = [np.frombuffer(writable_byte_view(b), dtype=np.uint8) for b in buffers]
         arena = self._arena
 
@@ -345,8 +345,7 @@ class ShmDataPlane:
         Returns the result and the indices of values the arena had no room for, which the caller
         sends another way.
         """
-        if len(keys) != len(values):
-            raise InvalidRequestError(f"{len(keys)} keys but {len(values)} values")
+        check_pairs(keys, values, "values")
         views = [byte_view(value) for value in values]
         lengths = struct.pack(f"<{len(views)}Q", *(len(view) for view in views))
         present = 0

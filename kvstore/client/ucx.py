@@ -36,8 +36,8 @@ import numpy as np
 from kvstore._proto.kvstore.v1 import ucx_pb2 as ucx_pb
 from kvstore._proto.kvstore.v1 import ucx_pb2_grpc as ucx_pb_grpc
 from kvstore.buffers import byte_view, writable_byte_view
-from kvstore.errors import InvalidRequestError
 from kvstore.protocol import messages as _wire
+from kvstore.protocol.checks import check_pairs
 from kvstore.protocol.ucx import (
     CLIENT_ID_BYTES,
     HELLO_TAG,
@@ -154,8 +154,7 @@ class UcxDataClient:
     ) -> list[bool] | None:
         """Receive each found payload straight into its buffer; False where missing or the size
         differs. ``None``: UCX could not be used, read over gRPC instead."""
-        if len(keys) != len(buffers):
-            raise InvalidRequestError(f"{len(keys)} keys but {len(buffers)} buffers")
+        check_pairs(keys, buffers, "buffers")
         views = [writable_byte_view(buffer) for buffer in buffers]
         sizes = [len(view) for view in views]
         response = self._call_get(keys, sizes, views, timeout)
@@ -177,8 +176,7 @@ class UcxDataClient:
         self, keys: Sequence[bytes], values: Sequence[Any], *, timeout: float | None = None
     ) -> PutResult | None:
         """Store ``values`` under ``keys``; ``None`` if UCX could not be used (put over gRPC)."""
-        if len(keys) != len(values):
-            raise InvalidRequestError(f"{len(keys)} keys but {len(values)} values")
+        check_pairs(keys, values, "values")
         views = [byte_view(value) for value in values]
         deadline = self._deadline(timeout)
         try:

@@ -17,6 +17,7 @@ from kvstore.errors import (
     error_from_status,
 )
 from kvstore.keys import Namespace
+from kvstore.protocol.checks import check_pairs
 from kvstore.types import LookupResult, PrefetchProgress, PrefetchState, PutResult
 
 #: Soft size of one streamed Put or Get message; a single larger block still goes out whole.
@@ -60,8 +61,7 @@ def put_requests(
     namespace: bytes, keys: Sequence[bytes], values: Sequence[Any]
 ) -> Iterator[pb.PutRequest]:
     """The messages of one Put stream, about :data:`MESSAGE_TARGET_BYTES` each."""
-    if len(keys) != len(values):
-        raise InvalidRequestError(f"{len(keys)} keys but {len(values)} values")
+    check_pairs(keys, values, "values")
     views = [byte_view(value) for value in values]  # check every value before sending any
     blocks: list[pb.Block] = []
     size = 0
@@ -103,8 +103,7 @@ def add_get_response(values: list[bytes | None], response: pb.GetResponse) -> No
 
 def fill_buffers(values: Sequence[bytes | None], buffers: Sequence[Any]) -> list[bool]:
     """Copy each found value into its buffer; a value whose size differs counts as a miss."""
-    if len(values) != len(buffers):
-        raise InvalidRequestError(f"{len(values)} keys but {len(buffers)} buffers")
+    check_pairs(values, buffers, "buffers")
     views = [writable_byte_view(buffer) for buffer in buffers]
     filled = []
     for value, view in zip(values, views, strict=True):
