@@ -112,6 +112,11 @@ def default_dram_capacity(available: int) -> int:
     return min(available // 4, 16 * 1024**3) // 1024**2 * 1024**2
 
 
+def default_inflight_bytes(dram_capacity: int) -> int:
+    """A quarter of the dram arena, at least 64 MiB: the bytes requests may hold at once."""
+    return max(dram_capacity // 4, 64 * 1024**2)
+
+
 def default_data_dir(env: Mapping[str, str]) -> str:
     """``$XDG_DATA_HOME/kvstore`` (``~/.local/share/kvstore``): where embedded nvme data lives.
 
@@ -152,7 +157,10 @@ class ServerConfig:
     after the process, or empty to turn the shared-memory data plane off) with its permission bits
     (``shm_socket_mode``, octal: a client must be able to write the socket to connect), and the
     UCX listener for remote bulk transfers (``ucx_listen``: HOST:PORT, port 0 picks one; empty is
-    off)."""
+    off). ``inflight_bytes`` bounds the payload bytes all calls together hold at once (Put streams
+    as they arrive, Get windows as they are read; :func:`load_config` defaults it to
+    :func:`default_inflight_bytes` of ``dram.capacity``); ``prefetch_queue_keys`` bounds the keys
+    of prefetches not yet finished, across all clients."""
 
     listen: str = "127.0.0.1:50051"
     max_block_bytes: int = 64 * 1024**2
@@ -163,6 +171,8 @@ class ServerConfig:
     shm_socket_mode: int = 0o660
     ucx_listen: str = ""
     ucx_transfer_timeout_s: float = 30.0
+    inflight_bytes: int = 256 * 1024**2
+    prefetch_queue_keys: int = 65536
 
     def __post_init__(self) -> None:
         host, sep, port = self.listen.rpartition(":")
@@ -171,6 +181,8 @@ class ServerConfig:
         _positive("server.max_block_bytes", self.max_block_bytes)
         _positive("server.max_keys_per_request", self.max_keys_per_request)
         _positive("server.workers", self.workers)
+        _positive("server.inflight_bytes", self.inflight_bytes)
+        _positive("server.prefetch_queue_keys", self.prefetch_queue_keys)
         if self.shutdown_grace_s < 0:
             raise ConfigError(f"server.shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
         if not 0 <= self.shm_socket_mode <= 0o777:
@@ -295,6 +307,7 @@ _SECTIONS: dict[str, type[Any]] = {
 }
 _SIZE_SETTINGS = {
     "server.max_block_bytes",
+    "server.inflight_bytes",
     "hbm.capacity",
     "hbm.page_size",
     "dram.capacity",
@@ -390,6 +403,10 @@ def load_config(
     unknown = sorted(set(merged) - set(known))
     if unknown:
         raise ConfigError(f"unknown settings {unknown}; known: {known}")
+    if "server.inflight_bytes" not in merged:
+        # Resolved here, not in machine_defaults: it follows dram.capacity however that was set.
+        dram = _coerce("dram.capacity", merged["dram.capacity"])
+        merged["server.inflight_bytes"] = default_inflight_bytes(dram)
     sections = {
         section: cls(
             **{

@@ -22,6 +22,7 @@ from kvstore.config import (
     DramConfig,
     NvmeConfig,
     ServerConfig,
+    default_inflight_bytes,
     format_size,
     load_config,
     parse_size,
@@ -158,7 +159,8 @@ def test_format_size_round_trips_through_parse_size(num_bytes: int) -> None:
 
 def test_defaults_without_file_or_env() -> None:
     config = load_config(env={})
-    assert config.server == ServerConfig()
+    inflight = default_inflight_bytes(config.dram.capacity)
+    assert config.server == ServerConfig(inflight_bytes=inflight)
     assert config.server.listen == "127.0.0.1:50051"
     assert config.server.max_block_bytes == 64 * MiB
     assert config.server.workers == 4
@@ -329,6 +331,7 @@ def test_env_values_are_coerced_to_field_types() -> None:
         max_keys_per_request=100,
         shutdown_grace_s=2.5,
         workers=8,
+        inflight_bytes=(GiB + GiB // 2) // 4,  # follows dram.capacity
     )
     assert config.dram == DramConfig(capacity=GiB + GiB // 2, page_size=4096)
     assert config.nvme == NvmeConfig(path="", capacity=0)  # an empty path disables the tier
@@ -587,3 +590,20 @@ def test_a_boolean_shm_socket_mode_in_toml_is_refused(tmp_path: Path) -> None:
     path = write_toml(tmp_path, "[server]\nshm_socket_mode = true\n")
     with pytest.raises(ConfigError, match=r"server\.shm_socket_mode"):
         load_config(path, env={})
+
+
+def test_inflight_budget_follows_dram_capacity_with_a_floor() -> None:
+    assert load_config(env={}, overrides={"dram.capacity": "2GiB"}).server.inflight_bytes == (
+        512 * MiB
+    )
+    # A small arena (or none) still leaves room for a few blocks in flight.
+    assert load_config(env={"KVSTORE_DRAM_CAPACITY": "0"}).server.inflight_bytes == 64 * MiB
+    env = {"KVSTORE_SERVER_INFLIGHT_BYTES": "16MiB", "KVSTORE_SERVER_PREFETCH_QUEUE_KEYS": "9"}
+    server = load_config(env=env).server
+    assert (server.inflight_bytes, server.prefetch_queue_keys) == (16 * MiB, 9)
+
+
+@pytest.mark.parametrize("setting", ["server.inflight_bytes", "server.prefetch_queue_keys"])
+def test_memory_bounds_must_be_positive(setting: str) -> None:
+    with pytest.raises(ConfigError, match=f"{setting} must be > 0, got 0"):
+        load_config(env={}, overrides={setting: 0})

@@ -266,7 +266,11 @@ async def test_bad_request_raises_before_anything_is_queued(
         prefetcher.submit(keys, namespace)
     await asyncio.sleep(0.01)
     assert calls == []
-    assert prefetcher.stats() == {"prefetch_active": 0, "prefetch_batches_in_flight": 0}
+    assert prefetcher.stats() == {
+        "prefetch_active": 0,
+        "prefetch_batches_in_flight": 0,
+        "prefetch_queued_keys": 0,
+    }
     # No id was used up: the next good request gets the first one.
     monkeypatch.undo()
     assert prefetcher.submit([key(1)], NS) == 1

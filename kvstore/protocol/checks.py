@@ -7,6 +7,9 @@ with the same words (clients see them in the error's details), so each rule live
 * :func:`check_keys`: at least one key, at most the request limit, each :data:`KEY_BYTES` long,
   and a :func:`check_namespace`-valid namespace;
 * :func:`check_streamed_keys`: the limit while a streamed request is still arriving;
+* :func:`check_streamed_block`: each block of a streamed request and the running total, as they
+  arrive (before the request is collected whole);
+* :func:`check_unique`: no key named twice in one read (each repeat would be read and sent again);
 * :func:`check_sizes`: every value non-empty, within the block limit, and the batch within what
   the tiers can hold (the same footprint arithmetic the store places blocks with).
 
@@ -28,7 +31,9 @@ __all__ = [
     "check_namespace",
     "check_pairs",
     "check_sizes",
+    "check_streamed_block",
     "check_streamed_keys",
+    "check_unique",
 ]
 
 
@@ -77,6 +82,36 @@ def check_streamed_keys(count: int, max_keys: int) -> None:
     """Refuse a streamed request as soon as it has passed ``max_keys`` keys (before it ends)."""
     if count > max_keys:
         raise InvalidRequestError(f"more than {max_keys} keys in one request")
+
+
+def check_streamed_block(
+    index: int, length: int, total: int, max_block_bytes: int, max_request_bytes: int
+) -> None:
+    """Refuse block ``index`` of a streamed request if it is empty or over ``max_block_bytes``,
+    or if the request's running ``total`` (this block included) passed ``max_request_bytes``."""
+    if length <= 0:
+        raise InvalidRequestError(f"value {index} is empty")
+    if length > max_block_bytes:
+        raise CapacityError(
+            f"value {index} is {length} bytes; the block limit is {max_block_bytes} bytes"
+        )
+    if total > max_request_bytes:
+        raise CapacityError(
+            f"the request passed {max_request_bytes} bytes at value {index}; "
+            "split it into smaller requests"
+        )
+
+
+def check_unique(keys: Sequence[bytes]) -> None:
+    """Refuse a request naming a key twice; the message names the repeat's index."""
+    if len(set(keys)) != len(keys):  # C speed; the hot path has no repeats
+        seen: dict[bytes, int] = {}
+        for index, key in enumerate(keys):
+            if key in seen:
+                raise InvalidRequestError(
+                    f"key {index} repeats key {seen[key]}; name each key once per request"
+                )
+            seen[key] = index
 
 
 def check_sizes(lengths: Sequence[int], tiers: Sequence[BlockHolder], max_block_bytes: int) -> None:

@@ -23,11 +23,13 @@ from kvstore.config import Config
 from kvstore.policy import Policy
 from kvstore.protocol.messages import MESSAGE_TARGET_BYTES
 from kvstore.protocol.ucx import UcxTransportError
+from kvstore.server.budget import InflightBudget
 from kvstore.server.servicer import SERVICE_NAME, KVStoreServicer, add_to_server
 from kvstore.server.shm import ShmServer
 from kvstore.server.ucx import UcxDataServer
 from kvstore.server.ucx_service import add_ucx_to_server
 from kvstore.store import TieredStore
+from kvstore.store.prefetch import Prefetcher
 from kvstore.tiers import build_tiers
 
 __all__ = ["SERVICE_NAME", "RunningServer", "run_server", "start_server"]
@@ -97,7 +99,8 @@ async def start_server(config: Config) -> RunningServer:
             ("grpc.so_reuseport", 0),
         ]
     )
-    servicer = KVStoreServicer(store)
+    prefetcher = Prefetcher(store, max_queued_keys=config.server.prefetch_queue_keys)
+    servicer = KVStoreServicer(store, prefetcher, InflightBudget(config.server.inflight_bytes))
     add_to_server(servicer, server)
     health = health_async.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

@@ -8,7 +8,7 @@ with a message that says what was wrong).
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import grpc
@@ -16,9 +16,16 @@ from google.protobuf.message import DecodeError, Message
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
-from kvstore.errors import InvalidRequestError, KVStoreError, status_of
-from kvstore.protocol.checks import check_streamed_keys
+from kvstore.config import ServerConfig
+from kvstore.errors import CapacityError, InvalidRequestError, KVStoreError, status_of
+from kvstore.protocol.checks import (
+    check_keys,
+    check_streamed_block,
+    check_streamed_keys,
+    check_unique,
+)
 from kvstore.protocol.messages import MESSAGE_TARGET_BYTES
+from kvstore.server.budget import InflightBudget
 from kvstore.store import GetResult, TieredStore
 from kvstore.store.prefetch import Prefetcher, PrefetchState
 
@@ -27,6 +34,8 @@ __all__ = ["KVStoreServicer", "add_to_server", "guard"]
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "kvstore.v1.KVStore"
+#: The budget of a servicer built without one (tests, embedding); ``kvstore serve`` passes its own.
+DEFAULT_INFLIGHT_BYTES = ServerConfig.inflight_bytes
 
 T = TypeVar("T")
 
@@ -59,8 +68,15 @@ async def guard(
 class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generated, untyped
     """Serves ``kvstore.v1.KVStore`` from one :class:`TieredStore`."""
 
-    def __init__(self, store: TieredStore, prefetcher: Prefetcher | None = None) -> None:
+    def __init__(
+        self,
+        store: TieredStore,
+        prefetcher: Prefetcher | None = None,
+        budget: InflightBudget | None = None,
+    ) -> None:
         self.store = store
+        #: Payload bytes all calls together may hold (Put streams, Get windows).
+        self.budget = budget if budget is not None else InflightBudget(DEFAULT_INFLIGHT_BYTES)
         #: Runs Prefetch requests in the background, on the serving loop.
         self.prefetcher = prefetcher if prefetcher is not None else Prefetcher(store)
         #: Where the fast data paths listen; the server fills it in once they are up.
@@ -90,56 +106,87 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
         request_iterator: AsyncIterator[pb.PutRequest],
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> pb.PutResponse:
-        """Collect the whole streamed batch, then store it."""
+        """Collect the streamed batch, checking each block as it arrives, then store it whole.
+
+        Every block is charged to the in-flight budget on arrival; the first one over a limit
+        (block size, request size, keys per request, the budget) ends the call before anything of
+        it is stored, and the charge is given back however the call ends.
+        """
+        charged = 0
 
         async def call() -> pb.PutResponse:
+            nonlocal charged
             namespace: bytes | None = None
             keys: list[bytes] = []
             values: list[bytes] = []
+            total = 0
+            # Beyond what the budget or the tiers together can take, a request can never succeed.
+            max_request = min(self.budget.limit, self.store.local_capacity)
             async for message in request_iterator:
                 self._decoded(message)
                 if namespace is None:
                     namespace = message.namespace
                 elif message.namespace and message.namespace != namespace:
                     raise InvalidRequestError("one Put stream named two namespaces")
+                check_streamed_keys(
+                    len(keys) + len(message.blocks), self.store.max_keys_per_request
+                )
                 for block in message.blocks:
+                    value = block.value
+                    total += len(value)
+                    check_streamed_block(
+                        len(keys), len(value), total, self.store.max_block_bytes, max_request
+                    )
+                    if not self.budget.try_take(len(value)):
+                        raise CapacityError(
+                            f"the server holds {self.budget.in_use} bytes of requests in flight "
+                            f"(limit {self.budget.limit}, server.inflight_bytes); retry later"
+                        )
+                    charged += len(value)
                     keys.append(block.key)
-                    values.append(block.value)
-                check_streamed_keys(len(keys), self.store.max_keys_per_request)
+                    values.append(value)
             result = await self.store.put(keys, values, namespace or b"")
             return pb.PutResponse(
                 stored=result.stored, already_present=result.already_present, dropped=result.dropped
             )
 
-        return await guard(context, call)
+        try:
+            return await guard(context, call)
+        finally:
+            self.budget.give(charged)
 
     async def Get(
         self, request: pb.GetRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.GetResponse]:
-        """Stream results in request order, about :data:`MESSAGE_TARGET_BYTES` a message."""
+        """Stream results in request order, about :data:`MESSAGE_TARGET_BYTES` a message.
 
-        async def call() -> list[GetResult]:
+        Keys are read a window of about :data:`GET_WINDOW_BYTES` at a time (sized by the lengths
+        the index knows), each window charged to the in-flight budget until its messages are
+        sent: a request holds at most one window (plus one block) however many keys it names.
+        """
+
+        async def check() -> list[bytes]:
             self._decoded(request)
-            return await self.store.get(list(request.keys), request.namespace)
+            keys = list(request.keys)
+            check_keys(keys, request.namespace, self.store.max_keys_per_request)
+            check_unique(keys)
+            return keys
 
-        results = await guard(context, call)
-        batch: list[pb.GetResult] = []
-        size = 0
-        for index, result in enumerate(results):
-            if result.payload is None:
-                batch.append(pb.GetResult(index=index, found=False))
-            else:
-                batch.append(
-                    pb.GetResult(
-                        index=index, found=True, value=bytes(result.payload), tier=result.tier
-                    )
-                )
-                size += len(result.payload)
-            if size >= MESSAGE_TARGET_BYTES:
-                yield pb.GetResponse(results=batch)
-                batch, size = [], 0
-        if batch:
-            yield pb.GetResponse(results=batch)
+        keys = await guard(context, check)
+        for start, stop, estimate in _windows(self.store.stored_lengths(keys)):
+            charged = await self.budget.take(estimate)
+            try:
+                window = keys[start:stop]
+
+                async def read(window: list[bytes] = window) -> list[GetResult]:
+                    return await self.store.get(window, request.namespace)
+
+                results = await guard(context, read)
+                for response in _responses(start, results):
+                    yield response
+                results = []  # let the window go before the next one is read
+            finally:
+                self.budget.give(charged)
 
     async def Delete(
         self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -230,6 +277,44 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
             )
 
         return await guard(context, call)
+
+
+#: The payload bytes one Get reads before sending them: a few messages' worth, so that tiers are
+#: read in batches while a request's memory stays bounded.
+GET_WINDOW_BYTES = 4 * MESSAGE_TARGET_BYTES
+#: What a key this node does not index (the shared tier may hold it) counts for in a window.
+UNINDEXED_ESTIMATE = MESSAGE_TARGET_BYTES // 4
+
+
+def _windows(lengths: list[int | None]) -> Iterator[tuple[int, int, int]]:
+    """``(start, stop, estimated bytes)`` of consecutive keys, each about GET_WINDOW_BYTES."""
+    start, size = 0, 0
+    for index, length in enumerate(lengths):
+        size += UNINDEXED_ESTIMATE if length is None else length
+        if size >= GET_WINDOW_BYTES:
+            yield start, index + 1, size
+            start, size = index + 1, 0
+    if start < len(lengths):
+        yield start, len(lengths), size
+
+
+def _responses(offset: int, results: list[GetResult]) -> Iterator[pb.GetResponse]:
+    """The messages of one window's results; ``offset``: the window's first index in the request."""
+    batch: list[pb.GetResult] = []
+    size = 0
+    for index, result in enumerate(results, offset):
+        if result.payload is None:
+            batch.append(pb.GetResult(index=index, found=False))
+        else:
+            batch.append(
+                pb.GetResult(index=index, found=True, value=bytes(result.payload), tier=result.tier)
+            )
+            size += len(result.payload)
+        if size >= MESSAGE_TARGET_BYTES:
+            yield pb.GetResponse(results=batch)
+            batch, size = [], 0
+    if batch:
+        yield pb.GetResponse(results=batch)
 
 
 _PREFETCH_STATE = {

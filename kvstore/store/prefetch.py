@@ -9,6 +9,12 @@ batches of at most ``batch_keys``, in request order so that the prefix, which th
 first, arrives first. At most ``max_concurrency`` batches are in flight across all prefetches,
 so a burst of prefetches cannot starve puts and gets of the store's lock and I/O.
 
+Memory is bounded: the prefetches not yet finished may hold at most ``max_queued_keys`` keys
+together (a submit beyond that is refused with :class:`CapacityError`, RESOURCE_EXHAUSTED; the
+bound is global, as there are no tenants yet), a request naming a key twice is refused, and a
+finished prefetch keeps only its counts, for the last ``keep_finished`` of them (older ids are
+forgotten, oldest first, and answer NOT_FOUND).
+
 Cancellation stops a prefetch from starting further batches. A batch already inside
 ``promote`` is never interrupted (it is shielded and finishes on its own, still holding its slot
 of the concurrency bound): interrupting a move half-way (a demotion awaiting nvme under the
@@ -25,8 +31,8 @@ from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvstore.errors import StoreUnavailableError, UnknownPrefetchError
-from kvstore.protocol.checks import check_keys
+from kvstore.errors import CapacityError, StoreUnavailableError, UnknownPrefetchError
+from kvstore.protocol.checks import check_keys, check_unique
 from kvstore.store.tiered import TieredStore
 from kvstore.types import PrefetchProgress, PrefetchState
 
@@ -39,8 +45,9 @@ logger = logging.getLogger(__name__)
 class _Job:
     """One submitted prefetch (mutable, loop thread only)."""
 
-    keys: list[bytes]
+    keys: list[bytes]  # emptied when the job finishes: only the counts are kept
     namespace: bytes
+    total: int = 0
     state: PrefetchState = PrefetchState.QUEUED
     outcomes: Counter[str] = field(default_factory=Counter)
     next_key: int = 0  # index of the first key no batch has taken yet
@@ -49,7 +56,7 @@ class _Job:
     def progress(self) -> PrefetchProgress:
         return PrefetchProgress(
             self.state,
-            len(self.keys),
+            self.total,
             self.outcomes["ready"],
             self.outcomes["missing"],
             self.outcomes["failed"],
@@ -69,16 +76,19 @@ class Prefetcher:
         max_concurrency: int = 4,
         batch_keys: int = 16,
         keep_finished: int = 1024,
+        max_queued_keys: int = 65536,
     ) -> None:
-        if max_concurrency < 1 or batch_keys < 1 or keep_finished < 0:
+        if max_concurrency < 1 or batch_keys < 1 or keep_finished < 0 or max_queued_keys < 1:
             raise ValueError(
-                "max_concurrency and batch_keys must be >= 1 and keep_finished >= 0, got "
-                f"{max_concurrency}, {batch_keys}, {keep_finished}"
+                "max_concurrency, batch_keys and max_queued_keys must be >= 1 and keep_finished "
+                f">= 0, got {max_concurrency}, {batch_keys}, {max_queued_keys}, {keep_finished}"
             )
         self.store = store
         self.max_concurrency = max_concurrency
         self.batch_keys = batch_keys
         self.keep_finished = keep_finished
+        self.max_queued_keys = max_queued_keys
+        self._queued_keys = 0  # keys of the jobs not yet finished
         self._slots = asyncio.Semaphore(max_concurrency)
         self._ids = itertools.count(1)
         self._jobs: dict[int, _Job] = {}
@@ -98,8 +108,16 @@ class Prefetcher:
         if self._closed:
             raise StoreUnavailableError("the server is shutting down; no new prefetches")
         self._validate(keys, namespace)
+        if self._queued_keys + len(keys) > self.max_queued_keys:
+            self._counters["refused"] += 1
+            raise CapacityError(
+                f"{self._queued_keys} keys of prefetches are queued or running; {len(keys)} more "
+                f"would pass the limit of {self.max_queued_keys} (server.prefetch_queue_keys); "
+                "retry later"
+            )
         prefetch_id = next(self._ids)
-        job = _Job([bytes(key) for key in keys], bytes(namespace))
+        job = _Job([bytes(key) for key in keys], bytes(namespace), total=len(keys))
+        self._queued_keys += job.total
         self._jobs[prefetch_id] = job
         job.task = asyncio.get_running_loop().create_task(
             self._run(job), name=f"kvstore-prefetch-{prefetch_id}"
@@ -144,12 +162,14 @@ class Prefetcher:
         await asyncio.gather(*tasks, *self._batches, return_exceptions=True)
 
     def stats(self) -> dict[str, int]:
-        """Counters: prefetches submitted / cancelled, active now, batches in flight, keys."""
+        """Counters: prefetches submitted / cancelled / refused, active now, batches in flight,
+        keys held by unfinished prefetches (``prefetch_queued_keys``), keys by outcome."""
         active = sum(not job.state.finished for job in self._jobs.values())
         return {
             **{f"prefetch_{name}": value for name, value in self._counters.items()},
             "prefetch_active": active,
             "prefetch_batches_in_flight": len(self._batches),
+            "prefetch_queued_keys": self._queued_keys,
         }
 
     # -- internals ---------------------------------------------------------------------------
@@ -158,6 +178,7 @@ class Prefetcher:
         # The same rules as the store applies to each promote batch, checked over the whole
         # request up front so that a bad key fails the Prefetch call rather than a later batch.
         check_keys(keys, namespace, self.store.max_keys_per_request)
+        check_unique(keys)
 
     def _job(self, prefetch_id: int) -> _Job:
         job = self._jobs.get(prefetch_id)
@@ -217,6 +238,8 @@ class Prefetcher:
             logger.error("prefetch %d failed", prefetch_id, exc_info=task.exception())
             job.state = PrefetchState.DONE
         job.task = None  # let the task and its frames go
+        job.keys = []  # a finished job answers with counts only
+        self._queued_keys -= job.total
         self._finished.append(prefetch_id)
         while len(self._finished) > self.keep_finished:
             self._jobs.pop(self._finished.popleft(), None)

@@ -120,6 +120,17 @@ class TieredStore:
         # The shared tier's capacity is nominal: only local tiers count.
         check_sizes(lengths, self._stack.local, self.max_block_bytes)
 
+    @property
+    def local_capacity(self) -> int:
+        """Bytes the local tiers hold together (the shared tier's capacity is nominal)."""
+        return sum(tier.capacity for tier in self._stack.local)
+
+    def stored_lengths(self, keys: Sequence[bytes]) -> list[int | None]:
+        """Each key's payload length as indexed here, ``None`` where this node does not index it
+        (the servicer sizes its read windows with these before reading)."""
+        meta = self._index.meta
+        return [None if (m := meta.get(key)) is None else m.length for key in keys]
+
     # -- lookup, get, put, promote, delete -----------------------------------------------------
 
     def lookup(self, keys: Sequence[bytes], namespace: bytes) -> LookupResult:
