@@ -85,20 +85,26 @@ def check_streamed_keys(count: int, max_keys: int) -> None:
 
 
 def check_streamed_block(
-    index: int, length: int, total: int, max_block_bytes: int, max_request_bytes: int
+    index: int, length: int, total: int, max_block_bytes: int, capacity: int, max_request_bytes: int
 ) -> None:
     """Refuse block ``index`` of a streamed request if it is empty or over ``max_block_bytes``,
-    or if the request's running ``total`` (this block included) passed ``max_request_bytes``."""
+    or if the request's running ``total`` (this block included) passed the ``capacity`` of all
+    tiers together (the words of :func:`check_sizes`) or ``max_request_bytes``
+    (``server.inflight_bytes``: no request may hold more than the whole budget)."""
     if length <= 0:
         raise InvalidRequestError(f"value {index} is empty")
     if length > max_block_bytes:
         raise CapacityError(
             f"value {index} is {length} bytes; the block limit is {max_block_bytes} bytes"
         )
+    if total > capacity:
+        raise CapacityError(
+            f"the request holds at least {total} bytes; all tiers together hold {capacity} bytes"
+        )
     if total > max_request_bytes:
         raise CapacityError(
-            f"the request passed {max_request_bytes} bytes at value {index}; "
-            "split it into smaller requests"
+            f"the request passed {max_request_bytes} bytes (server.inflight_bytes) at value "
+            f"{index}; split it into smaller requests"
         )
 
 

@@ -120,8 +120,6 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
             keys: list[bytes] = []
             values: list[bytes] = []
             total = 0
-            # Beyond what the budget or the tiers together can take, a request can never succeed.
-            max_request = min(self.budget.limit, self.store.local_capacity)
             async for message in request_iterator:
                 self._decoded(message)
                 if namespace is None:
@@ -135,7 +133,12 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
                     value = block.value
                     total += len(value)
                     check_streamed_block(
-                        len(keys), len(value), total, self.store.max_block_bytes, max_request
+                        len(keys),
+                        len(value),
+                        total,
+                        self.store.max_block_bytes,
+                        self.store.local_capacity,
+                        self.budget.limit,
                     )
                     if not self.budget.try_take(len(value)):
                         raise CapacityError(
