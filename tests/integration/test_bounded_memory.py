@@ -162,7 +162,9 @@ def test_put_stream_over_the_budget_is_refused_as_it_arrives(seeded: Seeded) -> 
     )
     assert time.monotonic() - started < 5
     assert stream.sent < 100, "the server read the stream to its end before refusing"
-    watch.assert_growth_below(BUDGET + 16 * MiB)
+    # The budget's 16 MiB, one message, and what the allocator keeps of the freed blocks (the
+    # whole stream used to be held: 200 MiB and more).
+    watch.assert_growth_below(BUDGET + 32 * MiB)
     with seeded.client() as client:
         assert client.lookup_tiers(keys[:20]).tiers == [""] * 20  # nothing of it was stored
         # The refused stream gave its charge back: a put of the whole budget goes through.
@@ -216,8 +218,9 @@ def test_get_of_many_blocks_is_read_in_a_bounded_window(seeded: Seeded) -> None:
     assert [r.index for r in results] == list(range(SEEDS))
     assert [r.value for r in results] == seeded.values
     del results
-    # 64 MiB answered (48 of it read from nvme); a window is 16 MiB, plus the messages in flight.
-    watch.assert_growth_below(48 * MiB)
+    # 64 MiB answered (48 of it read from nvme; all of it used to be read at once, 80 MiB and
+    # more): a window is 16 MiB, plus the messages in flight and the allocator's slack.
+    watch.assert_growth_below(56 * MiB)
     assert_intact(seeded)
 
 
