@@ -1,8 +1,8 @@
 """Memory bounds of :class:`kvstore.store.prefetch.Prefetcher` over a real DRAM arena and LMDB.
 
 Unfinished prefetches hold at most ``max_queued_keys`` keys together (beyond: CapacityError, the
-store untouched, and room again once they finish), a repeated key is refused with its index, a
-finished prefetch keeps only its counts, and the oldest finished ones are forgotten first.
+store untouched, and room again once they finish), a finished prefetch keeps only its counts,
+and the oldest finished ones are forgotten first.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from store_blocks import MIB, PAGE, key, payload
 
-from kvstore.errors import CapacityError, InvalidRequestError, UnknownPrefetchError
+from kvstore.errors import CapacityError, UnknownPrefetchError
 from kvstore.keys import Namespace
 from kvstore.store import TieredStore
 from kvstore.store.prefetch import Prefetcher, PrefetchProgress, PrefetchState
@@ -68,14 +68,6 @@ async def test_cancelled_prefetch_gives_its_keys_back(store: TieredStore) -> Non
             break
         await asyncio.sleep(0.001)
     prefetcher.submit([key(n) for n in range(4)], NS)
-    await prefetcher.close()
-
-
-async def test_repeated_key_is_refused_with_its_index(store: TieredStore) -> None:
-    prefetcher = Prefetcher(store)
-    with pytest.raises(InvalidRequestError, match="key 2 repeats key 0"):
-        prefetcher.submit([key(0), key(1), key(0)], NS)
-    assert prefetcher.stats().get("prefetch_submitted", 0) == 0
     await prefetcher.close()
 
 

@@ -9,7 +9,6 @@ with the same words (clients see them in the error's details), so each rule live
 * :func:`check_streamed_keys`: the limit while a streamed request is still arriving;
 * :func:`check_streamed_block`: each block of a streamed request and the running total, as they
   arrive (before the request is collected whole);
-* :func:`check_unique`: no key named twice in one read (each repeat would be read and sent again);
 * :func:`check_sizes`: every value non-empty, within the block limit, and the batch within what
   the tiers can hold (the same footprint arithmetic the store places blocks with).
 
@@ -33,7 +32,6 @@ __all__ = [
     "check_sizes",
     "check_streamed_block",
     "check_streamed_keys",
-    "check_unique",
 ]
 
 
@@ -106,18 +104,6 @@ def check_streamed_block(
             f"the request passed {max_request_bytes} bytes (server.inflight_bytes) at value "
             f"{index}; split it into smaller requests"
         )
-
-
-def check_unique(keys: Sequence[bytes]) -> None:
-    """Refuse a request naming a key twice; the message names the repeat's index."""
-    if len(set(keys)) != len(keys):  # C speed; the hot path has no repeats
-        seen: dict[bytes, int] = {}
-        for index, key in enumerate(keys):
-            if key in seen:
-                raise InvalidRequestError(
-                    f"key {index} repeats key {seen[key]}; name each key once per request"
-                )
-            seen[key] = index
 
 
 def check_sizes(lengths: Sequence[int], tiers: Sequence[BlockHolder], max_block_bytes: int) -> None:

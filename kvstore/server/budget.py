@@ -11,7 +11,9 @@ call that gRPC has already decoded when the check runs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections import deque
 
 __all__ = ["InflightBudget"]
 
@@ -26,7 +28,7 @@ class InflightBudget:
             raise ValueError(f"the in-flight budget must be > 0 bytes, got {limit}")
         self.limit = limit
         self.in_use = 0
-        self._freed = asyncio.Condition()
+        self._waiters: deque[asyncio.Future[None]] = deque()
 
     def try_take(self, size: int) -> bool:
         """Charge ``size`` bytes if they fit now; False (and nothing charged) if not."""
@@ -42,18 +44,22 @@ class InflightBudget:
         idle server instead of forever.
         """
         size = min(size, self.limit)
-        async with self._freed:
-            await self._freed.wait_for(lambda: self.in_use + size <= self.limit)
-            self.in_use += size
+        while self.in_use + size > self.limit:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            finally:
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(waiter)
+        self.in_use += size
         return size
 
     def give(self, size: int) -> None:
-        """Give back ``size`` bytes taken before, waking the calls waiting for room."""
+        """Give back ``size`` bytes taken before, waking the calls waiting for room (each checks
+        again whether its charge fits now)."""
         self.in_use -= size
-        if size:
-            # Waiters re-check under the condition's lock; notifying needs it too.
-            asyncio.get_running_loop().create_task(self._notify())
-
-    async def _notify(self) -> None:
-        async with self._freed:
-            self._freed.notify_all()
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)

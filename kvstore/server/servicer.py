@@ -22,7 +22,6 @@ from kvstore.protocol.checks import (
     check_keys,
     check_streamed_block,
     check_streamed_keys,
-    check_unique,
 )
 from kvstore.protocol.messages import MESSAGE_TARGET_BYTES
 from kvstore.server.budget import InflightBudget
@@ -172,19 +171,22 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
             self._decoded(request)
             keys = list(request.keys)
             check_keys(keys, request.namespace, self.store.max_keys_per_request)
-            check_unique(keys)
             return keys
 
         keys = await guard(context, check)
         for start, stop, estimate in _windows(self.store.stored_lengths(keys)):
             charged = await self.budget.take(estimate)
             try:
-                window = keys[start:stop]
+                # A key named again in the window is read once (clients may ask for one block
+                # into two buffers); each naming still gets its result, within the window.
+                window = list(dict.fromkeys(keys[start:stop]))
 
                 async def read(window: list[bytes] = window) -> list[GetResult]:
                     return await self.store.get(window, request.namespace)
 
-                results = await guard(context, read)
+                read_once = dict(zip(window, await guard(context, read), strict=True))
+                results = [read_once[key] for key in keys[start:stop]]
+                del read_once
                 for response in _responses(start, results):
                     yield response
                 results = []  # let the window go before the next one is read

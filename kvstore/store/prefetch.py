@@ -11,9 +11,9 @@ so a burst of prefetches cannot starve puts and gets of the store's lock and I/O
 
 Memory is bounded: the prefetches not yet finished may hold at most ``max_queued_keys`` keys
 together (a submit beyond that is refused with :class:`CapacityError`, RESOURCE_EXHAUSTED; the
-bound is global, as there are no tenants yet), a request naming a key twice is refused, and a
-finished prefetch keeps only its counts, for the last ``keep_finished`` of them (older ids are
-forgotten, oldest first, and answer NOT_FOUND).
+bound is global, as there are no tenants yet), and a finished prefetch keeps only its counts,
+for the last ``keep_finished`` of them (older ids are forgotten, oldest first, and answer
+NOT_FOUND).
 
 Cancellation stops a prefetch from starting further batches. A batch already inside
 ``promote`` is never interrupted (it is shielded and finishes on its own, still holding its slot
@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvstore.errors import CapacityError, StoreUnavailableError, UnknownPrefetchError
-from kvstore.protocol.checks import check_keys, check_unique
+from kvstore.protocol.checks import check_keys
 from kvstore.store.tiered import TieredStore
 from kvstore.types import PrefetchProgress, PrefetchState
 
@@ -178,7 +178,6 @@ class Prefetcher:
         # The same rules as the store applies to each promote batch, checked over the whole
         # request up front so that a bad key fails the Prefetch call rather than a later batch.
         check_keys(keys, namespace, self.store.max_keys_per_request)
-        check_unique(keys)
 
     def _job(self, prefetch_id: int) -> _Job:
         job = self._jobs.get(prefetch_id)
