@@ -34,10 +34,12 @@ from kvstore.client.ucx import CONNECT_SHARE, UcxDataClient
 from kvstore.errors import DeadlineExceededError, KVStoreError
 from kvstore.keys import Namespace
 from kvstore.protocol import messages as _wire
+from kvstore.protocol.checks import check_keys, check_pairs
 from kvstore.protocol.ucx import ucx_unavailable_reason
 from kvstore.types import LookupResult, PrefetchProgress, PutResult
 
 __all__ = [
+    "PUT_STREAM_BYTES",
     "UCX_RECHECK_S",
     "Blocking",
     "ClientBase",
@@ -55,6 +57,9 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+#: Most payload bytes one gRPC Put stream carries; a larger put goes as several streams (the
+#: server refuses one request past ``server.inflight_bytes``, which is at least 64 MiB).
+PUT_STREAM_BYTES = 32 * 1024**2
 #: Seconds after which a client whose UCX path is unusable asks the server for it again.
 UCX_RECHECK_S = 30.0
 #: Polling of a prefetch's status starts this often and backs off to :data:`_POLL_MAX_S`.
@@ -301,8 +306,18 @@ class ClientCore:
     def _put_grpc(
         self, keys: Sequence[bytes], values: Sequence[Any], deadline: Deadline
     ) -> Plan[PutResult]:
-        requests = list(_wire.put_requests(_wire.namespace_bytes(self.namespace), keys, values))
-        return _wire.put_result((yield from self._rpc("Put", iter(requests), deadline)))
+        namespace = _wire.namespace_bytes(self.namespace)
+        batches = _wire.put_batches(values, PUT_STREAM_BYTES)
+        if len(batches) > 1:
+            # Checked whole before the first stream, as one request would be on the server.
+            check_pairs(keys, values, "values")
+            check_keys(keys, namespace, len(keys))
+        result = PutResult()
+        for batch in batches:
+            requests = list(_wire.put_requests(namespace, keys[batch], values[batch]))
+            response = yield from self._rpc("Put", iter(requests), deadline)
+            result = _wire.combine_put_results(result, _wire.put_result(response))
+        return result
 
     def get(self, keys: Sequence[bytes], timeout: float | None) -> Plan[list[bytes | None]]:
         """The payload of each key, ``None`` where missing."""

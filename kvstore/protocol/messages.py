@@ -76,6 +76,23 @@ def put_requests(
         yield pb.PutRequest(namespace=namespace if first else b"", blocks=blocks)
 
 
+def put_batches(values: Sequence[Any], limit: int) -> list[slice]:
+    """Consecutive runs of ``values`` of at most ``limit`` bytes each (a larger value alone).
+
+    A put bigger than this goes as several Put streams: the server refuses any single request
+    past its in-flight budget (``server.inflight_bytes``, at least 64 MiB)."""
+    batches: list[slice] = []
+    start = size = 0
+    for index, value in enumerate(values):
+        length = len(byte_view(value))
+        if index > start and size + length > limit:
+            batches.append(slice(start, index))
+            start, size = index, 0
+        size += length
+    batches.append(slice(start, len(values)))
+    return batches
+
+
 def put_result(response: pb.PutResponse) -> PutResult:
     """The domain result of a Put response."""
     return PutResult(response.stored, response.already_present, response.dropped)

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore import ChunkHasher, KVStoreClient, Namespace
+from kvstore import CapacityError, ChunkHasher, KVStoreClient, Namespace
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
@@ -272,3 +272,30 @@ def test_finished_prefetches_keep_no_keys(seeded: Seeded) -> None:
     assert (status.state, status.total, status.missing) == (pb.PREFETCH_STATE_DONE, 8192, 8192)
     watch.assert_growth_below(12 * MiB)
     assert_intact(seeded)
+
+
+def test_a_put_larger_than_the_budget_goes_as_several_streams(
+    server_factory: ServerFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client splits a gRPC put into streams of at most PUT_STREAM_BYTES (32 MiB), so one put
+    of more than ``server.inflight_bytes`` is stored whole instead of refused."""
+    import kvstore.client.core as core
+
+    server = server_factory(
+        "--max-block-bytes",
+        "4MiB",
+        dram_capacity="128MiB",
+        nvme_capacity="128MiB",
+        env={"KVSTORE_SERVER_INFLIGHT_BYTES": str(40 * MiB)},
+    )
+    keys = chain(48, seed=7)
+    rng = np.random.default_rng(7)
+    values = [rng.bytes(MiB) for _ in keys]  # 48 MiB: streams of 32 and 16 MiB
+    with KVStoreClient(server.target, namespace=NS, timeout=30, data_plane="grpc") as client:
+        with monkeypatch.context() as patch:
+            patch.setattr(core, "PUT_STREAM_BYTES", 1024 * MiB)  # one stream: refused whole
+            with pytest.raises(CapacityError, match="inflight_bytes"):
+                client.put(keys, values)
+        assert client.lookup(keys) == 0
+        assert client.put(keys, values).stored == 48
+        assert client.get(keys) == values
