@@ -307,10 +307,10 @@ class ClientCore:
         self, keys: Sequence[bytes], values: Sequence[Any], deadline: Deadline
     ) -> Plan[PutResult]:
         namespace = _wire.namespace_bytes(self.namespace)
+        check_pairs(keys, values, "values")
         batches = _wire.put_batches(values, PUT_STREAM_BYTES)
         if len(batches) > 1:
             # Checked whole before the first stream, as one request would be on the server.
-            check_pairs(keys, values, "values")
             check_keys(keys, namespace, len(keys))
         result = PutResult()
         for batch in batches:
