@@ -30,6 +30,7 @@ is the tier names joined by newlines. ``index_size`` is 0 when no index fd came 
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -95,6 +96,7 @@ class Op:
 _MAX_HELLO_BODY = 64
 
 
+@functools.lru_cache(maxsize=64)  # asked once per frame, with a handful of distinct arguments
 def max_frame_length(op: int | None, max_keys: int) -> int:
     """The largest legal ``length`` field of a request ``op`` (op byte included) for a server
     that takes at most ``max_keys`` keys per request; ``op`` ``None``: of any request. An unknown

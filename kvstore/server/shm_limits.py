@@ -124,21 +124,27 @@ async def read_frame(
     Raises :class:`FrameRefused` for a length its op cannot legally have (checked before the body
     is read), and :class:`TimeoutError` when the frame, once begun, takes over ``timeout_s``.
     """
-    first = await loop.sock_recv(conn, 1)  # a connection may idle between frames
-    if not first:
+    # Up to the length and the op in one call (every frame has both, so this never reads into
+    # the next one); a connection may idle for as long as it likes between frames.
+    head = bytearray(await loop.sock_recv(conn, 5))
+    if not head:
         return None
     async with asyncio.timeout(timeout_s):
-        rest = await _recv_upto(loop, conn, 3)
-        if rest is None:
-            return None
-        length = frame_length(bytes(first) + bytes(rest))
+        if len(head) < 4:
+            rest = await _recv_upto(loop, conn, 4 - len(head))
+            if rest is None:
+                return None
+            head += rest
+        length = frame_length(head[:4])
         limit = max_frame_length(None, max_keys)
         if not 1 <= length <= limit:
             raise FrameRefused(f"a {length}-byte frame (no request is over {limit})")
-        op_byte = await _recv_upto(loop, conn, 1)
-        if op_byte is None:
-            return None
-        op = op_byte[0]
+        if len(head) < 5:
+            op_byte = await _recv_upto(loop, conn, 1)
+            if op_byte is None:
+                return None
+            head += op_byte
+        op = head[4]
         limit = max_frame_length(op, max_keys)
         if length > limit:
             raise FrameRefused(f"a {length}-byte frame for request code {op} (at most {limit})")
