@@ -155,7 +155,9 @@ class ServerConfig:
     """The gRPC endpoint, request limits, ``workers`` threads for blocking disk I/O, and the
     shared-memory socket (``shm_socket``: a path, ``auto`` for one in the temp directory named
     after the process, or empty to turn the shared-memory data plane off) with its permission bits
-    (``shm_socket_mode``, octal: a client must be able to write the socket to connect), and the
+    (``shm_socket_mode``, octal: a client must be able to write the socket to connect) and its
+    bounds (connections in all and per peer uid, arena bytes one connection may hold leased or
+    reserved, 0 meaning a quarter of ``dram.capacity``, seconds a frame may take to arrive), and the
     UCX listener for remote bulk transfers (``ucx_listen``: HOST:PORT, port 0 picks one; empty is
     off). ``inflight_bytes`` bounds the payload bytes all calls together hold at once (Put streams
     as they arrive, Get windows as they are read; :func:`load_config` defaults it to
@@ -169,6 +171,10 @@ class ServerConfig:
     workers: int = 4
     shm_socket: str = "auto"
     shm_socket_mode: int = 0o660
+    shm_max_connections: int = 256
+    shm_max_connections_per_uid: int = 64
+    shm_session_bytes: int = 0
+    shm_frame_timeout_s: float = 10.0
     ucx_listen: str = ""
     ucx_transfer_timeout_s: float = 30.0
     inflight_bytes: int = 256 * 1024**2
@@ -185,6 +191,17 @@ class ServerConfig:
         _positive("server.prefetch_queue_keys", self.prefetch_queue_keys)
         if self.shutdown_grace_s < 0:
             raise ConfigError(f"server.shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        _positive("server.shm_max_connections", self.shm_max_connections)
+        _positive("server.shm_max_connections_per_uid", self.shm_max_connections_per_uid)
+        if self.shm_session_bytes < 0:
+            raise ConfigError(
+                "server.shm_session_bytes must be >= 0 (0 = a quarter of dram.capacity), "
+                f"got {self.shm_session_bytes}"
+            )
+        if not self.shm_frame_timeout_s > 0:
+            raise ConfigError(
+                f"server.shm_frame_timeout_s must be > 0, got {self.shm_frame_timeout_s}"
+            )
         if not 0 <= self.shm_socket_mode <= 0o777:
             # Shown in octal: a decimal 660 in TOML (not 0o660) lands here as 0o1224.
             raise ConfigError(
@@ -308,6 +325,7 @@ _SECTIONS: dict[str, type[Any]] = {
 _SIZE_SETTINGS = {
     "server.max_block_bytes",
     "server.inflight_bytes",
+    "server.shm_session_bytes",
     "hbm.capacity",
     "hbm.page_size",
     "dram.capacity",

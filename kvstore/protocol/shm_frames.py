@@ -30,6 +30,7 @@ is the tier names joined by newlines. ``index_size`` is 0 when no index fd came 
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ __all__ = [
     "ProtocolError",
     "Slot",
     "frame",
+    "max_frame_length",
     "pack_ids",
     "pack_keys",
     "pack_ranges",
@@ -87,6 +89,39 @@ class Op:
 
     #: Requests the server does not answer.
     ONE_WAY = frozenset({RELEASE, CANCEL, TOUCH})
+
+
+#: The longest namespace a HELLO may carry and still get an answer (16 is the only valid length;
+#: a little more lets a wrong one hear why instead of being hung up on).
+_MAX_HELLO_BODY = 64
+
+
+@functools.lru_cache(maxsize=64)  # asked once per frame, with a handful of distinct arguments
+def max_frame_length(op: int | None, max_keys: int) -> int:
+    """The largest legal ``length`` field of a request ``op`` (op byte included) for a server
+    that takes at most ``max_keys`` keys per request; ``op`` ``None``: of any request. An unknown
+    op may have a short body (it is answered with an error).
+
+    A server checks a declared length against this before allocating anything for the body, so
+    a frame costs what its op can legally need, never the 16 MiB the length field can name.
+    Id lists (RELEASE, CANCEL, COMMIT) name what one ACQUIRE or RESERVE handed out, so they
+    hold at most ``max_keys`` ids too.
+    """
+    keys = 4 + max_keys * KEY_BYTES
+    ids = 4 + 8 * max_keys
+    limits = {
+        Op.HELLO: _MAX_HELLO_BODY,
+        Op.LOOKUP: keys,
+        Op.ACQUIRE: keys,
+        Op.RESERVE: keys + 8 * max_keys,
+        Op.RELEASE: ids,
+        Op.COMMIT: ids,
+        Op.CANCEL: ids,
+        Op.TOUCH: 8 + keys,
+        Op.SYNC: 0,
+    }
+    body = max(limits.values()) if op is None else limits.get(op, _MAX_HELLO_BODY)
+    return 1 + min(body, MAX_REQUEST_BYTES - 1)
 
 
 class Slot:

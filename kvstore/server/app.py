@@ -12,8 +12,9 @@ import logging
 import os
 import signal
 import tempfile
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import _async as health_async
@@ -26,6 +27,7 @@ from kvstore.protocol.ucx import UcxTransportError
 from kvstore.server.budget import InflightBudget
 from kvstore.server.servicer import SERVICE_NAME, KVStoreServicer, add_to_server
 from kvstore.server.shm import ShmServer
+from kvstore.server.shm_limits import ShmLimits
 from kvstore.server.ucx import UcxDataServer
 from kvstore.server.ucx_service import add_ucx_to_server
 from kvstore.store import TieredStore
@@ -35,6 +37,8 @@ from kvstore.tiers import build_tiers
 __all__ = ["SERVICE_NAME", "RunningServer", "run_server", "start_server"]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def build_store(config: Config) -> TieredStore:
@@ -70,20 +74,32 @@ class RunningServer:
         """Refuse new calls, let in-flight ones finish, save DRAM to NVMe, close the store.
 
         Saving the hot set (most recently used first, for up to ``grace_s`` seconds) makes a
-        restart on the same NVMe directory warm even when everything fitted in DRAM.
+        restart on the same NVMe directory warm even when everything fitted in DRAM. Each step
+        runs whatever happened in the ones before (a failure is logged and the next step runs):
+        a data plane that broke must not cost the saved blocks or leave LMDB unclosed.
         """
-        await self.health.enter_graceful_shutdown()
-        await self.server.stop(self.grace_s)
+        await _step("entering graceful shutdown", self.health.enter_graceful_shutdown())
+        await _step("stopping the gRPC server", self.server.stop(self.grace_s))
         if self.ucx is not None:
-            await self.ucx.close()
+            await _step("closing the UCX data path", self.ucx.close())
         # Before persist and close: a prefetch batch may still be reading the nvme tier.
-        await self.servicer.close()
+        await _step("closing the servicer", self.servicer.close())
         if self.shm is not None:
-            await self.shm.close()
-        saved = await self.store.persist(self.grace_s)
-        logger.info("saved %d block(s) from volatile tiers to disk", saved)
-        await self.store.close()
+            await _step("closing the shared-memory data plane", self.shm.close())
+        saved = await _step("saving volatile tiers to disk", self.store.persist(self.grace_s))
+        if saved is not None:
+            logger.info("saved %d block(s) from volatile tiers to disk", saved)
+        await _step("closing the store", self.store.close())
         logger.info("kvstore stopped")
+
+
+async def _step(what: str, step: Awaitable[T]) -> T | None:
+    """Await one shutdown step; a failure is logged (``None`` returned), never raised."""
+    try:
+        return await step
+    except Exception:
+        logger.exception("shutdown: %s failed; going on with the rest", what)
+        return None
 
 
 async def start_server(config: Config) -> RunningServer:
@@ -139,7 +155,16 @@ async def _start_shm(
     path = shm_socket_path(config.server.shm_socket)
     if not path or store.arena is None:
         return None
-    shm = ShmServer(store, path, os.urandom(16), mode=config.server.shm_socket_mode)
+    settings = config.server
+    limits = ShmLimits(
+        max_connections=settings.shm_max_connections,
+        max_connections_per_uid=settings.shm_max_connections_per_uid,
+        # One connection may hold a quarter of the arena unless told otherwise: several engines
+        # share it, and none may pin or fill all of it.
+        session_bytes=settings.shm_session_bytes or max(store.arena.capacity // 4, 1),
+        frame_timeout_s=settings.shm_frame_timeout_s,
+    )
+    shm = ShmServer(store, path, os.urandom(16), mode=settings.shm_socket_mode, limits=limits)
     try:
         await shm.start()
     except OSError as exc:

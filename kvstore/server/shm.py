@@ -13,6 +13,11 @@ Everything a connection holds (leases, reservations) belongs to its arena sessio
 kernel closes the socket and the server closes the session, giving everything back, so a crashed
 engine cannot leak arena space or pins.
 
+What one client may cost is bounded (:mod:`kvstore.server.shm_limits`): connections in all and
+per peer uid, each frame's size by its op, the time a frame may take, and the arena bytes one
+connection may hold (its session's quota). Running out of file descriptors pauses accepting, with
+a log line, until some are free again; it never stops the data plane.
+
 The server runs on the store's event loop, like the gRPC server, because the store is not
 thread-safe; requests are metadata only, so this loop never copies a payload.
 """
@@ -34,7 +39,6 @@ from kvstore.errors import InvalidRequestError, KVStoreError, status_of
 from kvstore.protocol.checks import check_namespace
 from kvstore.protocol.shm_frames import (
     ABSENT_TIER,
-    MAX_REQUEST_BYTES,
     MAX_TOUCH_LOOKUPS,
     Cursor,
     Hello,
@@ -42,10 +46,17 @@ from kvstore.protocol.shm_frames import (
     ProtocolError,
     Slot,
     frame,
-    frame_length,
     pack_ranges,
 )
 from kvstore.server.sessions import ArenaSession, ArenaSessions, Leased, Reserved
+from kvstore.server.shm_limits import (
+    ConnectionCounter,
+    FrameRefused,
+    RateLimitedLog,
+    ShmLimits,
+    peer_uid,
+    read_frame,
+)
 from kvstore.store import TieredStore
 
 __all__ = ["ShmServer"]
@@ -54,6 +65,9 @@ logger = logging.getLogger(__name__)
 
 _OK = 0
 _INTERNAL = 13  # grpc.StatusCode.INTERNAL
+
+# accept() failures that pass once something else gives resources back (descriptors, buffers).
+_ACCEPT_BACKOFF_S = (0.05, 1.0)
 
 
 class _Session(ArenaSession):
@@ -67,11 +81,17 @@ class ShmServer:
 
     The socket file gets the permission bits ``mode`` whatever the process umask: connecting to a
     UNIX socket needs write permission on it, so ``mode`` decides which local users may map the
-    arena (the default, ``0o660``, admits the server's user and group).
+    arena (the default, ``0o660``, admits the server's user and group). ``limits`` bounds what
+    clients may cost.
     """
 
     def __init__(
-        self, store: TieredStore, path: str, instance_id: bytes, mode: int = 0o660
+        self,
+        store: TieredStore,
+        path: str,
+        instance_id: bytes,
+        mode: int = 0o660,
+        limits: ShmLimits | None = None,
     ) -> None:
         arena = store.arena
         if arena is None:
@@ -83,7 +103,11 @@ class ShmServer:
         self.mode = mode
         self.instance_id = instance_id
         self._arena = arena
-        self._sessions = ArenaSessions(store)
+        self.limits = limits if limits is not None else ShmLimits()
+        self._sessions = ArenaSessions(store, self.limits.session_bytes)
+        self._connections = ConnectionCounter(self.limits)
+        self._refusals = RateLimitedLog()
+        self._accept_failures = RateLimitedLog()
         self._tasks: set[asyncio.Task[None]] = set()
         self._listener: socket.socket | None = None
         self._socket_file: tuple[int, int] | None = None
@@ -115,8 +139,12 @@ class ShmServer:
         """Stop accepting, drop every connection (giving back what it held), remove the socket."""
         if self._accepting is not None:
             self._accepting.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            try:
                 await self._accepting
+            except asyncio.CancelledError:
+                pass
+            except Exception:  # it should never end on its own; closing goes on regardless
+                logger.exception("the shared-memory accept loop had failed")
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -135,30 +163,46 @@ class ShmServer:
     async def _accept(self) -> None:
         assert self._listener is not None
         loop = asyncio.get_running_loop()
+        delay = 0.0
         while True:
-            conn, _ = await loop.sock_accept(self._listener)
+            try:
+                conn, _ = await loop.sock_accept(self._listener)
+            except OSError as exc:
+                # Out of descriptors (EMFILE, ENFILE) or buffers: the pending connection stays
+                # in the backlog; wait for some to be given back and try again, never give up.
+                delay = min(max(2 * delay, _ACCEPT_BACKOFF_S[0]), _ACCEPT_BACKOFF_S[1])
+                self._accept_failures.warning(
+                    "shared-memory socket cannot accept a connection (%s); retrying every "
+                    "%.2fs at most",
+                    exc,
+                    delay,
+                )
+                await asyncio.sleep(delay)
+                continue
+            delay = 0.0
+            uid = peer_uid(conn)
+            refusal = self._connections.admit(uid)
+            if refusal is not None:
+                self._refusals.warning("shared-memory connection refused: %s", refusal)
+                conn.close()
+                continue
             conn.setblocking(False)
-            task = loop.create_task(self._serve(conn))
+            task = loop.create_task(self._serve(conn, uid))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _serve(self, conn: socket.socket) -> None:
+    async def _serve(self, conn: socket.socket, uid: int | None) -> None:
         loop = asyncio.get_running_loop()
         session = self._sessions.open(_Session)
         try:
             while True:
-                head = await _recv_exact(loop, conn, 4)
-                if head is None:
+                request = await read_frame(
+                    loop, conn, self.store.max_keys_per_request, self.limits.frame_timeout_s
+                )
+                if request is None:
                     return
-                length = frame_length(head)
-                if not 1 <= length <= MAX_REQUEST_BYTES:
-                    logger.warning("shm client sent a %d-byte frame; closing it", length)
-                    return
-                body = await _recv_exact(loop, conn, length)
-                if body is None:
-                    return
-                op = body[0]
-                reply = await self._dispatch(session, op, memoryview(body)[1:])
+                op, body = request
+                reply = await self._dispatch(session, op, memoryview(body))
                 if reply is None:
                     continue
                 if op == Op.HELLO and reply[4] == _OK:
@@ -166,10 +210,19 @@ class ShmServer:
                     await _send_with_fds(loop, conn, reply, self._greeting_fds())
                 else:
                     await loop.sock_sendall(conn, reply)
+        except FrameRefused as exc:
+            self._refusals.warning("shm client (uid %s) sent %s; closing it", uid, exc)
+        except TimeoutError:
+            self._refusals.warning(
+                "shm client (uid %s) began a frame and did not finish it within %.1fs; closing it",
+                uid,
+                self.limits.frame_timeout_s,
+            )
         except (ConnectionError, OSError) as exc:
             logger.debug("shm connection ended: %s", exc)
         finally:
             self._sessions.close(session)
+            self._connections.leave(uid)
             conn.close()
 
     def _greeting_fds(self) -> list[int]:
@@ -361,21 +414,6 @@ def _file_id(path: str) -> tuple[int, int] | None:
     except FileNotFoundError:
         return None
     return info.st_dev, info.st_ino
-
-
-async def _recv_exact(
-    loop: asyncio.AbstractEventLoop, conn: socket.socket, size: int
-) -> bytearray | None:
-    """Exactly ``size`` bytes, or ``None`` if the peer closed the connection first."""
-    buffer = bytearray(size)
-    view = memoryview(buffer)
-    received = 0
-    while received < size:
-        count = await loop.sock_recv_into(conn, view[received:])
-        if count == 0:
-            return None
-        received += count
-    return buffer
 
 
 async def _send_with_fds(
