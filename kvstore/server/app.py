@@ -19,10 +19,12 @@ import grpc
 from grpc_health.v1 import _async as health_async
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvstore.block import install_keyring
 from kvstore.config import Config
 from kvstore.policy import Policy
 from kvstore.protocol.messages import MESSAGE_TARGET_BYTES
 from kvstore.protocol.ucx import UcxTransportError
+from kvstore.server.integrity import load_keyring
 from kvstore.server.servicer import SERVICE_NAME, KVStoreServicer, add_to_server
 from kvstore.server.shm import ShmServer
 from kvstore.server.ucx import UcxDataServer
@@ -36,7 +38,11 @@ logger = logging.getLogger(__name__)
 
 
 def build_store(config: Config) -> TieredStore:
-    """The :class:`TieredStore` a config describes, its index rebuilt from persistent tiers."""
+    """The :class:`TieredStore` a config describes, its index rebuilt from persistent tiers.
+
+    Installs the configured integrity keyring first: blocks are signed and verified with it.
+    """
+    install_keyring(load_keyring(config))
     store = TieredStore(
         build_tiers(config),
         max_block_bytes=config.server.max_block_bytes,
@@ -78,6 +84,7 @@ class RunningServer:
         await self.servicer.close()
         if self.shm is not None:
             await self.shm.close()
+            _remove_private_dir(self.shm.path)
         saved = await self.store.persist(self.grace_s)
         logger.info("saved %d block(s) from volatile tiers to disk", saved)
         await self.store.close()
@@ -118,11 +125,39 @@ async def start_server(config: Config) -> RunningServer:
     )
 
 
-def shm_socket_path(setting: str) -> str:
-    """The socket path a ``server.shm_socket`` setting names ("" when the data plane is off)."""
-    if setting == "auto":
-        return os.path.join(tempfile.gettempdir(), f"kvstore-{os.getpid()}.sock")
-    return setting
+_AUTO_SOCKET = "shm.sock"
+# Directories this process made for ``auto`` sockets: the only ones it removes again.
+_AUTO_DIRS: set[str] = set()
+
+
+def shm_socket_path(setting: str, mode: int = 0o660) -> str:
+    """The socket path a ``server.shm_socket`` setting names ("" when the data plane is off).
+
+    ``auto`` creates a fresh directory with an unpredictable name (``mkdtemp``) in
+    ``$XDG_RUNTIME_DIR`` (private to the user) when there is one, else the temp directory, and
+    names the socket inside it: nobody else can create that path first. The directory is 0700
+    plus search (x, not list) permission for group and others exactly where the socket's
+    ``mode`` lets them write it, so clients the socket admits can reach it and no one else can.
+    """
+    if setting != "auto":
+        return setting
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+    parent = runtime if runtime and os.path.isdir(runtime) else tempfile.gettempdir()
+    directory = tempfile.mkdtemp(prefix="kvstore-", dir=parent)
+    os.chmod(directory, 0o700 | ((mode & 0o022) >> 1))
+    _AUTO_DIRS.add(directory)
+    return os.path.join(directory, _AUTO_SOCKET)
+
+
+def _remove_private_dir(socket_path: str) -> None:
+    """Remove the directory :func:`shm_socket_path` made for an ``auto`` socket, if empty."""
+    directory = os.path.dirname(socket_path)
+    if directory in _AUTO_DIRS:
+        _AUTO_DIRS.discard(directory)
+        try:
+            os.rmdir(directory)
+        except OSError as exc:
+            logger.warning("cannot remove socket directory %s: %s", directory, exc)
 
 
 async def _start_shm(
@@ -133,13 +168,14 @@ async def _start_shm(
     A socket that cannot be created (no such directory, no permission, a path too long) turns
     only this data plane off: the server announces no socket and clients use gRPC.
     """
-    path = shm_socket_path(config.server.shm_socket)
-    if not path or store.arena is None:
+    if not config.server.shm_socket or store.arena is None:
         return None
+    path = shm_socket_path(config.server.shm_socket, config.server.shm_socket_mode)
     shm = ShmServer(store, path, os.urandom(16), mode=config.server.shm_socket_mode)
     try:
         await shm.start()
     except OSError as exc:
+        _remove_private_dir(path)
         logger.warning(
             "shared-memory data plane off: cannot create socket %s (%s); "
             "co-located clients will use gRPC",

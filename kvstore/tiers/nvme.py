@@ -1,8 +1,11 @@
 """The ``nvme`` tier: an LMDB environment on local disk that survives restarts.
 
 Each block is one LMDB value, ``header ‖ payload`` (see :mod:`kvstore.block`), under its 16-byte
-key. Every read verifies the header and checksum; a value that fails is deleted, counted in
-``corrupt_blocks`` and reported as a miss, so bytes that rotted on disk are never returned.
+key. Every read verifies the header and its keyed MAC; a value that fails (rotted on disk, written
+into the file by someone without the integrity secret, or in the old unkeyed format) is deleted,
+counted in ``corrupt_blocks`` and reported as a miss, so such bytes are never returned. The
+directory is created private (0700) and LMDB's files 0600: other users of the machine can neither
+read cached payloads nor write blocks.
 
 Capacity is enforced twice: the tier counts the pages its values occupy against ``capacity`` (so
 the store evicts before LMDB fills up), and an LMDB ``MapFullError`` (B-tree pages, free pages held
@@ -33,7 +36,7 @@ from kvstore.buffers import byte_view
 from kvstore.keys import KEY_BYTES
 from kvstore.tiers.base import Buffer, SizeLedger, StoredBlock, Tier
 
-__all__ = ["NvmeTier"]
+__all__ = ["NvmeTier", "private_directory"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +48,16 @@ _HEADROOM_FRACTION = 0.2
 _MIN_HEADROOM = 256 * 1024
 
 
+def private_directory(path: Path) -> None:
+    """Create ``path`` (and parents) with mode 0700, or make an existing one of ours 0700."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if path.stat().st_mode & 0o077:
+        logger.warning("making nvme directory %s private (mode 0700)", path)
+        path.chmod(0o700)
+
+
 class NvmeTier(Tier):
-    """Blocks as checksummed values in an LMDB environment."""
+    """Blocks as authenticated (MAC-carrying) values in an LMDB environment."""
 
     name = "nvme"
     persistent = True
@@ -67,7 +78,7 @@ class NvmeTier(Tier):
         self._env = self._open()
 
     def _open(self) -> Any:
-        self.path.mkdir(parents=True, exist_ok=True)
+        private_directory(self.path)
         try:
             return self._open_env()
         except lmdb.Error as exc:
@@ -76,7 +87,7 @@ class NvmeTier(Tier):
             aside = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
             logger.error("cannot open LMDB at %s (%s); moving it to %s", self.path, exc, aside)
             shutil.move(str(self.path), str(aside))
-            self.path.mkdir(parents=True)
+            private_directory(self.path)
             return self._open_env()
 
     def _open_env(self) -> Any:
@@ -89,6 +100,7 @@ class NvmeTier(Tier):
             # meminit stays on: without it LMDB writes uninitialised heap (other tenants'
             # payloads) into the slack of pages on disk.
             max_readers=256,
+            mode=0o600,  # data.mdb and lock.mdb: cached payloads are private to this user
         )
 
     def footprint(self, length: int) -> int:

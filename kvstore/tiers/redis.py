@@ -3,8 +3,11 @@
 Each block is one atomic Redis string, ``header ‖ payload`` (see :mod:`kvstore.block`), under
 ``key_prefix + key.hex()``, written with ``SET ... PX ttl``. A batch of reads is one ``MGET`` (split
 per hash slot in cluster mode) and every value is verified with
-:func:`kvstore.block.decode_value`: a value that fails is deleted, counted in ``corrupt_blocks``
-and reported as a miss. Batched writes and existence checks are non-transactional pipelines.
+:func:`kvstore.block.decode_value`, keyed MAC included: anyone able to write to Redis can change a
+value but cannot sign one without the cluster's integrity secret, so a value that fails (forged,
+old unkeyed format, rotted) is deleted, counted in ``corrupt_blocks`` and reported as a miss; it is
+never served. Every node sharing the Redis needs the same integrity secrets. Batched writes and
+existence checks are non-transactional pipelines.
 
 The URL picks the client: ``redis://``, ``rediss://`` and ``unix://`` give one server
 (:class:`redis.asyncio.Redis`); ``redis+cluster://host:port`` (or ``rediss+cluster://``) gives a
@@ -90,7 +93,7 @@ _FAILED = _Failed.FAILED
 
 
 class RedisTier(Tier):
-    """Blocks as checksummed values in a shared Redis or Redis Cluster."""
+    """Blocks as authenticated (MAC-carrying) values in a shared Redis or Redis Cluster."""
 
     name = "redis"
     shared = True

@@ -193,7 +193,7 @@ async def test_corrupted_payload_is_a_miss_deleted_and_counted(path: Path) -> No
     try:
         # The header is intact, so the scan still lists the block ...
         assert {h.key for h in second.scan()} == {key(1), key(2)}
-        # ... but its checksum fails on read: a miss, never the rotten bytes.
+        # ... but its MAC fails on read: a miss, never the rotten bytes.
         blocks = await second.read([key(2), key(1)])
         assert blocks[0] is None
         assert blocks[1] is not None and bytes(blocks[1].payload) == good
@@ -210,9 +210,9 @@ async def test_corrupted_payload_is_a_miss_deleted_and_counted(path: Path) -> No
 
 @pytest.mark.parametrize(
     "offset",
-    [48, 40],  # the stored checksum; the payload length (a header the scan cannot tell is wrong)
+    [48, 63, 40],  # the stored MAC's ends; the payload length (the scan cannot tell it is wrong)
 )
-async def test_corrupted_checksum_or_length_field_is_a_miss(path: Path, offset: int) -> None:
+async def test_corrupted_mac_or_length_field_is_a_miss(path: Path, offset: int) -> None:
     data = payload(1, 5000)
     first = NvmeTier(path, 8 * MIB)
     assert await put(first, key(1), data)
