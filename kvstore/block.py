@@ -2,11 +2,11 @@
 
 A block leaves host memory (for ``nvme`` and ``redis``) as one value: a fixed 64-byte header
 followed by the payload. The header names the key and the namespace fingerprint the block was
-stored under and holds a keyed MAC (BLAKE2b-128 keyed with the cluster's integrity secret) over
-the header fields and the payload. Anyone able to write to Redis or to the LMDB file can change
-bytes, but without the secret cannot make a header that verifies, so a reader proves that the
-bytes it found are exactly the bytes a node holding the secret put under that key and namespace,
-and otherwise treats them as a miss.
+stored under and holds a keyed MAC (HMAC-SHA256 truncated to 128 bits, keyed with the cluster's
+integrity secret) over the header fields and the payload. Anyone able to write to Redis or to the
+LMDB file can change bytes, but without the secret cannot make a header that verifies, so a reader
+proves that the bytes it found are exactly the bytes a node holding the secret put under that key
+and namespace, and otherwise treats them as a miss.
 
 Layout (little-endian), version 2::
 
@@ -17,7 +17,11 @@ Layout (little-endian), version 2::
          8   16 key
         24   16 namespace fingerprint
         40    8 payload length in bytes
-        48   16 BLAKE2b-128 keyed MAC of bytes 0..48 of the header followed by the payload
+        48   16 HMAC-SHA256/128 of bytes 0..48 of the header followed by the payload
+
+HMAC-SHA256 rather than keyed BLAKE2b: with the SHA extensions of current x86 and Arm server CPUs
+it runs at about 1.5 GB/s per core against BLAKE2b's 0.9 (``benchmarks/results/integrity.md``);
+the MAC is computed once per block at put and on every read from nvme and redis.
 
 The secrets live in a :class:`Keyring`: new blocks are signed with its first secret, reads accept
 any of them (rotation: list the new secret first and keep the old ones until their blocks are
@@ -58,7 +62,7 @@ _PREFIX = struct.Struct("<4sHH16s16sQ")  # everything the MAC covers, before the
 _LAYOUT = struct.Struct("<4sHH16s16sQ16s")
 assert _LAYOUT.size == HEADER_BYTES
 # Domain separation: a key derived for block MACs is never the raw configured secret.
-_PERSON = b"kvstore-blockmac"
+_LABEL = b"kvstore block MAC v2"
 
 Buffer = bytes | bytearray | memoryview
 
@@ -70,7 +74,8 @@ class CorruptBlockError(Exception):
 class Keyring:
     """The integrity secrets of a cluster: the first signs new blocks, any verifies.
 
-    Secrets of any length are accepted; each is hashed into a 32-byte BLAKE2b key.
+    Secrets of any length are accepted; each is turned into a 32-byte HMAC key of its own
+    (HMAC-SHA256 of a fixed label), so a configured secret is never used raw.
     """
 
     def __init__(self, secrets: Sequence[bytes]) -> None:
@@ -78,7 +83,8 @@ class Keyring:
             raise ValueError("a keyring needs at least one secret")
         if any(not secret for secret in secrets):
             raise ValueError("an integrity secret must not be empty")
-        self._keys = [hashlib.blake2b(s, digest_size=32, person=_PERSON).digest() for s in secrets]
+        # Keyed states, copied per MAC: the key's two padding blocks are hashed once, here.
+        self._keys = [hmac.new(_derive(s), digestmod=hashlib.sha256) for s in secrets]
 
     @classmethod
     def random(cls) -> Keyring:
@@ -97,12 +103,16 @@ class Keyring:
         return any(hmac.compare_digest(_mac(key, prefix, parts), mac) for key in self._keys)
 
 
-def _mac(key: bytes, prefix: bytes, parts: Iterable[Buffer]) -> bytes:
-    digest = hashlib.blake2b(key=key, digest_size=MAC_BYTES)
+def _derive(secret: bytes) -> bytes:
+    return hmac.digest(secret, _LABEL, "sha256")
+
+
+def _mac(key: hmac.HMAC, prefix: bytes, parts: Iterable[Buffer]) -> bytes:
+    digest = key.copy()
     digest.update(prefix)
     for part in parts:
         digest.update(part)
-    return digest.digest()
+    return digest.digest()[:MAC_BYTES]
 
 
 _installed = Keyring.random()

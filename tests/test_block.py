@@ -7,7 +7,7 @@ block) must raise :class:`CorruptBlockError`.
 
 from __future__ import annotations
 
-import hashlib
+import hmac
 import struct
 
 import pytest
@@ -62,12 +62,12 @@ def test_header_layout_matches_documentation() -> None:
     assert raw[48:64] == block_mac(KEY, NS, PAYLOAD)
 
 
-def test_mac_is_keyed_blake2b_of_header_prefix_and_payload() -> None:
-    # Written out independently of the module: the key is BLAKE2b-256 of the secret.
+def test_mac_is_truncated_hmac_sha256_of_header_prefix_and_payload() -> None:
+    # Written out independently of the module: the key is HMAC-SHA256(secret, label).
     secret = b"cluster secret"
-    derived = hashlib.blake2b(secret, digest_size=32, person=b"kvstore-blockmac").digest()
+    derived = hmac.digest(secret, b"kvstore block MAC v2", "sha256")
     raw = encode_header(KEY, NS, PAYLOAD, Keyring([secret]))
-    expected = hashlib.blake2b(raw[:48] + PAYLOAD, key=derived, digest_size=16).digest()
+    expected = hmac.digest(derived, raw[:48] + PAYLOAD, "sha256")[:16]
     assert raw[48:64] == expected
 
 
