@@ -1,14 +1,31 @@
-"""The self-describing, authenticated header every stored block carries.
+"""Block headers: an xxh3-64 checksum in server memory, a keyed MAC on shared and persistent tiers.
 
-A block leaves host memory (for ``nvme`` and ``redis``) as one value: a fixed 64-byte header
-followed by the payload. The header names the key and the namespace fingerprint the block was
-stored under and holds a keyed MAC (HMAC-SHA256 truncated to 128 bits, keyed with the cluster's
-integrity secret) over the header fields and the payload. Anyone able to write to Redis or to the
-LMDB file can change bytes, but without the secret cannot make a header that verifies, so a reader
-proves that the bytes it found are exactly the bytes a node holding the secret put under that key
-and namespace, and otherwise treats them as a miss.
+A block has two headers, for the two kinds of place it lives in:
 
-Layout (little-endian), version 2::
+* in **host and device memory** (``dram``, ``hbm``) the server keeps a :class:`BlockHeader` beside
+  the pages, in its own memory: key, namespace fingerprint, length and an unkeyed xxh3-64
+  checksum of the payload, computed at put (tens of GB/s, so a put stays a copy). A co-located
+  client that maps the shared arena can change the payload's bytes, but never this header, which
+  is not in the arena: ``dram.verify_reads`` compares the bytes against the checksum the server
+  recorded, and no secret is needed for that (the attacker cannot rewrite the reference value,
+  as it could a checksum stored next to the data). The checksum catches rot and any change that is
+  not built to collide with xxh3, a non-cryptographic hash: it is not a MAC.
+* on **nvme and redis** (anyone able to write to Redis or to the LMDB file can change bytes, header
+  included) a block leaves as one value: a fixed 64-byte :class:`WireHeader` followed by the
+  payload. It names the key and the namespace fingerprint and holds a keyed MAC (HMAC-SHA256
+  truncated to 128 bits, keyed with the cluster's integrity secret) over the header fields and
+  the payload. Without the secret no one can make a header that verifies, so a reader proves that
+  the bytes it found are exactly the bytes a node holding the secret stored under that key and
+  namespace, and otherwise treats them as a miss.
+
+The MAC (about 0.7 ms per MiB) is computed lazily: only when a block is encoded for nvme or redis
+(:meth:`BlockHeader.seal`, which first checks the payload against its checksum, so bytes changed
+in the arena are refused rather than signed), and verified on every read from those tiers
+(:func:`decode_value`, which computes the checksum of the block as it comes back into memory).
+Both run off the event loop (the nvme tier's worker thread; a thread for large redis batches). A
+store with only dram never computes a MAC; one with only nvme signs every put, in the worker.
+
+Wire layout (little-endian), version 2::
 
     offset size field
          0    4 magic  b"KVB1"
@@ -20,8 +37,7 @@ Layout (little-endian), version 2::
         48   16 HMAC-SHA256/128 of bytes 0..48 of the header followed by the payload
 
 HMAC-SHA256 rather than keyed BLAKE2b: with the SHA extensions of current x86 and Arm server CPUs
-it runs at about 1.5 GB/s per core against BLAKE2b's 0.9 (``benchmarks/results/integrity.md``);
-the MAC is computed once per block at put and on every read from nvme and redis.
+it runs at about 1.5 GB/s per core against BLAKE2b's 0.9 (``benchmarks/results/integrity.md``).
 
 The secrets live in a :class:`Keyring`: new blocks are signed with its first secret, reads accept
 any of them (rotation: list the new secret first and keep the old ones until their blocks are
@@ -39,6 +55,8 @@ import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import xxhash
+
 from kvstore.keys import KEY_BYTES, NAMESPACE_BYTES
 
 __all__ = [
@@ -47,7 +65,9 @@ __all__ = [
     "BlockHeader",
     "CorruptBlockError",
     "Keyring",
+    "WireHeader",
     "block_mac",
+    "checksum_of",
     "decode_value",
     "encode_header",
     "install_keyring",
@@ -142,8 +162,8 @@ def block_mac(
 
 
 @dataclass(frozen=True, slots=True)
-class BlockHeader:
-    """The decoded header of one stored block."""
+class WireHeader:
+    """The header of one stored value as it is on nvme and redis: the MAC, no checksum."""
 
     key: bytes
     namespace: bytes
@@ -153,8 +173,8 @@ class BlockHeader:
     @classmethod
     def for_payload(
         cls, key: bytes, namespace: bytes, payload: Buffer, keyring: Keyring | None = None
-    ) -> BlockHeader:
-        """Build (and sign) the header of ``payload`` stored under ``key`` in ``namespace``."""
+    ) -> WireHeader:
+        """Sign ``payload`` stored under ``key`` in ``namespace``: the header that goes with it."""
         return cls(key, namespace, len(payload), block_mac(key, namespace, payload, keyring))
 
     def pack(self) -> bytes:
@@ -166,7 +186,7 @@ class BlockHeader:
         return _LAYOUT.pack(MAGIC, VERSION, 0, self.key, self.namespace, self.length, self.mac)
 
     @classmethod
-    def unpack(cls, data: Buffer) -> BlockHeader:
+    def unpack(cls, data: Buffer) -> WireHeader:
         """Parse a header; raises :class:`CorruptBlockError` if it is not one (old versions too)."""
         if len(data) < HEADER_BYTES:
             raise CorruptBlockError(f"value of {len(data)} bytes is shorter than a header")
@@ -192,11 +212,60 @@ class BlockHeader:
             raise CorruptBlockError(f"MAC mismatch for key {self.key.hex()}")
 
 
+@dataclass(frozen=True, slots=True)
+class BlockHeader:
+    """A block's header in server memory: key, namespace, length and an xxh3-64 checksum.
+
+    ``checksum`` is ``None`` only in headers a persistent tier lists at start-up without reading
+    the payload (:meth:`kvstore.tiers.base.Tier.scan`), which serve to index and nothing else.
+    """
+
+    key: bytes
+    namespace: bytes
+    length: int
+    checksum: int | None
+
+    @classmethod
+    def for_payload(cls, key: bytes, namespace: bytes, payload: Buffer) -> BlockHeader:
+        """The header of ``payload`` stored under ``key`` in ``namespace`` (checksum computed)."""
+        return cls(key, namespace, len(payload), checksum_of((payload,)))
+
+    def verify(self, payload: Buffer) -> None:
+        """Raise :class:`CorruptBlockError` unless ``payload`` is the one this header describes."""
+        self.verify_parts([payload])
+
+    def verify_parts(self, parts: Sequence[Buffer]) -> None:
+        """:meth:`verify` for a payload held in pieces (the pages of an arena block), in order."""
+        length = sum(len(part) for part in parts)
+        if length != self.length:
+            raise CorruptBlockError(f"payload is {length} bytes, header says {self.length}")
+        if self.checksum is None or checksum_of(parts) != self.checksum:
+            raise CorruptBlockError(f"checksum mismatch for key {self.key.hex()}")
+
+    def seal(self, payload: Buffer, keyring: Keyring | None = None) -> bytes:
+        """The packed, signed header that goes with ``payload`` to nvme or redis.
+
+        Checks the payload against the checksum first, so that bytes changed since the put (by a
+        client writing the shared arena, or rot) are refused (:class:`CorruptBlockError`) rather
+        than signed. Costs a MAC over the payload: call it off the event loop for large blocks.
+        """
+        self.verify(payload)
+        return encode_header(self.key, self.namespace, payload, keyring)
+
+
+def checksum_of(parts: Iterable[Buffer]) -> int:
+    """The unkeyed xxh3-64 of the concatenation of ``parts`` (tens of GB/s: cheap at put)."""
+    digest = xxhash.xxh3_64()
+    for part in parts:
+        digest.update(part)
+    return digest.intdigest()
+
+
 def encode_header(
     key: bytes, namespace: bytes, payload: Buffer, keyring: Keyring | None = None
 ) -> bytes:
-    """Shorthand for ``BlockHeader.for_payload(...).pack()``."""
-    return BlockHeader.for_payload(key, namespace, payload, keyring).pack()
+    """The packed header, MAC computed, of ``payload`` under ``key`` in ``namespace``."""
+    return WireHeader.for_payload(key, namespace, payload, keyring).pack()
 
 
 def decode_value(
@@ -204,13 +273,16 @@ def decode_value(
 ) -> tuple[BlockHeader, memoryview]:
     """Split a stored ``header ‖ payload`` value and verify it belongs to ``key``.
 
-    Returns the header and a zero-copy view of the payload; raises :class:`CorruptBlockError` on any
-    mismatch (wrong key, truncated value, old format, bad MAC).
+    Returns the in-memory header (checksum computed, for the block's life in dram) and a
+    zero-copy view of the payload; raises :class:`CorruptBlockError` on any mismatch (wrong key,
+    truncated value, old format, bad MAC). Costs a MAC and a checksum over the payload: call it
+    off the event loop for large values.
     """
     view = memoryview(value)
-    header = BlockHeader.unpack(view)
-    if header.key != key:
-        raise CorruptBlockError(f"value under {key.hex()} names key {header.key.hex()}")
+    wire = WireHeader.unpack(view)
+    if wire.key != key:
+        raise CorruptBlockError(f"value under {key.hex()} names key {wire.key.hex()}")
     payload = view[HEADER_BYTES:]
-    header.verify(payload, keyring)
+    wire.verify(payload, keyring)
+    header = BlockHeader(wire.key, wire.namespace, wire.length, checksum_of((payload,)))
     return header, payload

@@ -8,7 +8,7 @@ import struct
 
 import xxhash
 
-from kvstore.block import HEADER_BYTES, BlockHeader, Keyring, encode_header
+from kvstore.block import HEADER_BYTES, Keyring, WireHeader, encode_header
 
 ATTACKER = Keyring([b"not the cluster's secret"])
 
@@ -26,7 +26,7 @@ def forged_value(key: bytes, namespace: bytes, payload: bytes) -> bytes:
 
 def rewrite_payload(value: bytes, forge: str) -> bytes:
     """``value`` (a genuine stored block) with a different payload and a forged header."""
-    header = BlockHeader.unpack(value)
+    header = WireHeader.unpack(value)
     evil = bytes(b ^ 0x5A for b in value[HEADER_BYTES:])
     make = v1_value if forge == "v1" else forged_value
     return make(header.key, header.namespace, evil)

@@ -19,6 +19,7 @@ from kvstore.block import (
     BlockHeader,
     CorruptBlockError,
     Keyring,
+    WireHeader,
     block_mac,
     decode_value,
     encode_header,
@@ -49,7 +50,7 @@ def test_header_is_exactly_64_bytes() -> None:
     assert HEADER_BYTES == 64
     assert len(encode_header(KEY, NS, PAYLOAD)) == 64
     assert len(encode_header(KEY, NS, b"")) == 64
-    assert len(BlockHeader(KEY, NS, 2**64 - 1, bytes(16)).pack()) == 64
+    assert len(WireHeader(KEY, NS, 2**64 - 1, bytes(16)).pack()) == 64
 
 
 def test_header_layout_matches_documentation() -> None:
@@ -72,17 +73,17 @@ def test_mac_is_truncated_hmac_sha256_of_header_prefix_and_payload() -> None:
 
 
 def test_pack_unpack_round_trip() -> None:
-    header = BlockHeader.for_payload(KEY, NS, PAYLOAD)
+    header = WireHeader.for_payload(KEY, NS, PAYLOAD)
     assert header.key == KEY and header.namespace == NS and header.length == len(PAYLOAD)
     assert header.mac == block_mac(KEY, NS, PAYLOAD)
-    assert BlockHeader.unpack(header.pack()) == header
-    assert BlockHeader.unpack(memoryview(header.pack() + PAYLOAD)) == header
-    arbitrary = BlockHeader(OTHER_KEY, OTHER_NS, 12345, bytes(range(16)))
-    assert BlockHeader.unpack(arbitrary.pack()) == arbitrary
+    assert WireHeader.unpack(header.pack()) == header
+    assert WireHeader.unpack(memoryview(header.pack() + PAYLOAD)) == header
+    arbitrary = WireHeader(OTHER_KEY, OTHER_NS, 12345, bytes(range(16)))
+    assert WireHeader.unpack(arbitrary.pack()) == arbitrary
 
 
 def test_unpack_returns_bytes_not_views() -> None:
-    header = BlockHeader.unpack(memoryview(bytearray(stored())))
+    header = WireHeader.unpack(memoryview(bytearray(stored())))
     assert type(header.key) is bytes and type(header.namespace) is bytes
 
 
@@ -213,7 +214,7 @@ def test_header_from_one_payload_does_not_verify_another() -> None:
 
 
 def test_verify_checks_length_then_mac() -> None:
-    header = BlockHeader.for_payload(KEY, NS, PAYLOAD)
+    header = WireHeader.for_payload(KEY, NS, PAYLOAD)
     header.verify(PAYLOAD)
     with pytest.raises(CorruptBlockError, match="header says"):
         header.verify(PAYLOAD[:-1])
@@ -248,7 +249,7 @@ def test_mac_accepts_memoryview() -> None:
 
 
 def test_verify_parts_matches_whole_payload() -> None:
-    header = BlockHeader.for_payload(KEY, NS, PAYLOAD)
+    header = WireHeader.for_payload(KEY, NS, PAYLOAD)
     header.verify_parts([PAYLOAD[:100], memoryview(PAYLOAD)[100:4000], PAYLOAD[4000:]])
     with pytest.raises(CorruptBlockError, match="MAC"):
         header.verify_parts([PAYLOAD[:100], flip(PAYLOAD[100:], 0)])

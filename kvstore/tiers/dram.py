@@ -6,12 +6,14 @@ allocates nothing else in steady state. Capacity is counted in whole pages, so t
 occupies never exceed ``capacity``, and the space lost to rounding up the last page of each block is
 reported as ``wasted_bytes``. Living in a memfd lets co-located clients map the same pages later.
 
-DRAM is trusted memory, so by default reads are not re-verified (a MAC over every read would cost
-more than the copy); the header, MAC computed once at put, is kept beside the pages and goes with
-the block when it is demoted to a tier that can rot. With ``verify_reads`` (setting
-``dram.verify_reads``) every server-side read and lease checks the block against its MAC first; a
-block that fails is dropped, counted in ``corrupt_blocks`` and is a miss. A client reading pages
-directly through the published index is beyond the server's reach and is not checked.
+The header, with the payload's xxh3-64 checksum computed at put (no MAC: see
+:mod:`kvstore.block`), is kept beside the pages in the server's own memory, never in the arena, and
+goes with the block when it is demoted; the tier it goes to checks the payload against it before
+signing. By default reads are not re-verified; with ``verify_reads`` (setting
+``dram.verify_reads``) every server-side read and lease checks the block against its checksum
+first, which a client writing the arena cannot rewrite; a block that fails is dropped, counted in
+``corrupt_blocks`` and is a miss. A client reading pages directly through the published index is
+beyond the server's reach and is not checked.
 
 Two things let a co-located client touch the pages directly (``kvstore.server.shm``):
 
@@ -172,7 +174,7 @@ class DramTier(PagedTier):
         return self.write_sync(header, payload)
 
     def _resident(self, key: bytes) -> _Resident | None:
-        """``key``'s block, verified against its MAC first with ``verify_reads`` (else dropped)."""
+        """``key``'s block, checked against its checksum with ``verify_reads`` (else dropped)."""
         resident = self._blocks.get(key)
         if resident is None or not self.verify_reads:
             return resident

@@ -7,6 +7,10 @@ counted in ``corrupt_blocks`` and reported as a miss, so such bytes are never re
 directory is created private (0700) and LMDB's files 0600: other users of the machine can neither
 read cached payloads nor write blocks.
 
+The MAC is computed here, in the tier's worker thread, when a block is written (after checking the
+payload against the checksum it was put with), and verified there on reads: an LMDB-only store
+signs every put, off the event loop.
+
 Capacity is enforced twice: the tier counts the pages its values occupy against ``capacity`` (so
 the store evicts before LMDB fills up), and an LMDB ``MapFullError`` (B-tree pages, free pages held
 by readers) makes :meth:`write` return False so that the store evicts more, never an error to the
@@ -31,7 +35,7 @@ from typing import Any
 
 import lmdb
 
-from kvstore.block import HEADER_BYTES, BlockHeader, CorruptBlockError, decode_value
+from kvstore.block import HEADER_BYTES, BlockHeader, CorruptBlockError, WireHeader, decode_value
 from kvstore.buffers import byte_view
 from kvstore.keys import KEY_BYTES
 from kvstore.tiers.base import Buffer, SizeLedger, StoredBlock, Tier
@@ -119,11 +123,18 @@ class NvmeTier(Tier):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     async def write(self, header: BlockHeader, payload: Buffer) -> bool:
-        """Commit one block; False when LMDB's map is full or the disk refuses the write."""
-        value = header.pack() + bytes(byte_view(payload))
+        """Commit one block; False when LMDB's map is full or the disk refuses the write.
+
+        Also False, counted in ``corrupt_blocks``, when the payload no longer matches the
+        checksum it was put with: such bytes are never signed.
+        """
         try:
-            await self._run(self._put, header.key, value)
+            await self._run(self._put, header, payload)
         except lmdb.MapFullError:
+            return False
+        except CorruptBlockError as exc:
+            self.corrupt_blocks += 1
+            logger.error("refusing to store block %s on nvme: %s", header.key.hex(), exc)
             return False
         except lmdb.Error as exc:
             self.write_errors += 1
@@ -132,9 +143,14 @@ class NvmeTier(Tier):
         self._ledger.add(header.key, header.length)
         return True
 
-    def _put(self, key: bytes, value: bytes) -> None:
+    def _put(self, header: BlockHeader, payload: Buffer) -> None:
+        # In the worker thread: the MAC (the costly part of a write) stays off the event loop.
+        # The copy is what gets checked and signed, so bytes changing meanwhile (a shared
+        # buffer) cannot slip between the check and the write.
+        data = bytes(byte_view(payload))
+        value = header.seal(data) + data
         with self._env.begin(write=True) as txn:
-            txn.put(key, value)
+            txn.put(header.key, value)
 
     async def read(self, keys: Sequence[bytes]) -> list[StoredBlock | None]:
         """Read and verify a batch in one read transaction; corrupt values become misses."""
@@ -195,13 +211,14 @@ class NvmeTier(Tier):
             for key, value in txn.cursor():
                 key = bytes(key)
                 try:
-                    header = BlockHeader.unpack(value[:HEADER_BYTES])
-                    if header.key != key or len(value) != HEADER_BYTES + header.length:
+                    wire = WireHeader.unpack(value[:HEADER_BYTES])
+                    if wire.key != key or len(value) != HEADER_BYTES + wire.length:
                         raise CorruptBlockError("header does not match the stored value")
                 except CorruptBlockError:
                     broken.append(key)
                     continue
-                headers.append(header)
+                # Only indexed: the payload (and its MAC) is read, and checked, on first read.
+                headers.append(BlockHeader(wire.key, wire.namespace, wire.length, None))
         if broken:
             self.corrupt_blocks += len(broken)
             logger.error("dropping %d nvme value(s) with a broken header", len(broken))
