@@ -1,4 +1,4 @@
-"""What keyed block integrity costs: the MAC at put, and ``dram.verify_reads`` at get.
+"""What block integrity costs: checksum at put, MAC to and from nvme, ``dram.verify_reads``.
 
 Exact command (repository root; well under a minute on 2 shared cores)::
 
@@ -6,11 +6,14 @@ Exact command (repository root; well under a minute on 2 shared cores)::
 
 One run measures, interleaved round-robin so that noise from other work hits every case alike:
 
-* **Header per block** (in-process, 1 MiB and 4 MiB payloads): the old version-1 header's
-  unkeyed xxh3-64 checksum against :meth:`kvstore.block.BlockHeader.for_payload`, the
-  HMAC-SHA256/128 every put now computes once per block (at commit, for shm reservations), and
-  keyed BLAKE2b-128 (the alternative considered) for comparison.
-* **Put over shm**: ``KVStoreClient.put`` of a batch of 8 fresh 1 MiB blocks (includes the MAC).
+* **Header per block** (in-process, 1 MiB and 4 MiB payloads): the xxh3-64 checksum every put
+  computes (:meth:`kvstore.block.BlockHeader.for_payload`, at commit for shm reservations), the
+  HMAC-SHA256/128 computed only when a block goes to nvme or redis (:func:`kvstore.block.block_mac`)
+  and checked when it comes back, and keyed BLAKE2b-128 (the alternative considered).
+* **Put over shm** to a dram-only server: ``KVStoreClient.put`` of a batch of 8 fresh 1 MiB blocks
+  (checksum only: no MAC is ever computed there).
+* **Put and get over gRPC to an nvme-only server** (dram capacity 0): every put is signed and
+  every get verified, in the nvme tier's worker thread.
 * **get_into over shm**, the same stored batch of 8 x 1 MiB, against two ``kvstore serve``
   processes that differ only in ``dram.verify_reads`` (off / on): leased reads
   (``shm_direct_reads`` off, so every block goes through the server's lease path, where the
@@ -31,7 +34,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
-import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (
@@ -48,7 +50,7 @@ from _common import (
 )
 
 from kvstore import KVStoreClient, Namespace
-from kvstore.block import BlockHeader
+from kvstore.block import BlockHeader, block_mac
 from kvstore.client.settings import ClientSettings
 
 MIB = 1024**2
@@ -56,22 +58,16 @@ KEY, NS_BYTES = bytes(range(16)), bytes(16)
 NS = Namespace(model="bench-integrity")
 
 
-def old_checksum(payload: memoryview) -> int:
-    """The version-1 header's xxh3-64 (header fields then payload), as the old code did."""
-    digest = xxhash.xxh3_64()
-    digest.update(b"\0" * 48)
-    digest.update(payload)
-    return digest.intdigest()
-
-
 def header_cases(sizes: list[int]) -> dict[str, Callable[[], float]]:
     cases: dict[str, Callable[[], float]] = {}
     for size in sizes:
         data = memoryview(np.random.default_rng(size).bytes(size))
         label = f"{size // MIB} MiB"
-        cases[f"xxh3-64 checksum (v1), {label}"] = lambda d=data: timed(lambda: old_checksum(d))[0]
-        cases[f"HMAC-SHA256/128 (v2), {label}"] = lambda d=data: timed(
+        cases[f"xxh3-64 checksum (put), {label}"] = lambda d=data: timed(
             lambda: BlockHeader.for_payload(KEY, NS_BYTES, d)
+        )[0]
+        cases[f"HMAC-SHA256/128 (nvme, redis), {label}"] = lambda d=data: timed(
+            lambda: block_mac(KEY, NS_BYTES, d)
         )[0]
         cases[f"BLAKE2b-128 keyed (not used), {label}"] = lambda d=data: timed(
             lambda: hashlib.blake2b(d, key=KEY * 2, digest_size=16).digest()
@@ -105,7 +101,10 @@ def main() -> None:
     outs = [bytearray(block) for _ in blocks]
     leased = ClientSettings(data_plane="shm", shm_direct_reads=False)
     direct = ClientSettings(data_plane="shm", shm_direct_reads=True)
-    with server(False) as plain_target, server(True) as verify_target:
+    nvme_only = kvstore_server(dram_capacity="0", nvme_capacity="2GiB")
+    with server(False) as plain_target, server(True) as verify_target, nvme_only as disk:
+        grpc = ClientSettings(data_plane="grpc")
+        disk_client = KVStoreClient(disk.target, namespace=NS, settings=grpc)
         clients = {
             "off": KVStoreClient(plain_target, namespace=NS, settings=leased),
             "on": KVStoreClient(verify_target, namespace=NS, settings=leased),
@@ -113,26 +112,31 @@ def main() -> None:
             "on, direct": KVStoreClient(verify_target, namespace=NS, settings=direct),
         }
         with contextlib.ExitStack() as stack:
-            for client in clients.values():
+            for client in [*clients.values(), disk_client]:
                 stack.enter_context(client)
             for name in ("off", "on"):
                 check(clients[name].put(keys, blocks).stored == args.batch, "put")
+            check(disk_client.put(keys, blocks).stored == args.batch, "nvme put")
 
             def get_case(client: KVStoreClient, name: str) -> Callable[[], float]:
                 def case() -> float:
                     seconds, got = timed(lambda: client.get_into(keys, outs))
                     check(all(got) and outs[0] == blocks[0], f"{name}: wrong get_into")
-                    check(client.data_plane == "shm", f"{name}: not over shm")
+                    check(client.data_plane == ("grpc" if name == "nvme" else "shm"), name)
                     return seconds
 
                 return case
 
             cases = header_cases([MIB, 4 * MIB])
-            cases["put 8 x 1 MiB over shm (MAC)"] = fresh_put_case(
+            cases["put 8 x 1 MiB over shm, dram only (no MAC)"] = fresh_put_case(
                 clients["off"], blocks, KeySource(2), "put"
             )
             for name, client in clients.items():
                 cases[f"get_into 8 x 1 MiB, verify_reads {name}"] = get_case(client, name)
+            cases["put 8 x 1 MiB over gRPC, nvme only (MAC)"] = fresh_put_case(
+                disk_client, blocks, KeySource(3), "nvme put"
+            )
+            cases["get_into 8 x 1 MiB over gRPC, nvme only (MAC)"] = get_case(disk_client, "nvme")
             samples = run_interleaved(cases, args.reps, warmup=2)
             verified = clients["on"].stats()["tiers"]["dram"]["corrupt_blocks"]
             check(verified == 0, "a block failed verification")
@@ -151,7 +155,7 @@ def main() -> None:
         )
     report = "\n".join(
         [
-            "# Integrity: keyed MAC at put, `dram.verify_reads` at get",
+            "# Integrity: checksum at put, keyed MAC to and from nvme/redis, `dram.verify_reads`",
             "",
             "Command: `.venv/bin/python benchmarks/bench_integrity.py "
             "--out benchmarks/results/integrity.md`",
