@@ -31,6 +31,7 @@ __all__ = [
     "Config",
     "DramConfig",
     "HbmConfig",
+    "IntegrityConfig",
     "NvmeConfig",
     "PolicyConfig",
     "RedisConfig",
@@ -229,11 +230,14 @@ class HbmConfig:
 class DramConfig:
     """The host-memory arena. ``capacity`` 0 disables the tier (:func:`load_config` defaults it
     from the machine's memory). The arena is page-locked for CUDA where an NVIDIA driver is seen
-    (``/dev/nvidiactl``); ``force_cuda_check`` asks torch even where that file is missing."""
+    (``/dev/nvidiactl``); ``force_cuda_check`` asks torch even where that file is missing.
+    ``verify_reads`` checks each block's MAC before the server serves it from DRAM (gRPC and
+    shm leases; a client's direct reads through the published index are not checked)."""
 
     capacity: int
     page_size: int = 64 * 1024
     force_cuda_check: bool = False
+    verify_reads: bool = False
 
     def __post_init__(self) -> None:
         if self.capacity < 0:
@@ -270,6 +274,22 @@ class RedisConfig:
             raise ConfigError(f"redis.ttl_s must be > 0, got {self.ttl_s}")
         if self.op_timeout_s <= 0:
             raise ConfigError(f"redis.op_timeout_s must be > 0, got {self.op_timeout_s}")
+
+
+@dataclass(frozen=True)
+class IntegrityConfig:
+    """The secrets block MACs are keyed with (:mod:`kvstore.block`). ``secrets``: comma-separated,
+    the first signs new blocks and all verify (rotation). Else ``secret_file``: a private file
+    (mode 0600) of one secret per line, first signs. Both empty: ``integrity.key`` in the nvme
+    directory, generated on first start; without nvme, a random secret per process. Every node
+    sharing a Redis needs the same secrets."""
+
+    secrets: str = field(default="", repr=False)
+    secret_file: str = ""
+
+    def __post_init__(self) -> None:
+        if self.secrets and not all(part.strip() for part in self.secrets.split(",")):
+            raise ConfigError("integrity.secrets must be non-empty secrets separated by commas")
 
 
 @dataclass(frozen=True)
@@ -312,6 +332,7 @@ class Config:
     nvme: NvmeConfig
     redis: RedisConfig = field(default_factory=RedisConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    integrity: IntegrityConfig = field(default_factory=IntegrityConfig)
 
 
 _SECTIONS: dict[str, type[Any]] = {
@@ -321,6 +342,7 @@ _SECTIONS: dict[str, type[Any]] = {
     "nvme": NvmeConfig,
     "redis": RedisConfig,
     "policy": PolicyConfig,
+    "integrity": IntegrityConfig,
 }
 _SIZE_SETTINGS = {
     "server.max_block_bytes",

@@ -1,11 +1,13 @@
 """Tests of the self-describing block header in :mod:`kvstore.block`.
 
 A stored value is ``header ‖ payload``; anything that is not exactly what was put under a key
-(bit flips, truncation, another key's value) must raise :class:`CorruptBlockError`.
+(bit flips, truncation, another key's value, a header forged without the secret, an old-format
+block) must raise :class:`CorruptBlockError`.
 """
 
 from __future__ import annotations
 
+import hmac
 import struct
 
 import pytest
@@ -16,7 +18,9 @@ from kvstore.block import (
     MAGIC,
     BlockHeader,
     CorruptBlockError,
-    checksum,
+    Keyring,
+    WireHeader,
+    block_mac,
     decode_value,
     encode_header,
 )
@@ -46,33 +50,40 @@ def test_header_is_exactly_64_bytes() -> None:
     assert HEADER_BYTES == 64
     assert len(encode_header(KEY, NS, PAYLOAD)) == 64
     assert len(encode_header(KEY, NS, b"")) == 64
-    assert len(BlockHeader(KEY, NS, 2**64 - 1, 2**64 - 1).pack()) == 64
+    assert len(WireHeader(KEY, NS, 2**64 - 1, bytes(16)).pack()) == 64
 
 
 def test_header_layout_matches_documentation() -> None:
     raw = encode_header(KEY, NS, PAYLOAD)
     assert raw[0:4] == MAGIC == b"KVB1"
-    assert struct.unpack_from("<HH", raw, 4) == (1, 0)
+    assert struct.unpack_from("<HH", raw, 4) == (2, 0)
     assert raw[8:24] == KEY
     assert raw[24:40] == NS
     assert struct.unpack_from("<Q", raw, 40)[0] == len(PAYLOAD)
-    expected = xxhash.xxh3_64_intdigest(raw[:48] + PAYLOAD)
-    assert struct.unpack_from("<Q", raw, 48)[0] == expected
-    assert raw[56:64] == bytes(8)
+    assert raw[48:64] == block_mac(KEY, NS, PAYLOAD)
+
+
+def test_mac_is_truncated_hmac_sha256_of_header_prefix_and_payload() -> None:
+    # Written out independently of the module: the key is HMAC-SHA256(secret, label).
+    secret = b"cluster secret"
+    derived = hmac.digest(secret, b"kvstore block MAC v2", "sha256")
+    raw = encode_header(KEY, NS, PAYLOAD, Keyring([secret]))
+    expected = hmac.digest(derived, raw[:48] + PAYLOAD, "sha256")[:16]
+    assert raw[48:64] == expected
 
 
 def test_pack_unpack_round_trip() -> None:
-    header = BlockHeader.for_payload(KEY, NS, PAYLOAD)
+    header = WireHeader.for_payload(KEY, NS, PAYLOAD)
     assert header.key == KEY and header.namespace == NS and header.length == len(PAYLOAD)
-    assert header.checksum == checksum(KEY, NS, PAYLOAD)
-    assert BlockHeader.unpack(header.pack()) == header
-    assert BlockHeader.unpack(memoryview(header.pack() + PAYLOAD)) == header
-    arbitrary = BlockHeader(OTHER_KEY, OTHER_NS, 12345, 2**63 + 7)
-    assert BlockHeader.unpack(arbitrary.pack()) == arbitrary
+    assert header.mac == block_mac(KEY, NS, PAYLOAD)
+    assert WireHeader.unpack(header.pack()) == header
+    assert WireHeader.unpack(memoryview(header.pack() + PAYLOAD)) == header
+    arbitrary = WireHeader(OTHER_KEY, OTHER_NS, 12345, bytes(range(16)))
+    assert WireHeader.unpack(arbitrary.pack()) == arbitrary
 
 
 def test_unpack_returns_bytes_not_views() -> None:
-    header = BlockHeader.unpack(memoryview(bytearray(stored())))
+    header = WireHeader.unpack(memoryview(bytearray(stored())))
     assert type(header.key) is bytes and type(header.namespace) is bytes
 
 
@@ -121,7 +132,7 @@ def test_real_keys_and_fingerprint_round_trip() -> None:
 @pytest.mark.parametrize("byte", [0, 1, len(PAYLOAD) // 2, len(PAYLOAD) - 1])
 @pytest.mark.parametrize("bit", [0, 7])
 def test_flipped_payload_bit_is_detected(byte: int, bit: int) -> None:
-    with pytest.raises(CorruptBlockError, match="checksum"):
+    with pytest.raises(CorruptBlockError, match="MAC"):
         decode_value(KEY, flip(stored(), HEADER_BYTES + byte, bit))
 
 
@@ -130,15 +141,15 @@ def test_flipped_key_bit_in_header_is_detected(byte: int) -> None:
     value = flip(stored(), byte, byte % 8)
     with pytest.raises(CorruptBlockError):
         decode_value(KEY, value)
-    # Even a reader asking for the corrupted key is refused: the checksum covers the key.
+    # Even a reader asking for the corrupted key is refused: the MAC covers the key.
     corrupted_key = value[8:24]
-    with pytest.raises(CorruptBlockError, match="checksum"):
+    with pytest.raises(CorruptBlockError, match="MAC"):
         decode_value(corrupted_key, value)
 
 
 @pytest.mark.parametrize("byte", [24, 31, 39])
 def test_flipped_namespace_bit_is_detected(byte: int) -> None:
-    with pytest.raises(CorruptBlockError, match="checksum"):
+    with pytest.raises(CorruptBlockError, match="MAC"):
         decode_value(KEY, flip(stored(), byte, 3))
 
 
@@ -148,9 +159,9 @@ def test_flipped_length_bit_is_detected(byte: int) -> None:
         decode_value(KEY, flip(stored(), byte))
 
 
-@pytest.mark.parametrize("byte", [48, 52, 55])
-def test_flipped_checksum_bit_is_detected(byte: int) -> None:
-    with pytest.raises(CorruptBlockError, match="checksum"):
+@pytest.mark.parametrize("byte", [48, 52, 55, 56, 63])
+def test_flipped_mac_bit_is_detected(byte: int) -> None:
+    with pytest.raises(CorruptBlockError, match="MAC"):
         decode_value(KEY, flip(stored(), byte, 5))
 
 
@@ -162,7 +173,7 @@ def test_wrong_magic_is_detected(byte: int) -> None:
 
 def test_wrong_version_is_detected() -> None:
     value = bytearray(stored())
-    struct.pack_into("<H", value, 4, 2)
+    struct.pack_into("<H", value, 4, 3)
     with pytest.raises(CorruptBlockError, match="version"):
         decode_value(KEY, bytes(value))
 
@@ -198,40 +209,91 @@ def test_value_stored_under_another_key_is_detected() -> None:
 def test_header_from_one_payload_does_not_verify_another() -> None:
     other = bytes(reversed(PAYLOAD))
     value = encode_header(KEY, NS, PAYLOAD) + other
-    with pytest.raises(CorruptBlockError, match="checksum"):
+    with pytest.raises(CorruptBlockError, match="MAC"):
         decode_value(KEY, value)
 
 
-def test_verify_checks_length_then_checksum() -> None:
-    header = BlockHeader.for_payload(KEY, NS, PAYLOAD)
+def test_verify_checks_length_then_mac() -> None:
+    header = WireHeader.for_payload(KEY, NS, PAYLOAD)
     header.verify(PAYLOAD)
     with pytest.raises(CorruptBlockError, match="header says"):
         header.verify(PAYLOAD[:-1])
-    with pytest.raises(CorruptBlockError, match="checksum"):
+    with pytest.raises(CorruptBlockError, match="MAC"):
         header.verify(flip(PAYLOAD, 0))
 
 
-# --- checksum -------------------------------------------------------------------------------------
+# --- MAC -----------------------------------------------------------------------------------------
 
 
-def test_checksum_covers_key_namespace_and_payload() -> None:
-    base = checksum(KEY, NS, PAYLOAD)
-    assert checksum(KEY, NS, PAYLOAD) == base
-    assert checksum(OTHER_KEY, NS, PAYLOAD) != base
-    assert checksum(KEY, OTHER_NS, PAYLOAD) != base
-    assert checksum(KEY, NS, flip(PAYLOAD, 100)) != base
-    assert checksum(KEY, NS, PAYLOAD + b"\x00") != base
+def test_mac_covers_key_namespace_and_payload() -> None:
+    base = block_mac(KEY, NS, PAYLOAD)
+    assert block_mac(KEY, NS, PAYLOAD) == base
+    assert block_mac(OTHER_KEY, NS, PAYLOAD) != base
+    assert block_mac(KEY, OTHER_NS, PAYLOAD) != base
+    assert block_mac(KEY, NS, flip(PAYLOAD, 100)) != base
+    assert block_mac(KEY, NS, PAYLOAD + b"\x00") != base
 
 
-def test_checksum_covers_namespace_in_stored_values() -> None:
+def test_mac_covers_namespace_in_stored_values() -> None:
     # A header rewritten to claim another namespace (same key, same payload) is refused.
     value = bytearray(stored())
     value[24:40] = OTHER_NS
-    with pytest.raises(CorruptBlockError, match="checksum"):
+    with pytest.raises(CorruptBlockError, match="MAC"):
         decode_value(KEY, bytes(value))
     # A genuine value under the other namespace has a different header.
     assert stored(namespace=OTHER_NS)[:HEADER_BYTES] != stored()[:HEADER_BYTES]
 
 
-def test_checksum_accepts_memoryview() -> None:
-    assert checksum(KEY, NS, memoryview(PAYLOAD)) == checksum(KEY, NS, PAYLOAD)
+def test_mac_accepts_memoryview() -> None:
+    assert block_mac(KEY, NS, memoryview(PAYLOAD)) == block_mac(KEY, NS, PAYLOAD)
+
+
+def test_verify_parts_matches_whole_payload() -> None:
+    header = WireHeader.for_payload(KEY, NS, PAYLOAD)
+    header.verify_parts([PAYLOAD[:100], memoryview(PAYLOAD)[100:4000], PAYLOAD[4000:]])
+    with pytest.raises(CorruptBlockError, match="MAC"):
+        header.verify_parts([PAYLOAD[:100], flip(PAYLOAD[100:], 0)])
+
+
+# --- forgery, old format, rotation ----------------------------------------------------------------
+
+
+def v1_value(key: bytes = KEY, namespace: bytes = NS, payload: bytes = PAYLOAD) -> bytes:
+    """A version-1 block: its plain xxh3-64 checksum is what anyone can recompute."""
+    prefix = struct.pack("<4sHH16s16sQ", b"KVB1", 1, 0, key, namespace, len(payload))
+    digest = xxhash.xxh3_64_intdigest(prefix + payload)
+    return prefix + struct.pack("<Q8x", digest) + payload
+
+
+def test_old_format_block_is_refused() -> None:
+    with pytest.raises(CorruptBlockError, match="version 1"):
+        decode_value(KEY, v1_value())
+
+
+def test_header_forged_without_the_secret_is_refused() -> None:
+    # An attacker recomputes a complete, well-formed header with a secret of their own.
+    forged_payload = b"attacker bytes" * 100
+    forged = encode_header(KEY, NS, forged_payload, Keyring([b"attacker"])) + forged_payload
+    with pytest.raises(CorruptBlockError, match="MAC"):
+        decode_value(KEY, forged, Keyring([b"cluster"]))
+
+
+def test_rotation_old_secret_verifies_while_listed() -> None:
+    old, new = Keyring([b"old"]), Keyring([b"new", b"old"])
+    value = encode_header(KEY, NS, PAYLOAD, old) + PAYLOAD
+    _, view = decode_value(KEY, value, new)
+    assert bytes(view) == PAYLOAD
+    # New blocks are signed with the first secret: a ring of only the old one refuses them.
+    fresh = encode_header(KEY, NS, PAYLOAD, new) + PAYLOAD
+    assert fresh[48:64] != value[48:64]
+    with pytest.raises(CorruptBlockError, match="MAC"):
+        decode_value(KEY, fresh, old)
+    with pytest.raises(CorruptBlockError, match="MAC"):
+        decode_value(KEY, value, Keyring([b"new"]))
+
+
+def test_keyring_rejects_empty() -> None:
+    with pytest.raises(ValueError, match="at least one"):
+        Keyring([])
+    with pytest.raises(ValueError, match="empty"):
+        Keyring([b"a", b""])

@@ -396,7 +396,7 @@ def test_malformed_toml_is_config_error(tmp_path: Path) -> None:
 def test_unknown_section_is_config_error(tmp_path: Path, text: str) -> None:
     with pytest.raises(ConfigError, match="unknown config section") as info:
         load_config(write_toml(tmp_path, text), env={})
-    assert "['dram', 'hbm', 'nvme', 'policy', 'redis', 'server']" in str(info.value)
+    assert "['dram', 'hbm', 'integrity', 'nvme', 'policy', 'redis', 'server']" in str(info.value)
 
 
 def test_unknown_setting_in_file_names_it_and_the_known_ones(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from redis_server import RedisServer
 from store_blocks import PAGE, key, payload
 
 import kvstore.store.shared_writer as shared_writer_module
-from kvstore.block import BlockHeader
+from kvstore.block import encode_header
 from kvstore.keys import Namespace
 from kvstore.store import TieredStore
 from kvstore.tiers.dram import DramTier
@@ -144,8 +144,8 @@ async def test_shared_block_with_wrong_header_key_is_dropped(
     redis_server: RedisServer, node: TieredStore
 ) -> None:
     # A value stored under key 7 whose header names key 8: verification rejects it.
-    header = BlockHeader.for_payload(key(8), NS, payload(8))
-    redis_server.client().set(b"kvstore:v1:" + key(7).hex().encode(), header.pack() + payload(8))
+    header = encode_header(key(8), NS, payload(8))
+    redis_server.client().set(b"kvstore:v1:" + key(7).hex().encode(), header + payload(8))
     assert not (await node.get([key(7)], NS))[0].found
     await asyncio.sleep(0)
     assert node.stats()["tiers"]["redis"]["corrupt_blocks"] == 1

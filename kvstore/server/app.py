@@ -20,11 +20,13 @@ import grpc
 from grpc_health.v1 import _async as health_async
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvstore.block import install_keyring
 from kvstore.config import Config
 from kvstore.policy import Policy
 from kvstore.protocol.messages import MESSAGE_TARGET_BYTES
 from kvstore.protocol.ucx import UcxTransportError
 from kvstore.server.budget import InflightBudget
+from kvstore.server.integrity import load_keyring
 from kvstore.server.servicer import SERVICE_NAME, KVStoreServicer, add_to_server
 from kvstore.server.shm import ShmServer
 from kvstore.server.shm_limits import ShmLimits
@@ -42,7 +44,11 @@ T = TypeVar("T")
 
 
 def build_store(config: Config) -> TieredStore:
-    """The :class:`TieredStore` a config describes, its index rebuilt from persistent tiers."""
+    """The :class:`TieredStore` a config describes, its index rebuilt from persistent tiers.
+
+    Installs the configured integrity keyring first: blocks are signed and verified with it.
+    """
+    install_keyring(load_keyring(config))
     store = TieredStore(
         build_tiers(config),
         max_block_bytes=config.server.max_block_bytes,
@@ -86,6 +92,7 @@ class RunningServer:
         await _step("closing the servicer", self.servicer.close())
         if self.shm is not None:
             await _step("closing the shared-memory data plane", self.shm.close())
+            _remove_private_dir(self.shm.path)
         saved = await _step("saving volatile tiers to disk", self.store.persist(self.grace_s))
         if saved is not None:
             logger.info("saved %d block(s) from volatile tiers to disk", saved)
@@ -137,11 +144,39 @@ async def start_server(config: Config) -> RunningServer:
     )
 
 
-def shm_socket_path(setting: str) -> str:
-    """The socket path a ``server.shm_socket`` setting names ("" when the data plane is off)."""
-    if setting == "auto":
-        return os.path.join(tempfile.gettempdir(), f"kvstore-{os.getpid()}.sock")
-    return setting
+_AUTO_SOCKET = "shm.sock"
+# Directories this process made for ``auto`` sockets: the only ones it removes again.
+_AUTO_DIRS: set[str] = set()
+
+
+def shm_socket_path(setting: str, mode: int = 0o660) -> str:
+    """The socket path a ``server.shm_socket`` setting names ("" when the data plane is off).
+
+    ``auto`` creates a fresh directory with an unpredictable name (``mkdtemp``) in
+    ``$XDG_RUNTIME_DIR`` (private to the user) when there is one, else the temp directory, and
+    names the socket inside it: nobody else can create that path first. The directory is 0700
+    plus search (x, not list) permission for group and others exactly where the socket's
+    ``mode`` lets them write it, so clients the socket admits can reach it and no one else can.
+    """
+    if setting != "auto":
+        return setting
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+    parent = runtime if runtime and os.path.isdir(runtime) else tempfile.gettempdir()
+    directory = tempfile.mkdtemp(prefix="kvstore-", dir=parent)
+    os.chmod(directory, 0o700 | ((mode & 0o022) >> 1))
+    _AUTO_DIRS.add(directory)
+    return os.path.join(directory, _AUTO_SOCKET)
+
+
+def _remove_private_dir(socket_path: str) -> None:
+    """Remove the directory :func:`shm_socket_path` made for an ``auto`` socket, if empty."""
+    directory = os.path.dirname(socket_path)
+    if directory in _AUTO_DIRS:
+        _AUTO_DIRS.discard(directory)
+        try:
+            os.rmdir(directory)
+        except OSError as exc:
+            logger.warning("cannot remove socket directory %s: %s", directory, exc)
 
 
 async def _start_shm(
@@ -152,10 +187,10 @@ async def _start_shm(
     A socket that cannot be created (no such directory, no permission, a path too long) turns
     only this data plane off: the server announces no socket and clients use gRPC.
     """
-    path = shm_socket_path(config.server.shm_socket)
-    if not path or store.arena is None:
+    if not config.server.shm_socket or store.arena is None:
         return None
     settings = config.server
+    path = shm_socket_path(settings.shm_socket, settings.shm_socket_mode)
     limits = ShmLimits(
         max_connections=settings.shm_max_connections,
         max_connections_per_uid=settings.shm_max_connections_per_uid,
@@ -168,6 +203,7 @@ async def _start_shm(
     try:
         await shm.start()
     except OSError as exc:
+        _remove_private_dir(path)
         logger.warning(
             "shared-memory data plane off: cannot create socket %s (%s); "
             "co-located clients will use gRPC",

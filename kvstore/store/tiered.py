@@ -270,7 +270,7 @@ class TieredStore:
     async def commit(
         self, written: Sequence[tuple[bytes, Reservation]], namespace: bytes
     ) -> PutResult:
-        """Turn written reservations into blocks (checksummed now); see :meth:`reserve`.
+        """Turn written reservations into blocks (xxh3 checksum now, no MAC); see :meth:`reserve`.
 
         A key stored meanwhile by someone else keeps that copy and this reservation is given
         back (``already_present``, or ``dropped`` if it was stored under another namespace).

@@ -66,7 +66,12 @@ def _dram_tier(config: Config) -> Tier | None:
     if not config.dram.capacity:
         return None
     dram = config.dram
-    return DramTier(dram.capacity, dram.page_size, force_cuda_check=dram.force_cuda_check)
+    return DramTier(
+        dram.capacity,
+        dram.page_size,
+        force_cuda_check=dram.force_cuda_check,
+        verify_reads=dram.verify_reads,
+    )
 
 
 def _nvme_tier(config: Config) -> Tier | None:

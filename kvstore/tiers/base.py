@@ -12,9 +12,11 @@ when to promote it. :class:`kvstore.store.TieredStore` makes those decisions and
     stats()                        counters for ``Stats``
     await close()
 
-Reads never return unverified bytes from a medium that can rot (disk, network): such a tier checks
-the block header and checksum, and a block that fails is deleted, counted in ``corrupt_blocks`` and
-reported as ``None``.
+Reads never return unverified bytes from a medium that can rot or that others can write (disk,
+network): such a tier signs blocks with the keyed MAC of :mod:`kvstore.block` when it writes them
+and checks the header and MAC when it reads them, and a block that fails is deleted, counted in
+``corrupt_blocks`` and reported as ``None``. Memory tiers keep the header (with the payload's
+checksum) the store gives them and hand it back with the block.
 """
 
 from __future__ import annotations
@@ -86,7 +88,10 @@ class Tier(ABC):
         """
 
     def scan(self) -> Iterator[BlockHeader]:
-        """Headers of the blocks already present when the tier opened (none for volatile tiers)."""
+        """Headers of the blocks already present when the tier opened (none for volatile tiers).
+
+        Their payloads are not read, so their ``checksum`` is ``None``: they are for the index.
+        """
         return iter(())
 
     @abstractmethod

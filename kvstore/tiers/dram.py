@@ -6,8 +6,14 @@ allocates nothing else in steady state. Capacity is counted in whole pages, so t
 occupies never exceed ``capacity``, and the space lost to rounding up the last page of each block is
 reported as ``wasted_bytes``. Living in a memfd lets co-located clients map the same pages later.
 
-DRAM is trusted memory, so reads are not re-checksummed (that would halve their speed); the header
-is kept beside the pages and goes with the block when it is demoted to a tier that can rot.
+The header, with the payload's xxh3-64 checksum computed at put (no MAC: see
+:mod:`kvstore.block`), is kept beside the pages in the server's own memory, never in the arena, and
+goes with the block when it is demoted; the tier it goes to checks the payload against it before
+signing. By default reads are not re-verified; with ``verify_reads`` (setting
+``dram.verify_reads``) every server-side read and lease checks the block against its checksum
+first, which a client writing the arena cannot rewrite; a block that fails is dropped, counted in
+``corrupt_blocks`` and is a miss. A client reading pages directly through the published index is
+beyond the server's reach and is not checked.
 
 Two things let a co-located client touch the pages directly (``kvstore.server.shm``):
 
@@ -38,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.block import BlockHeader
+from kvstore.block import BlockHeader, CorruptBlockError
 from kvstore.buffers import byte_view
 from kvstore.protocol.dram_index import IndexWriter
 from kvstore.tiers.base import Buffer, StoredBlock
@@ -92,8 +98,15 @@ class DramTier(PagedTier):
     name = "dram"
 
     def __init__(
-        self, capacity: int, page_size: int = 64 * 1024, *, force_cuda_check: bool = False
+        self,
+        capacity: int,
+        page_size: int = 64 * 1024,
+        *,
+        force_cuda_check: bool = False,
+        verify_reads: bool = False,
     ) -> None:
+        self.verify_reads = verify_reads
+        self.corrupt_blocks = 0
         num_pages = self._init_pages(capacity, page_size)
         self._fd = -1
         self.index: IndexWriter | None = None
@@ -160,9 +173,27 @@ class DramTier(PagedTier):
         """Copy a block into free pages; False if too few pages are free."""
         return self.write_sync(header, payload)
 
+    def _resident(self, key: bytes) -> _Resident | None:
+        """``key``'s block, checked against its checksum with ``verify_reads`` (else dropped)."""
+        resident = self._blocks.get(key)
+        if resident is None or not self.verify_reads:
+            return resident
+        parts = [
+            self._arena[offset : offset + size].data
+            for offset, size in self._ranges(resident.extents, resident.header.length)
+        ]
+        try:
+            resident.header.verify_parts(parts)
+        except CorruptBlockError as exc:
+            logger.error("dropping corrupt dram block %s: %s", key.hex(), exc)
+            self.corrupt_blocks += 1
+            self.remove_sync([key])
+            return None
+        return resident
+
     def read_sync(self, key: bytes) -> StoredBlock | None:
         """One block copied out of the arena, or ``None``."""
-        resident = self._blocks.get(key)
+        resident = self._resident(key)
         if resident is None:
             return None
         ranges = self.extents(key)
@@ -181,6 +212,8 @@ class DramTier(PagedTier):
         resident = self._blocks.get(key)
         if resident is None or len(destination) != resident.header.length:
             return False
+        if self._resident(key) is None:
+            return False
         target = np.frombuffer(destination, dtype=np.uint8)
         copied = 0
         for offset, size in self.extents(key):
@@ -191,7 +224,7 @@ class DramTier(PagedTier):
     def view(self, key: bytes) -> memoryview | None:
         """A zero-copy view of a single-run payload, else ``None``; valid until the block moves."""
         resident = self._blocks.get(key)
-        if resident is None or len(resident.extents) != 1:
+        if resident is None or len(resident.extents) != 1 or self._resident(key) is None:
             return None
         offset, size = self.extents(key)[0]
         return self._arena[offset : offset + size].data
@@ -235,7 +268,7 @@ class DramTier(PagedTier):
 
     def lease(self, key: bytes) -> DramLease | None:
         """Hold ``key``'s pages for a reader until :meth:`release`; ``None`` if not resident."""
-        resident = self._blocks.get(key)
+        resident = self._resident(key)
         if resident is None:
             return None
         resident.leases += 1
@@ -318,6 +351,7 @@ class DramTier(PagedTier):
             "reserved_bytes": self._reserved_bytes,
             "retired_bytes": self._retired_bytes,
             "pinned": int(self.pinned),
+            "corrupt_blocks": self.corrupt_blocks,
             # Blocks clients can read without the server, and ones left out for a full bucket.
             "published": len(self.index) if self.index is not None else 0,
             "publish_overflows": self.index.overflows if self.index is not None else 0,

@@ -8,8 +8,8 @@ with every block ever put.
 
 The device is a torch device name. The server builds the tier only where CUDA exists (``cuda``);
 everything but the copies is device-independent, so the CPU test suite runs the same code on a
-``cpu`` tensor. Device memory is trusted like DRAM: reads are not re-checksummed, and the header
-stays beside the pages to go with the block when it is demoted.
+``cpu`` tensor. Device memory is trusted like DRAM: reads are not checked against the checksum,
+and the header stays beside the pages to go with the block when it is demoted.
 """
 
 from __future__ import annotations

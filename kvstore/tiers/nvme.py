@@ -1,8 +1,15 @@
 """The ``nvme`` tier: an LMDB environment on local disk that survives restarts.
 
 Each block is one LMDB value, ``header ‖ payload`` (see :mod:`kvstore.block`), under its 16-byte
-key. Every read verifies the header and checksum; a value that fails is deleted, counted in
-``corrupt_blocks`` and reported as a miss, so bytes that rotted on disk are never returned.
+key. Every read verifies the header and its keyed MAC; a value that fails (rotted on disk, written
+into the file by someone without the integrity secret, or in the old unkeyed format) is deleted,
+counted in ``corrupt_blocks`` and reported as a miss, so such bytes are never returned. The
+directory is created private (0700) and LMDB's files 0600: other users of the machine can neither
+read cached payloads nor write blocks.
+
+The MAC is computed here, in the tier's worker thread, when a block is written (after checking the
+payload against the checksum it was put with), and verified there on reads: an LMDB-only store
+signs every put, off the event loop.
 
 Capacity is enforced twice: the tier counts the pages its values occupy against ``capacity`` (so
 the store evicts before LMDB fills up), and an LMDB ``MapFullError`` (B-tree pages, free pages held
@@ -28,12 +35,12 @@ from typing import Any
 
 import lmdb
 
-from kvstore.block import HEADER_BYTES, BlockHeader, CorruptBlockError, decode_value
+from kvstore.block import HEADER_BYTES, BlockHeader, CorruptBlockError, WireHeader, decode_value
 from kvstore.buffers import byte_view
 from kvstore.keys import KEY_BYTES
 from kvstore.tiers.base import Buffer, SizeLedger, StoredBlock, Tier
 
-__all__ = ["NvmeTier"]
+__all__ = ["NvmeTier", "private_directory"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +52,16 @@ _HEADROOM_FRACTION = 0.2
 _MIN_HEADROOM = 256 * 1024
 
 
+def private_directory(path: Path) -> None:
+    """Create ``path`` (and parents) with mode 0700, or make an existing one of ours 0700."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if path.stat().st_mode & 0o077:
+        logger.warning("making nvme directory %s private (mode 0700)", path)
+        path.chmod(0o700)
+
+
 class NvmeTier(Tier):
-    """Blocks as checksummed values in an LMDB environment."""
+    """Blocks as authenticated (MAC-carrying) values in an LMDB environment."""
 
     name = "nvme"
     persistent = True
@@ -67,7 +82,7 @@ class NvmeTier(Tier):
         self._env = self._open()
 
     def _open(self) -> Any:
-        self.path.mkdir(parents=True, exist_ok=True)
+        private_directory(self.path)
         try:
             return self._open_env()
         except lmdb.Error as exc:
@@ -76,7 +91,7 @@ class NvmeTier(Tier):
             aside = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
             logger.error("cannot open LMDB at %s (%s); moving it to %s", self.path, exc, aside)
             shutil.move(str(self.path), str(aside))
-            self.path.mkdir(parents=True)
+            private_directory(self.path)
             return self._open_env()
 
     def _open_env(self) -> Any:
@@ -89,6 +104,7 @@ class NvmeTier(Tier):
             # meminit stays on: without it LMDB writes uninitialised heap (other tenants'
             # payloads) into the slack of pages on disk.
             max_readers=256,
+            mode=0o600,  # data.mdb and lock.mdb: cached payloads are private to this user
         )
 
     def footprint(self, length: int) -> int:
@@ -107,11 +123,18 @@ class NvmeTier(Tier):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     async def write(self, header: BlockHeader, payload: Buffer) -> bool:
-        """Commit one block; False when LMDB's map is full or the disk refuses the write."""
-        value = header.pack() + bytes(byte_view(payload))
+        """Commit one block; False when LMDB's map is full or the disk refuses the write.
+
+        Also False, counted in ``corrupt_blocks``, when the payload no longer matches the
+        checksum it was put with: such bytes are never signed.
+        """
         try:
-            await self._run(self._put, header.key, value)
+            await self._run(self._put, header, payload)
         except lmdb.MapFullError:
+            return False
+        except CorruptBlockError as exc:
+            self.corrupt_blocks += 1
+            logger.error("refusing to store block %s on nvme: %s", header.key.hex(), exc)
             return False
         except lmdb.Error as exc:
             self.write_errors += 1
@@ -120,9 +143,14 @@ class NvmeTier(Tier):
         self._ledger.add(header.key, header.length)
         return True
 
-    def _put(self, key: bytes, value: bytes) -> None:
+    def _put(self, header: BlockHeader, payload: Buffer) -> None:
+        # In the worker thread: the MAC (the costly part of a write) stays off the event loop.
+        # The copy is what gets checked and signed, so bytes changing meanwhile (a shared
+        # buffer) cannot slip between the check and the write.
+        data = bytes(byte_view(payload))
+        value = header.seal(data) + data
         with self._env.begin(write=True) as txn:
-            txn.put(key, value)
+            txn.put(header.key, value)
 
     async def read(self, keys: Sequence[bytes]) -> list[StoredBlock | None]:
         """Read and verify a batch in one read transaction; corrupt values become misses."""
@@ -183,13 +211,14 @@ class NvmeTier(Tier):
             for key, value in txn.cursor():
                 key = bytes(key)
                 try:
-                    header = BlockHeader.unpack(value[:HEADER_BYTES])
-                    if header.key != key or len(value) != HEADER_BYTES + header.length:
+                    wire = WireHeader.unpack(value[:HEADER_BYTES])
+                    if wire.key != key or len(value) != HEADER_BYTES + wire.length:
                         raise CorruptBlockError("header does not match the stored value")
                 except CorruptBlockError:
                     broken.append(key)
                     continue
-                headers.append(header)
+                # Only indexed: the payload (and its MAC) is read, and checked, on first read.
+                headers.append(BlockHeader(wire.key, wire.namespace, wire.length, None))
         if broken:
             self.corrupt_blocks += len(broken)
             logger.error("dropping %d nvme value(s) with a broken header", len(broken))

@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 sys.path.insert(0, str(Path(__file__).parents[1] / "tiers"))
 from redis_server import RedisServer
 
+# Every node sharing a Redis needs the same integrity secret (else it rejects the others' blocks).
+CLUSTER_SECRET = {"KVSTORE_INTEGRITY_SECRETS": "two-node test secret"}
 NS = Namespace(model="prefetch-rpc", num_layers=2, num_kv_heads=2, head_size=64)
 HASHER = ChunkHasher(chunk_size=16, namespace=NS)
 BLOCK_BYTES = 256 * 1024
@@ -61,8 +63,8 @@ def two_nodes(
     server_factory: ServerFactory, redis_server: RedisServer
 ) -> tuple[ServerProcess, ServerProcess]:
     return (
-        server_factory("--redis-url", redis_server.url),
-        server_factory("--redis-url", redis_server.url),
+        server_factory("--redis-url", redis_server.url, env=CLUSTER_SECRET),
+        server_factory("--redis-url", redis_server.url, env=CLUSTER_SECRET),
     )
 
 

@@ -21,6 +21,7 @@ import grpc
 import lmdb
 import numpy as np
 import pytest
+from block_forgery import rewrite_payload
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore import (
@@ -345,9 +346,19 @@ def _damage_payload(value: bytearray) -> bytearray:
     return value
 
 
-def _damage_checksum(value: bytearray) -> bytearray:
-    value[48] ^= 0x01  # one bit of the header's checksum field
+def _damage_mac(value: bytearray) -> bytearray:
+    value[63] ^= 0x01  # one bit of the header's MAC
     return value
+
+
+def _forge_v1(value: bytearray) -> bytearray:
+    # Another user rewrites the file: new payload, old format with a correct plain checksum.
+    return bytearray(rewrite_payload(bytes(value), "v1"))
+
+
+def _forge_mac(value: bytearray) -> bytearray:
+    # ... or a well-formed version-2 header signed with a secret that is not the server's.
+    return bytearray(rewrite_payload(bytes(value), "mac"))
 
 
 def _truncate(value: bytearray) -> bytearray:
@@ -356,8 +367,8 @@ def _truncate(value: bytearray) -> bytearray:
 
 @pytest.mark.parametrize(
     "damage",
-    [_damage_payload, _damage_checksum, _truncate],
-    ids=["payload-bit", "checksum-bit", "truncated"],
+    [_damage_payload, _damage_mac, _truncate, _forge_v1, _forge_mac],
+    ids=["payload-bit", "mac-bit", "truncated", "forged-v1-checksum", "forged-mac"],
 )
 def test_corrupted_lmdb_value_becomes_a_miss_after_restart(
     server_factory: ServerFactory, damage: Any

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 sys.path.insert(0, str(Path(__file__).parents[1] / "tiers"))
 from redis_server import RedisServer
 
+# Every node sharing a Redis needs the same integrity secret (else it rejects the others' blocks).
+CLUSTER_SECRET = {"KVSTORE_INTEGRITY_SECRETS": "two-node test secret"}
 NS = Namespace(model="two-nodes", num_layers=2, num_kv_heads=2, head_size=64)
 HASHER = ChunkHasher(chunk_size=16, namespace=NS)
 BLOCK_BYTES = 64 * 1024
@@ -58,8 +60,8 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
 def test_two_nodes_share_blocks_and_survive_a_redis_outage(
     server_factory: ServerFactory, redis_server: RedisServer
 ) -> None:
-    node1 = server_factory("--redis-url", redis_server.url)
-    node2 = server_factory("--redis-url", redis_server.url)
+    node1 = server_factory("--redis-url", redis_server.url, env=CLUSTER_SECRET)
+    node2 = server_factory("--redis-url", redis_server.url, env=CLUSTER_SECRET)
     with node1.client(NS) as one, node2.client(NS) as two:
         # Put at node 1, found and read bit-identical at node 2.
         keys, values = blocks_for(0, 4)

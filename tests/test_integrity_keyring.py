@@ -1,0 +1,90 @@
+"""Where a server's integrity secrets come from (:mod:`kvstore.server.integrity`) and where its
+automatic shm socket goes (:func:`kvstore.server.app.shm_socket_path`)."""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+
+import pytest
+
+from kvstore.block import CorruptBlockError, Keyring, decode_value, encode_header
+from kvstore.config import Config, load_config
+from kvstore.errors import ConfigError
+from kvstore.server import app
+from kvstore.server.integrity import load_keyring
+
+KEY, NS, PAYLOAD = bytes(range(16)), bytes(16), b"payload" * 100
+
+
+def config(**env: str) -> Config:
+    return load_config(env={"KVSTORE_DRAM_CAPACITY": "1MiB", **env})
+
+
+def signs_alike(one: Keyring, two: Keyring) -> bool:
+    value = encode_header(KEY, NS, PAYLOAD, one) + PAYLOAD
+    try:
+        decode_value(KEY, value, two)
+    except CorruptBlockError:
+        return False
+    return True
+
+
+def test_generated_secret_file_is_private_and_kept(tmp_path: Path) -> None:
+    nvme = tmp_path / "data" / "nvme"
+    first = load_keyring(config(KVSTORE_NVME_PATH=str(nvme)))
+    key_file = nvme / "integrity.key"
+    assert stat.S_IMODE(nvme.stat().st_mode) == 0o700
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    assert len(key_file.read_text().strip()) == 64
+    again = load_keyring(config(KVSTORE_NVME_PATH=str(nvme)))
+    assert signs_alike(first, again)
+
+
+def test_secrets_setting_wins_and_rotates(tmp_path: Path) -> None:
+    old = load_keyring(config(KVSTORE_INTEGRITY_SECRETS="old"))
+    both = load_keyring(config(KVSTORE_INTEGRITY_SECRETS="new, old"))
+    new = load_keyring(config(KVSTORE_INTEGRITY_SECRETS="new"))
+    assert signs_alike(old, both) and not signs_alike(old, new) and signs_alike(both, new)
+    with pytest.raises(ConfigError, match=r"integrity\.secrets"):
+        config(KVSTORE_INTEGRITY_SECRETS="a,,b")
+
+
+def test_secret_file_must_exist_and_be_private(tmp_path: Path) -> None:
+    path = tmp_path / "secret"
+    missing = config(KVSTORE_INTEGRITY_SECRET_FILE=str(path))
+    with pytest.raises(ConfigError, match=r"integrity\.secret_file: cannot open"):
+        load_keyring(missing)
+    path.write_text("new\nold\n")
+    path.chmod(0o644)
+    with pytest.raises(ConfigError, match="chmod 600"):
+        load_keyring(missing)
+    path.chmod(0o600)
+    from_file = load_keyring(missing)
+    assert signs_alike(from_file, load_keyring(config(KVSTORE_INTEGRITY_SECRETS="new")))
+    path.write_text("\n\n")
+    with pytest.raises(ConfigError, match="holds no secret"):
+        load_keyring(missing)
+
+
+def test_without_nvme_a_random_secret_per_process() -> None:
+    one = load_keyring(config(KVSTORE_NVME_PATH=""))
+    two = load_keyring(config(KVSTORE_NVME_PATH=""))
+    assert not signs_alike(one, two)
+
+
+@pytest.mark.parametrize(("mode", "dir_mode"), [(0o660, 0o710), (0o600, 0o700), (0o666, 0o711)])
+def test_auto_socket_directory_admits_whom_the_socket_admits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: int, dir_mode: int
+) -> None:
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setattr(app.tempfile, "tempdir", str(tmp_path))
+    path = Path(app.shm_socket_path("auto", mode))
+    assert path.parent.parent == tmp_path and path.name == "shm.sock"
+    assert stat.S_IMODE(path.parent.stat().st_mode) == dir_mode
+    assert app.shm_socket_path("auto", mode) != str(path)  # a fresh directory each time
+    app._remove_private_dir(str(path))
+    assert not path.parent.exists()
+    # A configured path's directory is never removed.
+    app._remove_private_dir(str(tmp_path / "mine.sock"))
+    assert tmp_path.exists()
