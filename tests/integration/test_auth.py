@@ -224,3 +224,22 @@ def test_shared_memory_keeps_working_for_a_colocated_client_with_a_token(
         client.put(KEYS, VALUES)
         assert client.get(KEYS) == VALUES
         assert client.data_plane == "shm"
+
+
+def test_ucx_control_calls_carry_the_token_and_need_it(
+    server_factory: ServerFactory, tmp_path: Path
+) -> None:
+    from kvstore._proto.kvstore.v1 import ucx_pb2 as ucx_pb
+    from kvstore._proto.kvstore.v1 import ucx_pb2_grpc as ucx_pb_grpc
+
+    tokens = str(_tokens_file(tmp_path))
+    # With tokens, a UCX listener needs no --allow-unauthenticated.
+    server = server_factory("--tokens-file", tokens, "--ucx-listen", "127.0.0.1:0")
+    with grpc.insecure_channel(server.target) as channel:
+        stub = ucx_pb_grpc.UcxTransferStub(channel)
+        code, details = _code(stub.UcxGet, ucx_pb.UcxGetRequest())  # type: ignore[misc]
+        assert code == grpc.StatusCode.UNAUTHENTICATED and "KVSTORE_TOKEN" in details
+    with server.client(token=TOKEN, data_plane="ucx") as client:
+        client.put(KEYS, VALUES)
+        assert client.get(KEYS) == VALUES
+        assert client.data_plane == "ucx"
