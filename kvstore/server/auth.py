@@ -102,6 +102,12 @@ def is_loopback(address: str) -> bool:
 
 def check_exposure(server: ServerConfig) -> None:
     """Refuse (ConfigError, one line) to listen beyond loopback with nobody authenticated."""
+    if server.tokens_file and not server.tls_cert and not is_loopback(server.listen):
+        logger.warning(
+            "server.tokens_file without server.tls_cert on %s: bearer tokens cross the network "
+            "in clear; configure TLS",
+            server.listen,
+        )
     if server.tokens_file or server.tls_client_ca or server.allow_unauthenticated:
         return
     fix = (

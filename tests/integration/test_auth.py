@@ -243,3 +243,25 @@ def test_ucx_control_calls_carry_the_token_and_need_it(
         client.put(KEYS, VALUES)
         assert client.get(KEYS) == VALUES
         assert client.data_plane == "ucx"
+
+
+def test_demo_over_tls_with_a_token(
+    server_factory: ServerFactory, tmp_path: Path, pki: Pki
+) -> None:
+    server = server_factory(
+        "--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key),
+        "--tokens-file", str(_tokens_file(tmp_path)),
+    )  # fmt: skip
+    command = [sys.executable, "-m", "kvstore.cli", "demo", "--target", server.target]
+    env = {**os.environ, "KVSTORE_DATA_PLANE": "grpc", "KVSTORE_TOKEN": ""}
+    run = subprocess.run(
+        [*command, "--wait", "10", "--tls-ca", str(pki.ca), "--token", TOKEN],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert run.returncode == 0 and "demo OK" in run.stdout, run.stderr
+    env = {**env, "KVSTORE_TLS_CA": str(pki.ca)}
+    run = subprocess.run(command, capture_output=True, text=True, timeout=60, env=env)
+    assert run.returncode == 2 and "KVSTORE_TOKEN" in run.stderr, run.stderr
