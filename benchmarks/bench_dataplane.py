@@ -569,7 +569,7 @@ def main() -> int:
             kvstore_server(
                 dram_capacity="2GiB",
                 nvme_capacity="1GiB",
-                extra_args=["--ucx-listen", "127.0.0.1:0"],
+                extra_args=["--ucx-listen", "127.0.0.1:0", "--allow-unauthenticated"],
             )
         )
         redis_proc = stack.enter_context(redis_server())

@@ -5,9 +5,13 @@
     kvstore serve [--config FILE] [--listen HOST:PORT] [--dram-capacity SIZE] [--nvme-path DIR]
                   [--nvme-capacity SIZE] [--max-block-bytes SIZE] [--redis-url URL]
                   [--redis-ttl SECONDS] [--shm-socket PATH] [--shm-socket-mode MODE]
-                  [--ucx-listen HOST:PORT] [--log-level LEVEL]
-    kvstore stats [--target HOST:PORT] [--json]
-    kvstore demo  [--target HOST:PORT] [--wait SECONDS]
+                  [--ucx-listen HOST:PORT] [--tls-cert FILE --tls-key FILE]
+                  [--tls-client-ca FILE] [--tokens-file FILE] [--allow-unauthenticated]
+                  [--log-level LEVEL]
+    kvstore stats [--target HOST:PORT] [--json] [--token TOKEN] [--tls-ca FILE]
+    kvstore demo  [--target HOST:PORT] [--wait SECONDS] [--token TOKEN] [--tls-ca FILE]
+
+``--token`` and ``--tls-ca`` default to ``$KVSTORE_TOKEN`` and ``$KVSTORE_TLS_CA``.
 
 Flags override ``KVSTORE_*`` environment variables, which override the config file; see
 :mod:`kvstore.config` for every setting.
@@ -28,6 +32,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore.client import KVStoreClient
+from kvstore.client.channel import ChannelSecurity, blocking_channel
+from kvstore.client.settings import ClientSettings
 from kvstore.config import format_size, load_config
 from kvstore.errors import KVStoreError
 from kvstore.keys import ChunkHasher, Namespace
@@ -49,6 +55,11 @@ _SERVE_FLAGS = {
     "shm_socket": "server.shm_socket",
     "shm_socket_mode": "server.shm_socket_mode",
     "ucx_listen": "server.ucx_listen",
+    "tls_cert": "server.tls_cert",
+    "tls_key": "server.tls_key",
+    "tls_client_ca": "server.tls_client_ca",
+    "tokens_file": "server.tokens_file",
+    "allow_unauthenticated": "server.allow_unauthenticated",
 }
 
 
@@ -79,17 +90,43 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--ucx-listen", help="HOST:PORT of the UCX listener for remote clients (off by default)"
     )
+    serve.add_argument("--tls-cert", help="PEM certificate: serve gRPC over TLS (with --tls-key)")
+    serve.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    serve.add_argument(
+        "--tls-client-ca", help="PEM CA: require client certificates signed by it (mTLS)"
+    )
+    serve.add_argument(
+        "--tokens-file", help="file of 'NAME SHA256HEX' lines: bearer tokens, stored hashed"
+    )
+    serve.add_argument(
+        "--allow-unauthenticated",
+        action="store_const",
+        const=True,
+        default=None,
+        help="listen beyond loopback with neither tokens nor client certificates",
+    )
     serve.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
 
     stats = commands.add_parser("stats", help="print tier usage and counters of a server")
     stats.add_argument("--target", default=DEFAULT_TARGET, help="server HOST:PORT")
     stats.add_argument("--json", action="store_true", help="print JSON instead of a table")
     stats.add_argument("--timeout", type=float, default=5.0, help="deadline in seconds")
+    _client_flags(stats)
 
     demo = commands.add_parser("demo", help="store a few blocks and read them back")
     demo.add_argument("--target", default=DEFAULT_TARGET, help="server HOST:PORT")
     demo.add_argument("--wait", type=float, default=0.0, help="seconds to wait for the server")
+    _client_flags(demo)
     return parser
+
+
+def _client_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--token", help="bearer token (default $KVSTORE_TOKEN)")
+    parser.add_argument("--tls-ca", help="PEM CA of the server: connect over TLS ($KVSTORE_TLS_CA)")
+
+
+def _client(args: argparse.Namespace, **kwargs: Any) -> KVStoreClient:
+    return KVStoreClient(args.target, token=args.token, tls_ca=args.tls_ca, **kwargs)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -127,7 +164,7 @@ def _print_stats(stats: dict[str, Any]) -> None:
 
 
 def _stats(args: argparse.Namespace) -> int:
-    with KVStoreClient(args.target, timeout=args.timeout) as client:
+    with _client(args, timeout=args.timeout) as client:
         stats = client.stats()
     if args.json:
         print(json.dumps(stats, indent=2, sort_keys=True))
@@ -136,10 +173,12 @@ def _stats(args: argparse.Namespace) -> int:
     return 0
 
 
-def wait_until_serving(target: str, timeout: float) -> None:
-    """Poll the standard health service until the server answers SERVING or ``timeout`` passes."""
+def wait_until_serving(target: str, timeout: float, tls_ca: str | None = None) -> None:
+    """Poll the standard health service until the server answers SERVING or ``timeout`` passes
+    (over TLS when ``tls_ca`` names the server's CA; health needs no token)."""
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(target) as channel:
+    security = ChannelSecurity.build(None, tls_ca or ClientSettings.from_env().tls_ca or None)
+    with blocking_channel(target, security) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:
@@ -157,14 +196,14 @@ def _demo(args: argparse.Namespace) -> int:
     import numpy as np
 
     if args.wait:
-        wait_until_serving(args.target, args.wait)
+        wait_until_serving(args.target, args.wait, args.tls_ca)
     namespace = Namespace(model="demo-model", num_layers=2, num_kv_heads=2, head_size=64)
     hasher = ChunkHasher(chunk_size=16, namespace=namespace)
     tokens = list(range(64))
     keys = hasher.keys(tokens)
     rng = np.random.default_rng(0)
     blocks = [rng.integers(0, 256, size=256 * 1024, dtype=np.uint8) for _ in keys]
-    with KVStoreClient(args.target, namespace=namespace) as client:
+    with _client(args, namespace=namespace) as client:
         result = client.put(keys, blocks)
         print(
             f"put {len(keys)} blocks of 256 KiB: stored={result.stored} "

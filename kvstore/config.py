@@ -163,7 +163,13 @@ class ServerConfig:
     off). ``inflight_bytes`` bounds the payload bytes all calls together hold at once (Put streams
     as they arrive, Get windows as they are read; :func:`load_config` defaults it to
     :func:`default_inflight_bytes` of ``dram.capacity``); ``prefetch_queue_keys`` bounds the keys
-    of prefetches not yet finished, across all clients."""
+    of prefetches not yet finished, across all clients.
+
+    Security (:mod:`kvstore.server.auth`): ``tls_cert``/``tls_key`` (PEM files) serve gRPC over
+    TLS; ``tls_client_ca`` (PEM) then requires a client certificate signed by it;
+    ``tokens_file`` names a file of ``NAME SHA256HEX`` lines (bearer tokens, stored hashed) that
+    every call must match; ``allow_unauthenticated`` lets a server without either listen beyond
+    loopback (``listen`` or any ``ucx_listen``)."""
 
     listen: str = "127.0.0.1:50051"
     max_block_bytes: int = 64 * 1024**2
@@ -180,8 +186,17 @@ class ServerConfig:
     ucx_transfer_timeout_s: float = 30.0
     inflight_bytes: int = 256 * 1024**2
     prefetch_queue_keys: int = 65536
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+    tokens_file: str = ""
+    allow_unauthenticated: bool = False
 
     def __post_init__(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("server.tls_cert and server.tls_key go together: set both or neither")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ConfigError("server.tls_client_ca needs server.tls_cert and server.tls_key (TLS)")
         host, sep, port = self.listen.rpartition(":")
         if not sep or not host or not re.fullmatch(r"[0-9]{1,5}", port) or int(port) > 65535:
             raise ConfigError(f"server.listen must be HOST:PORT, got {self.listen!r}")

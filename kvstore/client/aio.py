@@ -17,10 +17,10 @@ from typing import Any, TypeVar, cast
 import grpc
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore.client.channel import ChannelSecurity, Pem, aio_channel, blocking_channel
 from kvstore.client.core import Blocking, ClientBase, Plan, Rpc, Step, client_settings
 from kvstore.client.settings import ClientSettings
 from kvstore.keys import Namespace
-from kvstore.protocol import messages as _wire
 from kvstore.types import LookupResult, PrefetchProgress, PutResult
 
 __all__ = ["AsyncKVStoreClient"]
@@ -39,9 +39,19 @@ class AsyncKVStoreClient(ClientBase):
         timeout: float = 5.0,
         data_plane: str | None = None,
         settings: ClientSettings | None = None,
+        token: str | None = None,
+        tls_ca: Pem = None,
+        tls_cert: Pem = None,
+        tls_key: Pem = None,
     ) -> None:
         resolved = client_settings(settings, data_plane)  # bad settings: fail before connecting
-        self._channel = grpc.aio.insecure_channel(target, options=_wire.CHANNEL_OPTIONS)
+        self._security = ChannelSecurity.build(
+            resolved.token if token is None else token,
+            (resolved.tls_ca or None) if tls_ca is None else tls_ca,
+            tls_cert,
+            tls_key,
+        )
+        self._channel = aio_channel(target, self._security)
         self._stub = pb_grpc.KVStoreStub(self._channel)
         # The UCX path's control calls block (in a worker thread): they get a blocking channel,
         # opened only if the server offers UCX.
@@ -56,7 +66,7 @@ class AsyncKVStoreClient(ClientBase):
 
     def _control_channel(self) -> grpc.Channel:
         if self._control is None:
-            self._control = grpc.insecure_channel(self.target, options=_wire.CHANNEL_OPTIONS)
+            self._control = blocking_channel(self.target, self._security)
         return self._control
 
     async def _run(self, plan: Plan[T]) -> T:

@@ -13,6 +13,10 @@ variable                 values                           meaning
 ``KVSTORE_SHM_DIRECT_    ``1`` (default), ``0``           ``0`` sends every shared-memory read
 READS``                                                   through the server (leases), e.g. to
                                                           rule the published index out
+``KVSTORE_TOKEN``        a bearer token (default none)    sent on every call, for a server with
+                                                          ``server.tokens_file``
+``KVSTORE_TLS_CA``       a PEM file (default none)        the CA of the server's certificate;
+                                                          set, the client connects over TLS
 ======================== ================================ =======================================
 """
 
@@ -24,12 +28,21 @@ from dataclasses import dataclass
 
 from kvstore.errors import ConfigError
 
-__all__ = ["DATA_PLANES", "DATA_PLANE_ENV", "DIRECT_READS_ENV", "ClientSettings"]
+__all__ = [
+    "DATA_PLANES",
+    "DATA_PLANE_ENV",
+    "DIRECT_READS_ENV",
+    "TLS_CA_ENV",
+    "TOKEN_ENV",
+    "ClientSettings",
+]
 
 #: Accepted values of a client's data plane (its ``data_plane`` argument or the variable).
 DATA_PLANES = ("auto", "shm", "ucx", "grpc")
 DATA_PLANE_ENV = "KVSTORE_DATA_PLANE"
 DIRECT_READS_ENV = "KVSTORE_SHM_DIRECT_READS"
+TOKEN_ENV = "KVSTORE_TOKEN"
+TLS_CA_ENV = "KVSTORE_TLS_CA"
 _SWITCH = {"1": True, "0": False}
 
 
@@ -41,6 +54,10 @@ class ClientSettings:
     data_plane: str = "auto"
     #: Whether shared-memory reads look in the server's published index first.
     shm_direct_reads: bool = True
+    #: Bearer token sent on every call ("" for none); the clients' ``token=`` overrides it.
+    token: str = ""
+    #: PEM file of the server's CA ("" for a plain channel); the clients' ``tls_ca=`` overrides it.
+    tls_ca: str = ""
 
     def __post_init__(self) -> None:
         if self.data_plane not in DATA_PLANES:
@@ -60,4 +77,9 @@ class ClientSettings:
         direct = env.get(DIRECT_READS_ENV) or "1"
         if direct not in _SWITCH:
             raise ConfigError(f"{DIRECT_READS_ENV} must be 1 or 0, got {direct!r}")
-        return cls(data_plane=data_plane, shm_direct_reads=_SWITCH[direct])
+        return cls(
+            data_plane=data_plane,
+            shm_direct_reads=_SWITCH[direct],
+            token=env.get(TOKEN_ENV, ""),
+            tls_ca=env.get(TLS_CA_ENV, ""),
+        )

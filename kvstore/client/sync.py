@@ -24,13 +24,11 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, TypeVar, cast
 
-import grpc
-
 from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore.client.channel import ChannelSecurity, Pem, blocking_channel
 from kvstore.client.core import Blocking, ClientBase, Plan, Rpc, Step, client_settings
 from kvstore.client.settings import ClientSettings
 from kvstore.keys import Namespace
-from kvstore.protocol import messages as _wire
 from kvstore.types import LookupResult, PrefetchProgress, PutResult
 
 __all__ = ["KVStoreClient"]
@@ -42,7 +40,9 @@ class KVStoreClient(ClientBase):
     """A blocking client. Thread-safe: one channel, many concurrent calls.
 
     ``data_plane`` (``"auto"``, ``"shm"``, ``"ucx"`` or ``"grpc"``) overrides the one in
-    ``settings``, which default to :meth:`ClientSettings.from_env`.
+    ``settings``, which default to :meth:`ClientSettings.from_env`. ``token`` (a bearer token,
+    default ``$KVSTORE_TOKEN``) is sent on every call; ``tls_ca`` (PEM path or bytes, default
+    ``$KVSTORE_TLS_CA``) makes the channel TLS; ``tls_cert``/``tls_key`` add a client certificate.
     """
 
     def __init__(
@@ -53,9 +53,19 @@ class KVStoreClient(ClientBase):
         timeout: float = 5.0,
         data_plane: str | None = None,
         settings: ClientSettings | None = None,
+        token: str | None = None,
+        tls_ca: Pem = None,
+        tls_cert: Pem = None,
+        tls_key: Pem = None,
     ) -> None:
         resolved = client_settings(settings, data_plane)  # bad settings: fail before connecting
-        self._channel = grpc.insecure_channel(target, options=_wire.CHANNEL_OPTIONS)
+        self._security = ChannelSecurity.build(
+            resolved.token if token is None else token,
+            (resolved.tls_ca or None) if tls_ca is None else tls_ca,
+            tls_cert,
+            tls_key,
+        )
+        self._channel = blocking_channel(target, self._security)
         self._stub = pb_grpc.KVStoreStub(self._channel)
         super().__init__(
             target,

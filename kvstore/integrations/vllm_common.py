@@ -66,6 +66,8 @@ _KNOWN_KEYS = frozenset(
         "retry_after_s",
         "hash_algorithm",
         "secret",
+        "token",
+        "tls_ca",
     }
 )
 
@@ -88,6 +90,10 @@ class ConnectorSettings:
         secret: Key-derivation secret; defaults to the ``KVSTORE_HASH_SECRET`` environment
             variable (:func:`kvstore.config.hash_secret`). Every replica sharing a store must
             use the same one.
+        token: Bearer token for a server with ``server.tokens_file``; ``None`` leaves it to
+            the client (``KVSTORE_TOKEN``).
+        tls_ca: PEM file of the server's CA (TLS); ``None`` leaves it to the client
+            (``KVSTORE_TLS_CA``).
     """
 
     target: str
@@ -98,6 +104,8 @@ class ConnectorSettings:
     retry_after_s: float = 5.0
     hash_algorithm: HashAlgorithm = "xxh3_128"
     secret: str = ""
+    token: str | None = field(default=None, repr=False)
+    tls_ca: str | None = None
 
     def __post_init__(self) -> None:
         if not self.target or ":" not in self.target:
@@ -136,6 +144,8 @@ class ConnectorSettings:
                 retry_after_s=float(extra.get("retry_after_s", 5.0)),
                 hash_algorithm=extra.get("hash_algorithm", "xxh3_128"),
                 secret=str(extra["secret"]) if "secret" in extra else hash_secret(env),
+                token=str(extra["token"]) if "token" in extra else None,
+                tls_ca=str(extra["tls_ca"]) if "tls_ca" in extra else None,
             )
         except (TypeError, ValueError) as exc:
             if isinstance(exc, ConfigError):

@@ -101,7 +101,11 @@ class SchedulerSide:
         self._base = base_namespace(vllm_config, shape, settings, tp_rank=0)
         if client is None:
             client = KVStoreClient(
-                settings.target, namespace=self._base, timeout=settings.timeout_s
+                settings.target,
+                namespace=self._base,
+                timeout=settings.timeout_s,
+                token=settings.token,
+                tls_ca=settings.tls_ca,
             )
         self._client = client
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvstore-lookup")

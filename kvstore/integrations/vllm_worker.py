@@ -131,7 +131,11 @@ class WorkerSide:
         self._namespace = base_namespace(vllm_config, shape, settings, tp_rank=tp_rank)
         if client is None:
             client = KVStoreClient(
-                settings.target, namespace=self._namespace, timeout=settings.timeout_s
+                settings.target,
+                namespace=self._namespace,
+                timeout=settings.timeout_s,
+                token=settings.token,
+                tls_ca=settings.tls_ca,
             )
         self._client = client
         self._breaker = Breaker(settings.retry_after_s)

@@ -25,6 +25,7 @@ from kvstore.config import Config
 from kvstore.policy import Policy
 from kvstore.protocol.messages import MESSAGE_TARGET_BYTES
 from kvstore.protocol.ucx import UcxTransportError
+from kvstore.server.auth import check_exposure, interceptors, server_credentials
 from kvstore.server.budget import InflightBudget
 from kvstore.server.integrity import load_keyring
 from kvstore.server.servicer import SERVICE_NAME, KVStoreServicer, add_to_server
@@ -110,7 +111,14 @@ async def _step(what: str, step: Awaitable[T]) -> T | None:
 
 
 async def start_server(config: Config) -> RunningServer:
-    """Build the store and start serving it; returns once the port is bound."""
+    """Build the store and start serving it; returns once the port is bound.
+
+    Security settings are checked first (a server that would listen beyond loopback with nobody
+    authenticated, an unreadable certificate or tokens file): ConfigError before anything opens.
+    """
+    check_exposure(config.server)
+    credentials = server_credentials(config.server)
+    auth = interceptors(config.server)
     store = build_store(config)
     # Clients and the Get stream pack messages up to a soft target plus one whole block; leave
     # room beyond that so an oversized block reaches the store's own check and its clearer message.
@@ -120,14 +128,18 @@ async def start_server(config: Config) -> RunningServer:
             ("grpc.max_receive_message_length", message_limit),
             ("grpc.max_send_message_length", message_limit),
             ("grpc.so_reuseport", 0),
-        ]
+        ],
+        interceptors=auth or None,
     )
     prefetcher = Prefetcher(store, max_queued_keys=config.server.prefetch_queue_keys)
     servicer = KVStoreServicer(store, prefetcher, InflightBudget(config.server.inflight_bytes))
     add_to_server(servicer, server)
     health = health_async.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    port = server.add_insecure_port(config.server.listen)
+    if credentials is None:
+        port = server.add_insecure_port(config.server.listen)
+    else:
+        port = server.add_secure_port(config.server.listen, credentials)
     if port == 0:
         await store.close()
         raise OSError(f"cannot listen on {config.server.listen}")
@@ -138,7 +150,13 @@ async def start_server(config: Config) -> RunningServer:
         await health.set(service, health_pb2.HealthCheckResponse.SERVING)
     host = config.server.listen.rpartition(":")[0]
     address = f"{host}:{port}"
-    logger.info("kvstore serving on %s with tiers %s", address, [t.name for t in store.tiers])
+    logger.info(
+        "kvstore serving on %s (%s, %s) with tiers %s",
+        address,
+        "TLS" if credentials is not None else "plaintext",
+        "authenticated" if auth else "unauthenticated",
+        [t.name for t in store.tiers],
+    )
     return RunningServer(
         server, store, health, address, config.server.shutdown_grace_s, servicer, shm, ucx
     )

@@ -52,7 +52,8 @@ from kvstore.client.ucx import UcxDataClient  # noqa: E402
 
 NAMESPACE = Namespace(model="ucx-test", num_layers=2, num_kv_heads=2, head_size=64)
 OTHER = Namespace(model="ucx-test-other", num_layers=2, num_kv_heads=2, head_size=64)
-UCX = ("--ucx-listen", "127.0.0.1:0")
+# The UCX listener binds every interface: an unauthenticated server must say it allows that.
+UCX = ("--ucx-listen", "127.0.0.1:0", "--allow-unauthenticated")
 NO_SHM = ("--shm-socket", "")
 SIZES = [1, 4095, 8192, 65536 + 7, 1024**2, 3 * 1024**2 + 1]
 

@@ -39,7 +39,7 @@ if _REASON is not None:
 T = TypeVar("T")
 
 NAMESPACE = Namespace(model="ucx-async-test", num_layers=2, num_kv_heads=2, head_size=64)
-UCX = ("--ucx-listen", "127.0.0.1:0")
+UCX = ("--ucx-listen", "127.0.0.1:0", "--allow-unauthenticated")  # it binds every interface
 NO_SHM = ("--shm-socket", "")
 SIZES = [1, 4095, 65536 + 7, 1024**2, 3 * 1024**2 + 1]
 

@@ -460,6 +460,15 @@ def test_secret_comes_from_the_config_loader_unless_given() -> None:
         SchedulerSide(_settings(chunk_size=24), _vllm_config(), _kv_cache_config(), FakeStore())  # type: ignore[arg-type]
 
 
+def test_token_and_tls_ca_are_read_and_the_token_is_not_shown() -> None:
+    plain = ConnectorSettings.from_extra_config({"target": "h:1"}, env={})
+    assert plain.token is None and plain.tls_ca is None  # the client's environment decides
+    extra = {"target": "h:1", "token": "t0ken-value", "tls_ca": "/etc/kvstore/ca.pem"}
+    settings = ConnectorSettings.from_extra_config(extra, env={})
+    assert (settings.token, settings.tls_ca) == ("t0ken-value", "/etc/kvstore/ca.pem")
+    assert "t0ken-value" not in repr(settings)
+
+
 def test_breaker_opens_on_a_failure_for_retry_after_s_and_logs_once_per_outage(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -41,10 +41,25 @@ def free_port() -> int:
 
 
 class RedisServer:
-    """One non-persistent redis-server on ``127.0.0.1:port`` with its files in ``directory``."""
+    """One non-persistent redis-server on ``127.0.0.1:port`` with its files in ``directory``.
 
-    def __init__(self, directory: Path, port: int | None = None) -> None:
+    ``username``/``password`` turn the default user off and admit only that ACL user; ``tls``
+    (certificate, key, CA: PEM paths) serves TLS only (clients need no certificate of their own).
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        port: int | None = None,
+        *,
+        username: str = "",
+        password: str = "",
+        tls: tuple[Path, Path, Path] | None = None,
+    ) -> None:
         self.binary = redis_server_binary()
+        self.username = username
+        self.password = password
+        self.tls = tls
         self.directory = directory
         self.port = port or free_port()
         self.log_path = directory / f"redis-{self.port}.log"
@@ -53,8 +68,12 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        """``redis://127.0.0.1:PORT/0``."""
-        return f"redis://127.0.0.1:{self.port}/0"
+        """``redis://127.0.0.1:PORT/0`` (``rediss://`` with TLS, and ``USER:PASS@`` with a user;
+        the CA rides as the ``ssl_ca_certs`` query argument, which redis-py passes through)."""
+        credentials = f"{self.username}:{self.password}@" if self.password else ""
+        if self.tls is None:
+            return f"redis://{credentials}127.0.0.1:{self.port}/0"
+        return f"rediss://{credentials}127.0.0.1:{self.port}/0?ssl_ca_certs={self.tls[2]}"
 
     def start(self, timeout: float = 10.0) -> RedisServer:
         """Start the server and wait until it answers PING."""
@@ -68,12 +87,27 @@ class RedisServer:
         # No RDB snapshots and no AOF: a killed server comes back empty, like a real crash
         # of a cache that nobody persists.
         options = {"port": str(self.port), "bind": "127.0.0.1", "save": "", "appendonly": "no"}
+        if self.tls is not None:
+            cert, key, ca = self.tls
+            options.update(
+                {
+                    "port": "0",
+                    "tls-port": str(self.port),
+                    "tls-cert-file": str(cert),
+                    "tls-key-file": str(key),
+                    "tls-ca-cert-file": str(ca),
+                    "tls-auth-clients": "no",
+                }
+            )
         flags = [part for name, value in options.items() for part in (f"--{name}", value)]
+        if self.password:
+            user = [self.username or "default", "on", f">{self.password}", "~*", "&*", "+@all"]
+            flags += ["--user", "default", "off", "--user", *user]
         return [self.binary, *flags, "--dir", str(self.directory)]
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        client = redis.Redis(port=self.port, socket_timeout=0.5, socket_connect_timeout=0.5)
+        client = self.client(timeout=0.5)
         try:
             while True:
                 assert self._process is not None
@@ -93,9 +127,11 @@ class RedisServer:
         finally:
             client.close()
 
-    def client(self) -> redis.Redis:
-        """A synchronous client for poking at raw keys."""
-        return redis.Redis(port=self.port, socket_timeout=2)
+    def client(self, timeout: float = 2.0) -> redis.Redis:
+        """A synchronous client for poking at raw keys (with the server's user and TLS)."""
+        return redis.Redis.from_url(
+            self.url, socket_timeout=timeout, socket_connect_timeout=timeout
+        )
 
     def kill(self) -> None:
         """SIGKILL the server: a crash, connections reset, data gone."""

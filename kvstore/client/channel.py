@@ -1,0 +1,205 @@
+"""The gRPC channels of a client: plain or TLS (optionally with a client certificate), and a
+bearer token sent on every call.
+
+The token rides as ``authorization: Bearer <token>`` metadata added by a channel interceptor, so
+every call on the channel carries it: data calls, the ``DataPlane`` discovery call and the UCX
+control calls alike. It is sent over a plain channel too (a loopback server with tokens but no
+TLS); across a network, use TLS (``tls_ca``) so the token is not readable on the wire.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from kvstore.errors import ConfigError
+from kvstore.protocol import messages as _wire
+
+__all__ = ["ChannelSecurity", "aio_channel", "blocking_channel"]
+
+Pem = str | bytes | Path | None
+
+
+def _pem(what: str, value: Pem) -> bytes | None:
+    """PEM bytes from bytes, or from a file path; ``None`` stays ``None``."""
+    if value is None or isinstance(value, bytes):
+        return value
+    try:
+        return Path(value).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{what}: cannot read {value} ({exc})") from exc
+
+
+@dataclass(frozen=True)
+class ChannelSecurity:
+    """How a client reaches its server: ``token`` (bearer), ``tls_ca`` (PEM path or bytes of the
+    CA that signed the server's certificate; given, the channel is TLS), and ``tls_cert`` /
+    ``tls_key`` (the client's own certificate and key, for a server that requires them)."""
+
+    token: str = ""
+    tls_ca: bytes | None = None
+    tls_cert: bytes | None = None
+    tls_key: bytes | None = None
+
+    @classmethod
+    def build(
+        cls, token: str | None, tls_ca: Pem, tls_cert: Pem = None, tls_key: Pem = None
+    ) -> ChannelSecurity:
+        """Read the PEM files now, so a wrong path fails before connecting, naming the argument."""
+        if (tls_cert is None) != (tls_key is None):
+            raise ConfigError("tls_cert and tls_key go together: give both or neither")
+        if tls_cert is not None and tls_ca is None:
+            raise ConfigError("tls_cert needs tls_ca (a client certificate is sent over TLS only)")
+        if token is not None and any(c in token for c in "\r\n"):
+            raise ConfigError("token must be one line")
+        return cls(
+            token or "",
+            _pem("tls_ca", tls_ca),
+            _pem("tls_cert", tls_cert),
+            _pem("tls_key", tls_key),
+        )
+
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        """TLS credentials when a CA is set; ``None`` means a plain channel."""
+        if self.tls_ca is None:
+            return None
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.tls_ca,
+            private_key=self.tls_key,
+            certificate_chain=self.tls_cert,
+        )
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """The metadata every call carries."""
+        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+
+
+def blocking_channel(target: str, security: ChannelSecurity) -> grpc.Channel:
+    """A blocking channel to ``target`` with ``security`` applied."""
+    credentials = security.credentials()
+    if credentials is None:
+        channel = grpc.insecure_channel(target, options=_wire.CHANNEL_OPTIONS)
+    else:
+        channel = grpc.secure_channel(target, credentials, options=_wire.CHANNEL_OPTIONS)
+    extra = security.metadata()
+    if not extra:
+        return channel
+    return grpc.intercept_channel(channel, _BlockingToken(extra))
+
+
+def aio_channel(target: str, security: ChannelSecurity) -> grpc.aio.Channel:
+    """A ``grpc.aio`` channel to ``target`` with ``security`` applied."""
+    extra = security.metadata()
+    interceptors: list[Any] = []
+    if extra:
+        interceptors = [
+            _AioUnaryUnary(extra),
+            _AioUnaryStream(extra),
+            _AioStreamUnary(extra),
+            _AioStreamStream(extra),
+        ]
+    credentials = security.credentials()
+    if credentials is None:
+        return grpc.aio.insecure_channel(
+            target, options=_wire.CHANNEL_OPTIONS, interceptors=interceptors or None
+        )
+    return grpc.aio.secure_channel(
+        target, credentials, options=_wire.CHANNEL_OPTIONS, interceptors=interceptors or None
+    )
+
+
+@dataclass(frozen=True)
+class _Details(grpc.ClientCallDetails):
+    method: str
+    timeout: float | None
+    metadata: Any
+    credentials: grpc.CallCredentials | None
+    wait_for_ready: bool | None
+    compression: Any
+
+
+def _with(extra: tuple[tuple[str, str], ...], metadata: Any) -> list[tuple[str, Any]]:
+    return [*(list(metadata) if metadata else []), *extra]
+
+
+class _BlockingToken(
+    grpc.UnaryUnaryClientInterceptor,  # type: ignore[type-arg]
+    grpc.UnaryStreamClientInterceptor,  # type: ignore[type-arg]
+    grpc.StreamUnaryClientInterceptor,  # type: ignore[type-arg]
+    grpc.StreamStreamClientInterceptor,  # type: ignore[type-arg]
+):
+    """Adds the token metadata to every call of a blocking channel."""
+
+    def __init__(self, extra: tuple[tuple[str, str], ...]) -> None:
+        self._extra = extra
+
+    def _details(self, details: Any) -> _Details:
+        return _Details(
+            details.method,
+            details.timeout,
+            _with(self._extra, details.metadata),
+            details.credentials,
+            getattr(details, "wait_for_ready", None),
+            getattr(details, "compression", None),
+        )
+
+    def intercept_unary_unary(
+        self, continuation: Callable[..., Any], details: Any, request: Any
+    ) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(
+        self, continuation: Callable[..., Any], details: Any, request: Any
+    ) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(
+        self, continuation: Callable[..., Any], details: Any, requests: Any
+    ) -> Any:
+        return continuation(self._details(details), requests)
+
+    def intercept_stream_stream(
+        self, continuation: Callable[..., Any], details: Any, requests: Any
+    ) -> Any:
+        return continuation(self._details(details), requests)
+
+
+class _AioToken:
+    """Adds the token metadata to every call of a ``grpc.aio`` channel (one class per kind: the
+    aio channel picks interceptors by their base class)."""
+
+    def __init__(self, extra: tuple[tuple[str, str], ...]) -> None:
+        self._extra = extra
+
+    def _details(self, details: Any) -> grpc.aio.ClientCallDetails:
+        metadata = grpc.aio.Metadata(*_with(self._extra, details.metadata))
+        return grpc.aio.ClientCallDetails(
+            details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
+        )
+
+    async def _call(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
+        return await continuation(self._details(details), request)
+
+
+class _AioUnaryUnary(_AioToken, grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[type-arg]
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await self._call(continuation, details, request)
+
+
+class _AioUnaryStream(_AioToken, grpc.aio.UnaryStreamClientInterceptor):  # type: ignore[type-arg]
+    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await self._call(continuation, details, request)
+
+
+class _AioStreamUnary(_AioToken, grpc.aio.StreamUnaryClientInterceptor):  # type: ignore[type-arg]
+    async def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return await self._call(continuation, details, requests)
+
+
+class _AioStreamStream(_AioToken, grpc.aio.StreamStreamClientInterceptor):  # type: ignore[type-arg]
+    async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return await self._call(continuation, details, requests)
