@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from kvstore.client import AsyncKVStoreClient, KVStoreClient
 from kvstore.config import Config, load_config
 from kvstore.errors import (
+    AuthenticationError,
     CapacityError,
     ConfigError,
     DeadlineExceededError,
@@ -46,6 +47,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "AsyncKVStoreClient",
+    "AuthenticationError",
     "BlockKey",
     "CapacityError",
     "ChunkHasher",

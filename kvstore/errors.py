@@ -8,6 +8,7 @@
     ├── NamespaceMismatchError  key held by another ns      FAILED_PRECONDITION
     ├── CapacityError           over a limit or a tier      RESOURCE_EXHAUSTED
     ├── UnknownPrefetchError    no such prefetch id         NOT_FOUND
+    ├── AuthenticationError     missing or wrong credentials UNAUTHENTICATED
     ├── StoreUnavailableError   store cannot be reached     UNAVAILABLE
     ├── DeadlineExceededError   deadline passed             DEADLINE_EXCEEDED
     └── InternalStoreError      anything else               INTERNAL
@@ -23,6 +24,7 @@ import grpc
 
 __all__ = [
     "STATUS_OF",
+    "AuthenticationError",
     "CapacityError",
     "ConfigError",
     "DeadlineExceededError",
@@ -61,6 +63,10 @@ class UnknownPrefetchError(KVStoreError):
     """No prefetch has this id: never issued, or finished long ago and forgotten."""
 
 
+class AuthenticationError(KVStoreError):
+    """The server wants credentials this call did not carry, or refused the ones it did."""
+
+
 class StoreUnavailableError(KVStoreError):
     """The store, or the tier the operation needs, cannot be reached right now."""
 
@@ -79,6 +85,7 @@ STATUS_OF: dict[type[KVStoreError], grpc.StatusCode] = {
     NamespaceMismatchError: grpc.StatusCode.FAILED_PRECONDITION,
     CapacityError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     UnknownPrefetchError: grpc.StatusCode.NOT_FOUND,
+    AuthenticationError: grpc.StatusCode.UNAUTHENTICATED,
     StoreUnavailableError: grpc.StatusCode.UNAVAILABLE,
     DeadlineExceededError: grpc.StatusCode.DEADLINE_EXCEEDED,
     InternalStoreError: grpc.StatusCode.INTERNAL,
@@ -89,6 +96,7 @@ _ERROR_OF: dict[grpc.StatusCode, type[KVStoreError]] = {
     grpc.StatusCode.FAILED_PRECONDITION: NamespaceMismatchError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: CapacityError,
     grpc.StatusCode.NOT_FOUND: UnknownPrefetchError,
+    grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
     grpc.StatusCode.UNAVAILABLE: StoreUnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
 }

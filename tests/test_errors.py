@@ -10,6 +10,7 @@ import pytest
 import kvstore.errors as errors_module
 from kvstore.errors import (
     STATUS_OF,
+    AuthenticationError,
     CapacityError,
     ConfigError,
     DeadlineExceededError,
@@ -33,6 +34,7 @@ INTENDED: dict[type[KVStoreError], grpc.StatusCode] = {
     DeadlineExceededError: grpc.StatusCode.DEADLINE_EXCEEDED,
     InternalStoreError: grpc.StatusCode.INTERNAL,
     UnknownPrefetchError: grpc.StatusCode.NOT_FOUND,
+    AuthenticationError: grpc.StatusCode.UNAUTHENTICATED,
 }
 
 # Each status code in the tree and the class a client raises for it. ConfigError shares
@@ -45,6 +47,7 @@ ROUND_TRIP: dict[grpc.StatusCode, type[KVStoreError]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
     grpc.StatusCode.INTERNAL: InternalStoreError,
     grpc.StatusCode.NOT_FOUND: UnknownPrefetchError,
+    grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
 }
 
 
@@ -100,7 +103,6 @@ def test_config_error_arrives_as_invalid_request() -> None:
         grpc.StatusCode.CANCELLED,
         grpc.StatusCode.ALREADY_EXISTS,
         grpc.StatusCode.PERMISSION_DENIED,
-        grpc.StatusCode.UNAUTHENTICATED,
         grpc.StatusCode.ABORTED,
         grpc.StatusCode.OUT_OF_RANGE,
         grpc.StatusCode.UNIMPLEMENTED,

@@ -6,6 +6,7 @@ import kvstore
 import kvstore.errors
 
 EXPECTED = {
+    "AuthenticationError",
     "AsyncKVStoreClient",
     "BlockKey",
     "CapacityError",

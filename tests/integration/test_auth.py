@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvstore import AsyncKVStoreClient, KVStoreClient
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
-from kvstore.errors import KVStoreError
+from kvstore.errors import AuthenticationError, KVStoreError
 
 if TYPE_CHECKING:
     from conftest import ServerFactory
@@ -75,9 +75,9 @@ def test_tokens_refuse_missing_and_wrong_and_serve_the_right_one(
         )
         assert health.status == health_pb2.HealthCheckResponse.SERVING
 
-    with server.client() as anonymous, pytest.raises(KVStoreError, match="KVSTORE_TOKEN"):
+    with server.client() as anonymous, pytest.raises(AuthenticationError, match="KVSTORE_TOKEN"):
         anonymous.put(KEYS, VALUES)
-    with server.client(token="wrong") as wrong, pytest.raises(KVStoreError, match="not accepted"):
+    with server.client(token="wrong") as wrong, pytest.raises(AuthenticationError, match="not acc"):
         wrong.lookup(KEYS)
     with server.client(token=TOKEN) as alice:
         assert alice.put(KEYS, VALUES).stored == len(KEYS)
