@@ -18,7 +18,7 @@ from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import _async as health_async
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from kvstore.block import install_keyring
 from kvstore.config import Config
@@ -27,6 +27,7 @@ from kvstore.protocol.messages import MESSAGE_TARGET_BYTES
 from kvstore.protocol.ucx import UcxTransportError
 from kvstore.server.auth import check_exposure, interceptors, server_credentials
 from kvstore.server.budget import InflightBudget
+from kvstore.server.health import add_health_to_server
 from kvstore.server.integrity import load_keyring
 from kvstore.server.servicer import SERVICE_NAME, KVStoreServicer, add_to_server
 from kvstore.server.shm import ShmServer
@@ -135,7 +136,7 @@ async def start_server(config: Config) -> RunningServer:
     servicer = KVStoreServicer(store, prefetcher, InflightBudget(config.server.inflight_bytes))
     add_to_server(servicer, server)
     health = health_async.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    add_health_to_server(health, server)
     if credentials is None:
         port = server.add_insecure_port(config.server.listen)
     else:

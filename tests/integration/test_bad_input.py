@@ -387,9 +387,12 @@ def test_put_of_a_key_held_under_another_namespace(
     taken = seeded.keys_a[3]
     keys = [new[0], taken]
     values = [b"new block", b"would overwrite a seed block"]
-    message = f"key 1 ({taken.hex()}) is stored under namespace {FP_A.hex()}, not {FP_B.hex()}"
+    # The answer names neither namespace's fingerprint (a fingerprint is all it takes to read a
+    # namespace's blocks).
+    message = f"key 1 ({taken.hex()}) is stored under another namespace"
     code = grpc.StatusCode.FAILED_PRECONDITION
-    expect_status(code, message, lambda: raw_put(stub, put_message(FP_B, keys, values)))
+    details = expect_status(code, message, lambda: raw_put(stub, put_message(FP_B, keys, values)))
+    assert FP_A.hex() not in details and FP_B.hex() not in details
     with (
         seeded.client(NS_B) as client,
         pytest.raises(NamespaceMismatchError, match=re.escape(message)),
@@ -480,6 +483,25 @@ def test_undecodable_request_body(seeded: Seeded) -> None:
         expect_status(
             grpc.StatusCode.UNIMPLEMENTED, "Method not found", lambda: unknown(b"", timeout=10)
         )
+    assert_intact(seeded)
+
+
+def test_undecodable_health_check_is_invalid_argument_and_no_traceback(seeded: Seeded) -> None:
+    """Garbage sent to the standard health service is answered INVALID_ARGUMENT, logged at most
+    as one line (not an ERROR with a traceback per request), and the service keeps answering."""
+    garbage = b"\xff\xff\xff\xff"
+    before = seeded.server.stderr().count("Traceback")
+    with grpc.insecure_channel(seeded.target) as channel:
+        check = channel.unary_unary("/grpc.health.v1.Health/Check")
+        watch = channel.unary_stream("/grpc.health.v1.Health/Watch")
+        for _ in range(3):
+            expect_status(INVALID, "undecodable request", lambda: check(garbage, timeout=10))
+            expect_status(INVALID, "undecodable request", lambda: next(watch(garbage, timeout=10)))
+        health = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=10
+        )
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+    assert seeded.server.stderr().count("Traceback") == before
     assert_intact(seeded)
 
 
