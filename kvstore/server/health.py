@@ -13,31 +13,21 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
-from google.protobuf.message import DecodeError
 from grpc_health.v1 import _async as health_async
 from grpc_health.v1 import health_pb2
+
+from kvstore.server.servicer import Undecodable, tolerant_parser
 
 __all__ = ["HEALTH_SERVICE", "add_health_to_server"]
 
 HEALTH_SERVICE = "grpc.health.v1.Health"
 
 
-class _Undecodable:
-    """Stands in for a probe whose bytes are not a ``HealthCheckRequest``."""
-
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
-
-
-def _parse(data: bytes) -> Any:
-    try:
-        return health_pb2.HealthCheckRequest.FromString(data)
-    except DecodeError as exc:
-        return _Undecodable(str(exc))
+_parse = tolerant_parser(health_pb2.HealthCheckRequest)
 
 
 async def _refuse_undecodable(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
-    if isinstance(request, _Undecodable):
+    if isinstance(request, Undecodable):
         await context.abort(
             grpc.StatusCode.INVALID_ARGUMENT, f"undecodable request: {request.reason}"
         )

@@ -28,7 +28,14 @@ from kvstore.server.budget import InflightBudget
 from kvstore.store import GetResult, TieredStore
 from kvstore.store.prefetch import Prefetcher, PrefetchState
 
-__all__ = ["KVStoreServicer", "add_to_server", "guard"]
+__all__ = [
+    "KVStoreServicer",
+    "Undecodable",
+    "add_to_server",
+    "check_decoded",
+    "guard",
+    "tolerant_parser",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -85,8 +92,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
 
     @staticmethod
     def _decoded(request: Any) -> None:
-        if isinstance(request, _Undecodable):
-            raise InvalidRequestError(f"undecodable request: {request.reason}")
+        check_decoded(request)
 
     async def Lookup(
         self, request: pb.LookupRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -330,14 +336,20 @@ _PREFETCH_STATE = {
 }
 
 
-class _Undecodable:
+class Undecodable:
     """Stands in for a request whose bytes are not the expected protobuf message."""
 
     def __init__(self, reason: str) -> None:
         self.reason = reason
 
 
-def _tolerant(message_type: type[Message]) -> Callable[[bytes], Any]:
+def check_decoded(request: Any) -> None:
+    """Refuse (INVALID_ARGUMENT) a request :func:`tolerant_parser` could not decode."""
+    if isinstance(request, Undecodable):
+        raise InvalidRequestError(f"undecodable request: {request.reason}")
+
+
+def tolerant_parser(message_type: type[Message]) -> Callable[[bytes], Any]:
     """A deserializer that hands undecodable bytes to the handler instead of failing in grpc.
 
     grpc answers a raising deserializer with UNKNOWN; letting the handler see it gives the client
@@ -348,7 +360,7 @@ def _tolerant(message_type: type[Message]) -> Callable[[bytes], Any]:
         try:
             return message_type.FromString(data)
         except DecodeError as exc:
-            return _Undecodable(str(exc))
+            return Undecodable(str(exc))
 
     return parse
 
@@ -358,47 +370,47 @@ def add_to_server(servicer: KVStoreServicer, server: grpc.aio.Server) -> None:
     handlers = {
         "Lookup": grpc.unary_unary_rpc_method_handler(
             servicer.Lookup,
-            request_deserializer=_tolerant(pb.LookupRequest),
+            request_deserializer=tolerant_parser(pb.LookupRequest),
             response_serializer=pb.LookupResponse.SerializeToString,
         ),
         "Put": grpc.stream_unary_rpc_method_handler(
             servicer.Put,
-            request_deserializer=_tolerant(pb.PutRequest),
+            request_deserializer=tolerant_parser(pb.PutRequest),
             response_serializer=pb.PutResponse.SerializeToString,
         ),
         "Get": grpc.unary_stream_rpc_method_handler(
             servicer.Get,
-            request_deserializer=_tolerant(pb.GetRequest),
+            request_deserializer=tolerant_parser(pb.GetRequest),
             response_serializer=pb.GetResponse.SerializeToString,
         ),
         "Delete": grpc.unary_unary_rpc_method_handler(
             servicer.Delete,
-            request_deserializer=_tolerant(pb.DeleteRequest),
+            request_deserializer=tolerant_parser(pb.DeleteRequest),
             response_serializer=pb.DeleteResponse.SerializeToString,
         ),
         "Stats": grpc.unary_unary_rpc_method_handler(
             servicer.Stats,
-            request_deserializer=_tolerant(pb.StatsRequest),
+            request_deserializer=tolerant_parser(pb.StatsRequest),
             response_serializer=pb.StatsResponse.SerializeToString,
         ),
         "Prefetch": grpc.unary_unary_rpc_method_handler(
             servicer.Prefetch,
-            request_deserializer=_tolerant(pb.PrefetchRequest),
+            request_deserializer=tolerant_parser(pb.PrefetchRequest),
             response_serializer=pb.PrefetchResponse.SerializeToString,
         ),
         "PrefetchStatus": grpc.unary_unary_rpc_method_handler(
             servicer.PrefetchStatus,
-            request_deserializer=_tolerant(pb.PrefetchStatusRequest),
+            request_deserializer=tolerant_parser(pb.PrefetchStatusRequest),
             response_serializer=pb.PrefetchStatusResponse.SerializeToString,
         ),
         "CancelPrefetch": grpc.unary_unary_rpc_method_handler(
             servicer.CancelPrefetch,
-            request_deserializer=_tolerant(pb.CancelPrefetchRequest),
+            request_deserializer=tolerant_parser(pb.CancelPrefetchRequest),
             response_serializer=pb.CancelPrefetchResponse.SerializeToString,
         ),
         "DataPlane": grpc.unary_unary_rpc_method_handler(
             servicer.DataPlane,
-            request_deserializer=_tolerant(pb.DataPlaneRequest),
+            request_deserializer=tolerant_parser(pb.DataPlaneRequest),
             response_serializer=pb.DataPlaneResponse.SerializeToString,
         ),
     }

@@ -14,7 +14,7 @@ from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import ucx_pb2 as ucx_pb
 from kvstore._proto.kvstore.v1 import ucx_pb2_grpc as ucx_pb_grpc
 from kvstore.protocol.ucx import UcxTransportError
-from kvstore.server.servicer import guard
+from kvstore.server.servicer import check_decoded, guard, tolerant_parser
 from kvstore.server.ucx import UcxDataServer
 from kvstore.store import TieredStore
 
@@ -36,13 +36,23 @@ class UcxTransferServicer(ucx_pb_grpc.UcxTransferServicer):  # type: ignore[misc
         self, request: ucx_pb.UcxGetRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> ucx_pb.UcxGetResponse:
         """See :meth:`UcxDataServer.get`."""
-        return await guard(context, lambda: self.data_server.get(request, context), _ABORTED)
+
+        async def call() -> ucx_pb.UcxGetResponse:
+            check_decoded(request)
+            return await self.data_server.get(request, context)
+
+        return await guard(context, call, _ABORTED)
 
     async def UcxPut(
         self, request: ucx_pb.UcxPutRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.PutResponse:
         """See :meth:`UcxDataServer.put`."""
-        return await guard(context, lambda: self.data_server.put(request, context), _ABORTED)
+
+        async def call() -> pb.PutResponse:
+            check_decoded(request)
+            return await self.data_server.put(request, context)
+
+        return await guard(context, call, _ABORTED)
 
 
 async def add_ucx_to_server(
@@ -60,5 +70,21 @@ async def add_ucx_to_server(
     """
     data_server = UcxDataServer(store, listen, transfer_timeout_s=transfer_timeout_s)
     await data_server.start()
-    ucx_pb_grpc.add_UcxTransferServicer_to_server(UcxTransferServicer(data_server), server)
+    servicer = UcxTransferServicer(data_server)
+    # Registered by hand with tolerant parsing: undecodable bytes get INVALID_ARGUMENT and a
+    # message, not UNKNOWN and a traceback in the log (as for kvstore.v1.KVStore).
+    handlers = {
+        "UcxGet": grpc.unary_unary_rpc_method_handler(
+            servicer.UcxGet,
+            request_deserializer=tolerant_parser(ucx_pb.UcxGetRequest),
+            response_serializer=ucx_pb.UcxGetResponse.SerializeToString,
+        ),
+        "UcxPut": grpc.unary_unary_rpc_method_handler(
+            servicer.UcxPut,
+            request_deserializer=tolerant_parser(ucx_pb.UcxPutRequest),
+            response_serializer=pb.PutResponse.SerializeToString,
+        ),
+    }
+    generic = grpc.method_handlers_generic_handler(UCX_SERVICE_NAME, handlers)
+    server.add_generic_rpc_handlers((generic,))
     return data_server
