@@ -3,6 +3,7 @@
 #
 #   bash scripts/test.sh            # lint, type-check, stale-proto check, tests
 #   KVSTORE_SKIP_VLLM=1 bash scripts/test.sh   # leave out the real-vLLM suite
+#   KVSTORE_SKIP_SLOW=1 bash scripts/test.sh   # leave out the slow suite (long fuzz runs)
 #
 # Installs redis-server (Debian) if missing, creates .venv with the local CPU torch wheel and the
 # package with its test extra, then runs ruff, mypy, the generated-code check and pytest.
@@ -26,7 +27,11 @@ echo "--- mypy"
 echo "--- generated code"
 $PY scripts/gen_proto.py --check
 echo "--- pytest"
-$PY -m pytest -m "not vllm" -q -p no:cacheprovider --ignore=tests/vllm
+$PY -m pytest -m "not vllm and not slow" -q -p no:cacheprovider --ignore=tests/vllm
+if [ "${KVSTORE_SKIP_SLOW:-0}" != "1" ]; then
+    echo "--- slow suite (longer fuzz runs; KVSTORE_SKIP_SLOW=1 leaves it out)"
+    $PY -m pytest -m "slow" -q -p no:cacheprovider --ignore=tests/vllm
+fi
 
 if [ "${KVSTORE_SKIP_VLLM:-0}" != "1" ]; then
     echo "--- vLLM suite (real engine; KVSTORE_SKIP_VLLM=1 leaves it out)"

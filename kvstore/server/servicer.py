@@ -59,15 +59,20 @@ async def guard(
     try:
         return await call()
     except KVStoreError as exc:
-        await context.abort(status_of(exc), str(exc))
+        code, details = status_of(exc), str(exc)
     except DecodeError as exc:  # a streamed message that is not protobuf
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable request: {exc}")
+        code, details = grpc.StatusCode.INVALID_ARGUMENT, f"undecodable request: {exc}"
     except Exception as exc:
-        for kind, status in (statuses or {}).items():
-            if isinstance(exc, kind):
-                await context.abort(status, str(exc))
-        logger.exception("unexpected failure serving a request")
-        await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
+        matched = [status for kind, status in (statuses or {}).items() if isinstance(exc, kind)]
+        if matched:
+            code, details = matched[0], str(exc)
+        else:
+            logger.exception("unexpected failure serving a request")
+            code, details = grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
+    # Aborted outside the except clause: the abort must not chain the request's exception, whose
+    # traceback holds the frames (and every payload a refused Put stream had received) for as
+    # long as grpc keeps the abort around.
+    await context.abort(code, details)
     raise AssertionError("unreachable: context.abort raises")
 
 

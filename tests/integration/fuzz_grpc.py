@@ -119,15 +119,17 @@ class Requests:
         return keys
 
     def value_size(self) -> int:
-        # At most 64 KiB: a refused Put stream keeps what it received (a known bug,
-        # test_fuzz.test_refused_put_streams_give_their_memory_back), so blocks at or past the
-        # block limit would grow the server past any bound; raise this once that is fixed.
+        # Now and then a block up to and just past the server's 1 MiB block limit: refused Put
+        # streams must give back what they received
+        # (test_fuzz.test_refused_put_streams_give_their_memory_back).
         roll = self.rng.random()
         if roll < 0.1:
             return 0
         if roll < 0.9:
             return self.rng.randrange(1, 4096)
-        return self.rng.randrange(4096, 64 * 1024)
+        if roll < 0.98:
+            return self.rng.randrange(4096, 64 * 1024)
+        return self.rng.randrange(64 * 1024, 1024 * 1024 + 2)
 
     def value(self) -> bytes:
         # Zeros: cheap to build, and the server cannot tell.
@@ -260,10 +262,9 @@ class Requests:
         return "PutCut", f"{how} messages={sizes}", run
 
     def _raw(self, channel: grpc.Channel) -> tuple[str, str, Callable[[], Any]]:
-        # Not kvstore.v1.UcxTransfer: an undecodable UcxGet/UcxPut gets UNKNOWN (a known bug,
-        # test_fuzz.test_undecodable_ucx_request_is_invalid_argument); add it back once fixed.
-        method = self.rng.choice(KVSTORE_METHODS)
-        path = f"/kvstore.v1.KVStore/{method}"
+        method = self.rng.choice([*KVSTORE_METHODS, *UCX_METHODS])
+        service = "UcxTransfer" if method in UCX_METHODS else "KVStore"
+        path = f"/kvstore.v1.{service}/{method}"
         payloads = [self.raw() for _ in range(self.rng.randrange(1, 4))]
         described = f"{path} {[p.hex()[:80] for p in payloads]}"
         if method == "Put":
