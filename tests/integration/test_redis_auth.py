@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from conftest import ServerFactory
 
 PASSWORD = "redis-pass-of-kvstore"
+# Nodes that share a Redis share the secret its blocks are signed with.
+CLUSTER_SECRET = {"KVSTORE_INTEGRITY_SECRETS": "redis-auth test secret"}
 KEYS = [bytes([i]) * 16 for i in range(4)]
 VALUES = [bytes([i]) * 8192 for i in range(4)]
 
@@ -52,13 +54,13 @@ def test_an_acl_user_with_its_password_reaches_the_shared_tier(
     server_factory: ServerFactory, acl_redis: RedisServer
 ) -> None:
     assert acl_redis.url.startswith("redis://kvstore:")
-    node = server_factory("--redis-url", acl_redis.url)
+    node = server_factory("--redis-url", acl_redis.url, env=CLUSTER_SECRET)
     with node.client(data_plane="grpc") as client:
         client.put(KEYS, VALUES)
         poll(lambda: _stored_in_redis(acl_redis) >= len(KEYS), 5, "write-through to redis")
         assert client.stats()["tiers"]["redis"]["up"] == 1
     # Another node, same credentials, finds the blocks in the shared tier.
-    other = server_factory("--redis-url", acl_redis.url)
+    other = server_factory("--redis-url", acl_redis.url, env=CLUSTER_SECRET)
     with other.client(data_plane="grpc") as client:
         assert client.lookup_tiers(KEYS).tiers == ["redis"] * len(KEYS)
         assert client.get(KEYS) == VALUES
