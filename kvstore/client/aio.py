@@ -45,12 +45,7 @@ class AsyncKVStoreClient(ClientBase):
         tls_key: Pem = None,
     ) -> None:
         resolved = client_settings(settings, data_plane)  # bad settings: fail before connecting
-        self._security = ChannelSecurity.build(
-            resolved.token if token is None else token,
-            (resolved.tls_ca or None) if tls_ca is None else tls_ca,
-            tls_cert,
-            tls_key,
-        )
+        self._security = ChannelSecurity.for_client(resolved, token, tls_ca, tls_cert, tls_key)
         self._channel = aio_channel(target, self._security)
         self._stub = pb_grpc.KVStoreStub(self._channel)
         # The UCX path's control calls block (in a worker thread): they get a blocking channel,

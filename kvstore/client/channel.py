@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 
+from kvstore.client.settings import ClientSettings
 from kvstore.errors import ConfigError
 from kvstore.protocol import messages as _wire
 
@@ -61,6 +62,18 @@ class ChannelSecurity:
             _pem("tls_ca", tls_ca),
             _pem("tls_cert", tls_cert),
             _pem("tls_key", tls_key),
+        )
+
+    @classmethod
+    def for_client(
+        cls, settings: ClientSettings, token: str | None, tls_ca: Pem, tls_cert: Pem, tls_key: Pem
+    ) -> ChannelSecurity:
+        """:meth:`build` from a client's arguments, ``settings`` filling in the token and CA."""
+        return cls.build(
+            settings.token if token is None else token,
+            (settings.tls_ca or None) if tls_ca is None else tls_ca,
+            tls_cert,
+            tls_key,
         )
 
     def credentials(self) -> grpc.ChannelCredentials | None:

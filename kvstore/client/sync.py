@@ -59,12 +59,7 @@ class KVStoreClient(ClientBase):
         tls_key: Pem = None,
     ) -> None:
         resolved = client_settings(settings, data_plane)  # bad settings: fail before connecting
-        self._security = ChannelSecurity.build(
-            resolved.token if token is None else token,
-            (resolved.tls_ca or None) if tls_ca is None else tls_ca,
-            tls_cert,
-            tls_key,
-        )
+        self._security = ChannelSecurity.for_client(resolved, token, tls_ca, tls_cert, tls_key)
         self._channel = blocking_channel(target, self._security)
         self._stub = pb_grpc.KVStoreStub(self._channel)
         super().__init__(
