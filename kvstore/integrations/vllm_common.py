@@ -152,6 +152,16 @@ class ConnectorSettings:
                 raise
             raise ConfigError(f"bad kv_connector_extra_config value: {exc}") from exc
 
+    def open_client(self, namespace: Namespace) -> KVStoreClient:
+        """A client of the configured store under ``namespace``, with these credentials."""
+        return KVStoreClient(
+            self.target,
+            namespace=namespace,
+            timeout=self.timeout_s,
+            token=self.token,
+            tls_ca=self.tls_ca,
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class EngineShape:

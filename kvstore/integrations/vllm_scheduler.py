@@ -99,15 +99,7 @@ class SchedulerSide:
         # Lookups use rank 0's keys: every rank saves the same chunks, and a rank whose own
         # chunk is missing reports a failed load, which vLLM recomputes.
         self._base = base_namespace(vllm_config, shape, settings, tp_rank=0)
-        if client is None:
-            client = KVStoreClient(
-                settings.target,
-                namespace=self._base,
-                timeout=settings.timeout_s,
-                token=settings.token,
-                tls_ca=settings.tls_ca,
-            )
-        self._client = client
+        self._client = settings.open_client(self._base) if client is None else client
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvstore-lookup")
         self._breaker = Breaker(settings.retry_after_s)
         self._hashers: dict[tuple[str, str], ChunkHasher] = {}

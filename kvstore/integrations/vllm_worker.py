@@ -129,15 +129,7 @@ class WorkerSide:
         self._layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
         self._tp_rank, self._pp_rank = tp_rank, pp_rank
         self._namespace = base_namespace(vllm_config, shape, settings, tp_rank=tp_rank)
-        if client is None:
-            client = KVStoreClient(
-                settings.target,
-                namespace=self._namespace,
-                timeout=settings.timeout_s,
-                token=settings.token,
-                tls_ca=settings.tls_ca,
-            )
-        self._client = client
+        self._client = settings.open_client(self._namespace) if client is None else client
         self._breaker = Breaker(settings.retry_after_s)
         # Filled by register_kv_caches.
         self._caches: list[torch.Tensor] = []
