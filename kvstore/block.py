@@ -105,8 +105,9 @@ class Keyring:
             raise ValueError("a keyring needs at least one secret")
         if any(not secret for secret in secrets):
             raise ValueError("an integrity secret must not be empty")
+        self._derived = [_derive(s) for s in secrets]
         # Keyed states, copied per MAC: the key's two padding blocks are hashed once, here.
-        self._keys = [hmac.new(_derive(s), digestmod=hashlib.sha256) for s in secrets]
+        self._keys = [hmac.new(key, digestmod=hashlib.sha256) for key in self._derived]
 
     @classmethod
     def random(cls) -> Keyring:
@@ -116,6 +117,15 @@ class Keyring:
     def __len__(self) -> int:
         return len(self._keys)
 
+    def for_tenant(self, tenant: str) -> Keyring:
+        """The ring of one tenant: each secret bound to the tenant's name (rotation kept).
+
+        A block one tenant's ring signed fails every other tenant's check, so a value copied
+        from one tenant's place in a shared tier to another's is a miss there, never served.
+        """
+        label = _TENANT_LABEL + tenant.encode()
+        return Keyring([hmac.digest(key, label, "sha256") for key in self._derived])
+
     def sign(self, prefix: bytes, parts: Iterable[Buffer]) -> bytes:
         """The MAC of ``prefix`` followed by ``parts`` under the current (first) secret."""
         return _mac(self._keys[0], prefix, parts)
@@ -123,6 +133,9 @@ class Keyring:
     def verify(self, prefix: bytes, parts: Sequence[Buffer], mac: bytes) -> bool:
         """Whether ``mac`` is the MAC of ``prefix ‖ parts`` under any secret of the ring."""
         return any(hmac.compare_digest(_mac(key, prefix, parts), mac) for key in self._keys)
+
+
+_TENANT_LABEL = b"kvstore tenant\x00"
 
 
 def _derive(secret: bytes) -> bytes:

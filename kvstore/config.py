@@ -36,6 +36,7 @@ __all__ = [
     "PolicyConfig",
     "RedisConfig",
     "ServerConfig",
+    "TenantConfig",
     "format_size",
     "hash_secret",
     "load_config",
@@ -333,6 +334,78 @@ class PolicyConfig:
             )
 
 
+_TENANT_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
+
+
+@dataclass(frozen=True)
+class TenantConfig:
+    """One tenant (``[tenants.NAME]`` in the config file; there are no environment variables for
+    tenants). ``identities``: the gRPC callers that act as this tenant, token names from
+    ``server.tokens_file`` or client-certificate identities (CN, else SAN); ``uids``: the local
+    users whose processes may connect to this tenant's shared-memory socket (empty: whoever the
+    socket's mode admits and learnt its path from an authenticated call). ``dram``, ``nvme`` and
+    ``hbm``: the bytes this tenant may hold in each tier (its own arena, its own LMDB directory
+    under ``nvme.path``; 0 leaves the tier out for this tenant)."""
+
+    name: str
+    identities: tuple[str, ...] = ()
+    uids: tuple[int, ...] = ()
+    dram: int = 0
+    nvme: int = 0
+    hbm: int = 0
+
+    def __post_init__(self) -> None:
+        where = f"tenants.{self.name}"
+        if not _TENANT_NAME.fullmatch(self.name):
+            raise ConfigError(
+                f"[{where}]: a tenant name is 1-63 of a-z, 0-9, '_' and '-', starting with a "
+                "letter or digit"
+            )
+        if not self.identities:
+            raise ConfigError(
+                f"{where}.identities must name at least one caller (a token name from "
+                "server.tokens_file or a client certificate's CN)"
+            )
+        if not (self.dram or self.nvme):
+            raise ConfigError(f"{where}: give dram or nvme a size (both are 0)")
+        for tier in ("dram", "nvme", "hbm"):
+            if getattr(self, tier) < 0:
+                raise ConfigError(f"{where}.{tier} must be >= 0, got {getattr(self, tier)}")
+
+
+_TENANT_KEYS = {"identities", "uids", "dram", "nvme", "hbm"}
+
+
+def _tenants(document: Any) -> tuple[TenantConfig, ...]:
+    """The ``[tenants.NAME]`` tables of a config file, checked; an identity in two is an error."""
+    if not isinstance(document, dict):
+        raise ConfigError("[tenants] must hold one table per tenant: [tenants.NAME]")
+    tenants: list[TenantConfig] = []
+    owner: dict[str, str] = {}
+    for name, table in document.items():
+        if not isinstance(table, dict) or set(table) - _TENANT_KEYS:
+            raise ConfigError(
+                f"[tenants.{name}] takes only {sorted(_TENANT_KEYS)}, "
+                f"got {sorted(table) if isinstance(table, dict) else table!r}"
+            )
+        try:
+            identities = tuple(str(i) for i in table.get("identities", ()))
+            uids = tuple(int(u) for u in table.get("uids", ()))
+            sizes = {tier: parse_size(table.get(tier, 0)) for tier in ("dram", "nvme", "hbm")}
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"[tenants.{name}]: {exc}") from exc
+        tenant = TenantConfig(str(name), identities, uids, **sizes)
+        for identity in tenant.identities:
+            if identity in owner:
+                raise ConfigError(
+                    f"identity {identity!r} is in tenants {owner[identity]} and {name}: "
+                    "a caller belongs to one tenant"
+                )
+            owner[identity] = tenant.name
+        tenants.append(tenant)
+    return tuple(tenants)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Config:
     """The whole configuration of one ``kvstore serve`` process.
@@ -348,6 +421,8 @@ class Config:
     redis: RedisConfig = field(default_factory=RedisConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     integrity: IntegrityConfig = field(default_factory=IntegrityConfig)
+    #: Empty: one store that every caller shares, as before tenants existed.
+    tenants: tuple[TenantConfig, ...] = ()
 
 
 _SECTIONS: dict[str, type[Any]] = {
@@ -433,6 +508,7 @@ def load_config(
     """
     env = os.environ if env is None else env
     merged: dict[str, Any] = machine_defaults(env)
+    tenants: tuple[TenantConfig, ...] = ()
     path = path if path is not None else env.get("KVSTORE_CONFIG") or None
     if path is not None:
         try:
@@ -440,9 +516,13 @@ def load_config(
                 document = tomllib.load(handle)
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+        if "tenants" in document:
+            tenants = _tenants(document.pop("tenants"))
         for section, values in document.items():
             if section not in _SECTIONS or not isinstance(values, dict):
-                raise ConfigError(f"unknown config section [{section}]; known: {sorted(_SECTIONS)}")
+                raise ConfigError(
+                    f"unknown config section [{section}]; known: {sorted(_SECTIONS)} and tenants"
+                )
             for name, value in values.items():
                 merged[f"{section}.{name}"] = value
     known = setting_names()
@@ -472,7 +552,7 @@ def load_config(
         )
         for section, cls in _SECTIONS.items()
     }
-    return Config(**sections)
+    return Config(**sections, tenants=tenants)
 
 
 def _positive(name: str, value: int) -> None:

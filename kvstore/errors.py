@@ -9,6 +9,7 @@
     ├── CapacityError           over a limit or a tier      RESOURCE_EXHAUSTED
     ├── UnknownPrefetchError    no such prefetch id         NOT_FOUND
     ├── AuthenticationError     missing or wrong credentials UNAUTHENTICATED
+    ├── PermissionDeniedError   credentials of no tenant    PERMISSION_DENIED
     ├── StoreUnavailableError   store cannot be reached     UNAVAILABLE
     ├── DeadlineExceededError   deadline passed             DEADLINE_EXCEEDED
     └── InternalStoreError      anything else               INTERNAL
@@ -32,6 +33,7 @@ __all__ = [
     "InvalidRequestError",
     "KVStoreError",
     "NamespaceMismatchError",
+    "PermissionDeniedError",
     "StoreUnavailableError",
     "UnknownPrefetchError",
     "error_from_status",
@@ -67,6 +69,10 @@ class AuthenticationError(KVStoreError):
     """The server wants credentials this call did not carry, or refused the ones it did."""
 
 
+class PermissionDeniedError(KVStoreError):
+    """The caller is authenticated but may not do this (its credentials belong to no tenant)."""
+
+
 class StoreUnavailableError(KVStoreError):
     """The store, or the tier the operation needs, cannot be reached right now."""
 
@@ -86,6 +92,7 @@ STATUS_OF: dict[type[KVStoreError], grpc.StatusCode] = {
     CapacityError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     UnknownPrefetchError: grpc.StatusCode.NOT_FOUND,
     AuthenticationError: grpc.StatusCode.UNAUTHENTICATED,
+    PermissionDeniedError: grpc.StatusCode.PERMISSION_DENIED,
     StoreUnavailableError: grpc.StatusCode.UNAVAILABLE,
     DeadlineExceededError: grpc.StatusCode.DEADLINE_EXCEEDED,
     InternalStoreError: grpc.StatusCode.INTERNAL,
@@ -97,6 +104,7 @@ _ERROR_OF: dict[grpc.StatusCode, type[KVStoreError]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: CapacityError,
     grpc.StatusCode.NOT_FOUND: UnknownPrefetchError,
     grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
     grpc.StatusCode.UNAVAILABLE: StoreUnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
 }

@@ -18,6 +18,7 @@ from kvstore.errors import (
     InvalidRequestError,
     KVStoreError,
     NamespaceMismatchError,
+    PermissionDeniedError,
     StoreUnavailableError,
     UnknownPrefetchError,
     error_from_status,
@@ -35,6 +36,7 @@ INTENDED: dict[type[KVStoreError], grpc.StatusCode] = {
     InternalStoreError: grpc.StatusCode.INTERNAL,
     UnknownPrefetchError: grpc.StatusCode.NOT_FOUND,
     AuthenticationError: grpc.StatusCode.UNAUTHENTICATED,
+    PermissionDeniedError: grpc.StatusCode.PERMISSION_DENIED,
 }
 
 # Each status code in the tree and the class a client raises for it. ConfigError shares
@@ -48,6 +50,7 @@ ROUND_TRIP: dict[grpc.StatusCode, type[KVStoreError]] = {
     grpc.StatusCode.INTERNAL: InternalStoreError,
     grpc.StatusCode.NOT_FOUND: UnknownPrefetchError,
     grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
 }
 
 
@@ -102,7 +105,6 @@ def test_config_error_arrives_as_invalid_request() -> None:
         grpc.StatusCode.UNKNOWN,
         grpc.StatusCode.CANCELLED,
         grpc.StatusCode.ALREADY_EXISTS,
-        grpc.StatusCode.PERMISSION_DENIED,
         grpc.StatusCode.ABORTED,
         grpc.StatusCode.OUT_OF_RANGE,
         grpc.StatusCode.UNIMPLEMENTED,

@@ -88,3 +88,13 @@ def test_auto_socket_directory_admits_whom_the_socket_admits(
     # A configured path's directory is never removed.
     app._remove_private_dir(str(tmp_path / "mine.sock"))
     assert tmp_path.exists()
+
+
+def test_a_tenant_ring_verifies_only_its_own_blocks_and_keeps_rotation() -> None:
+    key, namespace, payload = b"k" * 16, b"n" * 16, b"payload" * 100
+    old, new = Keyring([b"old"]), Keyring([b"new", b"old"])
+    value = encode_header(key, namespace, payload, old.for_tenant("a")) + payload
+    decode_value(key, value, new.for_tenant("a"))  # rotated: the old secret still verifies
+    for other in (old.for_tenant("b"), old, Keyring([b"new"]).for_tenant("a")):
+        with pytest.raises(CorruptBlockError):
+            decode_value(key, value, other)

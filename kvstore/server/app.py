@@ -20,7 +20,7 @@ import grpc
 from grpc_health.v1 import _async as health_async
 from grpc_health.v1 import health_pb2
 
-from kvstore.block import install_keyring
+from kvstore.block import Keyring, install_keyring
 from kvstore.config import Config
 from kvstore.policy import Policy
 from kvstore.protocol.messages import MESSAGE_TARGET_BYTES
@@ -30,29 +30,43 @@ from kvstore.server.budget import InflightBudget
 from kvstore.server.health import add_health_to_server
 from kvstore.server.integrity import load_keyring
 from kvstore.server.servicer import SERVICE_NAME, KVStoreServicer, add_to_server
+from kvstore.server.sessions import ArenaSessions
 from kvstore.server.shm import ShmServer
 from kvstore.server.shm_limits import ShmLimits
-from kvstore.server.ucx import UcxDataServer
+from kvstore.server.tenancy import Tenant, Tenants, check_tenants, tenant_config, tenant_socket
+from kvstore.server.ucx import UcxDataServer, UcxScope
 from kvstore.server.ucx_service import add_ucx_to_server
 from kvstore.store import TieredStore
 from kvstore.store.prefetch import Prefetcher
 from kvstore.tiers import build_tiers
 
-__all__ = ["SERVICE_NAME", "RunningServer", "run_server", "start_server"]
+__all__ = [
+    "SERVICE_NAME",
+    "RunningServer",
+    "build_store",
+    "open_tenants",
+    "run_server",
+    "start_server",
+]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 
-def build_store(config: Config) -> TieredStore:
+def build_store(config: Config, keyring: Keyring | None = None) -> TieredStore:
     """The :class:`TieredStore` a config describes, its index rebuilt from persistent tiers.
 
-    Installs the configured integrity keyring first: blocks are signed and verified with it.
+    Its tiers sign and verify blocks with ``keyring``; without one, the configured integrity
+    keyring is installed for the whole process first and they use that.
     """
-    install_keyring(load_keyring(config))
+    if keyring is None:
+        install_keyring(load_keyring(config))
+    tiers = build_tiers(config)
+    for tier in tiers:
+        tier.keyring = keyring
     store = TieredStore(
-        build_tiers(config),
+        tiers,
         max_block_bytes=config.server.max_block_bytes,
         max_keys_per_request=config.server.max_keys_per_request,
         policy=Policy(
@@ -65,18 +79,68 @@ def build_store(config: Config) -> TieredStore:
     return store
 
 
+async def open_tenants(config: Config) -> Tenants:
+    """The store of every tenant ``config`` names (:mod:`.tenancy`), or the one shared store of a
+    server without tenants; stores opened before one that fails are closed again."""
+    keyring = load_keyring(config)
+    install_keyring(keyring)
+    server = config.server
+    if not config.tenants:
+        store = build_store(config, None)
+        return Tenants.single(
+            Tenant(
+                "",
+                store,
+                Prefetcher(store, max_queued_keys=server.prefetch_queue_keys),
+                InflightBudget(server.inflight_bytes),
+            )
+        )
+    opened: list[Tenant] = []
+    try:
+        for spec in config.tenants:
+            own = tenant_config(config, spec)
+            store = build_store(own, keyring.for_tenant(spec.name))
+            opened.append(
+                Tenant(
+                    spec.name,
+                    store,
+                    Prefetcher(store, max_queued_keys=server.prefetch_queue_keys),
+                    InflightBudget(own.server.inflight_bytes),
+                    frozenset(spec.uids) or None,
+                )
+            )
+    except BaseException:
+        for tenant in opened:
+            await tenant.store.close()
+        raise
+    owners = {identity: spec.name for spec in config.tenants for identity in spec.identities}
+    return Tenants(opened, owners)
+
+
 @dataclass
 class RunningServer:
-    """A started server: its bound address, the store behind it, and how to stop it."""
+    """A started server: its bound address, the tenants' stores behind it, and how to stop it.
+
+    ``store`` and ``shm`` are the first tenant's (the only one of a server without tenants).
+    """
 
     server: grpc.aio.Server
-    store: TieredStore
+    tenants: Tenants
     health: health_async.HealthServicer
     address: str
     grace_s: float
     servicer: KVStoreServicer
-    shm: ShmServer | None = None
     ucx: UcxDataServer | None = None
+
+    @property
+    def store(self) -> TieredStore:
+        """The first tenant's store."""
+        return next(iter(self.tenants)).store
+
+    @property
+    def shm(self) -> ShmServer | None:
+        """The first tenant's shared-memory server."""
+        return next(iter(self.tenants)).shm
 
     async def stop(self) -> None:
         """Refuse new calls, let in-flight ones finish, save DRAM to NVMe, close the store.
@@ -92,13 +156,15 @@ class RunningServer:
             await _step("closing the UCX data path", self.ucx.close())
         # Before persist and close: a prefetch batch may still be reading the nvme tier.
         await _step("closing the servicer", self.servicer.close())
-        if self.shm is not None:
-            await _step("closing the shared-memory data plane", self.shm.close())
-            _remove_private_dir(self.shm.path)
-        saved = await _step("saving volatile tiers to disk", self.store.persist(self.grace_s))
-        if saved is not None:
-            logger.info("saved %d block(s) from volatile tiers to disk", saved)
-        await _step("closing the store", self.store.close())
+        for tenant in self.tenants:
+            if tenant.shm is not None:
+                await _step("closing the shared-memory data plane", tenant.shm.close())
+                _remove_private_dir(tenant.shm.path)
+        for tenant in self.tenants:
+            saved = await _step("saving volatile tiers to disk", tenant.store.persist(self.grace_s))
+            if saved:
+                logger.info("saved %d block(s) from volatile tiers to disk", saved)
+            await _step("closing the store", tenant.store.close())
         logger.info("kvstore stopped")
 
 
@@ -118,9 +184,10 @@ async def start_server(config: Config) -> RunningServer:
     authenticated, an unreadable certificate or tokens file): ConfigError before anything opens.
     """
     check_exposure(config.server)
+    check_tenants(config)
     credentials = server_credentials(config.server)
     auth = interceptors(config.server)
-    store = build_store(config)
+    tenants = await open_tenants(config)
     # Clients and the Get stream pack messages up to a soft target plus one whole block; leave
     # room beyond that so an oversized block reaches the store's own check and its clearer message.
     message_limit = 2 * config.server.max_block_bytes + MESSAGE_TARGET_BYTES + 1024**2
@@ -132,8 +199,7 @@ async def start_server(config: Config) -> RunningServer:
         ],
         interceptors=auth or None,
     )
-    prefetcher = Prefetcher(store, max_queued_keys=config.server.prefetch_queue_keys)
-    servicer = KVStoreServicer(store, prefetcher, InflightBudget(config.server.inflight_bytes))
+    servicer = KVStoreServicer(tenants=tenants)
     add_to_server(servicer, server)
     health = health_async.HealthServicer()
     add_health_to_server(health, server)
@@ -142,24 +208,27 @@ async def start_server(config: Config) -> RunningServer:
     else:
         port = server.add_secure_port(config.server.listen, credentials)
     if port == 0:
-        await store.close()
+        for tenant in tenants:
+            await tenant.store.close()
         raise OSError(f"cannot listen on {config.server.listen}")
-    shm = await _start_shm(config, store, servicer)
-    ucx = await _start_ucx(config, store, server, servicer)
+    for tenant in tenants:
+        tenant.shm = await _start_shm(config, tenant)
+    ucx = await _start_ucx(config, tenants, server, servicer)
     await server.start()
     for service in ("", SERVICE_NAME):
         await health.set(service, health_pb2.HealthCheckResponse.SERVING)
     host = config.server.listen.rpartition(":")[0]
     address = f"{host}:{port}"
     logger.info(
-        "kvstore serving on %s (%s, %s) with tiers %s",
+        "kvstore serving on %s (%s, %s) with tiers %s%s",
         address,
         "TLS" if credentials is not None else "plaintext",
         "authenticated" if auth else "unauthenticated",
-        [t.name for t in store.tiers],
+        [t.name for t in next(iter(tenants)).store.tiers],
+        f" for {len(tenants)} tenants" if config.tenants else "",
     )
     return RunningServer(
-        server, store, health, address, config.server.shutdown_grace_s, servicer, shm, ucx
+        server, tenants, health, address, config.server.shutdown_grace_s, servicer, ucx
     )
 
 
@@ -198,27 +267,32 @@ def _remove_private_dir(socket_path: str) -> None:
             logger.warning("cannot remove socket directory %s: %s", directory, exc)
 
 
-async def _start_shm(
-    config: Config, store: TieredStore, servicer: KVStoreServicer
-) -> ShmServer | None:
-    """Serve the dram arena to co-located clients, if configured and there is an arena.
+async def _start_shm(config: Config, tenant: Tenant) -> ShmServer | None:
+    """Serve a tenant's dram arena to its co-located clients, if configured and it has one.
 
     A socket that cannot be created (no such directory, no permission, a path too long) turns
     only this data plane off: the server announces no socket and clients use gRPC.
     """
-    if not config.server.shm_socket or store.arena is None:
+    store = tenant.store
+    setting = tenant_socket(config.server.shm_socket, tenant.name)
+    if not setting or store.arena is None:
         return None
     settings = config.server
-    path = shm_socket_path(settings.shm_socket, settings.shm_socket_mode)
+    path = shm_socket_path(setting, settings.shm_socket_mode)
     limits = ShmLimits(
         max_connections=settings.shm_max_connections,
         max_connections_per_uid=settings.shm_max_connections_per_uid,
-        # One connection may hold a quarter of the arena unless told otherwise: several engines
-        # share it, and none may pin or fill all of it.
-        session_bytes=settings.shm_session_bytes or max(store.arena.capacity // 4, 1),
+        session_bytes=_session_bytes(config, store),
         frame_timeout_s=settings.shm_frame_timeout_s,
     )
-    shm = ShmServer(store, path, os.urandom(16), mode=settings.shm_socket_mode, limits=limits)
+    shm = ShmServer(
+        store,
+        path,
+        os.urandom(16),
+        mode=settings.shm_socket_mode,
+        limits=limits,
+        allowed_uids=tenant.uids,
+    )
     try:
         await shm.start()
     except OSError as exc:
@@ -230,9 +304,18 @@ async def _start_shm(
             exc,
         )
         return None
-    servicer.shm_socket = path
-    servicer.instance_id = shm.instance_id
     return shm
+
+
+def _session_bytes(config: Config, store: TieredStore) -> int | None:
+    """Arena bytes one connection or transfer may hold leased or reserved (``None``: no arena).
+
+    A quarter of the arena unless told otherwise: several engines share it, and none may pin or
+    fill all of it.
+    """
+    if store.arena is None:
+        return None
+    return config.server.shm_session_bytes or max(store.arena.capacity // 4, 1)
 
 
 async def run_server(config: Config, on_ready: Callable[[str], None] | None = None) -> None:
@@ -250,17 +333,30 @@ async def run_server(config: Config, on_ready: Callable[[str], None] | None = No
 
 
 async def _start_ucx(
-    config: Config, store: TieredStore, server: grpc.aio.Server, servicer: KVStoreServicer
+    config: Config, tenants: Tenants, server: grpc.aio.Server, servicer: KVStoreServicer
 ) -> UcxDataServer | None:
-    """Serve bulk transfers to remote clients over UCX, if configured and ucxx is installed."""
+    """Serve bulk transfers to remote clients over UCX, if configured and ucxx is installed.
+
+    Each call works on its caller's tenant's store, and one transfer holds at most what one
+    shared-memory connection may (``server.shm_session_bytes``) of that tenant's arena.
+    """
     if not config.server.ucx_listen:
         return None
+    scopes = {
+        tenant.name: UcxScope(
+            tenant.name,
+            tenant.store,
+            ArenaSessions(tenant.store, _session_bytes(config, tenant.store)),
+        )
+        for tenant in tenants
+    }
     try:
         ucx = await add_ucx_to_server(
             server,
-            store,
+            next(iter(tenants)).store,
             config.server.ucx_listen,
             transfer_timeout_s=config.server.ucx_transfer_timeout_s,
+            scopes=lambda: scopes[tenants.current().name],
         )
     except UcxTransportError as exc:
         logger.warning("UCX data path off: %s", exc)

@@ -25,6 +25,7 @@ from kvstore.protocol.checks import (
 )
 from kvstore.protocol.messages import MESSAGE_TARGET_BYTES
 from kvstore.server.budget import InflightBudget
+from kvstore.server.tenancy import Tenant, Tenants
 from kvstore.store import GetResult, TieredStore
 from kvstore.store.prefetch import Prefetcher, PrefetchState
 
@@ -77,23 +78,35 @@ async def guard(
 
 
 class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generated, untyped
-    """Serves ``kvstore.v1.KVStore`` from one :class:`TieredStore`."""
+    """Serves ``kvstore.v1.KVStore``: each call from its caller's tenant (:mod:`.tenancy`).
+
+    Built from one ``store`` (with its ``prefetcher`` and in-flight ``budget``), every caller
+    shares it; built from ``tenants``, each call gets the store, prefetch queue and budget of the
+    tenant its credentials belong to, and nothing of any other.
+    """
 
     def __init__(
         self,
-        store: TieredStore,
+        store: TieredStore | None = None,
         prefetcher: Prefetcher | None = None,
         budget: InflightBudget | None = None,
+        *,
+        tenants: Tenants | None = None,
     ) -> None:
-        self.store = store
-        #: Payload bytes all calls together may hold (Put streams, Get windows).
-        self.budget = budget if budget is not None else InflightBudget(DEFAULT_INFLIGHT_BYTES)
-        #: Runs Prefetch requests in the background, on the serving loop.
-        self.prefetcher = prefetcher if prefetcher is not None else Prefetcher(store)
-        #: Where the fast data paths listen; the server fills it in once they are up.
-        self.shm_socket = ""
+        if tenants is None:
+            if store is None:
+                raise ValueError("a servicer needs a store or tenants")
+            tenants = Tenants.single(
+                Tenant(
+                    "",
+                    store,
+                    prefetcher if prefetcher is not None else Prefetcher(store),
+                    budget if budget is not None else InflightBudget(DEFAULT_INFLIGHT_BYTES),
+                )
+            )
+        self.tenants = tenants
+        #: Where the UCX listener is; the server fills it in once it is up.
         self.ucx_address = ""
-        self.instance_id = b""
 
     @staticmethod
     def _decoded(request: Any) -> None:
@@ -106,7 +119,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
 
         async def call() -> pb.LookupResponse:
             self._decoded(request)
-            result = await self.store.lookup_shared(list(request.keys), request.namespace)
+            store = self.tenants.current().store
+            result = await store.lookup_shared(list(request.keys), request.namespace)
             return pb.LookupResponse(hits=result.hits, tiers=result.tiers)
 
         return await guard(context, call)
@@ -123,9 +137,12 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
         it is stored, and the charge is given back however the call ends.
         """
         charged = 0
+        budget: InflightBudget | None = None
 
         async def call() -> pb.PutResponse:
-            nonlocal charged
+            nonlocal charged, budget
+            tenant = self.tenants.current()
+            store, budget = tenant.store, tenant.budget
             namespace: bytes | None = None
             keys: list[bytes] = []
             values: list[bytes] = []
@@ -136,9 +153,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
                     namespace = message.namespace
                 elif message.namespace and message.namespace != namespace:
                     raise InvalidRequestError("one Put stream named two namespaces")
-                check_streamed_keys(
-                    len(keys) + len(message.blocks), self.store.max_keys_per_request
-                )
+                check_streamed_keys(len(keys) + len(message.blocks), store.max_keys_per_request)
                 for block in message.blocks:
                     value = block.value
                     total += len(value)
@@ -146,19 +161,19 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
                         len(keys),
                         len(value),
                         total,
-                        self.store.max_block_bytes,
-                        self.store.local_capacity,
-                        self.budget.limit,
+                        store.max_block_bytes,
+                        store.local_capacity,
+                        budget.limit,
                     )
-                    if not self.budget.try_take(len(value)):
+                    if not budget.try_take(len(value)):
                         raise CapacityError(
-                            f"the server holds {self.budget.in_use} bytes of requests in flight "
-                            f"(limit {self.budget.limit}, server.inflight_bytes); retry later"
+                            f"the server holds {budget.in_use} bytes of your requests in flight "
+                            f"(limit {budget.limit}, server.inflight_bytes); retry later"
                         )
                     charged += len(value)
                     keys.append(block.key)
                     values.append(value)
-            result = await self.store.put(keys, values, namespace or b"")
+            result = await store.put(keys, values, namespace or b"")
             return pb.PutResponse(
                 stored=result.stored, already_present=result.already_present, dropped=result.dropped
             )
@@ -166,7 +181,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
         try:
             return await guard(context, call)
         finally:
-            self.budget.give(charged)
+            if budget is not None:
+                budget.give(charged)
 
     async def Get(
         self, request: pb.GetRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -178,22 +194,24 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
         sent: a request holds at most one window (plus one block) however many keys it names.
         """
 
-        async def check() -> list[bytes]:
+        async def check() -> tuple[Tenant, list[bytes]]:
             self._decoded(request)
+            tenant = self.tenants.current()
             keys = list(request.keys)
-            check_keys(keys, request.namespace, self.store.max_keys_per_request)
-            return keys
+            check_keys(keys, request.namespace, tenant.store.max_keys_per_request)
+            return tenant, keys
 
-        keys = await guard(context, check)
-        for start, stop, estimate in _windows(self.store.stored_lengths(keys)):
-            charged = await self.budget.take(estimate)
+        tenant, keys = await guard(context, check)
+        store, budget = tenant.store, tenant.budget
+        for start, stop, estimate in _windows(store.stored_lengths(keys)):
+            charged = await budget.take(estimate)
             try:
                 # A key named again in the window is read once (clients may ask for one block
                 # into two buffers); each naming still gets its result, within the window.
                 window = list(dict.fromkeys(keys[start:stop]))
 
                 async def read(window: list[bytes] = window) -> list[GetResult]:
-                    return await self.store.get(window, request.namespace)
+                    return await store.get(window, request.namespace)
 
                 read_once = dict(zip(window, await guard(context, read), strict=True))
                 results = [read_once[key] for key in keys[start:stop]]
@@ -202,7 +220,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
                     yield response
                 results = []  # let the window go before the next one is read
             finally:
-                self.budget.give(charged)
+                budget.give(charged)
 
     async def Delete(
         self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -211,7 +229,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
 
         async def call() -> pb.DeleteResponse:
             self._decoded(request)
-            deleted = await self.store.delete(list(request.keys), request.namespace)
+            store = self.tenants.current().store
+            deleted = await store.delete(list(request.keys), request.namespace)
             return pb.DeleteResponse(deleted=deleted)
 
         return await guard(context, call)
@@ -219,10 +238,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
     async def Stats(
         self, request: pb.StatsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.StatsResponse:
-        """Tier usage and counters."""
+        """Tier usage and counters of the caller's own store."""
 
         async def call() -> pb.StatsResponse:
-            stats = self.store.stats()
+            stats = self.tenants.current().store.stats()
             return pb.StatsResponse(
                 tiers=[
                     pb.TierStats(name=name, values=values)
@@ -241,7 +260,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
 
         async def call() -> pb.PrefetchResponse:
             self._decoded(request)
-            prefetch_id = self.prefetcher.submit(list(request.keys), request.namespace)
+            prefetcher = self.tenants.current().prefetcher
+            prefetch_id = prefetcher.submit(list(request.keys), request.namespace)
             return pb.PrefetchResponse(prefetch_id=prefetch_id)
 
         return await guard(context, call)
@@ -253,7 +273,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
 
         async def call() -> pb.PrefetchStatusResponse:
             self._decoded(request)
-            progress = self.prefetcher.status(request.prefetch_id)
+            progress = self.tenants.current().prefetcher.status(request.prefetch_id)
             return pb.PrefetchStatusResponse(
                 state=_PREFETCH_STATE[progress.state],
                 total=progress.total,
@@ -271,25 +291,28 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
 
         async def call() -> pb.CancelPrefetchResponse:
             self._decoded(request)
-            return pb.CancelPrefetchResponse(cancelled=self.prefetcher.cancel(request.prefetch_id))
+            prefetcher = self.tenants.current().prefetcher
+            return pb.CancelPrefetchResponse(cancelled=prefetcher.cancel(request.prefetch_id))
 
         return await guard(context, call)
 
     async def close(self) -> None:
-        """Cancel prefetches and wait for their moves in flight; call before closing the store."""
-        await self.prefetcher.close()
+        """Cancel prefetches and wait for their moves in flight; call before closing the stores."""
+        for tenant in self.tenants:
+            await tenant.prefetcher.close()
 
     async def DataPlane(
         self, request: pb.DataPlaneRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.DataPlaneResponse:
-        """Where the shared-memory socket and the UCX listener are ("" where off)."""
+        """Where the caller's shared-memory socket and the UCX listener are ("" where off)."""
 
         async def call() -> pb.DataPlaneResponse:
             self._decoded(request)
+            tenant = self.tenants.current()
             return pb.DataPlaneResponse(
-                shm_socket=self.shm_socket,
+                shm_socket=tenant.shm_socket,
                 ucx_address=self.ucx_address,
-                instance_id=self.instance_id,
+                instance_id=tenant.instance_id,
             )
 
         return await guard(context, call)

@@ -82,7 +82,8 @@ class ShmServer:
     The socket file gets the permission bits ``mode`` whatever the process umask: connecting to a
     UNIX socket needs write permission on it, so ``mode`` decides which local users may map the
     arena (the default, ``0o660``, admits the server's user and group). ``limits`` bounds what
-    clients may cost.
+    clients may cost. ``allowed_uids``, where given, admits only processes of those users
+    (``SO_PEERCRED``): a tenant's socket serves that tenant's users and nobody else.
     """
 
     def __init__(
@@ -92,6 +93,7 @@ class ShmServer:
         instance_id: bytes,
         mode: int = 0o660,
         limits: ShmLimits | None = None,
+        allowed_uids: frozenset[int] | None = None,
     ) -> None:
         arena = store.arena
         if arena is None:
@@ -104,6 +106,8 @@ class ShmServer:
         self.instance_id = instance_id
         self._arena = arena
         self.limits = limits if limits is not None else ShmLimits()
+        #: The peer uids admitted (``None``: whoever the socket's mode lets connect).
+        self.allowed_uids = allowed_uids
         self._sessions = ArenaSessions(store, self.limits.session_bytes)
         self._connections = ConnectionCounter(self.limits)
         self._refusals = RateLimitedLog()
@@ -181,6 +185,14 @@ class ShmServer:
                 continue
             delay = 0.0
             uid = peer_uid(conn)
+            if self.allowed_uids is not None and uid not in self.allowed_uids:
+                # The kernel's SO_PEERCRED, not anything the client says: a process of another
+                # tenant's user never gets this arena's descriptor.
+                self._refusals.warning(
+                    "shared-memory connection refused: uid %s is not among this socket's", uid
+                )
+                conn.close()
+                continue
             refusal = self._connections.admit(uid)
             if refusal is not None:
                 self._refusals.warning("shared-memory connection refused: %s", refusal)

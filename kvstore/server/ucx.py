@@ -30,7 +30,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -39,7 +39,7 @@ import numpy as np
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import ucx_pb2 as ucx_pb
-from kvstore.errors import InvalidRequestError, KVStoreError
+from kvstore.errors import InvalidRequestError, KVStoreError, PermissionDeniedError
 from kvstore.protocol.checks import check_pairs
 from kvstore.protocol.ucx import (
     CLIENT_ID_BYTES,
@@ -54,7 +54,7 @@ from kvstore.server.sessions import ArenaSession, ArenaSessions, Leased, Reserve
 from kvstore.store import TieredStore
 from kvstore.tiers.dram import DramTier
 
-__all__ = ["UcxDataServer"]
+__all__ = ["UcxDataServer", "UcxScope"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,10 +64,20 @@ HELLO_TIMEOUT_S = 5.0
 
 @dataclass
 class _Client:
-    """A registered client endpoint."""
+    """A registered client endpoint; ``owner``: the tenant whose control call first used it."""
 
     endpoint: Any  # ucxx Endpoint
     client_id: bytes
+    owner: str | None = None
+
+
+@dataclass(frozen=True)
+class UcxScope:
+    """What one caller's transfers may touch: its tenant (``owner``), store and arena sessions."""
+
+    owner: str
+    store: TieredStore
+    sessions: ArenaSessions
 
 
 class UcxDataServer:
@@ -83,13 +93,18 @@ class UcxDataServer:
         listen: str = "0.0.0.0:0",
         *,
         transfer_timeout_s: float = 30.0,
+        session_bytes: int | None = None,
+        scopes: Callable[[], UcxScope] | None = None,
     ) -> None:
         self.store = store
         self._host, self._port = parse_address(listen)
         self.transfer_timeout_s = transfer_timeout_s
         self._listener: Any = None
         self._clients: dict[bytes, _Client] = {}
-        self._sessions = ArenaSessions(store)
+        # One transfer may hold at most ``session_bytes`` of the arena leased or reserved.
+        only = UcxScope("", store, ArenaSessions(store, session_bytes))
+        #: The scope of the calling tenant (a server with tenants passes its own rule).
+        self._scope = scopes if scopes is not None else (lambda: only)
         self._tasks: set[asyncio.Task[None]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         #: Counters for logs and tests: transfers, blocks and bytes each way, failures.
@@ -180,10 +195,22 @@ class UcxDataServer:
         except Exception:  # already closed by the peer's failure
             logger.debug("abort of a UCX endpoint failed", exc_info=True)
 
-    def _client(self, client_id: bytes) -> _Client:
+    def _client(self, client_id: bytes, owner: str) -> _Client:
+        """The endpoint ``client_id`` names, bound to ``owner`` by the first call that uses it.
+
+        The endpoint's hello carries no credentials; the authenticated control call does. Binding
+        the endpoint to the first caller's tenant means another tenant that learnt the id can
+        neither receive this endpoint's blocks nor push blocks through it.
+        """
         client = self._clients.get(client_id)
         if client is None:
             raise UcxTransportError("unknown UCX client id; reconnect")
+        if client.owner is None:
+            client.owner = owner
+        elif client.owner != owner:
+            raise PermissionDeniedError(
+                "this UCX client id belongs to another caller; connect an endpoint of your own"
+            )
         return client
 
     def _timeout(self, context: grpc.aio.ServicerContext[Any, Any]) -> float:
@@ -204,17 +231,18 @@ class UcxDataServer:
         With a dram arena, blocks are leased (:meth:`TieredStore.acquire`) and sent straight from
         their pages; the leases are given back when the sends end, however they end.
         """
-        client = self._client(request.client_id)
+        scope = self._scope()
+        client = self._client(request.client_id, scope.owner)
         keys = list(request.keys)
         _check_batch(len(keys))
         sizes = list(request.sizes)
         if sizes:
             check_pairs(keys, sizes, "buffer sizes")
-        arena = self.store.arena
+        arena = scope.store.arena
         if arena is None:
-            return await self._get_copies(client, request, keys, sizes, context)
-        tiers = self._tiers_before_acquire(arena, keys, request.namespace)
-        session = self._sessions.open()
+            return await self._get_copies(scope, client, request, keys, sizes, context)
+        tiers = _tiers_before_acquire(scope.store, arena, keys, request.namespace)
+        session = scope.sessions.open()
         sending = False
         try:
             acquired = await session.acquire(keys, request.namespace)
@@ -243,11 +271,11 @@ class UcxDataServer:
                 task = self._spawn(
                     self._send(client, request.transfer_id, payloads, self._timeout(context))
                 )
-                task.add_done_callback(lambda _: self._sessions.close(session))
+                task.add_done_callback(lambda _: scope.sessions.close(session))
                 sending = True
         finally:
             if not sending:
-                self._sessions.close(session)
+                scope.sessions.close(session)
         for index, item in enumerate(acquired):
             if item is None:
                 tiers[index] = ""
@@ -255,20 +283,9 @@ class UcxDataServer:
                 tiers[index] = arena.name  # stored meanwhile: the arena served it
         return ucx_pb.UcxGetResponse(lengths=lengths, sent=sent, tiers=tiers)
 
-    def _tiers_before_acquire(
-        self, arena: DramTier, keys: Sequence[bytes], namespace: bytes
-    ) -> list[str]:
-        """Where each key is before :meth:`TieredStore.acquire` promotes it ("" if absent).
-
-        Keys all resident in the arena (the common case) need no store lookup, which would count
-        as an engine's lookup in the store's counters.
-        """
-        if all(key in arena for key in keys):
-            return [arena.name] * len(keys)  # misses (another namespace) are cleared later
-        return list(self.store.lookup(keys, namespace).tiers)
-
     async def _get_copies(
         self,
+        scope: UcxScope,
         client: _Client,
         request: ucx_pb.UcxGetRequest,
         keys: list[bytes],
@@ -276,7 +293,7 @@ class UcxDataServer:
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> ucx_pb.UcxGetResponse:
         """The get of a store without a dram arena: send copies of the payloads."""
-        results = await self.store.get(keys, request.namespace)
+        results = await scope.store.get(keys, request.namespace)
         lengths = [0 if r.payload is None else len(r.payload) for r in results]
         sent = [n > 0 and (not sizes or sizes[i] == n) for i, n in enumerate(lengths)]
         payloads = [(i, r.payload) for i, r in enumerate(results) if sent[i]]
@@ -313,19 +330,20 @@ class UcxDataServer:
         (:meth:`TieredStore.reserve`) and then committed; a block the arena has no room for is
         received into a buffer of its own and stored like a ``Put``.
         """
-        client = self._client(request.client_id)
+        scope = self._scope()
+        client = self._client(request.client_id, scope.owner)
         keys = list(request.keys)
         lengths = list(request.lengths)
         try:
-            self._check_put(keys, lengths)
+            _check_put(scope.store, keys, lengths)
         except KVStoreError:
             # The client is already sending; dropping its endpoint fails those sends at once.
             self._drop(client, "refused a put")
             raise
-        arena = self.store.arena
+        arena = scope.store.arena
         if arena is None:
-            return await self._put_copies(client, request, keys, lengths, context)
-        session = self._sessions.open()
+            return await self._put_copies(scope, client, request, keys, lengths, context)
+        session = scope.sessions.open()
         try:
             try:
                 reserved = await session.reserve(keys, lengths, request.namespace)
@@ -335,15 +353,16 @@ class UcxDataServer:
                 reserved = None
             if reserved is not None:
                 return await self._put_reserved(
-                    client, request, arena, session, keys, lengths, reserved, context
+                    scope, client, request, arena, session, keys, lengths, reserved, context
                 )
         finally:
             # Committed reservations are closed, so this gives back only what was not committed.
-            self._sessions.close(session)
-        return await self._put_copies(client, request, keys, lengths, context)
+            scope.sessions.close(session)
+        return await self._put_copies(scope, client, request, keys, lengths, context)
 
     async def _put_reserved(
         self,
+        scope: UcxScope,
         client: _Client,
         request: ucx_pb.UcxPutRequest,
         arena: DramTier,
@@ -385,7 +404,7 @@ class UcxDataServer:
         already = result.already_present + len(present)
         dropped = result.dropped
         if fallback:
-            rest = await self.store.put(
+            rest = await scope.store.put(
                 [keys[i] for i in fallback], [buffers[i] for i in fallback], request.namespace
             )
             stored += rest.stored
@@ -395,6 +414,7 @@ class UcxDataServer:
 
     async def _put_copies(
         self,
+        scope: UcxScope,
         client: _Client,
         request: ucx_pb.UcxPutRequest,
         keys: list[bytes],
@@ -405,7 +425,7 @@ class UcxDataServer:
         # np.empty: no zeroing, every byte is about to be overwritten.
         buffers = [np.empty(length, dtype=np.uint8) for length in lengths]
         await self._receive(client, request.transfer_id, buffers, context)
-        result = await self.store.put(keys, buffers, request.namespace)
+        result = await scope.store.put(keys, buffers, request.namespace)
         return pb.PutResponse(
             stored=result.stored, already_present=result.already_present, dropped=result.dropped
         )
@@ -431,13 +451,6 @@ class UcxDataServer:
         self.counters["put_transfers"] += 1
         self.counters["blocks_received"] += len(buffers)
         self.counters["bytes_received"] += sum(len(buffer) for buffer in buffers)
-
-    def _check_put(self, keys: Sequence[bytes], lengths: Sequence[int]) -> None:
-        """Refuse, before receiving anything, a batch the store would refuse or cannot hold."""
-        _check_batch(len(keys))
-        check_pairs(keys, lengths, "lengths")
-        # Receive buffers are allocated up front: never more than every tier could hold.
-        self.store.check_sizes(lengths)
 
     # -- transfers -------------------------------------------------------------------------
 
@@ -476,6 +489,27 @@ def _acquired_length(item: Leased | bytes | memoryview | None) -> int:
     if isinstance(item, Leased):
         return sum(length for _, length in item.lease.ranges)
     return len(item)
+
+
+def _tiers_before_acquire(
+    store: TieredStore, arena: DramTier, keys: Sequence[bytes], namespace: bytes
+) -> list[str]:
+    """Where each key is before :meth:`TieredStore.acquire` promotes it ("" if absent).
+
+    Keys all resident in the arena (the common case) need no store lookup, which would count as
+    an engine's lookup in the store's counters.
+    """
+    if all(key in arena for key in keys):
+        return [arena.name] * len(keys)  # misses (another namespace) are cleared later
+    return list(store.lookup(keys, namespace).tiers)
+
+
+def _check_put(store: TieredStore, keys: Sequence[bytes], lengths: Sequence[int]) -> None:
+    """Refuse, before receiving anything, a batch the store would refuse or cannot hold."""
+    _check_batch(len(keys))
+    check_pairs(keys, lengths, "lengths")
+    # Receive buffers are allocated up front: never more than every tier could hold.
+    store.check_sizes(lengths)
 
 
 def _check_batch(count: int) -> None:

@@ -6,6 +6,7 @@ id) over gRPC; :class:`~kvstore.server.ucx.UcxDataServer` moves the payloads ove
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -15,7 +16,7 @@ from kvstore._proto.kvstore.v1 import ucx_pb2 as ucx_pb
 from kvstore._proto.kvstore.v1 import ucx_pb2_grpc as ucx_pb_grpc
 from kvstore.protocol.ucx import UcxTransportError
 from kvstore.server.servicer import check_decoded, guard, tolerant_parser
-from kvstore.server.ucx import UcxDataServer
+from kvstore.server.ucx import UcxDataServer, UcxScope
 from kvstore.store import TieredStore
 
 __all__ = ["UCX_SERVICE_NAME", "UcxTransferServicer", "add_ucx_to_server"]
@@ -61,14 +62,24 @@ async def add_ucx_to_server(
     listen: str = "0.0.0.0:0",
     *,
     transfer_timeout_s: float = 30.0,
+    session_bytes: int | None = None,
+    scopes: Callable[[], UcxScope] | None = None,
 ) -> UcxDataServer:
     """Start a :class:`UcxDataServer` for ``store`` and register its service on ``server``.
 
     Call on the server's event loop before ``server.start()``. Raises
     :class:`~kvstore.protocol.ucx.UcxTransportError` (and registers nothing) when ucxx is missing
-    or the listener cannot start; the caller then serves without the UCX path.
+    or the listener cannot start; the caller then serves without the UCX path. ``scopes`` picks
+    the calling tenant's store (the default serves ``store`` to every caller); ``session_bytes``
+    caps the arena bytes one transfer holds.
     """
-    data_server = UcxDataServer(store, listen, transfer_timeout_s=transfer_timeout_s)
+    data_server = UcxDataServer(
+        store,
+        listen,
+        transfer_timeout_s=transfer_timeout_s,
+        session_bytes=session_bytes,
+        scopes=scopes,
+    )
     await data_server.start()
     servicer = UcxTransferServicer(data_server)
     # Registered by hand with tolerant parsing: undecodable bytes get INVALID_ARGUMENT and a

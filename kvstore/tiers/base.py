@@ -25,7 +25,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from kvstore.block import BlockHeader
+from kvstore.block import BlockHeader, Keyring
 
 __all__ = ["Buffer", "SizeLedger", "StoredBlock", "Tier"]
 
@@ -57,6 +57,9 @@ class Tier(ABC):
     #: Whether the tier is accelerator memory (``hbm``): it comes first, the store never places a
     #: new block in it, and only promotions (blocks read again) move blocks up into it.
     device: bool = False
+    #: The keyring that signs and verifies this tier's blocks where it signs them (nvme, redis);
+    #: ``None`` is the process's installed one. A tenant's tiers carry the tenant's own ring.
+    keyring: Keyring | None = None
 
     @abstractmethod
     def footprint(self, length: int) -> int:

@@ -148,7 +148,7 @@ class NvmeTier(Tier):
         # The copy is what gets checked and signed, so bytes changing meanwhile (a shared
         # buffer) cannot slip between the check and the write.
         data = bytes(byte_view(payload))
-        value = header.seal(data) + data
+        value = header.seal(data, self.keyring) + data
         with self._env.begin(write=True) as txn:
             txn.put(header.key, value)
 
@@ -177,7 +177,7 @@ class NvmeTier(Tier):
                     blocks.append(None)
                     continue
                 try:
-                    header, payload = decode_value(key, value)
+                    header, payload = decode_value(key, value, self.keyring)
                 except CorruptBlockError:
                     corrupt.append(key.hex())
                     blocks.append(None)

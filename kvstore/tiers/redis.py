@@ -61,7 +61,7 @@ from redis.exceptions import (
 )
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from kvstore.block import HEADER_BYTES, BlockHeader, CorruptBlockError, decode_value
+from kvstore.block import HEADER_BYTES, BlockHeader, CorruptBlockError, Keyring, decode_value
 from kvstore.buffers import byte_view
 from kvstore.tiers.base import Buffer, SizeLedger, StoredBlock, Tier
 
@@ -252,7 +252,7 @@ class RedisTier(Tier):
             self.writes_dropped += len(items)
             return [False] * len(items)
         size = sum(header.length for header, _ in items)
-        values = await _off_loop(size, _seal_all, list(items))
+        values = await _off_loop(size, _seal_all, list(items), self.keyring)
         chosen = [i for i, value in enumerate(values) if value is not None]
         payloads = [value for value in values if value is not None]
         if len(chosen) < len(items):
@@ -310,7 +310,7 @@ class RedisTier(Tier):
                 # Expired, evicted by Redis or removed by another node: stop counting it.
                 self._ledger.discard(key)
         size = sum(len(value) for value in values if value is not None)
-        decoded = await _off_loop(size, _decode_all, list(keys), list(values))
+        decoded = await _off_loop(size, _decode_all, list(keys), list(values), self.keyring)
         blocks: list[StoredBlock | None] = []
         corrupt: list[bytes] = []
         for key, block in zip(keys, decoded, strict=True):
@@ -402,7 +402,9 @@ async def _off_loop(size: int, fn: Callable[..., _T], *args: Any) -> _T:
     return await asyncio.to_thread(fn, *args)
 
 
-def _seal_all(items: list[tuple[BlockHeader, Buffer]]) -> list[bytes | None]:
+def _seal_all(
+    items: list[tuple[BlockHeader, Buffer]], keyring: Keyring | None
+) -> list[bytes | None]:
     """Per block, ``header ‖ payload`` signed for Redis, or ``None`` if it fails its checksum."""
     values: list[bytes | None] = []
     for header, payload in items:
@@ -410,7 +412,7 @@ def _seal_all(items: list[tuple[BlockHeader, Buffer]]) -> list[bytes | None]:
         data = bytes(byte_view(payload))
         try:
             # One value per block keeps a block atomic: a reader sees all of it or none of it.
-            values.append(b"".join((header.seal(data), data)))
+            values.append(b"".join((header.seal(data, keyring), data)))
         except CorruptBlockError as exc:
             logger.error("not storing block %s in redis: %s", header.key.hex(), exc)
             values.append(None)
@@ -418,7 +420,7 @@ def _seal_all(items: list[tuple[BlockHeader, Buffer]]) -> list[bytes | None]:
 
 
 def _decode_all(
-    keys: list[bytes], values: list[Any]
+    keys: list[bytes], values: list[Any], keyring: Keyring | None
 ) -> list[StoredBlock | CorruptBlockError | None]:
     """Per value, the verified block, the reason it failed, or ``None`` where there was none."""
     out: list[StoredBlock | CorruptBlockError | None] = []
@@ -427,7 +429,7 @@ def _decode_all(
             out.append(None)
             continue
         try:
-            header, payload = decode_value(key, value)
+            header, payload = decode_value(key, value, keyring)
         except CorruptBlockError as exc:
             out.append(exc)
             continue

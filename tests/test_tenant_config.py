@@ -1,0 +1,76 @@
+"""Tests of the ``[tenants.NAME]`` tables of a config file and of each tenant's own settings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvstore.config import TenantConfig, load_config
+from kvstore.errors import ConfigError
+from kvstore.server.tenancy import tenant_config
+
+A = '[tenants.a]\nidentities = ["alice"]\nuids = [1000]\ndram = "64MiB"\nnvme = "1GiB"\n'
+ENV = {"HOME": "/home/someone", "KVSTORE_NVME_PATH": "/data/nvme"}
+
+
+def load(tmp_path: Path, text: str) -> tuple[TenantConfig, ...]:
+    path = tmp_path / "kvstore.toml"
+    path.write_text(text)
+    return load_config(path, env=ENV).tenants
+
+
+def test_tenant_tables_are_read_with_sizes(tmp_path: Path) -> None:
+    tenants = load(tmp_path, A + '[tenants.b]\nidentities = ["bob", "ci"]\nnvme = "2GiB"\n')
+    assert tenants == (
+        TenantConfig("a", ("alice",), (1000,), dram=64 * 1024**2, nvme=1024**3),
+        TenantConfig("b", ("bob", "ci"), (), dram=0, nvme=2 * 1024**3),
+    )
+
+
+def test_no_tenants_is_one_shared_store(tmp_path: Path) -> None:
+    assert load(tmp_path, "[server]\nworkers = 2\n") == ()
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (A + '[tenants.b]\nidentities = ["alice"]\ndram = "1MiB"\n', "in tenants a and b"),
+        ('[tenants.a]\nidentities = ["x"]\ndram = "big"\n', r"\[tenants.a\]: cannot parse size"),
+        ('[tenants.a]\nidentities = ["x"]\ndram = "1MiB"\nquota = 3\n', "takes only"),
+        ('[tenants."A B"]\nidentities = ["x"]\ndram = "1MiB"\n', "a tenant name is"),
+        ('[tenants.a]\ndram = "1MiB"\n', "identities must name at least one caller"),
+        ('[tenants.a]\nidentities = ["x"]\n', "give dram or nvme a size"),
+        ('[tenants.a]\nidentities = ["x"]\nuids = ["root"]\ndram = "1MiB"\n', "tenants.a"),
+        ("tenants = 3\n", "one table per tenant"),
+    ],
+    ids=[
+        "shared-identity",
+        "bad-size",
+        "unknown-key",
+        "bad-name",
+        "no-identity",
+        "no-quota",
+        "bad-uid",
+        "not-a-table",
+    ],
+)
+def test_bad_tenant_tables_name_the_tenant_and_the_rule(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load(tmp_path, text)
+
+
+def test_a_tenant_gets_its_own_places_and_quotas(tmp_path: Path) -> None:
+    path = tmp_path / "kvstore.toml"
+    path.write_text('[redis]\nurl = "redis://r:6379"\n[server]\nshm_socket = "/run/k.sock"\n' + A)
+    config = load_config(path, env=ENV)
+    own = tenant_config(config, config.tenants[0])
+    assert own.dram.capacity == 64 * 1024**2
+    assert (own.nvme.path, own.nvme.capacity) == ("/data/nvme/tenants/a", 1024**3)
+    assert own.redis.key_prefix == "kvstore:v1:t:a:"
+    assert own.server.shm_socket == "/run/k.sock.a"
+    # A quarter of its own arena, at least 64 MiB, never above the server-wide bound.
+    assert own.server.inflight_bytes == 64 * 1024**2
+    assert own.tenants == ()
