@@ -87,7 +87,10 @@ CALL_TIMEOUT_S = 120.0
 LOOKUP_KEYS = 1024
 
 PLAIN, TOKEN, TLS, TLS_TOKEN, MTLS = "plain", "token", "TLS", "TLS+token", "mTLS"
-SECURITY = (PLAIN, TOKEN, TLS, TLS_TOKEN, MTLS)
+#: A second server configured exactly as ``plain``, started last: the A/A control, which shows
+#: how far two identical servers differ in this run (the noise floor of every ``vs plain``).
+PLAIN_AGAIN = "plain again (control)"
+SECURITY = (PLAIN, TOKEN, TLS, TLS_TOKEN, MTLS, PLAIN_AGAIN)
 VERIFY, NVME = "plain, verify_reads on", "plain, nvme only (MAC)"
 MEMCPY = "memcpy"
 SHM_GET, SHM_LEASED, SHM_PUT = "shm get_into", "shm get_into, leased", "shm put"
@@ -171,6 +174,7 @@ def configs(workdir: Path, pki: Pki, token: str) -> list[Config]:
         ),
         Config(VERIFY, ["--config", str(verify)]),
         Config(NVME, [], dram="0", nvme=True),
+        Config(PLAIN_AGAIN, []),
     ]
 
 
@@ -405,7 +409,7 @@ def verdicts(results: dict[str, dict[str, Any]]) -> list[str]:
     rounds = results["1 MiB"]["rounds"]
     lines = []
     for path in (SHM_GET, SHM_LEASED):
-        for config in (TOKEN, TLS, TLS_TOKEN, MTLS, VERIFY):
+        for config in (TOKEN, TLS, TLS_TOKEN, MTLS, VERIFY, PLAIN_AGAIN):
             ratios = _ratios(rounds, f"{config}|{path}", f"{PLAIN}|{path}")
             cost = 1 - _median(ratios)
             verdict = "holds" if cost <= BOUND else "EXCEEDED"
