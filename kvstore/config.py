@@ -15,6 +15,7 @@ loader is the only reader of environment variables.
 
 from __future__ import annotations
 
+import difflib
 import os
 import pwd
 import re
@@ -41,6 +42,7 @@ __all__ = [
     "load_config",
     "machine_defaults",
     "parse_size",
+    "unknown_env_vars",
 ]
 
 _UNITS = {
@@ -59,6 +61,8 @@ _UNITS = {
     "gib": 1024**3,
     "tib": 1024**4,
 }
+#: What a size looks like, for messages and help.
+SIZE_HINT = "a size is bytes or a number with one of KiB, MiB, GiB, TiB, KB, MB, GB, TB, e.g. 4GiB"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -71,10 +75,7 @@ def parse_size(value: str | int) -> int:
     match = _SIZE.match(value)
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
-        raise ConfigError(
-            f"cannot parse size {value!r}: use bytes or a number with one of "
-            "KiB, MiB, GiB, TiB, KB, MB, GB, TB"
-        )
+        raise ConfigError(f"cannot parse size {value!r}: {SIZE_HINT}")
     number = match.group(1)
     # Whole numbers stay integers: a float would round sizes above 2**53.
     if "." not in number:
@@ -199,7 +200,10 @@ class ServerConfig:
             raise ConfigError("server.tls_client_ca needs server.tls_cert and server.tls_key (TLS)")
         host, sep, port = self.listen.rpartition(":")
         if not sep or not host or not re.fullmatch(r"[0-9]{1,5}", port) or int(port) > 65535:
-            raise ConfigError(f"server.listen must be HOST:PORT, got {self.listen!r}")
+            raise ConfigError(
+                f"server.listen must be HOST:PORT with a port from 0 to 65535 (0 picks a free "
+                f"one), e.g. 127.0.0.1:50051, got {self.listen!r}"
+            )
         _positive("server.max_block_bytes", self.max_block_bytes)
         _positive("server.max_keys_per_request", self.max_keys_per_request)
         _positive("server.workers", self.workers)
@@ -387,26 +391,43 @@ def env_var(setting: str) -> str:
     return "KVSTORE_" + setting.replace(".", "_").upper()
 
 
-def _coerce(setting: str, raw: Any) -> Any:
+def _coerce(setting: str, raw: Any, origin: str = "") -> Any:
+    """``raw`` as the type of ``setting``; a ConfigError names the setting, where the value came
+    from (``origin``: the file, the variable or the flag), the value and what is allowed."""
+    try:
+        return _convert(setting, raw)
+    except (ConfigError, TypeError, ValueError) as exc:
+        where = f" (from {origin})" if origin else ""
+        if setting in _SIZE_SETTINGS:
+            allowed = SIZE_HINT
+        elif setting in _MODE_SETTINGS:
+            allowed = 'octal permission bits, e.g. "0660"'
+        else:
+            allowed = str(exc)
+        raise ConfigError(f"{setting}{where}: cannot use {raw!r}: {allowed}") from exc
+
+
+def _convert(setting: str, raw: Any) -> Any:
     section, name = setting.split(".")
     kind = {f.name: f.type for f in fields(_SECTIONS[section])}[name]
-    try:
-        if setting in _SIZE_SETTINGS:
-            return parse_size(raw if isinstance(raw, int) else str(raw))
-        if setting in _MODE_SETTINGS:
-            # type() and not isinstance(): a TOML bool is an int subclass, not permission bits.
-            return raw if type(raw) is int else int(str(raw), 8)
-        if kind in ("bool", bool):
-            return _boolean(raw)
-        if kind in ("int", int):
+    if setting in _SIZE_SETTINGS:
+        return parse_size(raw if isinstance(raw, int) else str(raw))
+    if setting in _MODE_SETTINGS:
+        # type() and not isinstance(): a TOML bool is an int subclass, not permission bits.
+        return raw if type(raw) is int else int(str(raw), 8)
+    if kind in ("bool", bool):
+        return _boolean(raw)
+    if kind in ("int", int):
+        try:
             return int(raw)
-        if kind in ("float", float):
+        except ValueError:
+            raise ValueError("expected a whole number") from None
+    if kind in ("float", float):
+        try:
             return float(raw)
-        return str(raw)
-    except (TypeError, ValueError) as exc:
-        if isinstance(exc, ConfigError):
-            raise
-        raise ConfigError(f"{setting}: cannot use {raw!r} ({exc})") from exc
+        except ValueError:
+            raise ValueError("expected a number") from None
+    return str(raw)
 
 
 def _boolean(raw: Any) -> bool:
@@ -433,6 +454,7 @@ def load_config(
     """
     env = os.environ if env is None else env
     merged: dict[str, Any] = machine_defaults(env)
+    origins: dict[str, str] = {}  # setting -> where its value came from, for error messages
     path = path if path is not None else env.get("KVSTORE_CONFIG") or None
     if path is not None:
         try:
@@ -445,6 +467,7 @@ def load_config(
                 raise ConfigError(f"unknown config section [{section}]; known: {sorted(_SECTIONS)}")
             for name, value in values.items():
                 merged[f"{section}.{name}"] = value
+                origins[f"{section}.{name}"] = f"config file {path}"
     known = setting_names()
     for variable, setting in _LEGACY_FLAGS.items():
         if variable in env:
@@ -452,20 +475,25 @@ def load_config(
     for setting in known:
         if env_var(setting) in env:
             merged[setting] = env[env_var(setting)]
+            origins[setting] = env_var(setting)
     for setting, value in (overrides or {}).items():
         if value is not None:
             merged[setting] = value
+            origins[setting] = "the command line"
     unknown = sorted(set(merged) - set(known))
     if unknown:
-        raise ConfigError(f"unknown settings {unknown}; known: {known}")
+        hints = [
+            f"{name} ({origins.get(name, '?')}){_did_you_mean(name, known)}" for name in unknown
+        ]
+        raise ConfigError(f"unknown settings: {'; '.join(hints)}; known: {known}")
     if "server.inflight_bytes" not in merged:
         # Resolved here, not in machine_defaults: it follows dram.capacity however that was set.
-        dram = _coerce("dram.capacity", merged["dram.capacity"])
+        dram = _coerce("dram.capacity", merged["dram.capacity"], origins.get("dram.capacity", ""))
         merged["server.inflight_bytes"] = default_inflight_bytes(dram)
     sections = {
         section: cls(
             **{
-                s.split(".")[1]: _coerce(s, v)
+                s.split(".")[1]: _coerce(s, v, origins.get(s, ""))
                 for s, v in merged.items()
                 if s.startswith(section + ".")
             }
@@ -473,6 +501,50 @@ def load_config(
         for section, cls in _SECTIONS.items()
     }
     return Config(**sections)
+
+
+def _did_you_mean(name: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(name, known, n=1)
+    return f", did you mean {close[0]}?" if close else ""
+
+
+#: Every ``KVSTORE_*`` variable read outside :func:`load_config`'s settings: the config file,
+#: clients (kvstore.client.settings), key derivation, and the test suites' switches.
+OTHER_ENV_VARS = frozenset(
+    {
+        "KVSTORE_CONFIG",
+        "KVSTORE_HASH_SECRET",
+        "KVSTORE_TOKEN",
+        "KVSTORE_TLS_CA",
+        "KVSTORE_TARGET",
+        "KVSTORE_DATA_PLANE",
+        "KVSTORE_SHM_DIRECT_READS",
+        *_LEGACY_FLAGS,
+        "KVSTORE_FUZZ_SEED",
+        "KVSTORE_FUZZ_REQUESTS",
+        "KVSTORE_SKIP_SLOW",
+        "KVSTORE_SKIP_VLLM",
+        "KVSTORE_SKIP_UCX",
+        "KVSTORE_REQUIRE_VLLM",
+        "KVSTORE_TIERS_MACHINE_EXAMPLES",
+    }
+)
+
+
+def known_env_vars() -> list[str]:
+    """Every ``KVSTORE_*`` environment variable anything in kvstore (or its tests) reads."""
+    return sorted({env_var(s) for s in setting_names()} | OTHER_ENV_VARS)
+
+
+def unknown_env_vars(env: Mapping[str, str]) -> list[str]:
+    """One warning line per ``KVSTORE_*`` variable of ``env`` that nothing reads (a typo is
+    otherwise silently ignored), naming the closest known one."""
+    known = known_env_vars()
+    return [
+        f"unknown environment variable {name} ignored{_did_you_mean(name, known)}"
+        for name in sorted(env)
+        if name.startswith("KVSTORE_") and name not in known
+    ]
 
 
 def _positive(name: str, value: int) -> None:
