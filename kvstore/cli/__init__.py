@@ -399,6 +399,8 @@ def _run(argv: Sequence[str] | None) -> int:
         if args.command == "stats":
             return _stats(args)
         return _demo(args)
+    except BrokenPipeError:
+        raise  # not an error of the command: main ends quietly
     except (KVStoreError, TimeoutError, OSError) as exc:
         print(f"kvstore {args.command}: {exc}", file=sys.stderr)
         return 2
