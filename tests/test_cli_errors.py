@@ -170,3 +170,22 @@ def test_client_side_variables_are_known(name: str) -> None:
     from kvstore.config import unknown_env_vars
 
     assert unknown_env_vars({name: "x"}) == []
+
+
+MEMINFO = """MemTotal:       16000000 kB
+MemAvailable:    8000000 kB
+CommitLimit:    10000000 kB
+Committed_AS:    9000000 kB
+"""
+
+
+def test_arena_limit_is_the_machines_memory_or_what_strict_overcommit_leaves() -> None:
+    from kvstore.cli.checks import arena_limit, check_arena
+    from kvstore.errors import ConfigError
+
+    assert arena_limit(MEMINFO, "0") == (16000000 * 1024, "MemTotal, the memory of this machine")
+    limit, why = arena_limit(MEMINFO, "2")
+    assert limit == 1000000 * 1024 and "overcommit_memory=2" in why
+    check_arena(900000 * 1024, MEMINFO, "2")
+    with pytest.raises(ConfigError, match=r"dram\.capacity=.*at most 976\.6 MiB"):
+        check_arena(1100000 * 1024, MEMINFO, "2")
