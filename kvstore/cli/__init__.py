@@ -91,7 +91,7 @@ def _builtin_defaults() -> Config | None:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with a suggestion for a misspelt flag, and help on a bare command."""
+    """argparse that suggests the closest known flag for a misspelt one."""
 
     def error(self, message: str) -> NoReturn:
         if message.startswith("unrecognized arguments:"):
