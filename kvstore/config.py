@@ -15,6 +15,7 @@ loader is the only reader of environment variables.
 
 from __future__ import annotations
 
+import difflib
 import os
 import pwd
 import re
@@ -26,8 +27,11 @@ from typing import Any
 
 from kvstore.errors import ConfigError
 from kvstore.policy import EVICTIONS, NVME_ADMISSIONS, SHARED_WRITES
+from kvstore.sizes import SIZE_HINT, format_size, parse_size
+from kvstore.tenant_config import TenantConfig, tenant_tables
 
 __all__ = [
+    "SIZE_HINT",
     "Config",
     "DramConfig",
     "HbmConfig",
@@ -42,55 +46,8 @@ __all__ = [
     "load_config",
     "machine_defaults",
     "parse_size",
+    "unknown_env_vars",
 ]
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-    "tib": 1024**4,
-}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_size(value: str | int) -> int:
-    """Parse ``"512MiB"``, ``"4GiB"``, ``"1.5GB"`` or ``1048576`` into a number of bytes."""
-    if isinstance(value, int):
-        if value < 0:
-            raise ConfigError(f"a size must be >= 0, got {value}")
-        return value
-    match = _SIZE.match(value)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise ConfigError(
-            f"cannot parse size {value!r}: use bytes or a number with one of "
-            "KiB, MiB, GiB, TiB, KB, MB, GB, TB"
-        )
-    number = match.group(1)
-    # Whole numbers stay integers: a float would round sizes above 2**53.
-    if "." not in number:
-        return int(number) * _UNITS[unit]
-    return int(float(number) * _UNITS[unit])
-
-
-def format_size(num_bytes: float) -> str:
-    """Render a byte count with a binary unit, e.g. ``1.5 GiB``."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(num_bytes) < 1024:
-            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
-        num_bytes /= 1024
-    return f"{num_bytes:.1f} TiB"
-
 
 _DEFAULT_AVAILABLE = 4 * 1024**3
 
@@ -200,7 +157,10 @@ class ServerConfig:
             raise ConfigError("server.tls_client_ca needs server.tls_cert and server.tls_key (TLS)")
         host, sep, port = self.listen.rpartition(":")
         if not sep or not host or not re.fullmatch(r"[0-9]{1,5}", port) or int(port) > 65535:
-            raise ConfigError(f"server.listen must be HOST:PORT, got {self.listen!r}")
+            raise ConfigError(
+                f"server.listen must be HOST:PORT with a port from 0 to 65535 (0 picks a free "
+                f"one), e.g. 127.0.0.1:50051, got {self.listen!r}"
+            )
         _positive("server.max_block_bytes", self.max_block_bytes)
         _positive("server.max_keys_per_request", self.max_keys_per_request)
         _positive("server.workers", self.workers)
@@ -334,78 +294,6 @@ class PolicyConfig:
             )
 
 
-_TENANT_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
-
-
-@dataclass(frozen=True)
-class TenantConfig:
-    """One tenant (``[tenants.NAME]`` in the config file; there are no environment variables for
-    tenants). ``identities``: the gRPC callers that act as this tenant, token names from
-    ``server.tokens_file`` or client-certificate identities (CN, else SAN); ``uids``: the local
-    users whose processes may connect to this tenant's shared-memory socket (empty: whoever the
-    socket's mode admits and learnt its path from an authenticated call). ``dram``, ``nvme`` and
-    ``hbm``: the bytes this tenant may hold in each tier (its own arena, its own LMDB directory
-    under ``nvme.path``; 0 leaves the tier out for this tenant)."""
-
-    name: str
-    identities: tuple[str, ...] = ()
-    uids: tuple[int, ...] = ()
-    dram: int = 0
-    nvme: int = 0
-    hbm: int = 0
-
-    def __post_init__(self) -> None:
-        where = f"tenants.{self.name}"
-        if not _TENANT_NAME.fullmatch(self.name):
-            raise ConfigError(
-                f"[{where}]: a tenant name is 1-63 of a-z, 0-9, '_' and '-', starting with a "
-                "letter or digit"
-            )
-        if not self.identities:
-            raise ConfigError(
-                f"{where}.identities must name at least one caller (a token name from "
-                "server.tokens_file or a client certificate's CN)"
-            )
-        if not (self.dram or self.nvme):
-            raise ConfigError(f"{where}: give dram or nvme a size (both are 0)")
-        for tier in ("dram", "nvme", "hbm"):
-            if getattr(self, tier) < 0:
-                raise ConfigError(f"{where}.{tier} must be >= 0, got {getattr(self, tier)}")
-
-
-_TENANT_KEYS = {"identities", "uids", "dram", "nvme", "hbm"}
-
-
-def _tenants(document: Any) -> tuple[TenantConfig, ...]:
-    """The ``[tenants.NAME]`` tables of a config file, checked; an identity in two is an error."""
-    if not isinstance(document, dict):
-        raise ConfigError("[tenants] must hold one table per tenant: [tenants.NAME]")
-    tenants: list[TenantConfig] = []
-    owner: dict[str, str] = {}
-    for name, table in document.items():
-        if not isinstance(table, dict) or set(table) - _TENANT_KEYS:
-            raise ConfigError(
-                f"[tenants.{name}] takes only {sorted(_TENANT_KEYS)}, "
-                f"got {sorted(table) if isinstance(table, dict) else table!r}"
-            )
-        try:
-            identities = tuple(str(i) for i in table.get("identities", ()))
-            uids = tuple(int(u) for u in table.get("uids", ()))
-            sizes = {tier: parse_size(table.get(tier, 0)) for tier in ("dram", "nvme", "hbm")}
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"[tenants.{name}]: {exc}") from exc
-        tenant = TenantConfig(str(name), identities, uids, **sizes)
-        for identity in tenant.identities:
-            if identity in owner:
-                raise ConfigError(
-                    f"identity {identity!r} is in tenants {owner[identity]} and {name}: "
-                    "a caller belongs to one tenant"
-                )
-            owner[identity] = tenant.name
-        tenants.append(tenant)
-    return tuple(tenants)
-
-
 @dataclass(frozen=True, kw_only=True)
 class Config:
     """The whole configuration of one ``kvstore serve`` process.
@@ -462,26 +350,43 @@ def env_var(setting: str) -> str:
     return "KVSTORE_" + setting.replace(".", "_").upper()
 
 
-def _coerce(setting: str, raw: Any) -> Any:
+def _coerce(setting: str, raw: Any, origin: str = "") -> Any:
+    """``raw`` as the type of ``setting``; a ConfigError names the setting, where the value came
+    from (``origin``: the file, the variable or the flag), the value and what is allowed."""
+    try:
+        return _convert(setting, raw)
+    except (ConfigError, TypeError, ValueError) as exc:
+        where = f" (from {origin})" if origin else ""
+        if setting in _SIZE_SETTINGS:
+            allowed = SIZE_HINT
+        elif setting in _MODE_SETTINGS:
+            allowed = 'octal permission bits, e.g. "0660"'
+        else:
+            allowed = str(exc)
+        raise ConfigError(f"{setting}{where}: cannot use {raw!r}: {allowed}") from exc
+
+
+def _convert(setting: str, raw: Any) -> Any:
     section, name = setting.split(".")
     kind = {f.name: f.type for f in fields(_SECTIONS[section])}[name]
-    try:
-        if setting in _SIZE_SETTINGS:
-            return parse_size(raw if isinstance(raw, int) else str(raw))
-        if setting in _MODE_SETTINGS:
-            # type() and not isinstance(): a TOML bool is an int subclass, not permission bits.
-            return raw if type(raw) is int else int(str(raw), 8)
-        if kind in ("bool", bool):
-            return _boolean(raw)
-        if kind in ("int", int):
+    if setting in _SIZE_SETTINGS:
+        return parse_size(raw if isinstance(raw, int) else str(raw))
+    if setting in _MODE_SETTINGS:
+        # type() and not isinstance(): a TOML bool is an int subclass, not permission bits.
+        return raw if type(raw) is int else int(str(raw), 8)
+    if kind in ("bool", bool):
+        return _boolean(raw)
+    if kind in ("int", int):
+        try:
             return int(raw)
-        if kind in ("float", float):
+        except ValueError:
+            raise ValueError("expected a whole number") from None
+    if kind in ("float", float):
+        try:
             return float(raw)
-        return str(raw)
-    except (TypeError, ValueError) as exc:
-        if isinstance(exc, ConfigError):
-            raise
-        raise ConfigError(f"{setting}: cannot use {raw!r} ({exc})") from exc
+        except ValueError:
+            raise ValueError("expected a number") from None
+    return str(raw)
 
 
 def _boolean(raw: Any) -> bool:
@@ -509,6 +414,7 @@ def load_config(
     env = os.environ if env is None else env
     merged: dict[str, Any] = machine_defaults(env)
     tenants: tuple[TenantConfig, ...] = ()
+    origins: dict[str, str] = {}  # setting -> where its value came from, for error messages
     path = path if path is not None else env.get("KVSTORE_CONFIG") or None
     if path is not None:
         try:
@@ -517,7 +423,7 @@ def load_config(
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"cannot read config file {path}: {exc}") from exc
         if "tenants" in document:
-            tenants = _tenants(document.pop("tenants"))
+            tenants = tenant_tables(document.pop("tenants"))
         for section, values in document.items():
             if section not in _SECTIONS or not isinstance(values, dict):
                 raise ConfigError(
@@ -525,6 +431,7 @@ def load_config(
                 )
             for name, value in values.items():
                 merged[f"{section}.{name}"] = value
+                origins[f"{section}.{name}"] = f"config file {path}"
     known = setting_names()
     for variable, setting in _LEGACY_FLAGS.items():
         if variable in env:
@@ -532,20 +439,25 @@ def load_config(
     for setting in known:
         if env_var(setting) in env:
             merged[setting] = env[env_var(setting)]
+            origins[setting] = env_var(setting)
     for setting, value in (overrides or {}).items():
         if value is not None:
             merged[setting] = value
+            origins[setting] = "the command line"
     unknown = sorted(set(merged) - set(known))
     if unknown:
-        raise ConfigError(f"unknown settings {unknown}; known: {known}")
+        hints = [
+            f"{name} ({origins.get(name, '?')}){_did_you_mean(name, known)}" for name in unknown
+        ]
+        raise ConfigError(f"unknown settings: {'; '.join(hints)}; known: {known}")
     if "server.inflight_bytes" not in merged:
         # Resolved here, not in machine_defaults: it follows dram.capacity however that was set.
-        dram = _coerce("dram.capacity", merged["dram.capacity"])
+        dram = _coerce("dram.capacity", merged["dram.capacity"], origins.get("dram.capacity", ""))
         merged["server.inflight_bytes"] = default_inflight_bytes(dram)
     sections = {
         section: cls(
             **{
-                s.split(".")[1]: _coerce(s, v)
+                s.split(".")[1]: _coerce(s, v, origins.get(s, ""))
                 for s, v in merged.items()
                 if s.startswith(section + ".")
             }
@@ -553,6 +465,51 @@ def load_config(
         for section, cls in _SECTIONS.items()
     }
     return Config(**sections, tenants=tenants)
+
+
+def _did_you_mean(name: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(name, known, n=1)
+    return f", did you mean {close[0]}?" if close else ""
+
+
+#: Every ``KVSTORE_*`` variable read outside :func:`load_config`'s settings: the config file,
+#: clients (kvstore.client.settings), key derivation, and the test suites' switches.
+OTHER_ENV_VARS = frozenset(
+    {
+        "KVSTORE_CONFIG",
+        "KVSTORE_HASH_SECRET",
+        "KVSTORE_TOKEN",
+        "KVSTORE_TLS_CA",
+        "KVSTORE_TARGET",
+        "KVSTORE_DATA_PLANE",
+        "KVSTORE_SHM_DIRECT_READS",
+        *_LEGACY_FLAGS,
+        "KVSTORE_FUZZ_SEED",
+        "KVSTORE_FUZZ_REQUESTS",
+        "KVSTORE_SKIP_SLOW",
+        "KVSTORE_SKIP_VLLM",
+        "KVSTORE_SKIP_UCX",
+        "KVSTORE_REQUIRE_VLLM",
+        "KVSTORE_TIERS_MACHINE_EXAMPLES",
+        "KVSTORE_VENV",
+    }
+)
+
+
+def known_env_vars() -> list[str]:
+    """Every ``KVSTORE_*`` environment variable anything in kvstore (or its tests) reads."""
+    return sorted({env_var(s) for s in setting_names()} | OTHER_ENV_VARS)
+
+
+def unknown_env_vars(env: Mapping[str, str]) -> list[str]:
+    """One warning line per ``KVSTORE_*`` variable of ``env`` that nothing reads (a typo is
+    otherwise silently ignored), naming the closest known one."""
+    known = known_env_vars()
+    return [
+        f"unknown environment variable {name} ignored{_did_you_mean(name, known)}"
+        for name in sorted(env)
+        if name.startswith("KVSTORE_") and name not in known
+    ]
 
 
 def _positive(name: str, value: int) -> None:

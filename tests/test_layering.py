@@ -38,6 +38,8 @@ LAYERS: dict[str, int] = {
     "kvstore.buffers": 0,
     "kvstore.block": 0,
     "kvstore.config": 0,
+    "kvstore.sizes": 0,
+    "kvstore.tenant_config": 0,
     "kvstore.policy": 0,
     # 1: what both sides agree on: gRPC message conversion, shm frames, the published dram index
     #    format, UCX conventions.

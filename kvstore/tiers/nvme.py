@@ -39,6 +39,7 @@ from kvstore.block import HEADER_BYTES, BlockHeader, CorruptBlockError, WireHead
 from kvstore.buffers import byte_view
 from kvstore.keys import KEY_BYTES
 from kvstore.tiers.base import Buffer, SizeLedger, StoredBlock, Tier
+from kvstore.tiers.dir_lock import DirLock
 
 __all__ = ["NvmeTier", "private_directory"]
 
@@ -83,6 +84,8 @@ class NvmeTier(Tier):
 
     def _open(self) -> Any:
         private_directory(self.path)
+        # Before LMDB opens: a directory another live server uses is refused, not shared.
+        self._lock = DirLock.acquire(self.path)
         try:
             return self._open_env()
         except lmdb.Error as exc:
@@ -90,8 +93,10 @@ class NvmeTier(Tier):
             # inspection and start empty.
             aside = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
             logger.error("cannot open LMDB at %s (%s); moving it to %s", self.path, exc, aside)
+            self._lock.release()
             shutil.move(str(self.path), str(aside))
             private_directory(self.path)
+            self._lock = DirLock.acquire(self.path)
             return self._open_env()
 
     def _open_env(self) -> Any:
@@ -207,6 +212,11 @@ class NvmeTier(Tier):
         """Headers of the blocks on disk; values with a broken header are deleted on the way."""
         broken: list[bytes] = []
         headers: list[BlockHeader] = []
+        started = time.monotonic()
+        # A big directory takes a while to read: say so before, and how long it took after.
+        logger.info(
+            "reading the block index of %s (%d entries)...", self.path, self._env.stat()["entries"]
+        )
         with self._env.begin(buffers=True) as txn:
             for key, value in txn.cursor():
                 key = bytes(key)
@@ -225,6 +235,12 @@ class NvmeTier(Tier):
             self._delete_many(broken)
         for header in headers:
             self._ledger.add(header.key, header.length)
+        logger.info(
+            "read the index of %d block(s) in %.1fs from %s",
+            len(headers),
+            time.monotonic() - started,
+            self.path,
+        )
         return iter(headers)
 
     def stats(self) -> dict[str, int]:
@@ -244,3 +260,4 @@ class NvmeTier(Tier):
         """Wait for pending LMDB calls, then close the environment."""
         self._executor.shutdown(wait=True)
         self._env.close()
+        self._lock.release()

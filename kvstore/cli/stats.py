@@ -1,0 +1,86 @@
+"""``kvstore stats``: a server's tier usage and counters, once or as a live view (``--watch``)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, TextIO
+
+from kvstore.config import format_size
+
+__all__ = ["format_stats", "watch"]
+
+# Columns of the tier table; the detail line under it shows each tier's other numbers.
+_TABLE = ("used", "capacity", "blocks", "hits", "evictions")
+# Cleared screen, cursor home: a terminal shows one frame at a time.
+_CLEAR = "\x1b[H\x1b[2J"
+
+
+def _rate(name: str, now: dict[str, Any], before: dict[str, Any] | None, seconds: float) -> str:
+    """`` (+N/s)`` since the previous frame, for a counter that changed; empty otherwise."""
+    if before is None or seconds <= 0:
+        return ""
+    delta = now.get(name, 0) - before.get(name, 0)
+    return f" ({delta / seconds:+.1f}/s)" if isinstance(delta, int | float) and delta else ""
+
+
+def format_stats(
+    stats: dict[str, Any], previous: dict[str, Any] | None = None, seconds: float = 0.0
+) -> list[str]:
+    """The lines of the stats table; with the ``previous`` stats taken ``seconds`` earlier,
+    counters that moved show their rate per second."""
+    lines = [f"{'tier':<8}{'used':>14}{'capacity':>14}{'blocks':>10}{'hits':>10}{'evictions':>11}"]
+    before_tiers = (previous or {}).get("tiers", {})
+    for name, tier in stats["tiers"].items():
+        before = before_tiers.get(name) if previous is not None else None
+        lines.append(
+            f"{name:<8}{format_size(tier.get('used', 0)):>14}"
+            f"{format_size(tier.get('capacity', 0)):>14}{tier.get('blocks', 0):>10}"
+            f"{tier.get('hits', 0):>10}{tier.get('evictions', 0):>11}"
+            + "".join(
+                f"  {key}{_rate(key, tier, before, seconds)}"
+                for key in ("hits", "evictions")
+                if _rate(key, tier, before, seconds)
+            )
+        )
+    counters = stats["counters"]
+    prev_counters = (previous or {}).get("counters") if previous is not None else None
+
+    def counter(name: str, label: str) -> str:
+        return f"{label} {counters.get(name, 0)}{_rate(name, counters, prev_counters, seconds)}"
+
+    lines.append(
+        f"blocks {stats['blocks']}  {counter('hits', 'hits')}  {counter('misses', 'misses')}  "
+        f"{counter('evicted_from_store', 'evicted')}"
+    )
+    for name, tier in stats["tiers"].items():
+        extra = {k: v for k, v in tier.items() if k not in _TABLE}
+        lines.append(f"{name}: " + ", ".join(f"{k}={v}" for k, v in sorted(extra.items())))
+    return lines
+
+
+def watch(
+    fetch: Callable[[], dict[str, Any]],
+    every_s: float,
+    target: str,
+    out: TextIO = sys.stdout,
+) -> None:
+    """Print a frame of :func:`format_stats` every ``every_s`` seconds until interrupted
+    (KeyboardInterrupt propagates: the caller ends quietly). Rates are per second since the
+    frame before; on a terminal each frame replaces the last."""
+    previous: dict[str, Any] | None = None
+    taken = time.monotonic()
+    clear = out.isatty()
+    while True:
+        stats = fetch()
+        now = time.monotonic()
+        header = (
+            f"kvstore stats {target} at {time.strftime('%H:%M:%S')} "
+            f"(every {every_s:g}s; Ctrl-C stops)"
+        )
+        lines = [header, *format_stats(stats, previous, now - taken)]
+        out.write((_CLEAR if clear else "") + "\n".join(lines) + "\n\n")
+        out.flush()
+        previous, taken = stats, now
+        time.sleep(every_s)

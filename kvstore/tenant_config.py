@@ -1,0 +1,86 @@
+"""The ``[tenants.NAME]`` tables of a config file: who each tenant is and what it may hold.
+
+How the server enforces them is :mod:`kvstore.server.tenancy`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from kvstore.errors import ConfigError
+from kvstore.sizes import parse_size
+
+__all__ = ["TenantConfig", "tenant_tables"]
+
+_TENANT_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
+
+
+@dataclass(frozen=True)
+class TenantConfig:
+    """One tenant (``[tenants.NAME]`` in the config file; there are no environment variables for
+    tenants). ``identities``: the gRPC callers that act as this tenant, token names from
+    ``server.tokens_file`` or client-certificate identities (CN, else SAN); ``uids``: the local
+    users whose processes may connect to this tenant's shared-memory socket (empty: whoever the
+    socket's mode admits and learnt its path from an authenticated call). ``dram``, ``nvme`` and
+    ``hbm``: the bytes this tenant may hold in each tier (its own arena, its own LMDB directory
+    under ``nvme.path``; 0 leaves the tier out for this tenant)."""
+
+    name: str
+    identities: tuple[str, ...] = ()
+    uids: tuple[int, ...] = ()
+    dram: int = 0
+    nvme: int = 0
+    hbm: int = 0
+
+    def __post_init__(self) -> None:
+        where = f"tenants.{self.name}"
+        if not _TENANT_NAME.fullmatch(self.name):
+            raise ConfigError(
+                f"[{where}]: a tenant name is 1-63 of a-z, 0-9, '_' and '-', starting with a "
+                "letter or digit"
+            )
+        if not self.identities:
+            raise ConfigError(
+                f"{where}.identities must name at least one caller (a token name from "
+                "server.tokens_file or a client certificate's CN)"
+            )
+        if not (self.dram or self.nvme):
+            raise ConfigError(f"{where}: give dram or nvme a size (both are 0)")
+        for tier in ("dram", "nvme", "hbm"):
+            if getattr(self, tier) < 0:
+                raise ConfigError(f"{where}.{tier} must be >= 0, got {getattr(self, tier)}")
+
+
+_TENANT_KEYS = {"identities", "uids", "dram", "nvme", "hbm"}
+
+
+def tenant_tables(document: Any) -> tuple[TenantConfig, ...]:
+    """The ``[tenants.NAME]`` tables of a config file, checked; an identity in two is an error."""
+    if not isinstance(document, dict):
+        raise ConfigError("[tenants] must hold one table per tenant: [tenants.NAME]")
+    tenants: list[TenantConfig] = []
+    owner: dict[str, str] = {}
+    for name, table in document.items():
+        if not isinstance(table, dict) or set(table) - _TENANT_KEYS:
+            raise ConfigError(
+                f"[tenants.{name}] takes only {sorted(_TENANT_KEYS)}, "
+                f"got {sorted(table) if isinstance(table, dict) else table!r}"
+            )
+        try:
+            identities = tuple(str(i) for i in table.get("identities", ()))
+            uids = tuple(int(u) for u in table.get("uids", ()))
+            sizes = {tier: parse_size(table.get(tier, 0)) for tier in ("dram", "nvme", "hbm")}
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"[tenants.{name}]: {exc}") from exc
+        tenant = TenantConfig(str(name), identities, uids, **sizes)
+        for identity in tenant.identities:
+            if identity in owner:
+                raise ConfigError(
+                    f"identity {identity!r} is in tenants {owner[identity]} and {name}: "
+                    "a caller belongs to one tenant"
+                )
+            owner[identity] = tenant.name
+        tenants.append(tenant)
+    return tuple(tenants)
