@@ -26,6 +26,9 @@ fi
 
 # pip's own failure must stop the script (pipefail); the filter only hides a harmless warning.
 quiet() { grep -v "^WARNING: Location" || true; }
+# The distribution was called `kvstore` before (a name that belongs to another PyPI package):
+# an environment installed then holds it under that name.
+"$VENV/bin/pip" uninstall -q -y kvstore >/dev/null 2>&1 || true
 echo "--- installing torch 2.13.0 (CPU) into $VENV"
 "$VENV/bin/pip" install -q --disable-pip-version-check torch==2.13.0 2>&1 | quiet
 echo "--- installing kvstore with the test, ucx and bench extras into $VENV"
