@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import socket
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -44,4 +48,25 @@ def test_server_removes_its_socket_directory(tmp_path: Path, sig: int) -> None:
         code = server.stop(sig)
     assert code == 0, server.log()
     assert _leftovers(tmpdir) == []
+    assert list(tmpdir.iterdir()) == []
+
+
+def test_server_that_cannot_listen_leaves_nothing(tmp_path: Path) -> None:
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmpdir)}
+    env.pop("XDG_RUNTIME_DIR", None)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        listen = f"127.0.0.1:{taken.getsockname()[1]}"
+        sizes = ["--nvme-path", str(tmp_path / "nvme"), "--dram-capacity", "16MiB"]
+        done = subprocess.run(
+            [sys.executable, "-m", "kvstore.cli", "serve", "--listen", listen, *sizes],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+    assert done.returncode != 0, done.stdout
     assert list(tmpdir.iterdir()) == []
