@@ -561,7 +561,8 @@ def main() -> int:
     command = shlex.join([".venv/bin/python", "benchmarks/bench_dataplane.py", *sys.argv[1:]])
     started = datetime.datetime.now(datetime.UTC)
     info = machine_info(
-        ["kvstore", "grpcio", "redis", "numpy"], {"redis-server": ["redis-server", "--version"]}
+        ["tiered-kvstore", "grpcio", "redis", "numpy"],
+        {"redis-server": ["redis-server", "--version"]},
     )
     clock = time.monotonic()
     with contextlib.ExitStack() as stack:

@@ -8,6 +8,8 @@ if [ ! -x .venv-vllm/bin/python ]; then
     python3 -m venv .venv-vllm
 fi
 echo "--- installing into .venv-vllm"
+# The distribution was called `kvstore` before: drop an install under that name.
+.venv-vllm/bin/pip uninstall -q -y kvstore >/dev/null 2>&1 || true
 .venv-vllm/bin/pip install -q --disable-pip-version-check torch==2.13.0 -e '.[test,vllm]' 2>&1 \
     | grep -v "^WARNING: Location" || true
 .venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -32,6 +34,21 @@ from kvstore import KVStoreClient, Namespace
 READY_LINE = "kvstore serving on "
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 20.0
+
+# A server killed at the end of a test (SIGKILL) cannot remove its shared-memory socket
+# directory. Servers make it in this directory (their TMPDIR), which the session removes at its
+# end, instead of leaving kvstore-* directories in the machine's /tmp. Short, so socket paths stay
+# far below the 108-byte limit.
+_SERVER_TMPDIR = ""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _server_tmpdir() -> Iterator[None]:
+    global _SERVER_TMPDIR
+    _SERVER_TMPDIR = tempfile.mkdtemp(prefix="kvt-")
+    yield
+    shutil.rmtree(_SERVER_TMPDIR, ignore_errors=True)
+
 
 #: The namespace the ``client`` fixture uses.
 NAMESPACE = Namespace(model="integration-test", num_layers=2, num_kv_heads=2, head_size=64)
@@ -95,7 +112,9 @@ class ServerProcess:
             str(self.nvme_path),
             *self.flags,
         ]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": _SERVER_TMPDIR, **self.env}
+        if "XDG_RUNTIME_DIR" not in self.env:
+            env.pop("XDG_RUNTIME_DIR", None)  # else the socket directory would go there
         with self.stdout_path.open("wb") as out, self.stderr_path.open("wb") as err:
             self.proc = subprocess.Popen(command, stdout=out, stderr=err, env=env)
         self.returncode = None

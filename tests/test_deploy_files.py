@@ -1,0 +1,168 @@
+"""deploy/ and k8s/ work as the README says: the local config serves as a normal user, the node
+config says it is not for local use, the image's build context leaves the environments out, and
+the README's deploy commands name files that exist and render where the tool is installed."""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+import shutil
+import stat
+import subprocess
+import tomllib
+from pathlib import Path
+
+from serve_process import Serve, free_port
+
+from kvstore import KVStoreClient, Namespace
+from kvstore.config import load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+LOCAL = ROOT / "deploy" / "kvstore.local.toml"
+NS = Namespace(model="deploy-test", num_layers=1, num_kv_heads=1, head_size=8)
+
+
+def test_local_config_serves_as_a_normal_user(tmp_path: Path) -> None:
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    listen = f"127.0.0.1:{free_port()}"
+    # The port and sizes are overridden for the test; the socket, mode and loopback are the file's.
+    server = Serve(
+        ["--config", str(LOCAL), "--listen", listen],
+        tmpdir,
+        env={"KVSTORE_NVME_PATH": str(tmp_path / "nvme"), "KVSTORE_DRAM_CAPACITY": "16MiB"},
+    )
+    try:
+        assert server.target == listen
+        (directory,) = tmpdir.iterdir()  # socket "auto": a private directory in $TMPDIR
+        socket = directory / "shm.sock"
+        assert stat.S_IMODE(socket.stat().st_mode) == 0o600
+        with KVStoreClient(server.target, namespace=NS, data_plane="shm") as client:
+            assert client.put([b"k" * 16], [b"v" * 128]).stored == 1
+            assert client.get([b"k" * 16]) == [b"v" * 128]
+            assert client.data_plane == "shm"
+    finally:
+        assert server.stop() == 0, server.log()
+    assert (tmp_path / "nvme" / "integrity.key").exists()
+
+
+def test_local_config_needs_no_root_paths() -> None:
+    config = load_config(str(LOCAL), env={"HOME": "/home/someone"})
+    assert config.server.listen.startswith("127.0.0.1:")
+    assert config.server.shm_socket == "auto"
+    assert config.server.ucx_listen == ""
+    assert config.nvme.path == "/home/someone/.local/share/kvstore/nvme"
+
+
+def test_node_config_says_it_is_not_for_local_use() -> None:
+    text = (ROOT / "deploy" / "kvstore.toml").read_text()
+    header = "".join(line for line in text.splitlines(keepends=True) if line.startswith("#"))
+    assert "does NOT run as a normal user" in header
+    assert "deploy/kvstore.local.toml" in header
+    # Still a valid configuration for the image.
+    assert load_config(str(ROOT / "deploy" / "kvstore.toml"), env={}).nvme.path.startswith(
+        "/var/lib/kvstore"
+    )
+
+
+def test_daemonset_config_map_is_a_valid_config(tmp_path: Path) -> None:
+    text = (ROOT / "k8s" / "kvstore-daemonset.yaml").read_text()
+    match = re.search(r"kvstore\.toml: \|\n((?:    .*\n)+)", text)
+    assert match
+    embedded = tmp_path / "kvstore.toml"
+    embedded.write_text("\n".join(line[4:] for line in match.group(1).splitlines()))
+    assert (
+        tomllib.loads(embedded.read_text())["server"]["shm_socket"] == "/run/kvstore/kvstore.sock"
+    )
+    config = load_config(str(embedded), env={})
+    assert config.server.shm_socket == "/run/kvstore/kvstore.sock"
+    assert config.server.shm_socket_mode == 0o660
+
+
+def _ignored(path: str, patterns: list[str]) -> bool:
+    """Whether Docker's ignore rules (as used here: no ``!`` exceptions) leave ``path`` out."""
+    for pattern in patterns:
+        pattern = pattern.strip("/")
+        if pattern.startswith("**/"):
+            rest = pattern[3:]
+            if any(fnmatch.fnmatch(part, rest) for part in path.split("/")):
+                return True
+        elif fnmatch.fnmatch(path, pattern) or fnmatch.fnmatch(path.split("/")[0], pattern):
+            return True
+    return False
+
+
+def test_dockerignore_leaves_out_every_large_directory() -> None:
+    patterns = [
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    assert not any(p.startswith("!") for p in patterns)
+    for path in [
+        ".git",
+        ".venv",
+        ".venv-vllm",
+        ".mypy_cache",
+        ".ruff_cache",
+        ".pytest_cache",
+        ".hypothesis",
+        "kvstore/__pycache__",
+        "tiered_kvstore.egg-info",
+        "build",
+        "dist",
+        "data",
+        "tests",
+        "benchmarks",
+    ]:
+        assert _ignored(path, patterns), f"{path} would be sent to the docker daemon"
+    # Every directory .gitignore names (build outputs, environments) is left out too.
+    for line in (ROOT / ".gitignore").read_text().splitlines():
+        entry = line.strip().strip("/")
+        if entry and not entry.startswith("#") and "results" not in entry:
+            assert _ignored(entry.replace("*", "x"), patterns), f"{entry} not in .dockerignore"
+    # What the Dockerfile copies must stay in the context.
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
+    copied = [
+        src
+        for line in dockerfile.splitlines()
+        if line.startswith("COPY ")
+        for src in line.split()[1:-1]
+    ]
+    assert copied
+    for src in copied:
+        assert (ROOT / src).exists(), src
+        assert not _ignored(src, patterns), f"{src} is copied by the Dockerfile but ignored"
+
+
+def test_readme_deploy_commands_name_files_that_exist() -> None:
+    readme = (ROOT / "README.md").read_text()
+    for command in (
+        "docker build -f deploy/Dockerfile",
+        "docker compose -f deploy/compose.yaml up",
+        "kubectl apply -k k8s/",
+        "kvstore serve --config deploy/kvstore.local.toml",
+    ):
+        assert command in readme, command
+    for path in ("deploy/Dockerfile", "deploy/compose.yaml", "k8s/kustomization.yaml"):
+        assert (ROOT / path).exists()
+
+
+def test_kustomization_lists_every_manifest_and_renders() -> None:
+    kustomization = (ROOT / "k8s" / "kustomization.yaml").read_text()
+    manifests = sorted(
+        p.name for p in (ROOT / "k8s").glob("*.yaml") if p.name != "kustomization.yaml"
+    )
+    assert manifests
+    for name in manifests:
+        assert f"- {name}" in kustomization
+    kubectl = shutil.which("kubectl")
+    if kubectl is not None:  # offline rendering, where the tool exists (no cluster needed)
+        rendered = subprocess.run(
+            [kubectl, "kustomize", str(ROOT / "k8s")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
+        assert "kind: DaemonSet" in rendered and "kind: ConfigMap" in rendered

@@ -1,0 +1,214 @@
+"""The README's vLLM server command, run as written, against a real ``kvstore serve``.
+
+The command is read from README.md (the fenced block after ``<!-- tested: vllm-server -->``), so
+the README and this test cannot drift apart. Only its placeholders are replaced: the model name
+by the suite's tiny local model, ``--port 8000`` by a free port and the ``target`` by the test's
+store; a few flags that keep the run short on this CPU are appended (a smaller context, no
+torch.compile warm-up). Server 1 answers a completion whose prompt is longer than two chunks and
+stores its chunks; server 2, a fresh engine with an empty prefix cache on the same store, answers
+the same prompt and must report the whole chunks as cached tokens, loaded from kvstore.
+
+Needs vLLM's CPU build; skipped without it unless ``KVSTORE_REQUIRE_VLLM=1``. Runtime: about
+two minutes on two cores, mostly the start-up of two API servers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from store_process import StoreProcess, free_port
+
+if os.environ.get("KVSTORE_REQUIRE_VLLM") != "1":
+    pytest.importorskip("vllm", reason="vLLM's CPU build is not installed")
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+HERE = Path(__file__).parent
+README = HERE.parent.parent / "README.md"
+MARKER = "<!-- tested: vllm-server -->"
+README_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
+README_TARGET = "127.0.0.1:50051"
+CHUNK = 256
+PROMPT_WORDS = 700  # the tiny tokenizer makes more than two whole chunks of tokens of them
+# Test-only additions: keep the engine small and skip a ~45 s torch.compile warm-up.
+TEST_FLAGS = " --max-model-len 2048 --enforce-eager"
+START_TIMEOUT_S = 300
+
+
+def readme_server_command() -> str:
+    """The shell command in the fenced block that follows the marker in README.md."""
+    text = README.read_text()
+    match = re.search(re.escape(MARKER) + r"\s*```(?:bash|sh)?\n(.*?)```", text, re.DOTALL)
+    assert match, f"README.md has no fenced block after {MARKER}"
+    return match.group(1).strip()
+
+
+def test_readme_block_is_the_api_server_command() -> None:
+    command = readme_server_command()
+    assert command.startswith("python -m vllm.entrypoints.openai.api_server")
+    assert "vllm serve" not in command  # fails on the CPU build (no `vllm` distribution)
+    for needed in (README_MODEL, "--port 8000", README_TARGET, "--enable-prompt-tokens-details"):
+        assert needed in command
+
+
+class ApiServer:
+    """The README's command in a shell, in its own process group (the engine spawns children)."""
+
+    def __init__(self, name: str, workdir: Path, model: Path, target: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = workdir / f"{name}.log"
+        command = (
+            readme_server_command()
+            .replace(README_MODEL, str(model))
+            .replace("--port 8000", f"--port {self.port}")
+            .replace(README_TARGET, target)
+        )
+        python_dir = str(Path(sys.executable).parent)
+        env = {
+            **os.environ,
+            "PATH": python_dir + os.pathsep + os.environ.get("PATH", ""),
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+        }
+        with self.log.open("wb") as log:
+            self.proc = subprocess.Popen(
+                ["bash", "-c", command + TEST_FLAGS],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+        self._wait_healthy()
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                pytest.fail(f"the README's vLLM server did not start:\n{self.tail()}")
+            time.sleep(1.0)
+
+    def complete(self, model: Path, prompt: str) -> dict[str, Any]:
+        """One greedy completion over HTTP; the response's JSON."""
+        body = json.dumps(
+            {"model": str(model), "prompt": prompt, "max_tokens": 4, "temperature": 0.0}
+        ).encode()
+        request = urllib.request.Request(
+            self.url + "/v1/completions", body, {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=120) as response:
+            result: dict[str, Any] = json.loads(response.read())
+        return result
+
+    def tail(self) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-40:])
+
+    def stop(self) -> None:
+        """SIGTERM to the whole group, SIGKILL after 30 s."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("model") / "tiny-llama"
+    subprocess.run(
+        [sys.executable, str(HERE / "tiny_model.py"), str(path)],
+        check=True,
+        timeout=300,
+        capture_output=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    return path
+
+
+def _cached_tokens(response: dict[str, Any]) -> int:
+    details = response["usage"].get("prompt_tokens_details") or {}
+    return int(details.get("cached_tokens") or 0)
+
+
+def _poll(check: Any, what: str, timeout: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} within {timeout:.0f} s")
+        time.sleep(0.5)
+
+
+def _cli_stats(target: str) -> dict[str, Any]:
+    """``kvstore stats --json`` as a user would run it."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from kvstore.cli import main; sys.exit(main())",
+            "stats",
+            "--json",
+            "--target",
+            target,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    stats: dict[str, Any] = json.loads(done.stdout)
+    return stats
+
+
+def test_second_server_reports_tokens_cached_in_kvstore(
+    tmp_path: Path, model: Path, store: StoreProcess
+) -> None:
+    prompt = " ".join(f"t{3 + (i * 37) % 1000}" for i in range(PROMPT_WORDS))
+
+    first = ApiServer("server1", tmp_path, model, store.target)
+    try:
+        response = first.complete(model, prompt)
+        prompt_tokens = int(response["usage"]["prompt_tokens"])
+        assert prompt_tokens > 2 * CHUNK, first.tail()
+        assert _cached_tokens(response) == 0
+        # The worker saves after the request; wait until every whole chunk reached the store.
+        _poll(lambda: store.stats()["blocks"] >= prompt_tokens // CHUNK, "chunks stored")
+    finally:
+        first.stop()
+
+    second = ApiServer("server2", tmp_path, model, store.target)
+    try:
+        response = second.complete(model, prompt)
+    finally:
+        second.stop()
+    # Every whole chunk came from kvstore (vLLM computes at least the prompt's last token itself,
+    # so a prompt of exactly n chunks loads n - 1 of them).
+    assert response["usage"]["prompt_tokens"] == prompt_tokens
+    assert _cached_tokens(response) == (prompt_tokens - 1) // CHUNK * CHUNK, second.tail()
+    stats = _poll(
+        lambda: (s := _cli_stats(store.target))["counters"].get("hits", 0) > 0 and s,
+        "kvstore stats shows hits",
+    )
+    assert stats["blocks"] == prompt_tokens // CHUNK
