@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -72,9 +75,19 @@ def tenant_server(server_factory: ServerFactory, tmp_path: Path) -> ServerProces
 
 
 @pytest.fixture
-def apart_server(server_factory: ServerFactory, tmp_path: Path) -> ServerProcess:
-    """Tenant a's socket admits root only, tenant b's nobody only."""
-    return server_factory("--config", str(write_config(tmp_path, b_uids=f"[{NOBODY}]")))
+def apart_server(server_factory: ServerFactory, tmp_path: Path) -> Iterator[ServerProcess]:
+    """Tenant a's socket admits root only, tenant b's nobody only.
+
+    Its sockets' directories go in a directory other users may pass through (the suite's own
+    temporary directories are root's alone), so that only the server's check keeps them out.
+    """
+    passable = tempfile.mkdtemp(prefix="kvt-tenants-")
+    os.chmod(passable, 0o711)
+    try:
+        config = write_config(tmp_path, b_uids=f"[{NOBODY}]")
+        yield server_factory("--config", str(config), env={"TMPDIR": passable})
+    finally:
+        shutil.rmtree(passable, ignore_errors=True)
 
 
 def test_b_cannot_read_delete_probe_or_overwrite_a(tenant_server: ServerProcess) -> None:
