@@ -21,15 +21,17 @@ _TENANT_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
 class TenantConfig:
     """One tenant (``[tenants.NAME]`` in the config file; there are no environment variables for
     tenants). ``identities``: the gRPC callers that act as this tenant, token names from
-    ``server.tokens_file`` or client-certificate identities (CN, else SAN); ``uids``: the local
-    users whose processes may connect to this tenant's shared-memory socket (empty: whoever the
-    socket's mode admits and learnt its path from an authenticated call). ``dram``, ``nvme`` and
+    ``server.tokens_file`` or client-certificate identities (CN, else SAN); ``uids`` and
+    ``gids``: the local users and primary groups whose processes may connect to this tenant's
+    shared-memory socket (both empty: whoever the socket's mode admits and learnt its path from an
+    authenticated call). ``dram``, ``nvme`` and
     ``hbm``: the bytes this tenant may hold in each tier (its own arena, its own LMDB directory
     under ``nvme.path``; 0 leaves the tier out for this tenant)."""
 
     name: str
     identities: tuple[str, ...] = ()
     uids: tuple[int, ...] = ()
+    gids: tuple[int, ...] = ()
     dram: int = 0
     nvme: int = 0
     hbm: int = 0
@@ -53,7 +55,7 @@ class TenantConfig:
                 raise ConfigError(f"{where}.{tier} must be >= 0, got {getattr(self, tier)}")
 
 
-_TENANT_KEYS = {"identities", "uids", "dram", "nvme", "hbm"}
+_TENANT_KEYS = {"identities", "uids", "gids", "dram", "nvme", "hbm"}
 
 
 def tenant_tables(document: Any) -> tuple[TenantConfig, ...]:
@@ -71,10 +73,11 @@ def tenant_tables(document: Any) -> tuple[TenantConfig, ...]:
         try:
             identities = tuple(str(i) for i in table.get("identities", ()))
             uids = tuple(int(u) for u in table.get("uids", ()))
+            gids = tuple(int(g) for g in table.get("gids", ()))
             sizes = {tier: parse_size(table.get(tier, 0)) for tier in ("dram", "nvme", "hbm")}
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"[tenants.{name}]: {exc}") from exc
-        tenant = TenantConfig(str(name), identities, uids, **sizes)
+        tenant = TenantConfig(str(name), identities, uids, gids, **sizes)
         for identity in tenant.identities:
             if identity in owner:
                 raise ConfigError(

@@ -21,10 +21,12 @@ def load(tmp_path: Path, text: str) -> tuple[TenantConfig, ...]:
 
 
 def test_tenant_tables_are_read_with_sizes(tmp_path: Path) -> None:
-    tenants = load(tmp_path, A + '[tenants.b]\nidentities = ["bob", "ci"]\nnvme = "2GiB"\n')
+    tenants = load(
+        tmp_path, A + '[tenants.b]\nidentities = ["bob", "ci"]\ngids = [2000]\nnvme = "2GiB"\n'
+    )
     assert tenants == (
         TenantConfig("a", ("alice",), (1000,), dram=64 * 1024**2, nvme=1024**3),
-        TenantConfig("b", ("bob", "ci"), (), dram=0, nvme=2 * 1024**3),
+        TenantConfig("b", ("bob", "ci"), (), (2000,), dram=0, nvme=2 * 1024**3),
     )
 
 

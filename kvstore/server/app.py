@@ -107,6 +107,7 @@ async def open_tenants(config: Config) -> Tenants:
                     Prefetcher(store, max_queued_keys=server.prefetch_queue_keys),
                     InflightBudget(own.server.inflight_bytes),
                     frozenset(spec.uids) or None,
+                    frozenset(spec.gids) or None,
                 )
             )
     except BaseException:
@@ -292,6 +293,7 @@ async def _start_shm(config: Config, tenant: Tenant) -> ShmServer | None:
         mode=settings.shm_socket_mode,
         limits=limits,
         allowed_uids=tenant.uids,
+        allowed_gids=tenant.gids,
     )
     try:
         await shm.start()

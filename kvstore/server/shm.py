@@ -54,7 +54,7 @@ from kvstore.server.shm_limits import (
     FrameRefused,
     RateLimitedLog,
     ShmLimits,
-    peer_uid,
+    peer_credentials,
     read_frame,
 )
 from kvstore.store import TieredStore
@@ -82,8 +82,9 @@ class ShmServer:
     The socket file gets the permission bits ``mode`` whatever the process umask: connecting to a
     UNIX socket needs write permission on it, so ``mode`` decides which local users may map the
     arena (the default, ``0o660``, admits the server's user and group). ``limits`` bounds what
-    clients may cost. ``allowed_uids``, where given, admits only processes of those users
-    (``SO_PEERCRED``): a tenant's socket serves that tenant's users and nobody else.
+    clients may cost. ``allowed_uids`` and ``allowed_gids``, where given, admit only processes of
+    those users or primary groups (``SO_PEERCRED``): a tenant's socket serves that tenant's users
+    and nobody else.
     """
 
     def __init__(
@@ -94,6 +95,7 @@ class ShmServer:
         mode: int = 0o660,
         limits: ShmLimits | None = None,
         allowed_uids: frozenset[int] | None = None,
+        allowed_gids: frozenset[int] | None = None,
     ) -> None:
         arena = store.arena
         if arena is None:
@@ -106,8 +108,9 @@ class ShmServer:
         self.instance_id = instance_id
         self._arena = arena
         self.limits = limits if limits is not None else ShmLimits()
-        #: The peer uids admitted (``None``: whoever the socket's mode lets connect).
+        #: The peer uids and gids admitted (both ``None``: whoever the socket's mode lets in).
         self.allowed_uids = allowed_uids
+        self.allowed_gids = allowed_gids
         self._sessions = ArenaSessions(store, self.limits.session_bytes)
         self._connections = ConnectionCounter(self.limits)
         self._refusals = RateLimitedLog()
@@ -184,12 +187,14 @@ class ShmServer:
                 await asyncio.sleep(delay)
                 continue
             delay = 0.0
-            uid = peer_uid(conn)
-            if self.allowed_uids is not None and uid not in self.allowed_uids:
+            credentials = peer_credentials(conn)
+            uid = None if credentials is None else credentials[0]
+            if not self._admits(credentials):
                 # The kernel's SO_PEERCRED, not anything the client says: a process of another
                 # tenant's user never gets this arena's descriptor.
                 self._refusals.warning(
-                    "shared-memory connection refused: uid %s is not among this socket's", uid
+                    "shared-memory connection refused: uid/gid %s is not among this socket's",
+                    credentials,
                 )
                 conn.close()
                 continue
@@ -202,6 +207,15 @@ class ShmServer:
             task = loop.create_task(self._serve(conn, uid))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+
+    def _admits(self, credentials: tuple[int, int] | None) -> bool:
+        """Whether a peer with ``(uid, gid)`` may connect (any, where no uid or gid is listed)."""
+        if self.allowed_uids is None and self.allowed_gids is None:
+            return True
+        if credentials is None:
+            return False
+        uid, gid = credentials
+        return uid in (self.allowed_uids or ()) or gid in (self.allowed_gids or ())
 
     async def _serve(self, conn: socket.socket, uid: int | None) -> None:
         loop = asyncio.get_running_loop()

@@ -25,6 +25,7 @@ __all__ = [
     "FrameRefused",
     "RateLimitedLog",
     "ShmLimits",
+    "peer_credentials",
     "peer_uid",
     "read_frame",
 ]
@@ -73,14 +74,22 @@ class RateLimitedLog:
         logger.warning(message, *args)
 
 
-def peer_uid(conn: socket.socket) -> int | None:
-    """The uid of the process at the other end of the UNIX socket ``conn`` (``None`` where the
-    platform cannot say)."""
+def peer_credentials(conn: socket.socket) -> tuple[int, int] | None:
+    """``(uid, gid)`` of the process at the other end of the UNIX socket ``conn``, as the kernel
+    recorded them when it connected (``None`` where the platform cannot say)."""
     try:
         raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
     except (AttributeError, OSError):
         return None
-    return int(_UCRED.unpack(raw)[1])
+    _, uid, gid = _UCRED.unpack(raw)
+    return int(uid), int(gid)
+
+
+def peer_uid(conn: socket.socket) -> int | None:
+    """The uid of the process at the other end of the UNIX socket ``conn`` (``None`` where the
+    platform cannot say)."""
+    credentials = peer_credentials(conn)
+    return None if credentials is None else credentials[0]
 
 
 class ConnectionCounter:

@@ -49,8 +49,10 @@ class Tenant:
     store: TieredStore
     prefetcher: Prefetcher
     budget: InflightBudget
-    #: The local users whose processes may connect to this tenant's socket (``None``: any).
+    #: The local users and primary groups whose processes may connect to this tenant's socket
+    #: (both ``None``: any).
     uids: frozenset[int] | None = None
+    gids: frozenset[int] | None = None
     shm: ShmServer | None = None
 
     @property

@@ -40,6 +40,7 @@ NS = Namespace(model="tenants", num_layers=2, num_kv_heads=2, head_size=64)
 OTHER_NS = Namespace(model="tenants-other", num_layers=2, num_kv_heads=2, head_size=64)
 TOKENS = {"alice": "token-of-alice", "bob": "token-of-bob", "carol": "token-of-carol"}
 NOBODY = 65534
+NOGROUP = 65534  # nobody's primary group on Debian
 BLOCK_BYTES = 64 * 1024
 
 
@@ -74,9 +75,11 @@ def tenant_server(server_factory: ServerFactory, tmp_path: Path) -> ServerProces
     return server_factory("--config", str(write_config(tmp_path)))
 
 
-@pytest.fixture
-def apart_server(server_factory: ServerFactory, tmp_path: Path) -> Iterator[ServerProcess]:
-    """Tenant a's socket admits root only, tenant b's nobody only.
+@pytest.fixture(params=["uids", "gids"])
+def apart_server(
+    request: pytest.FixtureRequest, server_factory: ServerFactory, tmp_path: Path
+) -> Iterator[ServerProcess]:
+    """Tenant a's socket admits root only, tenant b's nobody only (by uid, or by its group).
 
     Its sockets' directories go in a directory other users may pass through (the suite's own
     temporary directories are root's alone), so that only the server's check keeps them out.
@@ -85,6 +88,9 @@ def apart_server(server_factory: ServerFactory, tmp_path: Path) -> Iterator[Serv
     os.chmod(passable, 0o711)
     try:
         config = write_config(tmp_path, b_uids=f"[{NOBODY}]")
+        if request.param == "gids":
+            text = config.read_text().replace("uids = [0]", "gids = [0]")
+            config.write_text(text.replace(f"uids = [{NOBODY}]", f"gids = [{NOGROUP}]"))
         yield server_factory("--config", str(config), env={"TMPDIR": passable})
     finally:
         shutil.rmtree(passable, ignore_errors=True)
@@ -167,6 +173,8 @@ def hello_as(uid: int, socket_path: str) -> tuple[int, int]:
     done = subprocess.run(
         ["/usr/bin/python3", "-c", _AS_OTHER_USER, socket_path, hello],
         user=uid,
+        group=NOGROUP,
+        extra_groups=[],
         capture_output=True,
         text=True,
         timeout=20,
@@ -201,7 +209,7 @@ def test_each_tenant_maps_only_its_own_arena(apart_server: ServerProcess) -> Non
     reply, fds = hello_as(NOBODY, b_plane.shm_socket)
     assert reply > 0 and fds >= 1
     assert hello_as(NOBODY, a_plane.shm_socket) == (0, 0)
-    assert "not among this socket's" in tenant_server.stderr()
+    assert "is not among this socket's" in tenant_server.stderr()
 
 
 def test_a_value_copied_between_tenants_in_redis_is_never_served(
