@@ -5,8 +5,8 @@
 #   KVSTORE_SKIP_VLLM=1 bash scripts/test.sh   # leave out the real-vLLM suite
 #   KVSTORE_SKIP_SLOW=1 bash scripts/test.sh   # leave out the slow suite (long fuzz runs)
 #
-# Installs redis-server (Debian) if missing, creates .venv with the local CPU torch wheel and the
-# package with its test extra, then runs ruff, mypy, the generated-code check and pytest.
+# Installs redis-server and kubectl (apt) if missing, creates .venv with the local CPU torch wheel
+# and the package with its test extra, then runs ruff, mypy, the generated-code check and pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -14,6 +14,17 @@ if ! command -v redis-server >/dev/null 2>&1; then
     echo "--- installing redis-server"
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+fi
+if ! command -v kubectl >/dev/null 2>&1; then
+    # Renders the k8s overlays offline. Debian 12 itself has no kubectl package (its
+    # kubernetes-client 1.20 predates kustomize components): it comes from an apt source that
+    # carries it (pkgs.k8s.io, or Google Cloud's).
+    echo "--- installing kubectl"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq kubectl >/dev/null || {
+        echo "kubectl: no apt source carries it; add https://pkgs.k8s.io (see kubernetes.io/docs/tasks/tools/install-kubectl-linux) and rerun" >&2
+        exit 1
+    }
 fi
 
 bash scripts/setup.sh
