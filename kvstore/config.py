@@ -142,6 +142,7 @@ class ServerConfig:
     shm_frame_timeout_s: float = 10.0
     ucx_listen: str = ""
     ucx_transfer_timeout_s: float = 30.0
+    put_stream_timeout_s: float = 60.0
     inflight_bytes: int = 256 * 1024**2
     prefetch_queue_keys: int = 65536
     tls_cert: str = ""
@@ -166,6 +167,10 @@ class ServerConfig:
         _positive("server.workers", self.workers)
         _positive("server.inflight_bytes", self.inflight_bytes)
         _positive("server.prefetch_queue_keys", self.prefetch_queue_keys)
+        if not self.put_stream_timeout_s > 0:
+            raise ConfigError(
+                f"server.put_stream_timeout_s must be > 0, got {self.put_stream_timeout_s}"
+            )
         if self.shutdown_grace_s < 0:
             raise ConfigError(f"server.shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
         _positive("server.shm_max_connections", self.shm_max_connections)

@@ -200,7 +200,9 @@ async def start_server(config: Config) -> RunningServer:
         ],
         interceptors=auth or None,
     )
-    servicer = KVStoreServicer(tenants=tenants)
+    servicer = KVStoreServicer(
+        tenants=tenants, put_stream_timeout_s=config.server.put_stream_timeout_s
+    )
     add_to_server(servicer, server)
     health = health_async.HealthServicer()
     add_health_to_server(health, server)

@@ -7,6 +7,7 @@ with a message that says what was wrong).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from typing import Any, TypeVar
@@ -17,7 +18,13 @@ from google.protobuf.message import DecodeError, Message
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.config import ServerConfig
-from kvstore.errors import CapacityError, InvalidRequestError, KVStoreError, status_of
+from kvstore.errors import (
+    CapacityError,
+    DeadlineExceededError,
+    InvalidRequestError,
+    KVStoreError,
+    status_of,
+)
 from kvstore.protocol.checks import (
     check_keys,
     check_streamed_block,
@@ -92,6 +99,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
         budget: InflightBudget | None = None,
         *,
         tenants: Tenants | None = None,
+        put_stream_timeout_s: float = ServerConfig.put_stream_timeout_s,
     ) -> None:
         if tenants is None:
             if store is None:
@@ -105,6 +113,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
                 )
             )
         self.tenants = tenants
+        #: The longest one Put stream may take from its first message to its last: a client that
+        #: stalls mid-stream must not keep its blocks charged to the budget for good.
+        self.put_stream_timeout_s = put_stream_timeout_s
         #: Where the UCX listener is; the server fills it in once it is up.
         self.ucx_address = ""
 
@@ -147,7 +158,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
             keys: list[bytes] = []
             values: list[bytes] = []
             total = 0
-            async for message in request_iterator:
+            async for message in _within(request_iterator, self.put_stream_timeout_s):
                 self._decoded(message)
                 if namespace is None:
                     namespace = message.namespace
@@ -316,6 +327,19 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
             )
 
         return await guard(context, call)
+
+
+async def _within(messages: AsyncIterator[T], seconds: float) -> AsyncIterator[T]:
+    """``messages`` until they end; :class:`DeadlineExceededError` once ``seconds`` have passed."""
+    try:
+        async with asyncio.timeout(seconds):
+            async for message in messages:
+                yield message
+    except TimeoutError:
+        raise DeadlineExceededError(
+            f"the Put stream did not end within {seconds:g}s (server.put_stream_timeout_s); "
+            "none of it was stored"
+        ) from None
 
 
 #: The payload bytes one Get reads before sending them: a few messages' worth, so that tiers are

@@ -299,3 +299,31 @@ def test_a_put_larger_than_the_budget_goes_as_several_streams(
         assert client.lookup(keys) == 0
         assert client.put(keys, values).stored == 48
         assert client.get(keys) == values
+
+
+def test_a_stalled_put_stream_gives_its_budget_back(server_factory: ServerFactory) -> None:
+    """A client that sends part of a Put and then stalls holds its charge only until
+    ``server.put_stream_timeout_s``; then the call ends and others get the budget."""
+    server = server_factory(
+        env={
+            "KVSTORE_SERVER_INFLIGHT_BYTES": str(BUDGET),
+            "KVSTORE_SERVER_PUT_STREAM_TIMEOUT_S": "1",
+        }
+    )
+    gate = threading.Event()
+    holder = Stream(chain(12, seed=31), gate)
+    with grpc.insecure_channel(server.target) as channel:
+        future = pb_grpc.KVStoreStub(channel).Put.future(iter(holder), timeout=30)
+        try:
+            with pytest.raises(grpc.RpcError) as info:
+                future.result(timeout=20)
+        finally:
+            gate.set()
+    error: Any = info.value
+    assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED, error.details()
+    assert "server.put_stream_timeout_s" in error.details()
+    with KVStoreClient(server.target, namespace=NS, timeout=30, data_plane="grpc") as client:
+        assert client.lookup(holder.keys) == 0  # nothing of the stalled stream was stored
+        # Its 12 MiB charge came back: a put of the whole budget goes through at once.
+        keys = chain(16, seed=32)
+        assert client.put(keys, [holder.block] * 16).stored == 16
