@@ -157,6 +157,8 @@ EDGES = [edge for module in CHECKED for edge in _imports(module)]
         # The connector's logic (scheduler and worker halves) without vLLM itself.
         "import kvstore.integrations.vllm_common",
         "import kvstore.integrations.vllm_scheduler, kvstore.integrations.vllm_worker",
+        # ... and its figures (vLLM's side of them is kvstore.integrations.vllm_metrics).
+        "import kvstore.integrations.vllm_common, kvstore.integrations.vllm_stats",
     ],
 )
 def test_importing_the_client_loads_nothing_of_the_server_side(statement: str) -> None:

@@ -45,12 +45,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvstore.integrations.vllm_common import ConnectorSettings, StepPlan
+from kvstore.integrations.vllm_metrics import KVStoreConnectorStats, KVStorePromMetrics
 from kvstore.integrations.vllm_scheduler import SchedulerSide
 from kvstore.integrations.vllm_worker import WorkerSide
 
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -199,6 +206,30 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed this step, for vLLM to recompute."""
         return self._worker_side().get_block_ids_with_load_errors()
+
+    # -- figures (see kvstore.integrations.vllm_metrics) ---------------------------------------
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """This half's figures since the last call; vLLM sums the scheduler's and the workers'."""
+        side = self._worker if self._worker is not None else self._scheduler
+        data = side.take_stats() if side is not None else None
+        return KVStoreConnectorStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        """The figures as vLLM's front end receives them (a plain dict)."""
+        return KVStoreConnectorStats(data=dict(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        """The ``vllm:kvstore_*`` series in vLLM's ``/metrics``."""
+        return KVStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         """Drain queued saves (bounded) and close the store clients."""

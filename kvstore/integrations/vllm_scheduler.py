@@ -42,6 +42,7 @@ from kvstore.integrations.vllm_common import (
     warm_up,
 )
 from kvstore.integrations.vllm_plan import load_targets
+from kvstore.integrations.vllm_stats import ConnectorCounters
 from kvstore.keys import ChunkHasher
 
 if TYPE_CHECKING:
@@ -107,6 +108,7 @@ class SchedulerSide:
         self._pending_loads: list[LoadSpec] = []
         self._recent_saves: OrderedDict[bytes, float] = OrderedDict()
         self._kv_cache_manager: KVCacheManager | None = None
+        self.counters = ConnectorCounters()
         # Connect now, off the critical path: the first call on a fresh channel pays for it.
         self._pool.submit(warm_up, self._client, self._breaker, settings.lookup_timeout_s)
         logger.info(
@@ -177,6 +179,7 @@ class SchedulerSide:
         if state.future is None:
             if self._breaker.is_open():
                 state.hits = 0
+                self.counters.record_lookup(state.loadable * self._settings.chunk_size, 0, None)
                 return 0
             timeout = self._settings.lookup_timeout_s
             state.future = self._pool.submit(self._lookup, state.keys[: state.loadable], timeout)
@@ -199,16 +202,17 @@ class SchedulerSide:
         state.future = None
         state.hits = hits
         state.saved = max(state.saved, hits)
+        chunk = self._settings.chunk_size
+        self.counters.record_lookup(state.loadable * chunk, min(hits, state.loadable) * chunk, None)
         return hits
 
     def _lookup(self, keys: list[bytes], timeout: float) -> int:
         started = time.perf_counter()
         hits = self._client.lookup(keys, timeout=timeout)
+        seconds = time.perf_counter() - started
+        self.counters.record_lookup_latency(seconds)
         logger.debug(
-            "kvstore lookup: %d keys -> %d hits in %.2f ms",
-            len(keys),
-            hits,
-            (time.perf_counter() - started) * 1e3,
+            "kvstore lookup: %d keys -> %d hits in %.2f ms", len(keys), hits, seconds * 1e3
         )
         return hits
 
@@ -296,6 +300,10 @@ class SchedulerSide:
         if state.future is not None:
             state.future.cancel()
         return state.has_saves, None
+
+    def take_stats(self) -> dict[str, Any] | None:
+        """The lookups' figures since the last call (``None`` if none)."""
+        return self.counters.take()
 
     def shutdown(self) -> None:
         """Stop the lookup pool and close the client."""

@@ -28,7 +28,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 # The kernels live in kernels/ and install as kvstore_kernels through a package-dir mapping that
 # mypy's import search does not follow (an editable install's finder hook).
@@ -49,6 +49,7 @@ from kvstore.integrations.vllm_common import (
     warm_up,
 )
 from kvstore.integrations.vllm_plan import ScatterPlan, chunk_blocks, kernel_ids, plan_scatter
+from kvstore.integrations.vllm_stats import ConnectorCounters
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -100,6 +101,7 @@ class _StepLoad:
     waited_s: float = 0.0  # how long the forward pass waited for it
     scatter_s: float = 0.0
     plan: ScatterPlan | None = None  # made on the first scatter, once the fetch has answered
+    reason: str = "missing"  # why its failed chunks failed (see vllm_stats.LOAD_FAILURES)
 
 
 @dataclass(slots=True)
@@ -131,6 +133,11 @@ class WorkerSide:
         self._namespace = base_namespace(vllm_config, shape, settings, tp_rank=tp_rank)
         self._client = settings.open_client(self._namespace) if client is None else client
         self._breaker = Breaker(settings.retry_after_s)
+        self.counters = ConnectorCounters()
+        # Every rank loads and saves the same chunks: only the first reports, or the engine's
+        # figures would be multiplied by its number of ranks.
+        self._reports = tp_rank == 0 and pp_rank == 0
+        self._block_tokens = settings.chunk_size // self._blocks_per_chunk
         # Filled by register_kv_caches.
         self._caches: list[torch.Tensor] = []
         self._layer_index: dict[str, int] = {}
@@ -242,6 +249,7 @@ class WorkerSide:
             return
         if not self._caches:
             self._fail_loads(meta.loads)
+            self.counters.record_load(0, {"not_ready": self._load_tokens(meta.loads)}, None)
             return
         keys = self._keys([key for spec in meta.loads for key in spec.keys])
         load = _StepLoad(meta.loads, self._staging_buffer(len(keys)))
@@ -264,13 +272,16 @@ class WorkerSide:
 
     def _fetch(self, load: _StepLoad, keys: list[bytes]) -> list[bool]:
         if self._breaker.is_open():
+            load.reason = "store_down"
             return [False] * len(keys)
         started = time.perf_counter()
         try:
             return self._client.get_into(keys, list(load.buffer.unbind(0)))
         except (StoreUnavailableError, DeadlineExceededError) as exc:
+            load.reason = _failure(exc)
             self._breaker.trip(exc)
         except KVStoreError as exc:
+            load.reason = "error"
             logger.warning("kvstore get of %d chunks failed: %s", len(keys), exc)
         finally:
             load.fetch_s = time.perf_counter() - started
@@ -306,6 +317,7 @@ class WorkerSide:
             except Exception:
                 logger.exception("kvstore fetch crashed; recomputing its tokens")
                 load.ok = [False] * load.buffer.shape[0]
+                load.reason = "error"
             load.waited_s = time.perf_counter() - started
             chunk = 0
             for spec in load.specs:
@@ -341,6 +353,36 @@ class WorkerSide:
         rows = [j * ratio + i for j in wanted for i in range(ratio)]
         ids = self._kernel_ids([targets[j] for j in wanted])
         _scatter(src[:, rows], caches, ids, self._layout)
+
+    def _chunk_tokens(self, spec: LoadSpec, index: int) -> int:
+        """Tokens chunk ``index`` of ``spec`` brings the engine (blocks it lacked only)."""
+        return len(self._targets(spec, index)) * self._block_tokens
+
+    def _load_tokens(self, specs: list[LoadSpec]) -> int:
+        return sum(self._chunk_tokens(s, i) for s in specs for i in range(len(s.keys)))
+
+    def _account(self, load: _StepLoad, skipped: bool) -> None:
+        """Count a finished step's loads: tokens loaded, tokens failed and why."""
+        if skipped or load.ok is None:
+            self.counters.record_load(0, {"layer_skipped": self._load_tokens(load.specs)}, None)
+            return
+        loaded, failed = 0, 0
+        chunk = 0
+        for spec in load.specs:
+            for index in range(len(spec.keys)):
+                tokens = self._chunk_tokens(spec, index)
+                if load.ok[chunk]:
+                    loaded += tokens
+                else:
+                    failed += tokens
+                chunk += 1
+        asked = load.reason != "store_down"
+        self.counters.record_load(loaded, {load.reason: failed}, load.fetch_s if asked else None)
+
+    def take_stats(self) -> dict[str, Any] | None:
+        """The figures since the last call; ``None`` on all ranks but the first."""
+        data = self.counters.take()
+        return data if self._reports else None
 
     def _fail_loads(self, specs: list[LoadSpec]) -> None:
         for spec in specs:
@@ -383,6 +425,7 @@ class WorkerSide:
                 # vLLM recompute those tokens rather than trust unwritten blocks.
                 logger.warning("kvstore: layers %s were never loaded this step", sorted(missed))
                 self._fail_loads(load.specs)
+            self._account(load, skipped=bool(missed))
             logger.debug(
                 "kvstore load: %d chunks, %.1f MiB, get %.2f ms, waited %.2f ms, scatter %.2f ms",
                 len(load.ok or ()),
@@ -405,6 +448,7 @@ class WorkerSide:
                         )
                 if buffer is None:
                     logger.warning("kvstore put backlog full; dropping %d chunks", len(job.keys))
+                    self.counters.record_save_failed("backlog_full", self._save_tokens(job.keys))
                 else:
                     per_chunk = self._blocks_per_chunk * self._ratio
                     for i in range(len(job.keys)):
@@ -412,6 +456,7 @@ class WorkerSide:
                         _gather(self._caches, ids, self._layout, buffer[i])
             except Exception:
                 logger.exception("kvstore gather failed; not saving %d chunks", len(job.keys))
+                self.counters.record_save_failed("error", self._save_tokens(job.keys))
                 buffer = None
             finally:
                 with self._lock:
@@ -425,18 +470,28 @@ class WorkerSide:
     def _put_loop(self) -> None:
         while (item := self._put_queue.get()) is not None:
             keys, buffer = item
+            tokens = self._save_tokens(keys)
             try:
-                if not self._breaker.is_open():
+                if self._breaker.is_open():
+                    self.counters.record_save_failed("store_down", tokens)
+                else:
                     self._client.put(keys, list(buffer.unbind(0)))
+                    self.counters.record_save(tokens)
             except (StoreUnavailableError, DeadlineExceededError) as exc:
+                self.counters.record_save_failed(_failure(exc), tokens)
                 self._breaker.trip(exc)
             except KVStoreError as exc:
+                self.counters.record_save_failed("error", tokens)
                 logger.warning("kvstore put of %d chunks failed: %s", len(keys), exc)
             except Exception:
+                self.counters.record_save_failed("error", tokens)
                 logger.exception("kvstore put of %d chunks crashed", len(keys))
             finally:
                 with self._lock:
                     self._backlog_bytes -= len(keys) * self._chunk_nbytes()
+
+    def _save_tokens(self, keys: list[bytes]) -> int:
+        return len(keys) * self._settings.chunk_size
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
         """Finished requests whose blocks no save reads any more (vLLM may free them now)."""
@@ -471,3 +526,8 @@ def _ranks(vllm_config: VllmConfig) -> tuple[int, int]:
     from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
     return int(get_tensor_model_parallel_rank()), int(get_pp_group().rank_in_group)
+
+
+def _failure(exc: KVStoreError) -> str:
+    """The failure reason (``vllm_stats.LOAD_FAILURES``) of a store call that raised ``exc``."""
+    return "deadline" if isinstance(exc, DeadlineExceededError) else "unavailable"
