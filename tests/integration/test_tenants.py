@@ -155,10 +155,10 @@ import array, socket, sys
 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 sock.settimeout(5)
 sock.connect(sys.argv[1])
-sock.sendall(bytes.fromhex(sys.argv[2]))
-try:
+try:  # a refused peer is hung up on at once: sending may already fail
+    sock.sendall(bytes.fromhex(sys.argv[2]))
     data, ancillary, _, _ = sock.recvmsg(4096, socket.CMSG_SPACE(16 * 4))
-except ConnectionResetError:
+except (BrokenPipeError, ConnectionResetError):
     data, ancillary = b"", []
 fds = array.array("i")
 for _, _, payload in ancillary:
