@@ -32,6 +32,7 @@ from kvstore.tenant_config import TenantConfig, tenant_tables
 
 __all__ = [
     "SIZE_HINT",
+    "ClusterConfig",
     "Config",
     "DramConfig",
     "HbmConfig",
@@ -258,6 +259,31 @@ class RedisConfig:
 
 
 @dataclass(frozen=True)
+class ClusterConfig:
+    """The cluster index (:mod:`kvstore.cluster`): which node holds which blocks, in Redis.
+
+    ``url`` empty means ``redis.url``; ``node_id`` empty means one generated once and kept in
+    the nvme directory (random per start without one).
+    """
+
+    enabled: bool = False
+    url: str = ""
+    node_id: str = ""
+    lease_ttl_s: float = 10.0
+    publish_interval_s: float = 0.1
+    key_prefix: str = "kvstore:cluster:v1:"
+
+    def __post_init__(self) -> None:
+        if self.lease_ttl_s < 0.1:
+            raise ConfigError(f"cluster.lease_ttl_s must be >= 0.1, got {self.lease_ttl_s}")
+        if not 0 < self.publish_interval_s <= self.lease_ttl_s:
+            raise ConfigError(
+                "cluster.publish_interval_s must be > 0 and <= cluster.lease_ttl_s, "
+                f"got {self.publish_interval_s}"
+            )
+
+
+@dataclass(frozen=True)
 class IntegrityConfig:
     """The secrets block MACs are keyed with (:mod:`kvstore.block`). ``secrets``: comma-separated,
     the first signs new blocks and all verify (rotation). Else ``secret_file``: a private file
@@ -314,8 +340,13 @@ class Config:
     redis: RedisConfig = field(default_factory=RedisConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     integrity: IntegrityConfig = field(default_factory=IntegrityConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     #: Empty: one store that every caller shares, as before tenants existed.
     tenants: tuple[TenantConfig, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.cluster.enabled and not (self.cluster.url or self.redis.url):
+            raise ConfigError("cluster.enabled needs cluster.url or redis.url; both are empty")
 
 
 _SECTIONS: dict[str, type[Any]] = {
@@ -326,6 +357,7 @@ _SECTIONS: dict[str, type[Any]] = {
     "redis": RedisConfig,
     "policy": PolicyConfig,
     "integrity": IntegrityConfig,
+    "cluster": ClusterConfig,
 }
 _SIZE_SETTINGS = {
     "server.max_block_bytes",

@@ -396,7 +396,8 @@ def test_malformed_toml_is_config_error(tmp_path: Path) -> None:
 def test_unknown_section_is_config_error(tmp_path: Path, text: str) -> None:
     with pytest.raises(ConfigError, match="unknown config section") as info:
         load_config(write_toml(tmp_path, text), env={})
-    assert "['dram', 'hbm', 'integrity', 'nvme', 'policy', 'redis', 'server']" in str(info.value)
+    known = "['cluster', 'dram', 'hbm', 'integrity', 'nvme', 'policy', 'redis', 'server']"
+    assert known in str(info.value)
 
 
 def test_unknown_setting_in_file_names_it_and_the_known_ones(tmp_path: Path) -> None:
@@ -607,3 +608,25 @@ def test_inflight_budget_follows_dram_capacity_with_a_floor() -> None:
 def test_memory_bounds_must_be_positive(setting: str) -> None:
     with pytest.raises(ConfigError, match=f"{setting} must be > 0, got 0"):
         load_config(env={}, overrides={setting: 0})
+
+
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        ({"KVSTORE_CLUSTER_ENABLED": "1"}, "cluster.url or redis.url"),
+        ({"KVSTORE_CLUSTER_LEASE_TTL_S": "0"}, "cluster.lease_ttl_s"),
+        ({"KVSTORE_CLUSTER_PUBLISH_INTERVAL_S": "20"}, "cluster.publish_interval_s"),
+    ],
+)
+def test_cluster_settings_are_checked(env: dict[str, str], named: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        config_module.load_config(env=env)
+
+
+def test_cluster_index_uses_the_redis_url_by_default() -> None:
+    config = config_module.load_config(
+        env={"KVSTORE_CLUSTER_ENABLED": "yes", "KVSTORE_REDIS_URL": "redis://h:1/0"}
+    )
+    assert config.cluster.enabled
+    assert config.cluster.url == ""
+    assert config.cluster.key_prefix == "kvstore:cluster:v1:"

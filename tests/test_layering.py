@@ -50,6 +50,8 @@ LAYERS: dict[str, int] = {
     "kvstore.tiers": 2,
     # 3: the tiered store over the tiers.
     "kvstore.store": 3,
+    # 3: the cluster index beside the store (publishes what a store holds; a router reads it).
+    "kvstore.cluster": 3,
     # 4: the server over the store: gRPC servicer, shm and UCX servers, the app that builds it.
     "kvstore.server": 4,
     # 5: the top: the command line (it starts the server, lazily inside ``serve``), the engine
@@ -62,7 +64,14 @@ LAYERS: dict[str, int] = {
 }
 
 #: What a client process must never load: the server side's packages and its dependencies.
-SERVER_SIDE = ("kvstore.store", "kvstore.tiers", "kvstore.server", "lmdb", "redis")
+SERVER_SIDE = (
+    "kvstore.store",
+    "kvstore.tiers",
+    "kvstore.cluster",
+    "kvstore.server",
+    "lmdb",
+    "redis",
+)
 
 #: Imports ruled out beyond the layering: nothing in the part on the left imports any of the right.
 FORBIDDEN: dict[str, tuple[str, ...]] = {

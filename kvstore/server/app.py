@@ -21,6 +21,7 @@ from grpc_health.v1 import _async as health_async
 from grpc_health.v1 import health_pb2
 
 from kvstore.block import Keyring, install_keyring
+from kvstore.cluster import ClusterNode, start_cluster
 from kvstore.config import Config
 from kvstore.policy import Policy
 from kvstore.protocol.messages import MESSAGE_TARGET_BYTES
@@ -132,6 +133,7 @@ class RunningServer:
     grace_s: float
     servicer: KVStoreServicer
     ucx: UcxDataServer | None = None
+    cluster: ClusterNode | None = None
 
     @property
     def store(self) -> TieredStore:
@@ -151,6 +153,8 @@ class RunningServer:
         runs whatever happened in the ones before (a failure is logged and the next step runs):
         a data plane that broke must not cost the saved blocks or leave LMDB unclosed.
         """
+        if self.cluster is not None:  # first: nobody should be routed here any more
+            await _step("leaving the cluster index", self.cluster.stop())
         await _step("entering graceful shutdown", self.health.enter_graceful_shutdown())
         await _step("stopping the gRPC server", self.server.stop(self.grace_s))
         if self.ucx is not None:
@@ -230,8 +234,10 @@ async def start_server(config: Config) -> RunningServer:
         [t.name for t in next(iter(tenants)).store.tiers],
         f" for {len(tenants)} tenants" if config.tenants else "",
     )
+    stores = {tenant.name: tenant.store for tenant in tenants}
+    cluster = await start_cluster(config, stores, address, servicer.ucx_address)
     return RunningServer(
-        server, tenants, health, address, config.server.shutdown_grace_s, servicer, ucx
+        server, tenants, health, address, config.server.shutdown_grace_s, servicer, ucx, cluster
     )
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvstore.errors import NamespaceMismatchError
@@ -61,6 +61,10 @@ class BlockIndex:
         #: Reference counts of keys a reader holds (never evicted while counted).
         self.pins: Counter[bytes] = Counter()
         self._policy = policy
+        #: Called with (key, the fastest level holding it now or None) after a level gains or
+        #: loses ``key`` (the cluster publisher listens, :meth:`TieredStore.add_listener`);
+        #: ``None`` when nobody listens, so a change costs one test.
+        self.on_change: Callable[[bytes, int | None], None] | None = None
 
     def __len__(self) -> int:
         return len(self.meta)
@@ -100,10 +104,15 @@ class BlockIndex:
         if meta is None or meta.namespace != namespace:
             self.meta[key] = BlockMeta(namespace, length)
         self.levels[level].add(key, footprint)
+        if self.on_change is not None:
+            self.on_change(key, self.level_of(key))
 
     def forget_if_unheld(self, key: bytes) -> bool:
         """Drop ``key``'s metadata if no level holds it any more; True if it is gone."""
-        if self.level_of(key) is not None:
+        level = self.level_of(key)
+        if self.on_change is not None:
+            self.on_change(key, level)
+        if level is not None:
             return False
         self.meta.pop(key, None)
         return True

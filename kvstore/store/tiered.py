@@ -46,7 +46,7 @@ The class is a facade; each job is a part of its own:
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 from kvstore.buffers import byte_view
@@ -99,6 +99,7 @@ class TieredStore:
         self._reader = BlockReader(*parts, self._tasks)
         self._writer = BlockWriter(*parts, self._shared)
         self._arena = ArenaSessions(*parts, self._reader, self._writer)
+        self._listeners: list[Callable[[bytes, str | None], None]] = []
 
     def load_index(self) -> int:
         """Rebuild the index from tiers that kept their blocks across a restart.
@@ -280,6 +281,40 @@ class TieredStore:
     def cancel(self, reservations: Sequence[Reservation]) -> None:
         """Give back reservations that will not be committed (idempotent)."""
         self._arena.cancel(reservations)
+
+    # -- watching what the store holds (the cluster index) -------------------------------------
+
+    def add_listener(self, listener: Callable[[bytes, str | None], None]) -> None:
+        """Call ``listener(key, tier)`` whenever a key's fastest local tier changes: ``tier`` is
+        that tier's name, or ``None`` once the key left the store.
+
+        It runs on the event loop, inside the change: it must be quick and must not await (queue
+        the event and act later). An exception it raises is logged and swallowed: a listener
+        never fails a store operation.
+        """
+        names = [tier.name for tier in self.tiers]
+        listeners = self._listeners
+        listeners.append(listener)
+
+        def notify(key: bytes, level: int | None) -> None:
+            tier = None if level is None else names[level]
+            for each in listeners:
+                try:
+                    each(key, tier)
+                except Exception:
+                    logger.exception("store listener %r failed; ignored", each)
+
+        self._index.on_change = notify
+
+    def holdings(self) -> Iterator[tuple[bytes, str]]:
+        """Every key the store holds with the name of the fastest tier holding it (a listener's
+        full resync); iterate without awaiting in between (the index changes on the loop)."""
+        names = [tier.name for tier in self.tiers]
+        index = self._index
+        for key in list(index.meta):
+            level = index.level_of(key)
+            if level is not None:
+                yield key, names[level]
 
     # -- shutdown and stats --------------------------------------------------------------------
 

@@ -1,0 +1,38 @@
+"""The cluster index: which ``kvstore serve`` node holds which blocks, in which tier, in Redis.
+
+Every node registers itself (:mod:`.membership`: node id, boot epoch, addresses, capacity, a
+lease it renews) and publishes, batched, which blocks it holds in which tier (:mod:`.publisher`);
+a router asks :class:`~.index.ClusterIndex` which nodes hold how many leading chunks of a
+request. :mod:`.layout` names the Redis keys; :mod:`.node` starts and stops it all for a server.
+
+**What counts.** An entry counts only while its node's lease is alive *and* carries the entry's
+boot epoch: a node that crashed stops counting when its lease expires, a restarted node's entries
+from an earlier boot never count (its new lease carries its new epoch), and a node stopping
+cleanly deletes its lease first (its entries stop counting at once) and then its entries.
+
+**Staleness bound.** A block a node gained or lost shows in the index within
+``cluster.publish_interval_s`` plus one Redis round trip (a batch of ``BATCH_EVENTS`` changes is
+sent at once). A node that dies without stopping keeps counting for at most
+``cluster.lease_ttl_s``. While Redis is unreachable nothing is published; once it answers again,
+the node republishes everything it holds (a full resync) and its view is again current within one
+publish interval. The index claims only exact chunk keys a node holds: a key that was evicted
+after the router's query is a miss there, as with any cache.
+"""
+
+from kvstore.cluster.index import ClusterIndex, Holding
+from kvstore.cluster.layout import Layout, connect
+from kvstore.cluster.membership import Membership, NodeInfo
+from kvstore.cluster.node import ClusterNode, start_cluster
+from kvstore.cluster.publisher import Publisher
+
+__all__ = [
+    "ClusterIndex",
+    "ClusterNode",
+    "Holding",
+    "Layout",
+    "Membership",
+    "NodeInfo",
+    "Publisher",
+    "connect",
+    "start_cluster",
+]

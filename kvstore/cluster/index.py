@@ -1,0 +1,95 @@
+"""Reading the cluster index: which nodes hold how many leading chunks, in which tier.
+
+:meth:`ClusterIndex.holders` answers in one round trip in the steady state: one pipeline of
+``HGETALL`` per chunk key plus ``GET`` of the leases of the nodes seen before. Nodes not seen
+before cost a second round trip (their leases), once. An entry counts only if its node's lease
+is alive and carries the entry's epoch (see :mod:`kvstore.cluster`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvstore.cluster.layout import Client, Layout
+from kvstore.cluster.membership import NodeInfo
+
+__all__ = ["ClusterIndex", "Holding"]
+
+
+@dataclass
+class Holding:
+    """What one node holds of a request's keys."""
+
+    #: How many leading keys it holds (all of the first ``leading``).
+    leading: int
+    #: Per key of the request, the fastest tier it holds the key in ("" where it does not).
+    tiers: list[str]
+
+
+class ClusterIndex:
+    """The reader of one tenant's view of the index (``layout``)."""
+
+    def __init__(self, client: Client, layout: Layout) -> None:
+        self.client = client
+        self.layout = layout
+        self._known: set[str] = set()
+
+    async def _leases(self, nodes: Sequence[str]) -> dict[str, bytes | None]:
+        pipe = self.client.pipeline(transaction=False)
+        for node in nodes:
+            pipe.get(self.layout.lease(node))
+        return dict(zip(nodes, await pipe.execute(), strict=True))
+
+    async def holders(self, keys: Sequence[bytes]) -> dict[str, Holding]:
+        """Per live node holding any of ``keys``: its leading run and tier per key."""
+        layout = self.layout
+        known = sorted(self._known)
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.hgetall(layout.entry(key))
+        for node in known:
+            pipe.get(layout.lease(node))
+        answers = await pipe.execute()
+        entries: list[dict[bytes, bytes]] = answers[: len(keys)]
+        leases = dict(zip(known, answers[len(keys) :], strict=True))
+        seen = {field.decode() for entry in entries for field in entry}
+        unknown = sorted(seen - leases.keys())
+        if unknown:
+            leases.update(await self._leases(unknown))
+        # Remember live nodes (and those just seen) for the next query's single round trip.
+        self._known = {node for node, lease in leases.items() if lease is not None or node in seen}
+        live = {node.encode(): lease + b":" for node, lease in leases.items() if lease is not None}
+        found: dict[str, Holding] = {}
+        count = len(keys)
+        for index, entry in enumerate(entries):
+            for field, value in entry.items():
+                prefix = live.get(field)
+                if prefix is None or not value.startswith(prefix):
+                    continue  # no lease, or an entry of an earlier boot
+                holding = found.get(field.decode())
+                if holding is None:
+                    holding = found[field.decode()] = Holding(0, [""] * count)
+                holding.tiers[index] = value[len(prefix) :].decode()
+        for holding in found.values():
+            tiers = holding.tiers
+            holding.leading = next((i for i, tier in enumerate(tiers) if not tier), count)
+        return found
+
+    async def nodes(self) -> dict[str, NodeInfo]:
+        """Every node with a live lease, as it described itself."""
+        layout = self.layout
+        raw_members = await self.client.smembers(layout.nodes)
+        members = sorted(m.decode() if isinstance(m, bytes) else m for m in raw_members)
+        if not members:
+            return {}
+        leases = await self._leases(members)
+        pipe = self.client.pipeline(transaction=False)
+        for node in members:
+            pipe.hgetall(layout.node(node))
+        infos = await pipe.execute()
+        return {
+            node: NodeInfo.parse(node, raw)
+            for node, raw in zip(members, infos, strict=True)
+            if leases[node] is not None and raw and raw.get(b"epoch") == leases[node]
+        }

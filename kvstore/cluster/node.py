@@ -1,0 +1,78 @@
+"""Starting and stopping a server's part in the cluster index (``cluster.enabled``)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+from kvstore.cluster.layout import Client, Layout, connect
+from kvstore.cluster.membership import Membership, NodeInfo, node_id_for
+from kvstore.cluster.publisher import Publisher
+from kvstore.config import Config
+from kvstore.errors import ConfigError
+from kvstore.store import TieredStore
+
+__all__ = ["ClusterNode", "start_cluster"]
+
+logger = logging.getLogger(__name__)
+
+
+class ClusterNode:
+    """A node's membership and one publisher per tenant store."""
+
+    def __init__(self, client: Client, membership: Membership, publishers: list[Publisher]):
+        self.client = client
+        self.membership = membership
+        self.publishers = publishers
+
+    async def stop(self) -> None:
+        """Leave the index: lease first (entries stop counting at once), then the entries."""
+        for publisher in self.publishers:
+            await publisher.stop()
+        await self.membership.stop()
+        for publisher in self.publishers:
+            await publisher.withdraw()
+        await self.client.aclose()
+
+
+async def start_cluster(
+    config: Config, stores: Mapping[str, TieredStore], grpc: str, ucx: str = ""
+) -> ClusterNode | None:
+    """Register this node and publish each tenant's store (keyed by tenant name, "" for a server
+    without tenants); ``None`` unless ``cluster.enabled``. Redis being down does not fail it."""
+    settings = config.cluster
+    if not settings.enabled:
+        return None
+    url = settings.url or config.redis.url
+    if not url:  # Config refuses this; a hand-built one may not
+        raise ConfigError("cluster.enabled needs cluster.url or redis.url; both are empty")
+    client = connect(url, timeout_s=min(2.0, settings.lease_ttl_s / 3))
+    layout = Layout(settings.key_prefix)
+    node_id = node_id_for(settings.node_id, config.nvme.path)
+    capacity: dict[str, int] = {}
+    for store in stores.values():
+        for tier in store.tiers:
+            capacity[tier.name] = capacity.get(tier.name, 0) + tier.capacity
+    publishers: list[Publisher] = []
+
+    def rejoined() -> None:
+        for publisher in publishers:
+            publisher.resync()
+
+    membership = Membership(
+        client,
+        layout,
+        lambda epoch: NodeInfo(node_id, epoch, grpc, ucx, capacity),
+        settings.lease_ttl_s,
+        rejoined,
+    )
+    for tenant, store in stores.items():
+        publisher = Publisher(
+            client, layout.for_tenant(tenant), store, membership, settings.publish_interval_s
+        )
+        publishers.append(publisher)
+    for publisher in publishers:
+        publisher.start()
+    await membership.start()
+    logger.info("cluster index: node %s publishing to %s", node_id, settings.key_prefix)
+    return ClusterNode(client, membership, publishers)

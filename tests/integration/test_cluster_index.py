@@ -1,0 +1,237 @@
+"""The cluster index with two real ``kvstore serve`` nodes and a real redis-server.
+
+Each node publishes which blocks it holds in which tier (:mod:`kvstore.cluster`); a reader
+(:class:`ClusterIndex`, what a router uses) sees them within the publish interval, sees a
+demotion change the tier, stops seeing a node stopped cleanly at once and a killed node once its
+lease expires, never counts a restarted node's entries of its earlier boot, and gets a full
+republish after Redis comes back empty.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pytest
+import redis
+
+from kvstore import ChunkHasher, Namespace
+from kvstore.cluster import ClusterIndex, Holding, Layout, connect
+
+if TYPE_CHECKING:
+    from conftest import ServerFactory
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "tiers"))
+from redis_server import RedisServer, free_port, redis_server_binary
+
+NS = Namespace(model="cluster-index", num_layers=2, num_kv_heads=2, head_size=64)
+HASHER = ChunkHasher(chunk_size=16, namespace=NS)
+BLOCK_BYTES = 64 * 1024
+PREFIX = "kvstore:cluster:v1:"
+LEASE_TTL_S = 1.5
+
+
+def blocks_for(first_token: int, count: int) -> tuple[list[bytes], list[bytes]]:
+    """``count`` chained keys of a prompt starting at ``first_token``, and random payloads."""
+    keys = HASHER.keys(list(range(first_token, first_token + 16 * count)))
+    rng = np.random.default_rng(first_token)
+    return keys, [rng.integers(0, 256, BLOCK_BYTES, dtype=np.uint8).tobytes() for _ in keys]
+
+
+def cluster_env(url: str, node: str) -> dict[str, str]:
+    return {
+        "KVSTORE_CLUSTER_ENABLED": "1",
+        "KVSTORE_CLUSTER_URL": url,
+        "KVSTORE_CLUSTER_NODE_ID": node,
+        "KVSTORE_CLUSTER_LEASE_TTL_S": str(LEASE_TTL_S),
+        "KVSTORE_CLUSTER_PUBLISH_INTERVAL_S": "0.05",
+    }
+
+
+def holders(url: str, keys: list[bytes]) -> dict[str, Holding]:
+    """What a router would learn from the index about ``keys``."""
+
+    async def ask() -> dict[str, Holding]:
+        client = connect(url, 2.0)
+        try:
+            return await ClusterIndex(client, Layout(PREFIX)).holders(keys)
+        finally:
+            await client.aclose()
+
+    return asyncio.run(ask())
+
+
+def poll(condition: Callable[[], bool], within: float, what: str) -> None:
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} not within {within} s"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    with RedisServer(tmp_path / "redis") as server:
+        yield server
+
+
+def test_index_follows_blocks_tiers_and_node_lifecycles(
+    server_factory: ServerFactory, redis_server: RedisServer
+) -> None:
+    url = redis_server.url
+    # Node a's dram holds 16 blocks: the filler below demotes its first blocks to nvme.
+    a = server_factory(env=cluster_env(url, "a"), dram_capacity="1MiB")
+    b = server_factory(env=cluster_env(url, "b"))
+    first, first_values = blocks_for(0, 4)
+    second, second_values = blocks_for(10_000, 3)
+    with a.client(NS) as one, b.client(NS) as two:
+        assert one.put(first, first_values).stored == 4
+        assert two.put(second, second_values).stored == 3
+        poll(lambda: len(holders(url, first + second)) == 2, 5.0, "both nodes in the index")
+        found = holders(url, first + second)
+        assert set(found) == {"a", "b"}
+        assert found["a"].leading == 4
+        assert found["a"].tiers == ["dram"] * 4 + [""] * 3
+        assert found["b"].leading == 0
+        assert found["b"].tiers == [""] * 4 + ["dram"] * 3
+
+        # Demotion: filling a's dram moves its oldest blocks to nvme, and the index says so.
+        filler, filler_values = blocks_for(50_000, 24)
+        assert one.put(filler, filler_values).stored == 24
+        assert one.lookup_tiers(first).tiers == ["nvme"] * 4
+        poll(
+            lambda: holders(url, first).get("a", Holding(0, [])).tiers == ["nvme"] * 4,
+            5.0,
+            "the demotion in the index",
+        )
+
+    # A clean stop takes b out of the index before the process exits.
+    b.stop(signal.SIGTERM)
+    assert holders(url, first + second).keys() == {"a"}
+
+    # A crash leaves a's entries in Redis; its lease expiring makes them stop counting.
+    a.stop(signal.SIGKILL)
+    raw = redis_server.client()
+    entry = Layout(PREFIX).entry
+    assert raw.hget(entry(first[0]), "a") == b"1:nvme"
+    poll(lambda: not holders(url, first + filler), LEASE_TTL_S + 5.0, "a's lease expiry")
+
+    # Restarted on the same disk: epoch 2. What it kept on nvme is published again; what died
+    # with its dram is still in Redis under epoch 1 and never counts.
+    a.start()
+    poll(lambda: "a" in holders(url, first), 5.0, "node a republished after its restart")
+    stale = [key for key in filler if raw.hget(entry(key), "a") == b"1:dram"]
+    assert stale, "some filler blocks should have been only in a's dram when it was killed"
+    assert holders(url, stale) == {}
+    assert holders(url, first)["a"].tiers == ["nvme"] * 4
+    assert raw.hget(entry(first[0]), "a") == b"2:nvme"
+    a.stop(signal.SIGTERM)
+    assert holders(url, first + filler) == {}
+    assert raw.hget(entry(first[0]), "a") is None  # a clean stop removes the entries too
+
+
+def test_redis_outage_keeps_serving_and_republishes_in_full(
+    server_factory: ServerFactory, redis_server: RedisServer
+) -> None:
+    url = redis_server.url
+    node = server_factory(env=cluster_env(url, "n"))
+    before, before_values = blocks_for(0, 3)
+    during, during_values = blocks_for(20_000, 2)
+    with node.client(NS) as client:
+        assert client.put(before, before_values).stored == 3
+        poll(lambda: "n" in holders(url, before), 5.0, "blocks in the index")
+
+        redis_server.kill()
+        assert client.put(during, during_values).stored == 2
+        assert client.get(before + during) == before_values + during_values
+
+        redis_server.restart()  # empty: everything must be published again
+        poll(
+            lambda: holders(url, before + during).get("n", Holding(0, [])).leading == 5,
+            LEASE_TTL_S + 10.0,
+            "the full republish after Redis came back",
+        )
+    assert node.running
+    node.stop(signal.SIGTERM)
+    assert "Redis unreachable" in node.stderr() or "publishing failed" in node.stderr()
+
+
+@pytest.fixture
+def redis_cluster(tmp_path: Path) -> Iterator[str]:
+    """A real three-shard Redis Cluster (no replicas); yields its ``redis+cluster://`` URL."""
+    binary = redis_server_binary()
+    ports = [_cluster_port() for _ in range(3)]
+    processes = []
+    try:
+        for port in ports:
+            directory = tmp_path / f"cluster-{port}"
+            directory.mkdir()
+            command = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+            command += ["--appendonly", "no", "--cluster-enabled", "yes", "--dir", str(directory)]
+            log = (directory / "log").open("wb")
+            processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT))
+        for port in ports:
+            poll(lambda port=port: _answers(port), 10.0, f"redis-server on {port}")
+        nodes = [f"127.0.0.1:{port}" for port in ports]
+        create = ["redis-cli", "--cluster", "create", *nodes, "--cluster-replicas", "0"]
+        subprocess.run(
+            [*create, "--cluster-yes"],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+        poll(lambda: all(_cluster_ok(port) for port in ports), 30.0, "cluster_state:ok")
+        yield f"redis+cluster://127.0.0.1:{ports[0]}/0"
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+
+
+def _cluster_port() -> int:
+    """A free port whose cluster bus port (``port + 10000``) is valid and free too."""
+    while True:
+        port = free_port()
+        if port + 10000 <= 65535:
+            with socket.socket() as sock:
+                try:
+                    sock.bind(("127.0.0.1", port + 10000))
+                except OSError:
+                    continue
+            return port
+
+
+def _answers(port: int) -> bool:
+    try:
+        with redis.Redis(host="127.0.0.1", port=port, socket_timeout=1.0) as client:
+            return bool(client.ping())
+    except redis.RedisError:
+        return False
+
+
+def _cluster_ok(port: int) -> bool:
+    with redis.Redis(host="127.0.0.1", port=port, socket_timeout=1.0) as client:
+        info = client.execute_command("CLUSTER INFO")  # parsed into a dict by redis-py
+        return bool(info.get("cluster_state") == "ok")
+
+
+def test_index_on_a_redis_cluster(server_factory: ServerFactory, redis_cluster: str) -> None:
+    node = server_factory(env=cluster_env(redis_cluster, "c"))
+    keys, values = blocks_for(0, 24)  # keys in many slots, so on all three shards
+    with node.client(NS) as client:
+        assert client.put(keys, values).stored == 24
+        poll(
+            lambda: holders(redis_cluster, keys).get("c", Holding(0, [])).leading == 24,
+            10.0,
+            "the blocks in the cluster's index",
+        )
+    assert holders(redis_cluster, keys)["c"].tiers == ["dram"] * 24
+    node.stop(signal.SIGTERM)
+    assert holders(redis_cluster, keys) == {}
