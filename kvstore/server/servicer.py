@@ -55,6 +55,19 @@ DEFAULT_INFLIGHT_BYTES = ServerConfig.inflight_bytes
 T = TypeVar("T")
 
 
+def _server_counters(tenant: Tenant) -> dict[str, int]:
+    """What the server adds to a tenant's store counters in ``Stats`` (the figures ``/metrics``
+    shows too): the prefetch queue, the shared-memory server, the shared tier's backlog."""
+    shm = tenant.shm.stats() if tenant.shm is not None else {}
+    return {
+        **tenant.prefetcher.stats(),
+        **{f"shm_{name}": count for name, count in shm.items()},
+        "shared_write_backlog_bytes": tenant.store.shared_writer.backlog_bytes,
+        # Calls refused for their credentials belong to no tenant: the server's count.
+        "miss_denied": DURATIONS.denied,
+    }
+
+
 async def guard(
     context: grpc.aio.ServicerContext[Any, Any],
     call: Callable[[], Awaitable[T]],
@@ -294,13 +307,14 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
         """Tier usage and counters of the caller's own store."""
 
         async def call() -> pb.StatsResponse:
-            stats = self.tenants.current().store.stats()
+            tenant = self.tenants.current()
+            stats = tenant.store.stats()
             return pb.StatsResponse(
                 tiers=[
                     pb.TierStats(name=name, values=values)
                     for name, values in stats["tiers"].items()
                 ],
-                counters=stats["counters"],
+                counters={**stats["counters"], **_server_counters(tenant)},
                 blocks=stats["blocks"],
             )
 

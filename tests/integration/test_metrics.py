@@ -138,6 +138,27 @@ def test_outage_corruption_and_eviction_show_under_their_tier_and_reason(
             if ("kvstore_request_duration_seconds_count", _labels(op="get", plane=plane)) in down
         )
         assert gets >= 3
+        # kvstore stats shows the same figures: misses by reason, the hit rate per tier, the
+        # shared tier's state.
+        shown = subprocess.run(
+            [sys.executable, "-m", "kvstore.cli", "stats", "--target", server.target],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert shown.returncode == 0, shown.stderr
+        lines = shown.stdout.splitlines()
+        reasons = next(line for line in lines if line.startswith("misses by reason:"))
+        assert "corrupt 1" in reasons and "evicted 1" in reasons, reasons
+        tier_down = int(reasons.split("tier_down ")[1].split()[0])
+        assert tier_down == value(down, "kvstore_misses_total", reason="tier_down")
+        assert lines[0].split()[5:7] == ["hit", "rate"]
+        redis_row = next(line for line in lines if line.startswith("redis "))
+        asked = sum(
+            value(down, "kvstore_misses_total", reason=reason)
+            for reason in ("absent", "evicted", "corrupt", "tier_down", "deadline", "namespace")
+        ) + sum(value(down, "kvstore_tier_hits_total", tier=tier) for tier in ("dram", "redis"))
+        assert f"{100 / asked:.1f}%" in redis_row.split(), (redis_row, asked)
+        shared = next(line for line in lines if line.startswith("shared tier:"))
+        assert "DOWN" in shared and "dropped write-throughs 4" in shared, shared
         raw.close()
 
 
