@@ -4,7 +4,7 @@ Exact command (repository root; about 2 minutes on 2 shared cores)::
 
     .venv/bin/python benchmarks/bench_metrics.py --out benchmarks/results/metrics
 
-Writes ``metrics.md`` (the report) and ``metrics.json`` (every sample). One run starts, on free
+Writes ``metrics.md`` (the report) and ``metrics.json`` (every sample) beside ``--out``. One run starts, on free
 loopback ports, three ``kvstore serve`` processes with the same store settings (256 MiB of dram,
 no nvme; every block stays in dram): ``on`` (``--metrics-listen 127.0.0.1:0``: every request is
 timed into ``kvstore_request_duration_seconds`` and the store counts hits, bytes and misses by
@@ -250,9 +250,9 @@ def main() -> int:
             "",
         ]
     )
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "metrics.md").write_text(report)
-    (args.out / "metrics.json").write_text(
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".md").write_text(report)
+    args.out.with_suffix(".json").write_text(
         json.dumps({"get_into": get_rounds, "lookup": lookup_rounds}, indent=1)
     )
     print(report)
