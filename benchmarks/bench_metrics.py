@@ -4,8 +4,8 @@ Exact command (repository root; about 2 minutes on 2 shared cores)::
 
     .venv/bin/python benchmarks/bench_metrics.py --out benchmarks/results/metrics
 
-Writes ``metrics.md`` (the report) and ``metrics.json`` (every sample) beside ``--out``. One run starts, on free
-loopback ports, three ``kvstore serve`` processes with the same store settings (256 MiB of dram,
+Writes ``metrics.md`` (the report) and ``metrics.json`` (every sample) beside ``--out``. One run
+starts, on free loopback ports, three ``kvstore serve`` processes with the same store settings (256 MiB of dram,
 no nvme; every block stays in dram): ``on`` (``--metrics-listen 127.0.0.1:0``: every request is
 timed into ``kvstore_request_duration_seconds`` and the store counts hits, bytes and misses by
 reason), ``off`` (``--metrics-listen ''``) and ``off-b``, a second ``off`` server started last,
