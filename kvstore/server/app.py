@@ -30,6 +30,8 @@ from kvstore.server.auth import check_exposure, interceptors, server_credentials
 from kvstore.server.budget import InflightBudget
 from kvstore.server.health import add_health_to_server
 from kvstore.server.integrity import load_keyring
+from kvstore.server.metrics import build_registry
+from kvstore.server.metrics_http import MetricsServer, check_metrics_exposure
 from kvstore.server.servicer import SERVICE_NAME, KVStoreServicer, add_to_server
 from kvstore.server.sessions import ArenaSessions
 from kvstore.server.shm import ShmServer
@@ -134,6 +136,7 @@ class RunningServer:
     servicer: KVStoreServicer
     ucx: UcxDataServer | None = None
     cluster: ClusterNode | None = None
+    metrics: MetricsServer | None = None
 
     @property
     def store(self) -> TieredStore:
@@ -156,6 +159,8 @@ class RunningServer:
         if self.cluster is not None:  # first: nobody should be routed here any more
             await _step("leaving the cluster index", self.cluster.stop())
         await _step("entering graceful shutdown", self.health.enter_graceful_shutdown())
+        if self.metrics is not None:
+            await _step("closing the metrics endpoint", self.metrics.close())
         await _step("stopping the gRPC server", self.server.stop(self.grace_s))
         if self.ucx is not None:
             await _step("closing the UCX data path", self.ucx.close())
@@ -189,6 +194,7 @@ async def start_server(config: Config) -> RunningServer:
     authenticated, an unreadable certificate or tokens file): ConfigError before anything opens.
     """
     check_exposure(config.server)
+    check_metrics_exposure(config.server)
     check_tenants(config)
     credentials = server_credentials(config.server)
     auth = interceptors(config.server)
@@ -218,6 +224,12 @@ async def start_server(config: Config) -> RunningServer:
         for tenant in tenants:
             await tenant.store.close()
         raise OSError(f"cannot listen on {config.server.listen}")
+    try:
+        metrics = await _start_metrics(config, tenants)
+    except OSError:
+        for tenant in tenants:
+            await tenant.store.close()
+        raise
     for tenant in tenants:
         tenant.shm = await _start_shm(config, tenant)
     ucx = await _start_ucx(config, tenants, server, servicer)
@@ -237,8 +249,26 @@ async def start_server(config: Config) -> RunningServer:
     stores = {tenant.name: tenant.store for tenant in tenants}
     cluster = await start_cluster(config, stores, address, servicer.ucx_address)
     return RunningServer(
-        server, tenants, health, address, config.server.shutdown_grace_s, servicer, ucx, cluster
+        server,
+        tenants,
+        health,
+        address,
+        config.server.shutdown_grace_s,
+        servicer,
+        ucx,
+        cluster,
+        metrics,
     )
+
+
+async def _start_metrics(config: Config, tenants: Tenants) -> MetricsServer | None:
+    """Serve ``/metrics`` on ``server.metrics_listen`` (``None`` where it is off)."""
+    if not config.server.metrics_listen:
+        return None
+    metrics = MetricsServer(build_registry(tenants), config.server)
+    url = await metrics.start()
+    logger.info("metrics on %s", url)
+    return metrics
 
 
 _AUTO_SOCKET = "shm.sock"
@@ -302,6 +332,7 @@ async def _start_shm(config: Config, tenant: Tenant) -> ShmServer | None:
         limits=limits,
         allowed_uids=tenant.uids,
         allowed_gids=tenant.gids,
+        tenant=tenant.name,
     )
     try:
         await shm.start()
@@ -328,13 +359,20 @@ def _session_bytes(config: Config, store: TieredStore) -> int | None:
     return config.server.shm_session_bytes or max(store.arena.capacity // 4, 1)
 
 
-async def run_server(config: Config, on_ready: Callable[[str], None] | None = None) -> None:
-    """Serve until SIGTERM or SIGINT, then shut down gracefully."""
+async def run_server(
+    config: Config,
+    on_ready: Callable[[str], None] | None = None,
+    on_metrics: Callable[[str], None] | None = None,
+) -> None:
+    """Serve until SIGTERM or SIGINT, then shut down gracefully (``on_metrics`` gets the metrics
+    endpoint's URL, where there is one, just before ``on_ready`` the gRPC address)."""
     running = await start_server(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    if on_metrics is not None and running.metrics is not None:
+        on_metrics(running.metrics.url)
     if on_ready is not None:
         on_ready(running.address)
     await stop.wait()
