@@ -5,7 +5,7 @@
 #   KVSTORE_SKIP_VLLM=1 bash scripts/test.sh   # leave out the real-vLLM suite
 #   KVSTORE_SKIP_SLOW=1 bash scripts/test.sh   # leave out the slow suite (long fuzz runs)
 #
-# Installs redis-server (Debian) if missing, creates .venv with the local CPU torch wheel and the
+# Installs redis-server and prometheus (Debian) if missing, creates .venv with the local CPU torch wheel and the
 # package with its test extra, then runs ruff, mypy, the generated-code check and pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,6 +14,12 @@ if ! command -v redis-server >/dev/null 2>&1; then
     echo "--- installing redis-server"
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+fi
+# A real Prometheus (and promtool) checks the shipped dashboard and alert rules.
+if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; then
+    echo "--- installing prometheus"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null
 fi
 
 bash scripts/setup.sh
