@@ -21,7 +21,9 @@ exists, and nothing when its name drifted. Prometheus's own rule health (``/api/
 "ok" for every rule. Three alerts are also made to fire for real: shared tier down and dropped
 write-throughs during the Redis outage, store down after the store is killed.
 
-The other tests check the files offline: ``promtool check rules`` and ``check config``, and that
+The other tests check the files offline: ``promtool check rules`` and ``check config``,
+``promtool test rules deploy/prometheus/alerts.test.yml`` (each alert fires on synthetic series
+when it should and stays silent when it should not), and that
 the dashboard, Grafana's provisioning and ``deploy/compose.yaml`` name each other consistently.
 """
 
@@ -207,7 +209,12 @@ def test_operands_split_top_level_comparisons_only() -> None:
 
 def test_promtool_checks_the_rules_and_the_config() -> None:
     promtool = binary("promtool")
-    for command in (["check", "rules", str(ALERTS)], ["check", "config", str(PROMETHEUS_CONFIG)]):
+    checks = (
+        ["check", "config", str(PROMETHEUS_CONFIG)],
+        ["test", "rules", str(ALERTS.with_suffix(".test.yml"))],  # fire / stay silent
+        ["check", "rules", str(ALERTS)],
+    )
+    for command in checks:
         result = subprocess.run(
             [promtool, *command], capture_output=True, text=True, timeout=60, check=False
         )
