@@ -2,7 +2,7 @@
 
 ``test_every_dashboard_and_alert_expression_returns_data`` starts a real redis-server, a real
 ``kvstore serve`` (tiny dram so that blocks are evicted and demoted, the Redis tier on, /metrics on
-a free port) and a real Prometheus (Debian's ``prometheus``; scrape and rule evaluation every
+port 0, the bound address read from its stdout) and a real Prometheus (Debian's ``prometheus``; scrape and rule evaluation every
 second) with the configuration derived from ``deploy/prometheus/prometheus.yml`` and the shipped
 ``deploy/prometheus/alerts.yml``. A short workload runs over gRPC and shared memory: puts (more than
 dram holds), gets (hits in dram and nvme, promotions), lookups and gets of absent keys (misses),
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 import time
@@ -49,14 +50,13 @@ from prometheus_server import (
     alert_rules,
     binary,
     dashboard_expressions,
-    free_port,
     operands,
 )
 
 from kvstore import ChunkHasher, KVStoreClient, Namespace
 
 if TYPE_CHECKING:
-    from conftest import ServerFactory
+    from conftest import ServerFactory, ServerProcess
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tiers"))
 from redis_server import RedisServer
@@ -128,15 +128,15 @@ def test_every_dashboard_and_alert_expression_returns_data(
     assert len(rules) >= 5 and len(dashboard) >= 20
     redis = RedisServer(tmp_path / "redis").start()
     try:
-        metrics = f"127.0.0.1:{free_port()}"
         server = server_factory(
             "--redis-url",
             redis.url,
             "--metrics-listen",
-            metrics,
+            "127.0.0.1:0",
             dram_capacity=DRAM,
             nvme_capacity="64MiB",
         )
+        metrics = metrics_address(server)
         with PrometheusServer(tmp_path / "prometheus", metrics) as prometheus:
             for round_ in range(6):
                 workload(server.target, redis, round_)
@@ -180,6 +180,25 @@ def test_every_dashboard_and_alert_expression_returns_data(
             assert_alert_fires(prometheus, "KvstoreDown")
     finally:
         redis.stop()
+
+
+def metrics_address(server: ServerProcess) -> str:
+    """HOST:PORT of the server's /metrics, from the line ``kvstore metrics on URL`` it prints."""
+    found = ""
+
+    def printed() -> str:
+        nonlocal found
+        match = re.search(r"^kvstore metrics on https?://([^/\s]+)", server_stdout(server), re.M)
+        found = match.group(1) if match else ""
+        return "" if found else "kvstore serve printed no 'kvstore metrics on URL' line"
+
+    wait_for(printed, 10.0)
+    return found
+
+
+def server_stdout(server: ServerProcess) -> str:
+    """What the server printed on stdout so far."""
+    return server.stdout_path.read_text(errors="replace")
 
 
 def assert_alert_fires(prometheus: PrometheusServer, name: str) -> None:
