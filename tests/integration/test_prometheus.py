@@ -2,8 +2,9 @@
 
 ``test_every_dashboard_and_alert_expression_returns_data`` starts a real redis-server, a real
 ``kvstore serve`` (tiny dram so that blocks are evicted and demoted, the Redis tier on, /metrics on
-port 0, the bound address read from its stdout) and a real Prometheus (Debian's ``prometheus``; scrape and rule evaluation every
-second) with the configuration derived from ``deploy/prometheus/prometheus.yml`` and the shipped
+port 0, the bound address read from its stdout) and a real Prometheus (Debian's ``prometheus``;
+scrape and rule evaluation every second) with the configuration derived from
+``deploy/prometheus/prometheus.yml`` and the shipped
 ``deploy/prometheus/alerts.yml``. A short workload runs over gRPC and shared memory: puts (more than
 dram holds), gets (hits in dram and nvme, promotions), lookups and gets of absent keys (misses),
 prefetches (ready and missing keys) and a Redis outage (shared tier down, dropped write-throughs,
