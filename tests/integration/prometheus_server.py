@@ -106,6 +106,18 @@ class PrometheusServer:
                 raise RuntimeError(f"prometheus not ready after {timeout:.0f}s:\n{self.log()}")
             time.sleep(0.1)
 
+    def wait_scraped(self, timeout: float = 30.0) -> None:
+        """Wait for the first successful scrape of the target (Prometheus hands new targets to
+        its scrapers some seconds after start: a workload before that would go unseen)."""
+        deadline = time.monotonic() + timeout
+        while not self.query('up{job="kvstore"} == 1'):
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"prometheus has not scraped the target after {timeout:.0f}s: "
+                    f"{self.api('targets')}\n{self.log()}"
+                )
+            time.sleep(0.2)
+
     def log(self) -> str:
         """The last lines Prometheus logged."""
         return self.log_path.read_text(errors="replace")[-4000:]

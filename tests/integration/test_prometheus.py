@@ -66,7 +66,7 @@ NS = Namespace(model="prometheus-test", num_layers=2, num_kv_heads=2, head_size=
 HASHER = ChunkHasher(chunk_size=16, namespace=NS)
 BLOCK_BYTES = 64 * 1024
 DRAM = "1MiB"  # about a dozen blocks: the workload's puts evict and demote
-PROMETHEUS_WAIT_S = 90.0
+PROMETHEUS_WAIT_S = 30.0
 
 
 def blocks(first_token: int, count: int) -> tuple[list[bytes], list[bytes]]:
@@ -139,6 +139,7 @@ def test_every_dashboard_and_alert_expression_returns_data(
         )
         metrics = metrics_address(server)
         with PrometheusServer(tmp_path / "prometheus", metrics) as prometheus:
+            prometheus.wait_scraped()
             for round_ in range(6):
                 workload(server.target, redis, round_)
                 if round_ == 2:
@@ -207,9 +208,10 @@ def assert_alert_fires(prometheus: PrometheusServer, name: str) -> None:
     (rule,) = [rule for rule in alert_rules() if rule["alert"] == name]
 
     def silent() -> str:
-        return (
-            "" if prometheus.query(rule["expr"]) else f"alert {name} does not fire: {rule['expr']}"
-        )
+        if prometheus.query(rule["expr"]):
+            return ""
+        values = {operand: prometheus.query(operand) for operand in operands(rule["expr"])}
+        return f"alert {name} does not fire: {rule['expr']}; its operands now: {values}"
 
     wait_for(silent, 60.0)
 
