@@ -215,6 +215,9 @@ def kvstore_server(
             nvme_capacity,
             "--log-level",
             log_level,
+            # Port 0: benchmarks run several servers at once (extra_args may override it).
+            "--metrics-listen",
+            "127.0.0.1:0",
         ]
         if max_block_bytes is not None:
             argv += ["--max-block-bytes", max_block_bytes]

@@ -188,6 +188,8 @@ def main() -> None:
             "-c",
             "import sys; from kvstore.cli import main; sys.exit(main())",
             "serve",
+            "--metrics-listen",
+            "127.0.0.1:0",
             "--listen",
             target,
             "--nvme-path",

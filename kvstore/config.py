@@ -141,6 +141,8 @@ class ServerConfig:
     shm_session_bytes: int = 0
     shm_frame_timeout_s: float = 10.0
     ucx_listen: str = ""
+    #: Prometheus ``/metrics`` endpoint (HOST:PORT, port 0 picks one; empty is off).
+    metrics_listen: str = "127.0.0.1:9464"
     ucx_transfer_timeout_s: float = 30.0
     inflight_bytes: int = 256 * 1024**2
     prefetch_queue_keys: int = 65536
@@ -160,6 +162,14 @@ class ServerConfig:
             raise ConfigError(
                 f"server.listen must be HOST:PORT with a port from 0 to 65535 (0 picks a free "
                 f"one), e.g. 127.0.0.1:50051, got {self.listen!r}"
+            )
+        host, sep, port = self.metrics_listen.rpartition(":")
+        if self.metrics_listen and (
+            not sep or not host or not re.fullmatch(r"[0-9]{1,5}", port) or int(port) > 65535
+        ):
+            raise ConfigError(
+                "server.metrics_listen must be HOST:PORT with a port from 0 to 65535 (0 picks a "
+                f"free one), e.g. 127.0.0.1:9464, or '' for no metrics, got {self.metrics_listen!r}"
             )
         _positive("server.max_block_bytes", self.max_block_bytes)
         _positive("server.max_keys_per_request", self.max_keys_per_request)

@@ -24,7 +24,7 @@ trap cleanup EXIT
 
 # Port 0: the kernel picks a free port, so another server (say one on 50051) is never reused.
 echo "--- starting kvstore serve on a free loopback port"
-"$VENV/bin/kvstore" serve --listen 127.0.0.1:0 >"$log" 2>&1 &
+"$VENV/bin/kvstore" serve --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 >"$log" 2>&1 &
 server=$!
 address=""
 for _ in $(seq 1 600); do

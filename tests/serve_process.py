@@ -38,7 +38,15 @@ class Serve:
         environ.pop("XDG_RUNTIME_DIR", None)
         with self.out.open("wb") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvstore.cli", "serve", *args],
+                [
+                    sys.executable,
+                    "-m",
+                    "kvstore.cli",
+                    "serve",
+                    "--metrics-listen",
+                    "127.0.0.1:0",
+                    *args,
+                ],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=environ,

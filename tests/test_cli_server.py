@@ -51,7 +51,7 @@ def test_second_server_on_the_same_nvme_directory_is_refused(
     result = subprocess.run(
         [sys.executable, "-m", "kvstore.cli", "serve", "--nvme-path", str(nvme),
          "--listen", f"127.0.0.1:{free_port()}", "--dram-capacity", "16MiB",
-         "--nvme-capacity", "16MiB"],
+         "--nvme-capacity", "16MiB", "--metrics-listen", "127.0.0.1:0"],
         env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S,
     )  # fmt: skip
     assert result.returncode != 0

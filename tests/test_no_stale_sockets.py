@@ -61,6 +61,7 @@ def test_server_that_cannot_listen_leaves_nothing(tmp_path: Path) -> None:
         taken.listen()
         listen = f"127.0.0.1:{taken.getsockname()[1]}"
         sizes = ["--nvme-path", str(tmp_path / "nvme"), "--dram-capacity", "16MiB"]
+        sizes += ["--metrics-listen", "127.0.0.1:0"]
         done = subprocess.run(
             [sys.executable, "-m", "kvstore.cli", "serve", "--listen", listen, *sizes],
             capture_output=True,

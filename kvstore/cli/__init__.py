@@ -6,8 +6,9 @@
     kvstore serve [--config FILE] [--listen HOST:PORT] [--dram-capacity SIZE] [--nvme-path DIR]
                   [--nvme-capacity SIZE] [--max-block-bytes SIZE] [--redis-url URL]
                   [--redis-ttl SECONDS] [--shm-socket PATH] [--shm-socket-mode MODE]
-                  [--ucx-listen HOST:PORT] [--tls-cert FILE --tls-key FILE]
-                  [--tls-client-ca FILE] [--tokens-file FILE] [--allow-unauthenticated]
+                  [--ucx-listen HOST:PORT] [--metrics-listen HOST:PORT]
+                  [--tls-cert FILE --tls-key FILE] [--tls-client-ca FILE] [--tokens-file FILE]
+                  [--allow-unauthenticated]
                   [--log-level LEVEL]
     kvstore stats [--target HOST:PORT] [--json | --watch [SECONDS]] [--token TOKEN] [--tls-ca FILE]
     kvstore demo  [--target HOST:PORT] [--wait SECONDS] [--token TOKEN] [--tls-ca FILE]
@@ -65,6 +66,7 @@ _SERVE_FLAGS = {
     "shm_socket": "server.shm_socket",
     "shm_socket_mode": "server.shm_socket_mode",
     "ucx_listen": "server.ucx_listen",
+    "metrics_listen": "server.metrics_listen",
     "tls_cert": "server.tls_cert",
     "tls_key": "server.tls_key",
     "tls_client_ca": "server.tls_client_ca",
@@ -202,6 +204,12 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
         help="UCX listener for remote clients, port 0 picks one (default: off)",
     )
     serve.add_argument(
+        "--metrics-listen",
+        metavar="HOST:PORT",
+        help="Prometheus /metrics endpoint, port 0 picks one, '' turns it off"
+        + default(d.server.metrics_listen if d else ""),
+    )
+    serve.add_argument(
         "--tls-cert", metavar="FILE", help="PEM certificate: serve gRPC over TLS (with --tls-key)"
     )
     serve.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert")
@@ -312,7 +320,10 @@ def _serve(args: argparse.Namespace) -> int:
     def ready(address: str) -> None:
         print(f"kvstore serving on {address}", flush=True)
 
-    asyncio.run(run_server(config, on_ready=ready))
+    def metrics(url: str) -> None:
+        print(f"kvstore metrics on {url}", flush=True)
+
+    asyncio.run(run_server(config, on_ready=ready, on_metrics=metrics))
     return 0
 
 

@@ -79,9 +79,9 @@ def check_arena(capacity: int, meminfo: str | None = None, overcommit: str | Non
         )
 
 
-def check_listen(listen: str) -> None:
-    """Bind ``server.listen``'s address once and let go: a port in use (or one this user may
-    not bind) is refused here, before any tier opens, instead of by gRPC after."""
+def check_listen(listen: str, setting: str = "server.listen", flag: str = "--listen") -> None:
+    """Bind ``server.listen``'s address (or ``setting``'s) once and let go: a port in use (or one
+    this user may not bind) is refused here, before any tier opens, instead of by gRPC after."""
     host, _, port_text = listen.rpartition(":")
     port = int(port_text)
     if port == 0:
@@ -91,7 +91,7 @@ def check_listen(listen: str) -> None:
         addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
         raise ConfigError(
-            f"server.listen={listen!r}: cannot resolve host {host!r} ({exc.strerror}); "
+            f"{setting}={listen!r}: cannot resolve host {host!r} ({exc.strerror}); "
             "use HOST:PORT with an address or name of this machine"
         ) from None
     for family, kind, proto, _, address in addresses:
@@ -103,12 +103,12 @@ def check_listen(listen: str) -> None:
             except OSError as exc:
                 if exc.errno == errno.EADDRINUSE:
                     raise ConfigError(
-                        f"server.listen={listen!r}: port {port} is already in use (another "
-                        "kvstore serve?); choose a free port with --listen HOST:PORT"
+                        f"{setting}={listen!r}: port {port} is already in use (another "
+                        f"kvstore serve?); choose a free port with {flag} HOST:PORT"
                     ) from None
                 if exc.errno == errno.EACCES:
                     raise ConfigError(
-                        f"server.listen={listen!r}: no permission to bind port {port} (ports "
+                        f"{setting}={listen!r}: no permission to bind port {port} (ports "
                         "below 1024 need privileges); use a port from 1024 to 65535"
                     ) from None
                 # An address family this machine lacks (::1 without IPv6): gRPC skips it too.
@@ -119,3 +119,5 @@ def preflight(config: Config) -> None:
     """Every check above, in the order a user would fix them."""
     check_arena(config.dram.capacity)
     check_listen(config.server.listen)
+    if config.server.metrics_listen:
+        check_listen(config.server.metrics_listen, "server.metrics_listen", "--metrics-listen")

@@ -13,6 +13,16 @@ __all__ = ["format_stats", "watch"]
 
 # Columns of the tier table; the detail line under it shows each tier's other numbers.
 _TABLE = ("used", "capacity", "blocks", "hits", "evictions")
+# Counters of misses by reason (``miss_absent``...; see kvstore.store.counters.MISS_REASONS).
+_MISS = "miss_"
+# The order reasons are shown in (kvstore.store.counters.MISS_REASONS; unknown ones after).
+_REASONS = ("absent", "evicted", "corrupt", "tier_down", "deadline", "denied", "namespace")
+
+
+def _reason_order(reason: str) -> tuple[int, str]:
+    return (_REASONS.index(reason) if reason in _REASONS else len(_REASONS), reason)
+
+
 # Cleared screen, cursor home: a terminal shows one frame at a time.
 _CLEAR = "\x1b[H\x1b[2J"
 
@@ -30,26 +40,41 @@ def format_stats(
 ) -> list[str]:
     """The lines of the stats table; with the ``previous`` stats taken ``seconds`` earlier,
     counters that moved show their rate per second."""
-    lines = [f"{'tier':<8}{'used':>14}{'capacity':>14}{'blocks':>10}{'hits':>10}{'evictions':>11}"]
+    lines = [
+        f"{'tier':<8}{'used':>14}{'capacity':>14}{'blocks':>10}{'hits':>10}{'hit rate':>10}"
+        f"{'evictions':>11}"
+    ]
     before_tiers = (previous or {}).get("tiers", {})
+    counters = stats["counters"]
+    misses = {k[len(_MISS) :]: v for k, v in counters.items() if k.startswith(_MISS)}
+    misses = dict(sorted(misses.items(), key=lambda item: _reason_order(item[0])))
+    # As the dashboard computes it: a tier's hits over every key asked for (hits in any tier
+    # plus misses for any reason), so the tiers' rates add up to the overall hit rate.
+    asked = sum(tier.get("hits", 0) for tier in stats["tiers"].values()) + sum(misses.values())
     for name, tier in stats["tiers"].items():
         before = before_tiers.get(name) if previous is not None else None
+        rate = f"{100 * tier.get('hits', 0) / asked:.1f}%" if asked else "-"
         lines.append(
             f"{name:<8}{format_size(tier.get('used', 0)):>14}"
             f"{format_size(tier.get('capacity', 0)):>14}{tier.get('blocks', 0):>10}"
-            f"{tier.get('hits', 0):>10}{tier.get('evictions', 0):>11}"
+            f"{tier.get('hits', 0):>10}{rate:>10}{tier.get('evictions', 0):>11}"
             + "".join(
                 f"  {key}{_rate(key, tier, before, seconds)}"
                 for key in ("hits", "evictions")
                 if _rate(key, tier, before, seconds)
             )
         )
-    counters = stats["counters"]
     prev_counters = (previous or {}).get("counters") if previous is not None else None
 
     def counter(name: str, label: str) -> str:
         return f"{label} {counters.get(name, 0)}{_rate(name, counters, prev_counters, seconds)}"
 
+    if misses:
+        lines.append(
+            "misses by reason: "
+            + "  ".join(counter(f"{_MISS}{reason}", reason) for reason in misses)
+        )
+    lines.extend(_server_lines(stats))
     lines.append(
         f"blocks {stats['blocks']}  {counter('hits', 'hits')}  {counter('misses', 'misses')}  "
         f"{counter('evicted_from_store', 'evicted')}"
@@ -57,6 +82,35 @@ def format_stats(
     for name, tier in stats["tiers"].items():
         extra = {k: v for k, v in tier.items() if k not in _TABLE}
         lines.append(f"{name}: " + ", ".join(f"{k}={v}" for k, v in sorted(extra.items())))
+    return lines
+
+
+def _server_lines(stats: dict[str, Any]) -> list[str]:
+    """The shared tier, the prefetch queue and the shared-memory server, where they exist."""
+    counters = stats["counters"]
+    lines = []
+    shared = stats["tiers"].get("redis")
+    if shared is not None:
+        dropped = counters.get("write_through_dropped", 0) + shared.get("writes_dropped", 0)
+        lines.append(
+            f"shared tier: {'up' if shared.get('up') else 'DOWN'}  "
+            f"backlog {format_size(counters.get('shared_write_backlog_bytes', 0))}  "
+            f"dropped write-throughs {dropped}  reconnects {shared.get('reconnects', 0)}"
+        )
+    if "prefetch_queued_keys" in counters:
+        outcomes = "  ".join(
+            f"{name} {counters.get(f'prefetch_keys_{name}', 0)}"
+            for name in ("ready", "missing", "failed")
+        )
+        lines.append(
+            f"prefetch: queued keys {counters['prefetch_queued_keys']}  {outcomes}  "
+            f"cancelled {counters.get('prefetch_cancelled', 0)}"
+        )
+    if "shm_connections" in counters:
+        lines.append(
+            f"shm: connections {counters['shm_connections']}  leases "
+            f"{counters.get('shm_leases', 0)}  reservations {counters.get('shm_reservations', 0)}"
+        )
     return lines
 
 

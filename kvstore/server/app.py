@@ -29,6 +29,8 @@ from kvstore.server.auth import check_exposure, interceptors, server_credentials
 from kvstore.server.budget import InflightBudget
 from kvstore.server.health import add_health_to_server
 from kvstore.server.integrity import load_keyring
+from kvstore.server.metrics import build_registry
+from kvstore.server.metrics_http import MetricsServer, check_metrics_exposure
 from kvstore.server.servicer import SERVICE_NAME, KVStoreServicer, add_to_server
 from kvstore.server.sessions import ArenaSessions
 from kvstore.server.shm import ShmServer
@@ -131,6 +133,7 @@ class RunningServer:
     grace_s: float
     servicer: KVStoreServicer
     ucx: UcxDataServer | None = None
+    metrics: MetricsServer | None = None
 
     @property
     def store(self) -> TieredStore:
@@ -151,6 +154,8 @@ class RunningServer:
         a data plane that broke must not cost the saved blocks or leave LMDB unclosed.
         """
         await _step("entering graceful shutdown", self.health.enter_graceful_shutdown())
+        if self.metrics is not None:
+            await _step("closing the metrics endpoint", self.metrics.close())
         await _step("stopping the gRPC server", self.server.stop(self.grace_s))
         if self.ucx is not None:
             await _step("closing the UCX data path", self.ucx.close())
@@ -184,6 +189,7 @@ async def start_server(config: Config) -> RunningServer:
     authenticated, an unreadable certificate or tokens file): ConfigError before anything opens.
     """
     check_exposure(config.server)
+    check_metrics_exposure(config.server)
     check_tenants(config)
     credentials = server_credentials(config.server)
     auth = interceptors(config.server)
@@ -211,6 +217,12 @@ async def start_server(config: Config) -> RunningServer:
         for tenant in tenants:
             await tenant.store.close()
         raise OSError(f"cannot listen on {config.server.listen}")
+    try:
+        metrics = await _start_metrics(config, tenants)
+    except OSError:
+        for tenant in tenants:
+            await tenant.store.close()
+        raise
     for tenant in tenants:
         tenant.shm = await _start_shm(config, tenant)
     ucx = await _start_ucx(config, tenants, server, servicer)
@@ -228,8 +240,18 @@ async def start_server(config: Config) -> RunningServer:
         f" for {len(tenants)} tenants" if config.tenants else "",
     )
     return RunningServer(
-        server, tenants, health, address, config.server.shutdown_grace_s, servicer, ucx
+        server, tenants, health, address, config.server.shutdown_grace_s, servicer, ucx, metrics
     )
+
+
+async def _start_metrics(config: Config, tenants: Tenants) -> MetricsServer | None:
+    """Serve ``/metrics`` on ``server.metrics_listen`` (``None`` where it is off)."""
+    if not config.server.metrics_listen:
+        return None
+    metrics = MetricsServer(build_registry(tenants), config.server)
+    url = await metrics.start()
+    logger.info("metrics on %s", url)
+    return metrics
 
 
 _AUTO_SOCKET = "shm.sock"
@@ -292,6 +314,7 @@ async def _start_shm(config: Config, tenant: Tenant) -> ShmServer | None:
         mode=settings.shm_socket_mode,
         limits=limits,
         allowed_uids=tenant.uids,
+        tenant=tenant.name,
     )
     try:
         await shm.start()
@@ -318,13 +341,20 @@ def _session_bytes(config: Config, store: TieredStore) -> int | None:
     return config.server.shm_session_bytes or max(store.arena.capacity // 4, 1)
 
 
-async def run_server(config: Config, on_ready: Callable[[str], None] | None = None) -> None:
-    """Serve until SIGTERM or SIGINT, then shut down gracefully."""
+async def run_server(
+    config: Config,
+    on_ready: Callable[[str], None] | None = None,
+    on_metrics: Callable[[str], None] | None = None,
+) -> None:
+    """Serve until SIGTERM or SIGINT, then shut down gracefully (``on_metrics`` gets the metrics
+    endpoint's URL, where there is one, just before ``on_ready`` the gRPC address)."""
     running = await start_server(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    if on_metrics is not None and running.metrics is not None:
+        on_metrics(running.metrics.url)
     if on_ready is not None:
         on_ready(running.address)
     await stop.wait()

@@ -7,6 +7,7 @@ with a message that says what was wrong).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from typing import Any, TypeVar
@@ -17,7 +18,13 @@ from google.protobuf.message import DecodeError, Message
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.config import ServerConfig
-from kvstore.errors import CapacityError, InvalidRequestError, KVStoreError, status_of
+from kvstore.errors import (
+    CapacityError,
+    InvalidRequestError,
+    KVStoreError,
+    PermissionDeniedError,
+    status_of,
+)
 from kvstore.protocol.checks import (
     check_keys,
     check_streamed_block,
@@ -25,6 +32,7 @@ from kvstore.protocol.checks import (
 )
 from kvstore.protocol.messages import MESSAGE_TARGET_BYTES
 from kvstore.server.budget import InflightBudget
+from kvstore.server.durations import DURATIONS, timed
 from kvstore.server.tenancy import Tenant, Tenants
 from kvstore.store import GetResult, TieredStore
 from kvstore.store.prefetch import Prefetcher, PrefetchState
@@ -47,6 +55,19 @@ DEFAULT_INFLIGHT_BYTES = ServerConfig.inflight_bytes
 T = TypeVar("T")
 
 
+def _server_counters(tenant: Tenant) -> dict[str, int]:
+    """What the server adds to a tenant's store counters in ``Stats`` (the figures ``/metrics``
+    shows too): the prefetch queue, the shared-memory server, the shared tier's backlog."""
+    shm = tenant.shm.stats() if tenant.shm is not None else {}
+    return {
+        **tenant.prefetcher.stats(),
+        **{f"shm_{name}": count for name, count in shm.items()},
+        "shared_write_backlog_bytes": tenant.store.shared_writer.backlog_bytes,
+        # Calls refused for their credentials belong to no tenant: the server's count.
+        "miss_denied": DURATIONS.denied,
+    }
+
+
 async def guard(
     context: grpc.aio.ServicerContext[Any, Any],
     call: Callable[[], Awaitable[T]],
@@ -61,6 +82,8 @@ async def guard(
         return await call()
     except KVStoreError as exc:
         code, details = status_of(exc), str(exc)
+        if isinstance(exc, PermissionDeniedError):
+            DURATIONS.denied += 1  # a ``denied`` miss: the call was refused before any key
     except DecodeError as exc:  # a streamed message that is not protobuf
         code, details = grpc.StatusCode.INVALID_ARGUMENT, f"undecodable request: {exc}"
     except Exception as exc:
@@ -112,6 +135,16 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
     def _decoded(request: Any) -> None:
         check_decoded(request)
 
+    def _tenant_name(self) -> str:
+        try:
+            return self.tenants.current().name
+        except PermissionDeniedError:
+            return ""
+
+    def _timed(self, op: str) -> Any:
+        """Time one call into ``kvstore_request_duration_seconds`` (plane ``grpc``)."""
+        return timed(op, "grpc", self._tenant_name)
+
     async def Lookup(
         self, request: pb.LookupRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.LookupResponse:
@@ -123,7 +156,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
             result = await store.lookup_shared(list(request.keys), request.namespace)
             return pb.LookupResponse(hits=result.hits, tiers=result.tiers)
 
-        return await guard(context, call)
+        with self._timed("lookup"):
+            return await guard(context, call)
 
     async def Put(
         self,
@@ -179,7 +213,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
             )
 
         try:
-            return await guard(context, call)
+            with self._timed("put"):
+                return await guard(context, call)
         finally:
             if budget is not None:
                 budget.give(charged)
@@ -201,8 +236,38 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
             check_keys(keys, request.namespace, tenant.store.max_keys_per_request)
             return tenant, keys
 
-        tenant, keys = await guard(context, check)
+        with self._timed("get"):
+            tenant, keys = await guard(context, check)
+            async for response in self._get(tenant, keys, request.namespace, context):
+                yield response
+
+    async def _get(
+        self,
+        tenant: Tenant,
+        keys: list[bytes],
+        namespace: bytes,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[pb.GetResponse]:
+        """:meth:`Get`'s windows; keys not yet answered when the call is cancelled (its deadline,
+        or the client gone) count as ``deadline`` misses."""
         store, budget = tenant.store, tenant.budget
+        answered = 0
+        try:
+            async for response in self._windows(store, budget, keys, namespace, context):
+                answered = response[0]
+                yield response[1]
+        except asyncio.CancelledError:
+            store.record_misses("deadline", len(keys) - answered)
+            raise
+
+    async def _windows(
+        self,
+        store: TieredStore,
+        budget: InflightBudget,
+        keys: list[bytes],
+        namespace: bytes,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[tuple[int, pb.GetResponse]]:
         for start, stop, estimate in _windows(store.stored_lengths(keys)):
             charged = await budget.take(estimate)
             try:
@@ -211,13 +276,13 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
                 window = list(dict.fromkeys(keys[start:stop]))
 
                 async def read(window: list[bytes] = window) -> list[GetResult]:
-                    return await store.get(window, request.namespace)
+                    return await store.get(window, namespace)
 
                 read_once = dict(zip(window, await guard(context, read), strict=True))
                 results = [read_once[key] for key in keys[start:stop]]
                 del read_once
                 for response in _responses(start, results):
-                    yield response
+                    yield start, response
                 results = []  # let the window go before the next one is read
             finally:
                 budget.give(charged)
@@ -233,7 +298,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
             deleted = await store.delete(list(request.keys), request.namespace)
             return pb.DeleteResponse(deleted=deleted)
 
-        return await guard(context, call)
+        with self._timed("delete"):
+            return await guard(context, call)
 
     async def Stats(
         self, request: pb.StatsRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -241,13 +307,14 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
         """Tier usage and counters of the caller's own store."""
 
         async def call() -> pb.StatsResponse:
-            stats = self.tenants.current().store.stats()
+            tenant = self.tenants.current()
+            stats = tenant.store.stats()
             return pb.StatsResponse(
                 tiers=[
                     pb.TierStats(name=name, values=values)
                     for name, values in stats["tiers"].items()
                 ],
-                counters=stats["counters"],
+                counters={**stats["counters"], **_server_counters(tenant)},
                 blocks=stats["blocks"],
             )
 
@@ -264,7 +331,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
             prefetch_id = prefetcher.submit(list(request.keys), request.namespace)
             return pb.PrefetchResponse(prefetch_id=prefetch_id)
 
-        return await guard(context, call)
+        with self._timed("prefetch"):
+            return await guard(context, call)
 
     async def PrefetchStatus(
         self, request: pb.PrefetchStatusRequest, context: grpc.aio.ServicerContext[Any, Any]

@@ -32,6 +32,7 @@ import os
 import socket
 import stat
 import struct
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +49,7 @@ from kvstore.protocol.shm_frames import (
     frame,
     pack_ranges,
 )
+from kvstore.server.durations import DURATIONS
 from kvstore.server.sessions import ArenaSession, ArenaSessions, Leased, Reserved
 from kvstore.server.shm_limits import (
     ConnectionCounter,
@@ -64,6 +66,8 @@ __all__ = ["ShmServer"]
 logger = logging.getLogger(__name__)
 
 _OK = 0
+# Requests timed into ``kvstore_request_duration_seconds``, by the op label they get.
+_TIMED_OPS = {Op.LOOKUP: "lookup", Op.ACQUIRE: "get", Op.RESERVE: "put", Op.COMMIT: "put"}
 _INTERNAL = 13  # grpc.StatusCode.INTERNAL
 
 # accept() failures that pass once something else gives resources back (descriptors, buffers).
@@ -94,6 +98,7 @@ class ShmServer:
         mode: int = 0o660,
         limits: ShmLimits | None = None,
         allowed_uids: frozenset[int] | None = None,
+        tenant: str = "",
     ) -> None:
         arena = store.arena
         if arena is None:
@@ -108,6 +113,8 @@ class ShmServer:
         self.limits = limits if limits is not None else ShmLimits()
         #: The peer uids admitted (``None``: whoever the socket's mode lets connect).
         self.allowed_uids = allowed_uids
+        #: The tenant it serves (the ``tenant`` label of its request durations).
+        self.tenant = tenant
         self._sessions = ArenaSessions(store, self.limits.session_bytes)
         self._connections = ConnectionCounter(self.limits)
         self._refusals = RateLimitedLog()
@@ -242,6 +249,17 @@ class ShmServer:
         return [self._arena.fd] if index is None else [self._arena.fd, index.fd]
 
     async def _dispatch(self, session: _Session, op: int, body: memoryview) -> bytes | None:
+        """Run one request, timing lookups, acquires and commits; see :meth:`_run`."""
+        name = _TIMED_OPS.get(op)
+        if name is None:
+            return await self._run(session, op, body)
+        start = time.perf_counter()
+        try:
+            return await self._run(session, op, body)
+        finally:
+            DURATIONS.observe(name, "shm", self.tenant, time.perf_counter() - start)
+
+    async def _run(self, session: _Session, op: int, body: memoryview) -> bytes | None:
         """Run one request; its reply frame (``None`` for one-way requests)."""
         handler = self._handlers.get(op)
         try:

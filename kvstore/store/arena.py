@@ -69,6 +69,7 @@ class ArenaSessions:
         served_from: list[str] = [""] * len(keys)
         below: list[int] = []
         fallback: list[int] = []
+        reasons: dict[int, str] = {}
         for position, key in enumerate(keys):
             meta = index.meta.get(key)
             if meta is not None and meta.namespace != namespace:
@@ -84,7 +85,9 @@ class ArenaSessions:
                 below.append(position)
         try:
             if below:
-                promoted = await self._reader.promote([keys[i] for i in below], namespace)
+                why: dict[int, str] = {}
+                promoted = await self._reader.promote([keys[i] for i in below], namespace, why)
+                reasons = {below[i]: reason for i, reason in why.items()}
                 for position, outcome in zip(below, promoted, strict=True):
                     lease = self._lease(arena, keys[position]) if outcome == "ready" else None
                     if lease is not None:
@@ -101,18 +104,25 @@ class ArenaSessions:
             raise
         index.age_chain([key for key, got in zip(keys, results, strict=True) if got is not None])
         # Counted like a get; keys that took the fallback were counted by that get.
-        leased = missed = 0
+        leased = 0
+        missed: list[int] = []
+        counters = self._counters
         for position, acquired in enumerate(results):
             if isinstance(acquired, DramLease):
                 leased += 1
                 # Blocks that were not indexed locally came from the shared tier.
-                self._counters.tier_hits[served_from[position] or tiers[-1].name] += 1
-            elif acquired is None:
-                missed += 1
+                tier = served_from[position] or tiers[-1].name
+                counters.tier_hits[tier] += 1
+                meta = index.meta.get(acquired.key)
+                counters.read_bytes[tier] += meta.length if meta is not None else 0
+            elif acquired is None and position not in fallback:
+                missed.append(position)
+        if missed:
+            counters.count_misses(keys, missed, reasons, index)
         if not fallback:
             self._counters.add("gets")
         self._counters.add("hits", leased)
-        self._counters.add("misses", missed)
+        self._counters.add("misses", len(missed))
         self._counters.add("blocks_leased", leased)
         return results
 
@@ -138,19 +148,22 @@ class ArenaSessions:
         index = self._index
         if lookups:
             self._counters.add("lookups", lookups)
+            self._counters.add("index_lookups", lookups)
         resident = index.levels[self._stack.host_level]
-        read = 0
+        read = size = 0
         ages: list[bytes] = []
         for key in keys:
             meta = index.meta.get(key)
             if meta is None or meta.namespace != namespace:
                 continue  # not what a client can have read through the index
             read += 1
+            size += meta.length
             if key in resident:
                 ages.append(key)
                 index.count_hit(key)
         index.age_chain(ages)
         self._counters.tier_hits[arena.name] += read
+        self._counters.read_bytes[arena.name] += size
         self._counters.add("gets", calls)
         self._counters.add("hits", read)
         self._counters.add("blocks_read_direct", read)

@@ -2,17 +2,30 @@
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
+from collections.abc import Container, Iterable, Mapping, Sequence
 from typing import Any
 
 from kvstore.store.index import BlockIndex
 from kvstore.store.layout import TierStack
 
-__all__ = ["StoreCounters"]
+__all__ = ["MISS_REASONS", "StoreCounters"]
+
+#: Why a key asked for was not served (``misses`` in ``Stats``, ``kvstore_misses_total``):
+#: ``absent`` never stored here (as far as this node knows), ``evicted`` it left the store to make
+#: room, ``corrupt`` its copy failed verification, ``tier_down`` the shared tier that may hold it
+#: is down, ``namespace`` it is stored under another namespace; the server adds ``deadline`` (the
+#: call ran out of time) and ``denied`` (the caller's credentials were refused).
+MISS_REASONS = ("absent", "evicted", "corrupt", "tier_down", "deadline", "denied", "namespace")
+
+# Keys remembered as evicted from the store, to tell an ``evicted`` miss from an ``absent`` one
+# (16 bytes a key plus the dict's overhead: about 10 MiB at most).
+_GONE_KEYS = 65536
 
 
 class StoreCounters:
-    """Store-wide counters (``puts``, ``hits``...), and per tier its hits and evictions."""
+    """Store-wide counters (``puts``, ``hits``...), per tier its hits, bytes and moves, and misses
+    by reason."""
 
     def __init__(self) -> None:
         self.values: Counter[str] = Counter()
@@ -20,18 +33,66 @@ class StoreCounters:
         self.tier_hits: Counter[str] = Counter()
         #: Blocks evicted, by the name of the tier they left.
         self.evictions: Counter[str] = Counter()
+        #: Payload bytes served / written, by tier name.
+        self.read_bytes: Counter[str] = Counter()
+        self.written_bytes: Counter[str] = Counter()
+        #: Blocks moved down out of / up into a tier, by tier name.
+        self.demotions: Counter[str] = Counter()
+        self.promotions: Counter[str] = Counter()
+        #: Keys not served, by reason (:data:`MISS_REASONS`).
+        self.misses: Counter[str] = Counter()
+        self._gone: OrderedDict[bytes, None] = OrderedDict()
 
     def add(self, name: str, amount: int = 1) -> None:
         """Add ``amount`` to counter ``name`` (creating it, even at 0)."""
         self.values[name] += amount
+
+    def left_store(self, key: bytes) -> None:
+        """Remember that ``key`` was evicted from the store (a later miss of it is ``evicted``)."""
+        gone = self._gone
+        gone[key] = None
+        gone.move_to_end(key)
+        if len(gone) > _GONE_KEYS:
+            gone.popitem(last=False)
+
+    def count_misses(
+        self,
+        keys: Sequence[bytes],
+        missed: Iterable[int],
+        reasons: Mapping[int, str],
+        indexed: Container[bytes],
+    ) -> None:
+        """Count the keys at positions ``missed`` by reason: ``reasons`` where a read said why,
+        else ``namespace`` for a key ``indexed`` (under another namespace), ``evicted`` for one
+        that left the store, ``absent`` for the rest."""
+        for position in missed:
+            reason = reasons.get(position)
+            if reason is None:
+                key = keys[position]
+                if key in indexed:
+                    reason = "namespace"
+                elif key in self._gone:
+                    reason = "evicted"
+                else:
+                    reason = "absent"
+            self.misses[reason] += 1
 
     def report(self, stack: TierStack, index: BlockIndex) -> dict[str, Any]:
         """Per-tier usage and counters, plus store-wide counters (the ``Stats`` answer)."""
         tiers = {}
         for level, tier in enumerate(stack.tiers):
             entry = tier.stats()
-            entry["hits"] = self.tier_hits[tier.name]
-            entry["evictions"] = self.evictions[tier.name]
+            name = tier.name
+            entry["hits"] = self.tier_hits[name]
+            entry["evictions"] = self.evictions[name]
             entry["indexed_blocks"] = len(index.levels[level])
-            tiers[tier.name] = entry
-        return {"tiers": tiers, "counters": dict(self.values), "blocks": len(index)}
+            entry["read_bytes"] = self.read_bytes[name]
+            entry["written_bytes"] = self.written_bytes[name]
+            entry["demotions"] = self.demotions[name]
+            entry["promotions"] = self.promotions[name]
+            tiers[name] = entry
+        counters = dict(self.values)
+        # Misses by reason ride in the counters map as ``miss_<reason>`` (the wire format has no
+        # other place for them); every reason is present, even at 0.
+        counters.update({f"miss_{reason}": self.misses[reason] for reason in MISS_REASONS})
+        return {"tiers": tiers, "counters": counters, "blocks": len(index)}

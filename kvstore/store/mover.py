@@ -74,6 +74,7 @@ class BlockMover:
                 continue
             for _ in range(_MAX_WRITE_RETRIES):
                 if await tier.write(header, payload):
+                    self._counters.written_bytes[tier.name] += header.length
                     self._index.add(header.key, header.namespace, header.length, level, footprint)
                     return tier.name
                 # The tier's own limit bit before our estimate: evict one more block and retry.
@@ -125,6 +126,7 @@ class BlockMover:
                     block.header, memoryview(block.payload), level + 1, stack.local_levels
                 ):
                     self._counters.add("demotions")
+                    self._counters.demotions[tier.name] += 1
             else:
                 self._counters.add("demotions_refused")
         leaving = not any(key in r for lv, r in enumerate(index.levels) if lv != level)
@@ -134,6 +136,7 @@ class BlockMover:
             return  # still on the medium: keep indexing it rather than orphan it
         if index.forget_in(level, key):
             self._counters.add("evicted_from_store")
+            self._counters.left_store(key)
             if write_back and block is not None:
                 self._writer.send([(block.header, bytes(block.payload))])
                 self._counters.add("written_back")
@@ -190,8 +193,9 @@ class BlockMover:
             elif into is not None and key in levels[into]:
                 return True
             start, stop = (0, level) if into is None else (into, into + 1)
-            if await self.place(header, memoryview(payload), start, stop):
+            if placed := await self.place(header, memoryview(payload), start, stop):
                 self._counters.add("promotions")
+                self._counters.promotions[placed] += 1
             return key in levels[target]
 
     # -- delete and persist (take the lock) ----------------------------------------------------

@@ -62,10 +62,13 @@ class BlockReader:
         if where.mismatched:
             self._counters.add("namespace_mismatches", where.mismatched)
         shared_level = self._stack.shared_level
-        async for index, level, block, epoch in self._read_found(keys, namespace, where):
+        reasons: dict[int, str] = {}
+        counters = self._counters
+        async for index, level, block, epoch in self._read_found(keys, namespace, where, reasons):
             tier = self._stack[level].name
             results[index] = GetResult(block.payload, tier)
-            self._counters.tier_hits[tier] += 1
+            counters.tier_hits[tier] += 1
+            counters.read_bytes[tier] += block.header.length
             if level != shared_level:
                 self._index.count_hit(keys[index])
             if level > 0:  # returned now, promoted in the background
@@ -75,34 +78,46 @@ class BlockReader:
         self._index.age_chain(
             [key for key, result in zip(keys, results, strict=True) if result.found]
         )
-        found = sum(result.found for result in results)
+        missed = [index for index, result in enumerate(results) if not result.found]
+        found = len(keys) - len(missed)
+        if missed:
+            counters.count_misses(keys, missed, reasons, self._index)
         self._counters.add("gets")
         self._counters.add("hits", found)
         self._counters.add("misses", len(keys) - found)
         return results
 
-    async def promote(self, keys: Sequence[bytes], namespace: bytes) -> list[Promotion]:
-        """Bring each key into the arena tier now (see :meth:`TieredStore.promote`)."""
+    async def promote(
+        self, keys: Sequence[bytes], namespace: bytes, reasons: dict[int, str] | None = None
+    ) -> list[Promotion]:
+        """Bring each key into the arena tier now (see :meth:`TieredStore.promote`); ``reasons``
+        gets why a key read below was not found (see :meth:`_read_found`)."""
         host = self._stack.host_level
         outcomes: list[Promotion] = ["missing"] * len(keys)
         where = self._index.locate(keys, namespace, resident=host)
         for index in where.resident:
             outcomes[index] = "ready"
             self._index.levels[host].touch(keys[index])
-        async for index, level, block, epoch in self._read_found(keys, namespace, where):
+        async for index, level, block, epoch in self._read_found(keys, namespace, where, reasons):
             promoted = await self._mover.copy_into(block.header, block.payload, level, host, epoch)
             outcomes[index] = "ready" if promoted else "failed"
         return outcomes
 
     async def _read_found(
-        self, keys: Sequence[bytes], namespace: bytes, where: Whereabouts
+        self,
+        keys: Sequence[bytes],
+        namespace: bytes,
+        where: Whereabouts,
+        reasons: dict[int, str] | None = None,
     ) -> AsyncIterator[tuple[int, int, StoredBlock, int]]:
         """Read the keys of ``where`` one batch per tier, fastest first, then the unindexed ones
         from the shared tier; yield ``(index, level, block, epoch)`` per block found under
         ``namespace`` (``epoch``: the mover's delete epoch when that batch was read).
 
         A block a local tier no longer has (vanished, or failed verification and was dropped) is
-        forgotten there.
+        forgotten there. ``reasons`` (when given) gets, by index, why a key read was not found:
+        ``corrupt`` (as many as the tier's ``corrupt_blocks`` rose by in that read), ``tier_down``
+        (the shared tier is down), ``evicted`` (a local tier no longer had it), ``namespace``.
         """
         by_level = where.by_level
         shared_level = self._stack.shared_level
@@ -111,13 +126,32 @@ class BlockReader:
         for level in sorted(by_level):
             indices = by_level[level]
             epoch = self._mover.delete_epoch
-            blocks = await self._stack[level].read([keys[index] for index in indices])
+            tier = self._stack[level]
+            corrupt_before = getattr(tier, "corrupt_blocks", 0)
+            blocks = await tier.read([keys[index] for index in indices])
+            corrupt = getattr(tier, "corrupt_blocks", 0) - corrupt_before
             for index, block in zip(indices, blocks, strict=True):
                 if block is None:
                     if level != shared_level:
                         self._index.forget_in(level, keys[index])
+                    why = _why_missing(level != shared_level, tier, corrupt > 0)
+                    corrupt -= 1
+                    if reasons is not None and why is not None:
+                        reasons[index] = why
                     continue
                 if block.header.namespace != namespace:
                     self._counters.add("namespace_mismatches")
+                    if reasons is not None:
+                        reasons[index] = "namespace"
                     continue
                 yield index, level, block, epoch
+
+
+def _why_missing(local: bool, tier: object, corrupt: bool) -> str | None:
+    """Why a tier read found nothing; ``None`` (decided by the caller: absent or evicted) for a
+    shared tier that is up and simply lacks the key."""
+    if corrupt:
+        return "corrupt"
+    if local:
+        return "evicted"  # indexed here, gone from the medium
+    return None if getattr(tier, "up", True) else "tier_down"

@@ -43,6 +43,11 @@ class SharedTierWriter:
         self._by_key: dict[bytes, asyncio.Task[None]] = {}
 
     @property
+    def backlog_bytes(self) -> int:
+        """Payload bytes on their way to the shared tier now."""
+        return self._in_flight_bytes
+
+    @property
     def writes_through(self) -> bool:
         """Whether new blocks are copied to the shared tier as they are stored."""
         return self.tier is not None and self._policy.write_through
@@ -69,7 +74,10 @@ class SharedTierWriter:
 
         async def send() -> None:
             try:
-                await tier.write_many(blocks)
+                stored = await tier.write_many(blocks)
+                self._counters.written_bytes[tier.name] += sum(
+                    header.length for (header, _), ok in zip(blocks, stored, strict=True) if ok
+                )
             finally:
                 self._in_flight_bytes -= size
 

@@ -296,6 +296,21 @@ class TieredStore:
         """Per-tier usage and counters, plus store-wide counters."""
         return self._counters.report(self._stack, self._index)
 
+    def record_misses(self, reason: str, count: int) -> None:
+        """Count ``count`` keys not served for a reason the server saw (``deadline``)."""
+        self._counters.misses[reason] += count
+        self._counters.add("misses", count)
+
+    @property
+    def counters(self) -> StoreCounters:
+        """The live counters (the metrics endpoint reads them at scrape time)."""
+        return self._counters
+
+    @property
+    def shared_writer(self) -> SharedTierWriter:
+        """Write-through/back to the shared tier (its backlog, for the metrics endpoint)."""
+        return self._shared
+
     async def drain(self) -> None:
         """Wait until background promotions have finished (tests and shutdown use this)."""
         await self._tasks.drain()

@@ -100,6 +100,7 @@ class BlockWriter:
                 arena.install(header, reservation)
                 footprint = arena.footprint(header.length)
                 index.add(key, namespace, header.length, self._stack.host_level, footprint)
+                self._counters.written_bytes[arena.name] += header.length
                 stored += 1
             index.age_chain([key for key, _ in written])
         size = sum(reservation.length for _, reservation in written)

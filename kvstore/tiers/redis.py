@@ -137,6 +137,8 @@ class RedisTier(Tier):
         self._reconnect_task: asyncio.Task[None] | None = None
         self._ledger = SizeLedger(self.footprint)
         self.outages = 0
+        #: Outages ended by the reconnect loop.
+        self.reconnects = 0
         self.writes_dropped = 0
         self.reads_skipped = 0
         self.read_errors = 0
@@ -213,6 +215,7 @@ class RedisTier(Tier):
                 delay = min(delay * 2, cap)
                 continue
             self._up = True
+            self.reconnects += 1
             logger.warning("redis tier up again after %d attempt(s)", attempts)
             return
 
@@ -373,6 +376,7 @@ class RedisTier(Tier):
             "blocks": len(self._ledger),
             "up": int(self.up),
             "outages": self.outages,
+            "reconnects": self.reconnects,
             "blocks_written": self.blocks_written,
             "writes_dropped": self.writes_dropped,
             "reads_skipped": self.reads_skipped,

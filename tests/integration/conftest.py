@@ -32,6 +32,8 @@ import pytest
 from kvstore import KVStoreClient, Namespace
 
 READY_LINE = "kvstore serving on "
+#: What ``kvstore serve`` prints (before the ready line) when its /metrics endpoint is up.
+METRICS_LINE = "kvstore metrics on "
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 20.0
 
@@ -79,6 +81,8 @@ class ServerProcess:
         self.env = dict(env or {})
         self.proc: subprocess.Popen[bytes] | None = None
         self.target = ""
+        #: ``http://HOST:PORT/metrics`` of the current run ("" where metrics are off).
+        self.metrics_url = ""
         self.returncode: int | None = None
         self._starts = 0
 
@@ -110,6 +114,9 @@ class ServerProcess:
             listen,
             "--nvme-path",
             str(self.nvme_path),
+            # Port 0: many servers run at once, and the default 9464 would be fought over.
+            "--metrics-listen",
+            "127.0.0.1:0",
             *self.flags,
         ]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": _SERVER_TMPDIR, **self.env}
@@ -124,6 +131,14 @@ class ServerProcess:
             if READY_LINE in text and text.endswith("\n"):
                 line = next(line for line in text.splitlines() if READY_LINE in line)
                 self.target = line.split(READY_LINE, 1)[1].strip()
+                self.metrics_url = next(
+                    (
+                        line.split(METRICS_LINE, 1)[1].strip()
+                        for line in text.splitlines()
+                        if METRICS_LINE in line
+                    ),
+                    "",
+                )
                 return self
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 state = (

@@ -165,7 +165,17 @@ def test_mtls_refuses_a_client_without_a_certificate_or_with_a_foreign_one(
 
 def _serve(*flags: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "kvstore.cli", "serve", "--nvme-path", "", *flags],
+        [
+            sys.executable,
+            "-m",
+            "kvstore.cli",
+            "serve",
+            "--nvme-path",
+            "",
+            "--metrics-listen",
+            "127.0.0.1:0",
+            *flags,
+        ],
         capture_output=True,
         text=True,
         timeout=timeout,

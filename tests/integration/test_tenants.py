@@ -269,7 +269,16 @@ def test_tenants_that_cannot_be_told_apart_refuse_to_start(
         text = "\n".join(line for line in text.splitlines() if "tokens_file" not in line)
     config.write_text(text)
     done = subprocess.run(
-        [sys.executable, "-m", "kvstore.cli", "serve", "--config", str(config)],
+        [
+            sys.executable,
+            "-m",
+            "kvstore.cli",
+            "serve",
+            "--config",
+            str(config),
+            "--metrics-listen",
+            "127.0.0.1:0",
+        ],
         capture_output=True,
         text=True,
         timeout=60,

@@ -31,6 +31,8 @@ class StoreProcess:
             "-c",
             "import sys; from kvstore.cli import main; sys.exit(main())",
             "serve",
+            "--metrics-listen",
+            "127.0.0.1:0",
             "--listen",
             self.target,
             "--nvme-path",

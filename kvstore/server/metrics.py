@@ -1,0 +1,191 @@
+"""Prometheus metrics of a running server, read at scrape time.
+
+Nothing here sits on a request's path: the data planes time each request into
+:data:`~kvstore.server.durations.DURATIONS`, and everything else (tier usage, hits, misses by
+reason, the shared tier, prefetch and shared-memory state) is read from the stores' own counters
+by :class:`StoreCollector` when Prometheus scrapes. The names are a contract with the dashboard
+and alert rules (``deploy/grafana``).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from kvstore.server.durations import BUCKETS, DURATIONS, Durations
+from kvstore.store.counters import MISS_REASONS
+
+if TYPE_CHECKING:  # tenancy imports the shared-memory server, which records durations
+    from kvstore.server.tenancy import Tenant, Tenants
+
+__all__ = ["StoreCollector", "build_registry"]
+
+_PREFETCH_OUTCOMES = {
+    "ready": "prefetch_keys_ready",
+    "missing": "prefetch_keys_missing",
+    "failed": "prefetch_keys_failed",
+    # Prefetches cancelled (each may have held many keys; the prefetcher counts calls).
+    "cancelled": "prefetch_cancelled",
+}
+
+
+def _family(kind: Any, name: str, doc: str, labels: list[str]) -> Any:
+    return kind(name, doc, labels=labels)
+
+
+class StoreCollector(Collector):
+    """Reads every tenant's store, prefetcher and shared-memory server when scraped."""
+
+    def __init__(self, tenants: Tenants, version: str, durations: Durations = DURATIONS) -> None:
+        self._tenants = tenants
+        self._version = version
+        self._durations = durations
+
+    def collect(self) -> Iterable[Metric]:
+        """One family per metric name, a series per tenant (and tier, reason...)."""
+        c = CounterMetricFamily
+        g = GaugeMetricFamily
+        tt = ["tier", "tenant"]
+        f: dict[str, Any] = {
+            "hits": _family(c, "kvstore_tier_hits", "Blocks served from the tier", tt),
+            "misses": _family(
+                c, "kvstore_misses", "Keys not served, by reason", ["reason", "tenant"]
+            ),
+            "read": _family(c, "kvstore_tier_read_bytes", "Payload bytes served from the tier", tt),
+            "written": _family(
+                c, "kvstore_tier_written_bytes", "Payload bytes written into the tier", tt
+            ),
+            "evictions": _family(c, "kvstore_tier_evictions", "Blocks evicted from the tier", tt),
+            "demotions": _family(
+                c, "kvstore_tier_demotions", "Blocks moved down out of the tier", tt
+            ),
+            "promotions": _family(
+                c, "kvstore_tier_promotions", "Blocks moved up into the tier", tt
+            ),
+            "write_errors": _family(
+                c, "kvstore_tier_write_errors", "Writes the tier's medium refused", tt
+            ),
+            "corrupt": _family(
+                c, "kvstore_tier_corrupt_blocks", "Blocks that failed verification", tt
+            ),
+            "dropped": _family(
+                c,
+                "kvstore_shared_writes_dropped",
+                "Write-throughs to the shared tier given up (tier down, backlog full)",
+                ["tenant"],
+            ),
+            "reconnects": _family(
+                c, "kvstore_shared_reconnects", "Shared-tier outages ended", ["tenant"]
+            ),
+            "prefetch": _family(
+                c, "kvstore_prefetch_keys", "Prefetched keys by outcome", ["outcome", "tenant"]
+            ),
+            "lookups": _family(c, "kvstore_lookups", "Lookup calls", ["plane", "tenant"]),
+            "blocks": _family(g, "kvstore_tier_resident_blocks", "Blocks the tier holds", tt),
+            "bytes": _family(g, "kvstore_tier_resident_bytes", "Bytes the tier holds", tt),
+            "capacity": _family(g, "kvstore_tier_capacity_bytes", "The tier's capacity", tt),
+            "up": _family(
+                g, "kvstore_shared_tier_up", "1 while the shared tier answers", ["tenant"]
+            ),
+            "backlog": _family(
+                g,
+                "kvstore_shared_write_backlog_bytes",
+                "Payload bytes on their way to the shared tier",
+                ["tenant"],
+            ),
+            "queue": _family(
+                g, "kvstore_prefetch_queue_keys", "Keys of unfinished prefetches", ["tenant"]
+            ),
+            "connections": _family(
+                g, "kvstore_shm_connections", "Shared-memory connections open", ["tenant"]
+            ),
+            "leases": _family(g, "kvstore_shm_leases", "Arena leases held by clients", ["tenant"]),
+            "reservations": _family(
+                g, "kvstore_shm_reservations", "Arena reservations held by clients", ["tenant"]
+            ),
+        }
+        for tenant in self._tenants:
+            self._collect_tenant(tenant, f)
+        f["misses"].add_metric(["denied", ""], self._durations.denied)
+        yield from f.values()
+        yield self._histogram()
+        info = GaugeMetricFamily("kvstore_build_info", "The server's version", labels=["version"])
+        info.add_metric([self._version], 1)
+        yield info
+
+    def _collect_tenant(self, tenant: Tenant, f: dict[str, Any]) -> None:
+        name = tenant.name
+        store = tenant.store
+        counters = store.counters
+        stats = store.stats()
+        for tier_name, entry in stats["tiers"].items():
+            labels = [tier_name, name]
+            f["hits"].add_metric(labels, counters.tier_hits[tier_name])
+            f["read"].add_metric(labels, counters.read_bytes[tier_name])
+            f["written"].add_metric(labels, counters.written_bytes[tier_name])
+            f["evictions"].add_metric(labels, counters.evictions[tier_name])
+            f["demotions"].add_metric(labels, counters.demotions[tier_name])
+            f["promotions"].add_metric(labels, counters.promotions[tier_name])
+            f["write_errors"].add_metric(labels, entry.get("write_errors", 0))
+            f["corrupt"].add_metric(labels, entry.get("corrupt_blocks", 0))
+            f["blocks"].add_metric(labels, entry.get("blocks", 0))
+            f["bytes"].add_metric(labels, entry.get("used", 0))
+            f["capacity"].add_metric(labels, entry.get("capacity", 0))
+        for reason in MISS_REASONS:
+            if reason != "denied":
+                f["misses"].add_metric([reason, name], counters.misses[reason])
+        values = counters.values
+        writer = store.shared_writer
+        shared = writer.tier
+        if shared is not None:
+            dropped = values["write_through_dropped"] + shared.writes_dropped
+            f["dropped"].add_metric([name], dropped)
+            f["reconnects"].add_metric([name], shared.reconnects)
+            f["up"].add_metric([name], int(shared.up))
+            f["backlog"].add_metric([name], writer.backlog_bytes)
+        prefetch = tenant.prefetcher.stats()
+        for outcome, counter in _PREFETCH_OUTCOMES.items():
+            f["prefetch"].add_metric([outcome, name], prefetch.get(counter, 0))
+        f["queue"].add_metric([name], prefetch.get("prefetch_queued_keys", 0))
+        for plane in ("grpc", "shm"):
+            f["lookups"].add_metric([plane, name], self._durations.count("lookup", plane, name))
+        f["lookups"].add_metric(["index", name], values["index_lookups"])
+        shm = tenant.shm.stats() if tenant.shm is not None else {}
+        f["connections"].add_metric([name], shm.get("connections", 0))
+        f["leases"].add_metric([name], shm.get("leases", 0))
+        f["reservations"].add_metric([name], shm.get("reservations", 0))
+
+    def _histogram(self) -> HistogramMetricFamily:
+        family = HistogramMetricFamily(
+            "kvstore_request_duration_seconds",
+            "Time to serve a request, by operation and data plane",
+            labels=["op", "plane", "tenant"],
+        )
+        for labels, series in self._durations.items():
+            running = 0.0
+            buckets: list[tuple[str, float]] = []
+            for bound, count in zip([*BUCKETS, float("inf")], series[:-1], strict=True):
+                running += count
+                buckets.append(("+Inf" if bound == float("inf") else repr(bound), running))
+            family.add_metric(list(labels), buckets, series[-1])
+        return family
+
+
+def build_registry(tenants: Tenants, version: str | None = None) -> CollectorRegistry:
+    """A registry holding only this server's metrics (no process or platform collectors);
+    ``version`` defaults to the package's (read from the loaded package: importing it from here
+    would be an import of a higher layer)."""
+    if version is None:
+        version = str(getattr(sys.modules["kvstore"], "__version__", ""))
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StoreCollector(tenants, version))
+    return registry

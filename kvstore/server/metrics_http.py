@@ -1,0 +1,156 @@
+"""The ``/metrics`` endpoint: a small HTTP/1.1 server on the event loop (``server.metrics_listen``).
+
+It runs on the server's own event loop, so a scrape reads the stores' counters on the thread that
+changes them (no lock, no torn reads), and it follows the gRPC port's rules: with
+``server.tokens_file`` every scrape needs ``Authorization: Bearer <token>`` of a listed token
+(401 otherwise); with ``server.tls_cert`` it is served over TLS with the same certificate (and,
+with ``server.tls_client_ca``, requires a client certificate signed by it); beyond loopback with
+neither, it is refused unless ``server.allow_unauthenticated``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import logging
+import ssl
+
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.registry import CollectorRegistry
+
+from kvstore.config import ServerConfig
+from kvstore.errors import ConfigError
+from kvstore.server.auth import is_loopback, load_tokens
+
+__all__ = ["MetricsServer", "check_metrics_exposure"]
+
+logger = logging.getLogger(__name__)
+
+# A scrape request is a few hundred bytes; anything past this is not Prometheus.
+_MAX_REQUEST_BYTES = 16 * 1024
+_REQUEST_TIMEOUT_S = 10.0
+
+
+def check_metrics_exposure(server: ServerConfig) -> None:
+    """Refuse (ConfigError, one line) a metrics port beyond loopback with nobody authenticated."""
+    listen = server.metrics_listen
+    if not listen or is_loopback(listen):
+        return
+    if server.tokens_file or server.tls_client_ca or server.allow_unauthenticated:
+        return
+    raise ConfigError(
+        f"server.metrics_listen = {listen} is beyond loopback and no client is authenticated: "
+        "configure server.tokens_file or server.tls_client_ca, set "
+        "server.allow_unauthenticated = true, or listen on loopback (--metrics-listen "
+        "127.0.0.1:9464; '' turns the endpoint off)"
+    )
+
+
+class MetricsServer:
+    """Serves ``registry`` at ``/metrics`` on ``server.metrics_listen``."""
+
+    def __init__(self, registry: CollectorRegistry, config: ServerConfig) -> None:
+        self._registry = registry
+        self._config = config
+        self._tokens = load_tokens(config.tokens_file) if config.tokens_file else None
+        self._server: asyncio.Server | None = None
+        #: ``http(s)://HOST:PORT/metrics`` once started.
+        self.url = ""
+
+    def _ssl(self) -> ssl.SSLContext | None:
+        config = self._config
+        if not config.tls_cert:
+            return None
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        try:
+            context.load_cert_chain(config.tls_cert, config.tls_key)
+            if config.tls_client_ca:
+                context.load_verify_locations(config.tls_client_ca)
+                context.verify_mode = ssl.CERT_REQUIRED
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"server.tls_cert / tls_key: cannot load them ({exc})") from exc
+        return context
+
+    async def start(self) -> str:
+        """Bind and serve; returns the URL. A port in use is an OSError naming the setting."""
+        listen = self._config.metrics_listen
+        host, _, port = listen.rpartition(":")
+        context = self._ssl()
+        try:
+            self._server = await asyncio.start_server(
+                self._handle, host.strip("[]"), int(port), ssl=context
+            )
+        except OSError as exc:
+            raise OSError(
+                f"server.metrics_listen={listen!r}: cannot listen ({exc.strerror}); choose "
+                "another with --metrics-listen HOST:PORT, or '' to turn metrics off"
+            ) from None
+        bound = self._server.sockets[0].getsockname()
+        shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+        scheme = "https" if context is not None else "http"
+        self.url = f"{scheme}://{shown}:{bound[1]}/metrics"
+        return self.url
+
+    async def close(self) -> None:
+        """Stop listening and close open scrapes."""
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _REQUEST_TIMEOUT_S)
+            if len(head) > _MAX_REQUEST_BYTES:
+                raise ValueError("request too long")
+            await self._answer(head.decode("latin-1"), writer)
+        except (
+            asyncio.IncompleteReadError,
+            asyncio.LimitOverrunError,
+            TimeoutError,
+            ValueError,
+            ConnectionError,
+            ssl.SSLError,
+        ) as exc:
+            logger.debug("metrics request dropped: %s", exc)
+        finally:
+            writer.close()
+            with contextlib.suppress(ConnectionError, ssl.SSLError):
+                await writer.wait_closed()
+
+    async def _answer(self, head: str, writer: asyncio.StreamWriter) -> None:
+        lines = head.split("\r\n")
+        method, path, *_ = [*lines[0].split(" "), "", ""]
+        headers = {}
+        for line in lines[1:]:
+            name, sep, value = line.partition(":")
+            if sep:
+                headers[name.strip().lower()] = value.strip()
+        if method not in ("GET", "HEAD"):
+            status, body, kind = "405 Method Not Allowed", b"use GET\n", "text/plain"
+        elif path.split("?")[0] != "/metrics":
+            status, body, kind = "404 Not Found", b"see /metrics\n", "text/plain"
+        elif not self._authorized(headers.get("authorization", "")):
+            status, body, kind = "401 Unauthorized", b"bearer token required\n", "text/plain"
+        else:
+            status, body, kind = "200 OK", generate_latest(self._registry), CONTENT_TYPE_LATEST
+        extra = 'WWW-Authenticate: Bearer realm="kvstore"\r\n' if status.startswith("401") else ""
+        writer.write(
+            (
+                f"HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {len(body)}\r\n"
+                f"{extra}Connection: close\r\n\r\n"
+            ).encode()
+            + (body if method != "HEAD" else b"")
+        )
+        await writer.drain()
+
+    def _authorized(self, header: str) -> bool:
+        if self._tokens is None:
+            return True
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            return False
+        digest = hashlib.sha256(token.strip().encode()).digest()
+        return any(hmac.compare_digest(digest, known) for known in self._tokens)
