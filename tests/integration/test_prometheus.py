@@ -55,6 +55,8 @@ from prometheus_server import (
 )
 
 from kvstore import ChunkHasher, KVStoreClient, Namespace
+from kvstore.config import load_config
+from kvstore.server.metrics_http import check_metrics_exposure
 
 if TYPE_CHECKING:
     from conftest import ServerFactory, ServerProcess
@@ -296,6 +298,11 @@ def test_dashboard_provisioning_and_compose_agree() -> None:
     assert environment["KVSTORE_SERVER_METRICS_LISTEN"] == f"0.0.0.0:{target.split(':')[1]}"
     assert target.split(":")[0] == "kvstore"
     assert environment["KVSTORE_REDIS_URL"].startswith("redis://redis:")
+    # The image's configuration with the compose environment is a valid one that serves metrics.
+    config = load_config(str(DEPLOY / "kvstore.toml"), env=dict(environment))
+    assert config.server.metrics_listen == environment["KVSTORE_SERVER_METRICS_LISTEN"]
+    assert config.redis.url == environment["KVSTORE_REDIS_URL"]
+    check_metrics_exposure(config.server)
 
     for path in DASHBOARDS.glob("*.json"):
         board = json.loads(path.read_text())
