@@ -112,6 +112,13 @@ class UcxDataServer:
         #: ``HOST:PORT`` clients connect to; set by :meth:`start`.
         self.address = ""
 
+    def tenant(self) -> str:
+        """The calling tenant's name ("" where the caller has none): a metrics label."""
+        try:
+            return self._scope().owner
+        except KVStoreError:
+            return ""
+
     async def start(self) -> None:
         """Start listening (port 0 picks a free one); ``UcxTransportError`` if ucxx is unusable."""
         ucxx = load_ucxx()

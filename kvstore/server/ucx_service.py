@@ -15,6 +15,7 @@ from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import ucx_pb2 as ucx_pb
 from kvstore._proto.kvstore.v1 import ucx_pb2_grpc as ucx_pb_grpc
 from kvstore.protocol.ucx import UcxTransportError
+from kvstore.server.durations import timed
 from kvstore.server.servicer import check_decoded, guard, tolerant_parser
 from kvstore.server.ucx import UcxDataServer, UcxScope
 from kvstore.store import TieredStore
@@ -42,7 +43,8 @@ class UcxTransferServicer(ucx_pb_grpc.UcxTransferServicer):  # type: ignore[misc
             check_decoded(request)
             return await self.data_server.get(request, context)
 
-        return await guard(context, call, _ABORTED)
+        with timed("get", "ucx", self.data_server.tenant):
+            return await guard(context, call, _ABORTED)
 
     async def UcxPut(
         self, request: ucx_pb.UcxPutRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -53,7 +55,8 @@ class UcxTransferServicer(ucx_pb_grpc.UcxTransferServicer):  # type: ignore[misc
             check_decoded(request)
             return await self.data_server.put(request, context)
 
-        return await guard(context, call, _ABORTED)
+        with timed("put", "ucx", self.data_server.tenant):
+            return await guard(context, call, _ABORTED)
 
 
 async def add_ucx_to_server(

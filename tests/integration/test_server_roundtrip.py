@@ -454,7 +454,8 @@ def test_stats_cli_json_and_table(shared: ServerProcess) -> None:
     done = run_cli("stats", "--target", shared.target)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert lines[0].split() == ["tier", "used", "capacity", "blocks", "hits", "evictions"]
+    header = ["tier", "used", "capacity", "blocks", "hits", "hit", "rate", "evictions"]
+    assert lines[0].split() == header
     assert lines[1].startswith("dram") and lines[2].startswith("nvme")
     assert f"blocks {blocks}" in done.stdout
 
