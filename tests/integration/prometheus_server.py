@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import socket
 import subprocess
 import time
 import urllib.error
@@ -47,8 +48,6 @@ def binary(name: str) -> str:
 
 def free_port() -> int:
     """A loopback TCP port nobody listens on right now."""
-    import socket
-
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
