@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 from store_blocks import PAGE, key, make_store, payload
 
+from kvstore.config import load_config
+from kvstore.errors import ConfigError
 from kvstore.keys import Namespace
 from kvstore.server.budget import InflightBudget
 from kvstore.server.durations import BUCKETS, Durations
@@ -97,3 +100,10 @@ async def test_collector_exports_the_contract_names_with_a_tenant_label() -> Non
         assert "kvstore_shared_tier_up{" not in text
     finally:
         await store.close()
+
+
+def test_metrics_listen_setting_from_the_environment() -> None:
+    assert load_config(env={}).server.metrics_listen == "127.0.0.1:9464"
+    assert load_config(env={"KVSTORE_SERVER_METRICS_LISTEN": ""}).server.metrics_listen == ""
+    with pytest.raises(ConfigError, match=r"server\.metrics_listen.*'nope'"):
+        load_config(env={"KVSTORE_SERVER_METRICS_LISTEN": "nope"})

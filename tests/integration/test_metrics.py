@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -21,9 +22,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pytest
 from block_forgery import rewrite_payload
+from certs import make_pki
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvstore import ChunkHasher, Namespace
+from kvstore import ChunkHasher, KVStoreClient, Namespace
 
 if TYPE_CHECKING:
     from conftest import ServerFactory, ServerProcess
@@ -231,3 +233,44 @@ def test_beyond_loopback_without_authentication_is_refused(tmp_path: Path) -> No
     )  # fmt: skip
     assert done.returncode != 0
     assert "server.metrics_listen" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_per_tenant_series_and_https_with_the_grpc_certificate(
+    server_factory: ServerFactory, tmp_path: Path
+) -> None:
+    pki = make_pki(tmp_path / "pki")
+    tokens = {"alice": "token-of-alice", "bob": "token-of-bob"}
+    tokens_file = tmp_path / "tokens"
+    tokens_file.write_text(
+        "".join(f"{name} {hashlib.sha256(t.encode()).hexdigest()}\n" for name, t in tokens.items())
+    )
+    config = tmp_path / "tenants.toml"
+    config.write_text(
+        f'[server]\ntokens_file = "{tokens_file}"\n'
+        '[tenants.a]\nidentities = ["alice"]\ndram = "16MiB"\nnvme = "16MiB"\n'
+        '[tenants.b]\nidentities = ["bob"]\ndram = "16MiB"\nnvme = "16MiB"\n'
+    )
+    tls = ("--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key))
+    server = server_factory("--config", str(config), *tls)
+    assert server.metrics_url.startswith("https://127.0.0.1:")
+    keys, values = blocks(5, 4)
+    with KVStoreClient(
+        server.target, namespace=NS, token=tokens["alice"], tls_ca=str(pki.ca)
+    ) as alice:
+        assert alice.put(keys, values).stored == 4
+    request = urllib.request.Request(server.metrics_url)
+    request.add_header("Authorization", f"Bearer {tokens['bob']}")
+    context = ssl.create_default_context(cafile=str(pki.ca))
+    with urllib.request.urlopen(request, timeout=10, context=context) as response:
+        text = response.read().decode()
+    samples: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, frozenset(sample.labels.items()))] = sample.value
+    resident = "kvstore_tier_resident_blocks"
+    assert value(samples, resident, tier="dram", tenant="a") == 4
+    assert value(samples, resident, tier="dram", tenant="b") == 0
+    assert value(samples, "kvstore_tier_capacity_bytes", tier="dram", tenant="b") == 16 * 1024**2
+    # Plain HTTP to the TLS port gets no answer (the handshake fails; no metrics in clear).
+    with pytest.raises((urllib.error.URLError, ConnectionError)):
+        urllib.request.urlopen(server.metrics_url.replace("https", "http"), timeout=10)
