@@ -5,8 +5,9 @@
 #   KVSTORE_SKIP_VLLM=1 bash scripts/test.sh   # leave out the real-vLLM suite
 #   KVSTORE_SKIP_SLOW=1 bash scripts/test.sh   # leave out the slow suite (long fuzz runs)
 #
-# Installs redis-server and kubectl (apt) if missing, creates .venv with the local CPU torch wheel
-# and the package with its test extra, then runs ruff, mypy, the generated-code check and pytest.
+# Installs redis-server, prometheus and kubectl (apt) if missing, creates .venv with the local CPU
+# torch wheel and the package with its test extra, then runs ruff, mypy, the generated-code check
+# and pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,6 +26,12 @@ if ! command -v kubectl >/dev/null 2>&1; then
         echo "kubectl: no apt source carries it; add https://pkgs.k8s.io (see kubernetes.io/docs/tasks/tools/install-kubectl-linux) and rerun" >&2
         exit 1
     }
+fi
+# A real Prometheus (and promtool) checks the shipped dashboard and alert rules.
+if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; then
+    echo "--- installing prometheus"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null
 fi
 
 bash scripts/setup.sh
