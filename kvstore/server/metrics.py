@@ -127,6 +127,7 @@ class StoreCollector(Collector):
         store = tenant.store
         counters = store.counters
         stats = store.stats()
+        shared_tier = store.shared_writer.tier
         for tier_name, entry in stats["tiers"].items():
             labels = [tier_name, name]
             f["hits"].add_metric(labels, counters.tier_hits[tier_name])
@@ -139,7 +140,10 @@ class StoreCollector(Collector):
             f["corrupt"].add_metric(labels, entry.get("corrupt_blocks", 0))
             f["blocks"].add_metric(labels, entry.get("blocks", 0))
             f["bytes"].add_metric(labels, entry.get("used", 0))
-            f["capacity"].add_metric(labels, entry.get("capacity", 0))
+            if not (shared_tier is not None and tier_name == shared_tier.name):
+                # Redis evicts by itself and no node knows its size: the store's stand-in
+                # capacity (2**62) would make every fill ratio read 0.
+                f["capacity"].add_metric(labels, entry.get("capacity", 0))
         for reason in MISS_REASONS:
             if reason != "denied":
                 f["misses"].add_metric([reason, name], counters.misses[reason])

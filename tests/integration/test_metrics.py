@@ -84,6 +84,9 @@ def test_outage_corruption_and_eviction_show_under_their_tier_and_reason(
         before = scrape(server)
         assert value(before, "kvstore_shared_tier_up") == 1
         assert value(before, "kvstore_misses_total", reason="corrupt") == 0
+        # Redis has no capacity a node knows of: no series, rather than a fill ratio of 0.
+        assert ("kvstore_tier_capacity_bytes", _labels(tier="redis")) not in before
+        assert value(before, "kvstore_tier_capacity_bytes", tier="dram") == 1024**2
 
         keys, values = blocks(1, 40)
         raw = redis_server.client()
