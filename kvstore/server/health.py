@@ -16,7 +16,7 @@ import grpc
 from grpc_health.v1 import _async as health_async
 from grpc_health.v1 import health_pb2
 
-from kvstore.server.servicer import Undecodable, tolerant_parser
+from kvstore.server.rpc import Undecodable, tolerant_parser
 
 __all__ = ["HEALTH_SERVICE", "add_health_to_server"]
 

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator
 from typing import Any, TypeVar
 
 import grpc
-from google.protobuf.message import DecodeError, Message
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
@@ -22,9 +21,7 @@ from kvstore.errors import (
     CapacityError,
     DeadlineExceededError,
     InvalidRequestError,
-    KVStoreError,
     PermissionDeniedError,
-    status_of,
 )
 from kvstore.protocol.checks import (
     check_keys,
@@ -34,18 +31,12 @@ from kvstore.protocol.checks import (
 from kvstore.protocol.messages import MESSAGE_TARGET_BYTES
 from kvstore.server.budget import InflightBudget
 from kvstore.server.durations import DURATIONS, timed
+from kvstore.server.rpc import check_decoded, guard, tolerant_parser
 from kvstore.server.tenancy import Tenant, Tenants
 from kvstore.store import GetResult, TieredStore
 from kvstore.store.prefetch import Prefetcher, PrefetchState
 
-__all__ = [
-    "KVStoreServicer",
-    "Undecodable",
-    "add_to_server",
-    "check_decoded",
-    "guard",
-    "tolerant_parser",
-]
+__all__ = ["KVStoreServicer", "add_to_server"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,38 +58,6 @@ def _server_counters(tenant: Tenant) -> dict[str, int]:
         # Calls refused for their credentials belong to no tenant: the server's count.
         "miss_denied": DURATIONS.denied,
     }
-
-
-async def guard(
-    context: grpc.aio.ServicerContext[Any, Any],
-    call: Callable[[], Awaitable[T]],
-    statuses: Mapping[type[Exception], grpc.StatusCode] | None = None,
-) -> T:
-    """Run ``call``; map kvstore errors to their status, anything else to INTERNAL.
-
-    ``statuses`` maps further exception types to the status they answer with (a transport's own
-    failures, say); anything still unmatched is logged as a bug.
-    """
-    try:
-        return await call()
-    except KVStoreError as exc:
-        code, details = status_of(exc), str(exc)
-        if isinstance(exc, PermissionDeniedError):
-            DURATIONS.denied += 1  # a ``denied`` miss: the call was refused before any key
-    except DecodeError as exc:  # a streamed message that is not protobuf
-        code, details = grpc.StatusCode.INVALID_ARGUMENT, f"undecodable request: {exc}"
-    except Exception as exc:
-        matched = [status for kind, status in (statuses or {}).items() if isinstance(exc, kind)]
-        if matched:
-            code, details = matched[0], str(exc)
-        else:
-            logger.exception("unexpected failure serving a request")
-            code, details = grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
-    # Aborted outside the except clause: the abort must not chain the request's exception, whose
-    # traceback holds the frames (and every payload a refused Put stream had received) for as
-    # long as grpc keeps the abort around.
-    await context.abort(code, details)
-    raise AssertionError("unreachable: context.abort raises")
 
 
 class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generated, untyped
@@ -448,35 +407,6 @@ _PREFETCH_STATE = {
     PrefetchState.DONE: pb.PREFETCH_STATE_DONE,
     PrefetchState.CANCELLED: pb.PREFETCH_STATE_CANCELLED,
 }
-
-
-class Undecodable:
-    """Stands in for a request whose bytes are not the expected protobuf message."""
-
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
-
-
-def check_decoded(request: Any) -> None:
-    """Refuse (INVALID_ARGUMENT) a request :func:`tolerant_parser` could not decode."""
-    if isinstance(request, Undecodable):
-        raise InvalidRequestError(f"undecodable request: {request.reason}")
-
-
-def tolerant_parser(message_type: type[Message]) -> Callable[[bytes], Any]:
-    """A deserializer that hands undecodable bytes to the handler instead of failing in grpc.
-
-    grpc answers a raising deserializer with UNKNOWN; letting the handler see it gives the client
-    INVALID_ARGUMENT with a message, as for every other malformed request.
-    """
-
-    def parse(data: bytes) -> Any:
-        try:
-            return message_type.FromString(data)
-        except DecodeError as exc:
-            return Undecodable(str(exc))
-
-    return parse
 
 
 def add_to_server(servicer: KVStoreServicer, server: grpc.aio.Server) -> None:

@@ -16,7 +16,7 @@ from kvstore._proto.kvstore.v1 import ucx_pb2 as ucx_pb
 from kvstore._proto.kvstore.v1 import ucx_pb2_grpc as ucx_pb_grpc
 from kvstore.protocol.ucx import UcxTransportError
 from kvstore.server.durations import timed
-from kvstore.server.servicer import check_decoded, guard, tolerant_parser
+from kvstore.server.rpc import check_decoded, guard, tolerant_parser
 from kvstore.server.ucx import UcxDataServer, UcxScope
 from kvstore.store import TieredStore
 
