@@ -28,10 +28,12 @@ off (a retry would multiply the wait). A connection error or timeout marks the t
 down, reads are misses, writes are dropped (``writes_dropped``) and removes are skipped (the TTL
 cleans up), all without touching the network. A background task pings a fresh client with capped,
 jittered exponential backoff and marks the tier *up* again. Other Redis errors (e.g. ``OOM`` under
-``maxmemory-policy noeviction``) fail that one call and leave the tier up. No Redis trouble ever
-raises to the caller. The timeout covers a whole batch, so size it for the largest batch a call
-moves (redis-py reads ~0.5 GB/s: 64 MiB take ~130 ms); too short a timeout turns a big read into
-an outage.
+``maxmemory-policy noeviction``) fail that one call and leave the tier up. In cluster mode a
+dead master takes the whole tier down until its replica is promoted: the reconnect client
+bootstraps from every node seen so far (the URL's node may be the dead one) and counts as up once
+every primary answers PING. No Redis trouble ever raises to the caller. The timeout covers a
+whole batch, so size it for the largest batch a call moves (redis-py reads ~0.5 GB/s: 64 MiB take
+~130 ms); too short a timeout turns a big read into an outage.
 
 :meth:`RedisTier.write` returns False only for a dropped block; :attr:`RedisTier.up` lets a caller
 skip the tier while it is down instead of evicting to make room that would not help.
@@ -50,7 +52,7 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from redis.asyncio import Redis
-from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import (
@@ -131,6 +133,9 @@ class RedisTier(Tier):
         self._prefix = key_prefix.encode()
         # PX (milliseconds) rather than EX so that fractional TTLs are honoured.
         self._ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
+        # Every cluster node a client has seen ("host", port): a fresh client bootstraps from
+        # them too, not only from the URL's node, which may be the master that just died.
+        self._cluster_nodes: dict[tuple[str, int], None] = {}
         self._client = self._make_client()
         self._up = True
         self._closed = False
@@ -157,7 +162,10 @@ class RedisTier(Tier):
         }
         for scheme, plain in _CLUSTER_SCHEMES.items():
             if self.url.startswith(scheme):
-                return RedisCluster.from_url(plain + self.url[len(scheme) :], **options)
+                known = [ClusterNode(host, port) for host, port in self._cluster_nodes]
+                return RedisCluster.from_url(
+                    plain + self.url[len(scheme) :], startup_nodes=known, **options
+                )
         if self.url.startswith(_SINGLE_SCHEMES):
             return Redis.from_url(self.url, **options)
         allowed = ", ".join([*_SINGLE_SCHEMES, *_CLUSTER_SCHEMES])
@@ -209,7 +217,7 @@ class RedisTier(Tier):
             await self._discard(self._client)
             self._client = self._make_client()
             try:
-                await asyncio.wait_for(self._client.ping(), self.op_timeout_s)
+                await asyncio.wait_for(self._ping(self._client), self.op_timeout_s)
             except (*_OUTAGE_ERRORS, RedisError) as exc:
                 logger.debug("redis reconnect attempt %d failed: %s", attempts, exc)
                 delay = min(delay * 2, cap)
@@ -219,7 +227,18 @@ class RedisTier(Tier):
             logger.warning("redis tier up again after %d attempt(s)", attempts)
             return
 
+    async def _ping(self, client: _Client) -> None:
+        if isinstance(client, RedisCluster):
+            # Only the primaries: every slot needs one, while a dead node the cluster still
+            # lists (a failed replica, the old master) must not keep the tier down.
+            await client.ping(target_nodes=RedisCluster.PRIMARIES)
+        else:
+            await client.ping()
+
     async def _discard(self, client: _Client) -> None:
+        if isinstance(client, RedisCluster):
+            for node in client.get_nodes():
+                self._cluster_nodes[(node.host, int(node.port))] = None
         try:
             await asyncio.wait_for(client.aclose(), self.op_timeout_s)
         except (*_OUTAGE_ERRORS, RedisError) as exc:

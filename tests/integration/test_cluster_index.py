@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -21,7 +19,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
-import redis
 
 from kvstore import ChunkHasher, Namespace
 from kvstore.cluster import ClusterIndex, Holding, Layout, connect
@@ -30,7 +27,8 @@ if TYPE_CHECKING:
     from conftest import ServerFactory
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tiers"))
-from redis_server import RedisServer, free_port, redis_server_binary
+from redis_cluster import RedisCluster
+from redis_server import RedisServer
 
 NS = Namespace(model="cluster-index", num_layers=2, num_kv_heads=2, head_size=64)
 HASHER = ChunkHasher(chunk_size=16, namespace=NS)
@@ -166,60 +164,8 @@ def test_redis_outage_keeps_serving_and_republishes_in_full(
 @pytest.fixture
 def redis_cluster(tmp_path: Path) -> Iterator[str]:
     """A real three-shard Redis Cluster (no replicas); yields its ``redis+cluster://`` URL."""
-    binary = redis_server_binary()
-    ports = [_cluster_port() for _ in range(3)]
-    processes = []
-    try:
-        for port in ports:
-            directory = tmp_path / f"cluster-{port}"
-            directory.mkdir()
-            command = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
-            command += ["--appendonly", "no", "--cluster-enabled", "yes", "--dir", str(directory)]
-            log = (directory / "log").open("wb")
-            processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT))
-        for port in ports:
-            poll(lambda port=port: _answers(port), 10.0, f"redis-server on {port}")
-        nodes = [f"127.0.0.1:{port}" for port in ports]
-        create = ["redis-cli", "--cluster", "create", *nodes, "--cluster-replicas", "0"]
-        subprocess.run(
-            [*create, "--cluster-yes"],
-            check=True,
-            capture_output=True,
-            timeout=60,
-        )
-        poll(lambda: all(_cluster_ok(port) for port in ports), 30.0, "cluster_state:ok")
-        yield f"redis+cluster://127.0.0.1:{ports[0]}/0"
-    finally:
-        for process in processes:
-            process.kill()
-            process.wait()
-
-
-def _cluster_port() -> int:
-    """A free port whose cluster bus port (``port + 10000``) is valid and free too."""
-    while True:
-        port = free_port()
-        if port + 10000 <= 65535:
-            with socket.socket() as sock:
-                try:
-                    sock.bind(("127.0.0.1", port + 10000))
-                except OSError:
-                    continue
-            return port
-
-
-def _answers(port: int) -> bool:
-    try:
-        with redis.Redis(host="127.0.0.1", port=port, socket_timeout=1.0) as client:
-            return bool(client.ping())
-    except redis.RedisError:
-        return False
-
-
-def _cluster_ok(port: int) -> bool:
-    with redis.Redis(host="127.0.0.1", port=port, socket_timeout=1.0) as client:
-        info = client.execute_command("CLUSTER INFO")  # parsed into a dict by redis-py
-        return bool(info.get("cluster_state") == "ok")
+    with RedisCluster(tmp_path / "cluster", masters=3, replicas=0) as cluster:
+        yield cluster.url
 
 
 def test_index_on_a_redis_cluster(server_factory: ServerFactory, redis_cluster: str) -> None:
