@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,7 +30,7 @@ TOKEN = "peer-token-for-tests"
 
 
 @pytest.fixture
-def redis_server(tmp_path: Path):  # type: ignore[no-untyped-def]
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     with RedisServer(tmp_path / "redis") as server:
         yield server
 
