@@ -30,7 +30,11 @@ from kvstore.policy import EVICTIONS, NVME_ADMISSIONS, SHARED_WRITES
 from kvstore.sizes import SIZE_HINT, format_size, parse_size
 from kvstore.tenant_config import TenantConfig, tenant_tables
 
+#: Accepted values of ``cluster.shared_data`` (see :class:`ClusterConfig`).
+SHARED_DATA = ("redis", "peers", "both")
+
 __all__ = [
+    "SHARED_DATA",
     "SIZE_HINT",
     "ClusterConfig",
     "Config",
@@ -273,7 +277,11 @@ class ClusterConfig:
     """The cluster index (:mod:`kvstore.cluster`): which node holds which blocks, in Redis.
 
     ``url`` empty means ``redis.url``; ``node_id`` empty means one generated once and kept in
-    the nvme directory (random per start without one).
+    the nvme directory (random per start without one). ``shared_data`` (:data:`SHARED_DATA`):
+    where other nodes' blocks are read from: ``redis`` (the shared tier), ``peers`` (straight
+    from the node holding them, :mod:`kvstore.cluster.peers`; Redis then holds only the index),
+    ``both`` (peers first, then Redis). ``peer_token``: the bearer token a node presents to its
+    peers (empty: none); ``peer_timeout_s`` bounds a peer read when its request set no deadline.
     """
 
     enabled: bool = False
@@ -282,6 +290,9 @@ class ClusterConfig:
     lease_ttl_s: float = 10.0
     publish_interval_s: float = 0.1
     key_prefix: str = "kvstore:cluster:v1:"
+    shared_data: str = "redis"
+    peer_token: str = field(default="", repr=False)
+    peer_timeout_s: float = 2.0
 
     def __post_init__(self) -> None:
         if self.lease_ttl_s < 0.1:
@@ -291,6 +302,12 @@ class ClusterConfig:
                 "cluster.publish_interval_s must be > 0 and <= cluster.lease_ttl_s, "
                 f"got {self.publish_interval_s}"
             )
+        if self.shared_data not in SHARED_DATA:
+            raise ConfigError(
+                f"cluster.shared_data must be one of {list(SHARED_DATA)}, got {self.shared_data!r}"
+            )
+        if self.peer_timeout_s <= 0:
+            raise ConfigError(f"cluster.peer_timeout_s must be > 0, got {self.peer_timeout_s}")
 
 
 @dataclass(frozen=True)
@@ -357,6 +374,11 @@ class Config:
     def __post_init__(self) -> None:
         if self.cluster.enabled and not (self.cluster.url or self.redis.url):
             raise ConfigError("cluster.enabled needs cluster.url or redis.url; both are empty")
+        if self.cluster.shared_data != "redis" and not self.cluster.enabled:
+            raise ConfigError(
+                f"cluster.shared_data = {self.cluster.shared_data!r} needs cluster.enabled = true "
+                "(peers are found through the cluster index)"
+            )
 
 
 _SECTIONS: dict[str, type[Any]] = {

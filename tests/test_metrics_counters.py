@@ -43,6 +43,8 @@ async def test_misses_by_reason_bytes_and_moves_per_tier() -> None:
             "miss_deadline": 2,
             "miss_denied": 0,
             "miss_namespace": 1,
+            "miss_peer_timeout": 0,
+            "miss_peer_down": 0,
         }
         dram = store.stats()["tiers"]["dram"]
         assert dram["evictions"] == 2 and dram["hits"] == 1

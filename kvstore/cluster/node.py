@@ -5,8 +5,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
+from kvstore.cluster.index import ClusterIndex
 from kvstore.cluster.layout import Client, Layout, connect
 from kvstore.cluster.membership import Membership, NodeInfo, node_id_for
+from kvstore.cluster.peers import PeerSource
 from kvstore.cluster.publisher import Publisher
 from kvstore.config import Config
 from kvstore.errors import ConfigError
@@ -18,15 +20,27 @@ logger = logging.getLogger(__name__)
 
 
 class ClusterNode:
-    """A node's membership and one publisher per tenant store."""
+    """A node's membership, one publisher per tenant store and, with peer fetch, one peer
+    source per tenant store."""
 
-    def __init__(self, client: Client, membership: Membership, publishers: list[Publisher]):
+    def __init__(
+        self,
+        client: Client,
+        membership: Membership,
+        publishers: list[Publisher],
+        peers: Mapping[str, tuple[TieredStore, PeerSource]] | None = None,
+    ):
         self.client = client
         self.membership = membership
         self.publishers = publishers
+        #: By tenant: the store and the peer source it reads through.
+        self.peers = dict(peers or {})
 
     async def stop(self) -> None:
         """Leave the index: lease first (entries stop counting at once), then the entries."""
+        for store, source in self.peers.values():
+            store.set_remote_source(None)
+            await source.aclose()
         for publisher in self.publishers:
             await publisher.stop()
         await self.membership.stop()
@@ -75,4 +89,20 @@ async def start_cluster(
         publisher.start()
     await membership.start()
     logger.info("cluster index: node %s publishing to %s", node_id, settings.key_prefix)
-    return ClusterNode(client, membership, publishers)
+    peers: dict[str, tuple[TieredStore, PeerSource]] = {}
+    if settings.shared_data in ("peers", "both"):
+        for tenant, store in stores.items():
+            source = PeerSource(
+                ClusterIndex(client, layout.for_tenant(tenant)),
+                node_id,
+                store.counters,
+                token=settings.peer_token,
+                timeout_s=settings.peer_timeout_s,
+                max_block_bytes=store.max_block_bytes,
+            )
+            store.set_remote_source(source)
+            peers[tenant] = (store, source)
+        logger.info(
+            "cluster index: reading other nodes' blocks from peers (%s)", settings.shared_data
+        )
+    return ClusterNode(client, membership, publishers, peers)

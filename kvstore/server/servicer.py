@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, TypeVar
 
@@ -35,6 +36,7 @@ from kvstore.server.rpc import check_decoded, guard, tolerant_parser
 from kvstore.server.tenancy import Tenant, Tenants
 from kvstore.store import GetResult, TieredStore
 from kvstore.store.prefetch import Prefetcher, PrefetchState
+from kvstore.store.remote import REQUEST_DEADLINE
 
 __all__ = ["KVStoreServicer", "add_to_server"]
 
@@ -216,6 +218,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
         or the client gone) count as ``deadline`` misses."""
         store, budget = tenant.store, tenant.budget
         answered = 0
+        left = context.time_remaining()
+        # Reads this call makes on other nodes (peer fetch) end by its deadline.
+        REQUEST_DEADLINE.set(None if left is None else time.monotonic() + left)
         try:
             async for response in self._windows(store, budget, keys, namespace, context):
                 answered = response[0]

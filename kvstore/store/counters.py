@@ -15,8 +15,20 @@ __all__ = ["MISS_REASONS", "StoreCounters"]
 #: ``absent`` never stored here (as far as this node knows), ``evicted`` it left the store to make
 #: room, ``corrupt`` its copy failed verification, ``tier_down`` the shared tier that may hold it
 #: is down, ``namespace`` it is stored under another namespace; the server adds ``deadline`` (the
-#: call ran out of time) and ``denied`` (the caller's credentials were refused).
-MISS_REASONS = ("absent", "evicted", "corrupt", "tier_down", "deadline", "denied", "namespace")
+#: call ran out of time) and ``denied`` (the caller's credentials were refused); peer fetch adds
+#: ``peer_timeout`` (the peer holding it did not answer in time) and ``peer_down`` (it refused or
+#: failed, or is suspect since it last did).
+MISS_REASONS = (
+    "absent",
+    "evicted",
+    "corrupt",
+    "tier_down",
+    "deadline",
+    "denied",
+    "namespace",
+    "peer_timeout",
+    "peer_down",
+)
 
 # Keys remembered as evicted from the store, to tell an ``evicted`` miss from an ``absent`` one
 # (16 bytes a key plus the dict's overhead: about 10 MiB at most).

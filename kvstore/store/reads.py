@@ -4,19 +4,26 @@ Both find each key in the fastest tier holding it, read one batch per tier, fast
 ask the shared tier (one batched read) for keys this node does not index; :meth:`_read_found`
 is that common walk. They differ in what they do with a block found below: a get returns it at
 once and promotes it upward in the background; a promote copies it into the arena and waits.
+
+With a remote source (:mod:`.remote`, the cluster's peers), keys this node does not index are
+asked of it first, and what it does not serve goes on to the shared tier; a block it serves is
+placed here like a promotion (checksummed anew on the way into the host tier).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from kvstore.block import BlockHeader
 from kvstore.store.background import BackgroundTasks
 from kvstore.store.counters import StoreCounters
 from kvstore.store.index import BlockIndex, Whereabouts
 from kvstore.store.layout import TierStack
 from kvstore.store.mover import BlockMover
+from kvstore.store.remote import RemoteSource
 from kvstore.tiers.base import StoredBlock
 
 __all__ = ["BlockReader", "GetResult", "Promotion"]
@@ -54,6 +61,8 @@ class BlockReader:
         self._counters = counters
         self._mover = mover
         self._tasks = tasks
+        #: Where keys this node does not index are read first (``None``: nowhere but Redis).
+        self.remote: RemoteSource | None = None
 
     async def get(self, keys: Sequence[bytes], namespace: bytes) -> list[GetResult]:
         """Each key's payload and the tier that served it (see :meth:`TieredStore.get`)."""
@@ -64,6 +73,13 @@ class BlockReader:
         shared_level = self._stack.shared_level
         reasons: dict[int, str] = {}
         counters = self._counters
+        where, remote_found = await self._read_remote(keys, namespace, where, reasons)
+        for index, payload in remote_found:
+            name = self.remote.name if self.remote is not None else ""
+            results[index] = GetResult(payload, name)
+            counters.tier_hits[name] += 1
+            counters.read_bytes[name] += len(payload)
+            self._tasks.spawn(self._place_remote(keys[index], namespace, payload))
         async for index, level, block, epoch in self._read_found(keys, namespace, where, reasons):
             tier = self._stack[level].name
             results[index] = GetResult(block.payload, tier)
@@ -98,10 +114,55 @@ class BlockReader:
         for index in where.resident:
             outcomes[index] = "ready"
             self._index.levels[host].touch(keys[index])
+        where, remote_found = await self._read_remote(keys, namespace, where, reasons)
+        for index, payload in remote_found:
+            placed = await self._place_remote(keys[index], namespace, payload)
+            outcomes[index] = "ready" if placed else "failed"
         async for index, level, block, epoch in self._read_found(keys, namespace, where, reasons):
             promoted = await self._mover.copy_into(block.header, block.payload, level, host, epoch)
             outcomes[index] = "ready" if promoted else "failed"
         return outcomes
+
+    async def _read_remote(
+        self,
+        keys: Sequence[bytes],
+        namespace: bytes,
+        where: Whereabouts,
+        reasons: dict[int, str] | None,
+    ) -> tuple[Whereabouts, list[tuple[int, bytes]]]:
+        """Ask the remote source for the keys of ``where`` not indexed here: ``where`` less the
+        keys it served (the shared tier is asked for the rest), and ``(index, payload)`` per key
+        served. Without a source (or nothing unindexed) ``where`` is returned as it is."""
+        remote, unindexed = self.remote, where.unindexed
+        if remote is None or not unindexed:
+            return where, []
+        payloads, why = await remote.read([keys[index] for index in unindexed], namespace)
+        found: list[tuple[int, bytes]] = []
+        left: list[int] = []
+        for position, (index, payload) in enumerate(zip(unindexed, payloads, strict=True)):
+            if payload is None:
+                left.append(index)
+                if reasons is not None and position in why:
+                    reasons[index] = why[position]
+            else:
+                found.append((index, payload))
+        return dataclasses.replace(where, unindexed=left), found
+
+    async def _place_remote(self, key: bytes, namespace: bytes, payload: bytes) -> bool:
+        """Store a block a remote source served into the host tier (or below), like a
+        promotion; True if it is held here now."""
+        mover, index, stack = self._mover, self._index, self._stack
+        async with mover.lock:
+            if key in index:  # stored or fetched meanwhile
+                return index.meta[key].namespace == namespace
+            header = BlockHeader.for_payload(key, namespace, payload)
+            placed = await mover.place(
+                header, memoryview(payload), stack.host_level, stack.local_levels
+            )
+            if placed:
+                self._counters.add("promotions")
+                self._counters.promotions[placed] += 1
+            return placed is not None
 
     async def _read_found(
         self,

@@ -59,6 +59,7 @@ from kvstore.store.index import BlockIndex
 from kvstore.store.layout import TierStack
 from kvstore.store.mover import BlockMover
 from kvstore.store.reads import BlockReader, GetResult, Promotion
+from kvstore.store.remote import RemoteSource
 from kvstore.store.shared_writer import SharedTierWriter
 from kvstore.store.writes import BlockWriter
 from kvstore.tiers.base import Tier
@@ -283,6 +284,11 @@ class TieredStore:
         self._arena.cancel(reservations)
 
     # -- watching what the store holds (the cluster index) -------------------------------------
+
+    def set_remote_source(self, source: RemoteSource | None) -> None:
+        """Read keys this node does not index from ``source`` (the cluster's peers) once local
+        tiers miss, before the shared tier; see :mod:`kvstore.store.remote`."""
+        self._reader.remote = source
 
     def add_listener(self, listener: Callable[[bytes, str | None], None]) -> None:
         """Call ``listener(key, tier)`` whenever a key's fastest local tier changes: ``tier`` is

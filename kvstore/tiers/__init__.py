@@ -84,7 +84,8 @@ def _nvme_tier(config: Config) -> Tier | None:
 def _redis_tier(config: Config) -> Tier | None:
     """The shared tier, if it has a URL: the store writes through to it, never evicts there."""
     redis = config.redis
-    if not redis.url:
+    # With cluster.shared_data = peers, Redis holds only the cluster index: no payload tier.
+    if not redis.url or config.cluster.shared_data == "peers":
         return None
     return RedisTier(
         redis.url,

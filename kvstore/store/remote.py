@@ -1,0 +1,42 @@
+"""A *remote source*: where a store reads blocks it does not index once its local tiers miss.
+
+The cluster's peer fetch (:mod:`kvstore.cluster.peers`) is one: it asks the cluster index which
+live node holds a key and reads it from that node. The store knows only this interface; with no
+source set (the default) a get costs nothing more.
+
+A request's deadline reaches the source through :data:`REQUEST_DEADLINE` (set by the gRPC
+servicer for the call it serves), so a remote read never outlives the request that needs it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from contextvars import ContextVar
+from typing import Protocol
+
+__all__ = ["REQUEST_DEADLINE", "RemoteSource", "remaining_s"]
+
+#: The ``time.monotonic()`` by which the request being served must be answered (``None``: the
+#: caller set none; the source applies its own bound).
+REQUEST_DEADLINE: ContextVar[float | None] = ContextVar("kvstore_request_deadline", default=None)
+
+
+def remaining_s() -> float | None:
+    """Seconds left before the current request's deadline (``None`` without one)."""
+    deadline = REQUEST_DEADLINE.get()
+    return None if deadline is None else deadline - time.monotonic()
+
+
+class RemoteSource(Protocol):
+    """Blocks held elsewhere, read by key."""
+
+    #: The tier name hits from this source are counted under (``peer``).
+    name: str
+
+    async def read(
+        self, keys: Sequence[bytes], namespace: bytes
+    ) -> tuple[list[bytes | None], dict[int, str]]:
+        """Each key's payload (``None`` where not found), and why, by position, a key that some
+        source was asked for was not served (a miss reason such as ``peer_timeout``)."""
+        ...
