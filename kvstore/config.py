@@ -40,6 +40,7 @@ __all__ = [
     "NvmeConfig",
     "PolicyConfig",
     "RedisConfig",
+    "RouterConfig",
     "ServerConfig",
     "TenantConfig",
     "format_size",
@@ -294,6 +295,39 @@ class ClusterConfig:
 
 
 @dataclass(frozen=True)
+class RouterConfig:
+    """``kvstore router`` (:mod:`kvstore.router`): the replicas, the engines' chunk naming, scoring.
+
+    ``replicas``: comma-separated ``URL=NODE_ID`` (the kvstore node beside each engine).
+    ``namespace``: the engines' rank-0 base namespace as a JSON object of
+    :class:`~kvstore.keys.Namespace` fields (what the connector logs at start).
+    """
+
+    listen: str = "127.0.0.1:8000"
+    replicas: str = ""
+    namespace: str = ""
+    chunk_size: int = 256
+    hash_algorithm: str = "xxh3_128"
+    tokenizer: str = ""
+    tenant: str = ""
+    provisional_ttl_s: float = 5.0
+    index_timeout_s: float = 0.1
+    index_retry_s: float = 1.0
+    hit_weight: float = 2.0
+    request_cost_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        _positive("router.chunk_size", self.chunk_size)
+        for name in ("provisional_ttl_s", "index_timeout_s", "index_retry_s", "hit_weight"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"router.{name} must be > 0, got {getattr(self, name)}")
+        if self.request_cost_tokens < 0:
+            raise ConfigError(
+                f"router.request_cost_tokens must be >= 0, got {self.request_cost_tokens}"
+            )
+
+
+@dataclass(frozen=True)
 class IntegrityConfig:
     """The secrets block MACs are keyed with (:mod:`kvstore.block`). ``secrets``: comma-separated,
     the first signs new blocks and all verify (rotation). Else ``secret_file``: a private file
@@ -351,6 +385,7 @@ class Config:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     integrity: IntegrityConfig = field(default_factory=IntegrityConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
     #: Empty: one store that every caller shares, as before tenants existed.
     tenants: tuple[TenantConfig, ...] = ()
 
@@ -368,6 +403,7 @@ _SECTIONS: dict[str, type[Any]] = {
     "policy": PolicyConfig,
     "integrity": IntegrityConfig,
     "cluster": ClusterConfig,
+    "router": RouterConfig,
 }
 _SIZE_SETTINGS = {
     "server.max_block_bytes",

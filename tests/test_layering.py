@@ -60,6 +60,8 @@ LAYERS: dict[str, int] = {
     #    the server side is what (a) checks).
     "kvstore.cli": 5,
     "kvstore.integrations": 5,
+    # 5: the KV-aware router: a client of the cluster index and an HTTP proxy (no server side).
+    "kvstore.router": 5,
     "kvstore": 5,
 }
 
