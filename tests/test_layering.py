@@ -40,6 +40,7 @@ LAYERS: dict[str, int] = {
     "kvstore.config": 0,
     "kvstore.sizes": 0,
     "kvstore.tenant_config": 0,
+    "kvstore.router_config": 0,
     "kvstore.policy": 0,
     # 1: what both sides agree on: gRPC message conversion, shm frames, the published dram index
     #    format, UCX conventions.
