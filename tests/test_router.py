@@ -1,5 +1,5 @@
 """The router's pure parts: chunk keys equal the vLLM connector's, scoring, provisional entries,
-settings errors. (The HTTP proxy with real processes: tests/integration/test_router.py.)"""
+settings errors. (The HTTP proxy with real processes: tests/integration/test_router_proxy.py.)"""
 
 from __future__ import annotations
 

@@ -18,12 +18,14 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from redis.asyncio.cluster import RedisCluster
 
 from kvstore.cluster import ClusterIndex, Holding, Layout, connect
 from kvstore.cluster.layout import REDIS_ERRORS, Client
 from kvstore.config import Config, hash_secret
 from kvstore.errors import ConfigError
 from kvstore.router.keys import RouterKeys, parse_namespace
+from kvstore.router.lookup import ScriptIndex
 from kvstore.router.metrics import RouterMetrics
 from kvstore.router.proxy import BadRequest, Request, UpstreamError, forward, read_request, respond
 from kvstore.router.scoring import Decision, Provisional, Replica, Scorer
@@ -34,6 +36,9 @@ __all__ = ["Router", "build_router", "parse_replicas", "run_router"]
 logger = logging.getLogger(__name__)
 
 _ROUTED = ("/v1/completions", "/v1/chat/completions")
+
+#: What the router asks the index (ClusterIndex, or ScriptIndex on a single Redis).
+Index = ClusterIndex | ScriptIndex
 
 
 def parse_replicas(text: str) -> list[Replica]:
@@ -61,13 +66,12 @@ class Router:
         self,
         replicas: Sequence[Replica],
         keys: RouterKeys,
-        index: ClusterIndex | None,
+        index: Index | None,
         *,
         tokenizer: Tokenizer | None = None,
         provisional_ttl_s: float = 5.0,
         hit_weight: float = 2.0,
         request_cost_tokens: int = 256,
-        index_timeout_s: float = 0.1,
         index_retry_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -82,7 +86,6 @@ class Router:
             request_cost_tokens,
             Provisional(provisional_ttl_s, clock),
         )
-        self.index_timeout_s = index_timeout_s
         self.index_retry_s = index_retry_s
         self._clock = clock
         self._index_down_until = 0.0
@@ -94,7 +97,8 @@ class Router:
         if self._clock() < self._index_down_until:
             return {}, "index_down"
         try:
-            return await asyncio.wait_for(self.index.holders(keys), self.index_timeout_s), ""
+            # The client's socket timeout is router.index_timeout_s: no wait_for task per request.
+            return await self.index.holders(keys), ""
         except REDIS_ERRORS as exc:  # TimeoutError (a slow query) is one of them
             self.metrics.index_errors.inc()
             if self._index_down_until == 0.0 or self._clock() >= self._index_down_until + 1:
@@ -225,9 +229,12 @@ def build_router(config: Config) -> tuple[Router, Client | None]:
     )
     url = config.cluster.url or config.redis.url
     client = connect(url, settings.index_timeout_s) if url else None
-    index = (
-        ClusterIndex(client, Layout(config.cluster.key_prefix, settings.tenant)) if client else None
-    )
+    layout = Layout(config.cluster.key_prefix, settings.tenant)
+    index: Index | None = None
+    if isinstance(client, RedisCluster):
+        index = ClusterIndex(client, layout)
+    elif client is not None:
+        index = ScriptIndex(client, layout)
     router = Router(
         replicas,
         keys,
@@ -236,7 +243,6 @@ def build_router(config: Config) -> tuple[Router, Client | None]:
         provisional_ttl_s=settings.provisional_ttl_s,
         hit_weight=settings.hit_weight,
         request_cost_tokens=settings.request_cost_tokens,
-        index_timeout_s=settings.index_timeout_s,
         index_retry_s=settings.index_retry_s,
     )
     return router, client
