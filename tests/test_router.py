@@ -173,3 +173,33 @@ def test_prompt_tokens_without_a_tokenizer() -> None:
     assert prompt_tokens("/v1/completions", {"prompt": "ab"}, Fake()) == [97, 98]
     chat = {"messages": [{"role": "user", "content": "hi"}]}
     assert prompt_tokens("/v1/chat/completions", chat, Fake()) == [7, 8]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--replica", "http://a:1=n"], "router.namespace is empty"),
+        (
+            ["--replica", "a=n", "--namespace", '{"model": "m"}'],
+            "router.replicas: cannot use 'a=n'",
+        ),
+        (["--namespace", '{"model": "m"}'], "router.replicas is empty"),
+        (
+            ["--replica", "http://a:1=n", "--namespace", '{"model": "m"}', "--listen", "x"],
+            "router.listen",
+        ),
+    ],
+)
+def test_router_command_errors_are_one_line(
+    argv: list[str],
+    message: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvstore.cli import main
+
+    for name in ("KVSTORE_CONFIG", "KVSTORE_CLUSTER_URL", "KVSTORE_REDIS_URL"):
+        monkeypatch.delenv(name, raising=False)
+    assert main(["router", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
