@@ -27,6 +27,7 @@ from typing import Any
 
 from kvstore.errors import ConfigError
 from kvstore.policy import EVICTIONS, NVME_ADMISSIONS, SHARED_WRITES
+from kvstore.router_config import RouterConfig
 from kvstore.sizes import SIZE_HINT, format_size, parse_size
 from kvstore.tenant_config import TenantConfig, tenant_tables
 
@@ -44,6 +45,7 @@ __all__ = [
     "NvmeConfig",
     "PolicyConfig",
     "RedisConfig",
+    "RouterConfig",
     "ServerConfig",
     "TenantConfig",
     "format_size",
@@ -368,6 +370,7 @@ class Config:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     integrity: IntegrityConfig = field(default_factory=IntegrityConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
     #: Empty: one store that every caller shares, as before tenants existed.
     tenants: tuple[TenantConfig, ...] = ()
 
@@ -390,6 +393,7 @@ _SECTIONS: dict[str, type[Any]] = {
     "policy": PolicyConfig,
     "integrity": IntegrityConfig,
     "cluster": ClusterConfig,
+    "router": RouterConfig,
 }
 _SIZE_SETTINGS = {
     "server.max_block_bytes",

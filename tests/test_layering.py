@@ -40,6 +40,7 @@ LAYERS: dict[str, int] = {
     "kvstore.config": 0,
     "kvstore.sizes": 0,
     "kvstore.tenant_config": 0,
+    "kvstore.router_config": 0,
     "kvstore.policy": 0,
     # 1: what both sides agree on: gRPC message conversion, shm frames, the published dram index
     #    format, UCX conventions.
@@ -60,6 +61,8 @@ LAYERS: dict[str, int] = {
     #    the server side is what (a) checks).
     "kvstore.cli": 5,
     "kvstore.integrations": 5,
+    # 5: the KV-aware router: a client of the cluster index and an HTTP proxy (no server side).
+    "kvstore.router": 5,
     "kvstore": 5,
 }
 

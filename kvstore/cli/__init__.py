@@ -1,4 +1,4 @@
-"""The ``kvstore`` command: ``serve``, ``stats`` and ``demo``.
+"""The ``kvstore`` command: ``serve``, ``stats``, ``demo`` and ``router``.
 
 ::
 
@@ -12,6 +12,8 @@
                   [--log-level LEVEL]
     kvstore stats [--target HOST:PORT] [--json | --watch [SECONDS]] [--token TOKEN] [--tls-ca FILE]
     kvstore demo  [--target HOST:PORT] [--wait SECONDS] [--token TOKEN] [--tls-ca FILE]
+    kvstore router [--config FILE] [--listen HOST:PORT] [--replica URL=NODE_ID ...]
+                   [--namespace JSON] [--chunk-size TOKENS] [--tokenizer PATH] [--index-url URL]
 
 ``--token`` and ``--tls-ca`` default to ``$KVSTORE_TOKEN`` and ``$KVSTORE_TLS_CA``.
 
@@ -38,6 +40,7 @@ from typing import Any, NoReturn
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvstore.cli.router import add_router_parser, run_router_command
 from kvstore.cli.stats import format_stats, watch
 from kvstore.client import KVStoreClient
 from kvstore.client.channel import ChannelSecurity, blocking_channel
@@ -289,7 +292,8 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
         help="seconds to wait for the server to answer (default: %(default)s)",
     )
     _client_flags(demo)
-    return parser, {"serve": serve, "stats": stats, "demo": demo}
+    router = add_router_parser(commands)
+    return parser, {"serve": serve, "stats": stats, "demo": demo, "router": router}
 
 
 def _client_flags(parser: argparse.ArgumentParser) -> None:
@@ -409,6 +413,8 @@ def _run(argv: Sequence[str] | None) -> int:
             return _serve(args)
         if args.command == "stats":
             return _stats(args)
+        if args.command == "router":
+            return run_router_command(args)
         return _demo(args)
     except BrokenPipeError:
         raise  # not an error of the command: main ends quietly

@@ -1,0 +1,81 @@
+"""Chunk keys as the engines' vLLM connector names them, computed by the router.
+
+The connector's scheduler names a request's chunks with a :class:`~kvstore.keys.ChunkHasher` over
+its rank-0 *base namespace* (model, shape, cache layout, tenant), with the request's LoRA adapter
+and cache salt filled in, and the secret ``$KVSTORE_HASH_SECRET``
+(:func:`kvstore.integrations.vllm_common.make_hasher`). Those rank-0 keys are what a node stores
+for rank 0 and publishes to the cluster index, so they are what the router asks about.
+
+The router cannot read the engine's configuration, so the base namespace is given to it
+(``router.namespace``: a JSON object of :class:`~kvstore.keys.Namespace` fields, which the
+connector logs at start) together with ``router.chunk_size`` and ``router.hash_algorithm``.
+A namespace that differs from the engines' in any field only makes every lookup miss (routing
+falls back to load); it never sends a wrong answer anywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from kvstore.errors import ConfigError
+from kvstore.keys import ChunkHasher, HashAlgorithm, Namespace
+
+__all__ = ["RouterKeys", "parse_namespace"]
+
+#: Fields of the base namespace the router takes; the per-request ones are filled per request.
+_PER_REQUEST = frozenset({"lora_id", "cache_salt", "tp_rank"})
+
+
+def parse_namespace(text: str) -> Namespace:
+    """The ``router.namespace`` setting (a JSON object of Namespace fields) as rank 0's base."""
+    try:
+        fields = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"router.namespace: cannot use {text!r}: not JSON ({exc})") from exc
+    if not isinstance(fields, dict):
+        raise ConfigError(f"router.namespace: cannot use {text!r}: not a JSON object")
+    known = {f.name for f in dataclasses.fields(Namespace)} - _PER_REQUEST
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ConfigError(f"router.namespace: unknown fields {unknown}; known: {sorted(known)}")
+    try:
+        return Namespace(**fields, tp_rank=0)
+    except (ConfigError, TypeError) as exc:
+        raise ConfigError(f"router.namespace: cannot use {text!r}: {exc}") from exc
+
+
+class RouterKeys:
+    """Rank-0 chunk keys of a token sequence, per (LoRA adapter, cache salt), as the connector."""
+
+    def __init__(
+        self,
+        base: Namespace,
+        chunk_size: int,
+        secret: str,
+        algorithm: HashAlgorithm = "xxh3_128",
+    ) -> None:
+        self.base = base
+        self.chunk_size = chunk_size
+        self._secret = secret.encode()
+        self._algorithm: HashAlgorithm = algorithm
+        self._hashers: dict[tuple[str, str], ChunkHasher] = {}
+
+    def hasher(self, lora_id: str = "", cache_salt: str = "") -> ChunkHasher:
+        """The hasher the connector uses for this adapter and salt (made once, then kept)."""
+        hasher = self._hashers.get((lora_id, cache_salt))
+        if hasher is None:
+            namespace = dataclasses.replace(self.base, lora_id=lora_id, cache_salt=cache_salt)
+            hasher = ChunkHasher(
+                self.chunk_size, namespace, secret=self._secret, algorithm=self._algorithm
+            )
+            self._hashers[(lora_id, cache_salt)] = hasher
+        return hasher
+
+    def keys(
+        self, token_ids: Sequence[int] | Any, lora_id: str = "", cache_salt: str = ""
+    ) -> list[bytes]:
+        """The keys of every full chunk of ``token_ids``."""
+        return [bytes(key) for key in self.hasher(lora_id, cache_salt).keys(token_ids)]

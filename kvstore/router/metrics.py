@@ -1,0 +1,67 @@
+"""The router's Prometheus metrics (its own registry, served on the router's ``/metrics``)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["RouterMetrics"]
+
+_TOKENS = (0, 256, 1024, 4096, 8192, 16384, 32768, 65536, 131072)
+
+
+class RouterMetrics:
+    """Every series ``kvstore router`` exports."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.decisions = Counter(
+            "kvstore_router_decisions",
+            "Routing decisions by chosen replica and reason (cache: a reusable prefix won; "
+            "load: no replica reuses any, or the index was not asked)",
+            ["replica", "reason"],
+            registry=r,
+        )
+        self.fallbacks = Counter(
+            "kvstore_router_fallbacks",
+            "Requests routed without the index, by why (index_error, index_down, no_index, "
+            "no_tokens)",
+            ["reason"],
+            registry=r,
+        )
+        self.index_errors = Counter(
+            "kvstore_router_index_errors", "Index queries that failed or timed out", registry=r
+        )
+        self.score = Histogram(
+            "kvstore_router_score",
+            "Score of the chosen replica (weighted hit tokens less load)",
+            buckets=(-16384, -1024, -256, 0, 256, 1024, 4096, 16384, 65536),
+            registry=r,
+        )
+        self.predicted_hit_tokens = Histogram(
+            "kvstore_router_predicted_hit_tokens",
+            "Prompt tokens the chosen replica is predicted not to compute",
+            buckets=_TOKENS,
+            registry=r,
+        )
+        self.prompt_tokens = Histogram(
+            "kvstore_router_prompt_tokens",
+            "Prompt tokens of routed requests",
+            buckets=_TOKENS,
+            registry=r,
+        )
+        self.decision_seconds = Histogram(
+            "kvstore_router_decision_seconds",
+            "Time to decide (chunk keys, index query, scoring; tokenizing excluded)",
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.25),
+            registry=r,
+        )
+        self.responses = Counter(
+            "kvstore_router_responses",
+            "Proxied requests by replica and outcome (ok, upstream_error)",
+            ["replica", "outcome"],
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "kvstore_router_in_flight", "Requests in flight per replica", ["replica"], registry=r
+        )

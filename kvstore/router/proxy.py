@@ -1,0 +1,169 @@
+"""A minimal HTTP/1.1 server and streaming pass-through on asyncio streams.
+
+The router's needs are narrow: read a request with a ``Content-Length`` body, send it to one
+upstream, and copy the upstream's response back byte for byte as it arrives (server-sent events
+of a streaming completion included, chunked framing untouched). Both connections are
+``Connection: close``: the end of the upstream's bytes is the end of the response, so no
+framing is parsed or rewritten. (The shared environment has no aiohttp; this needs nothing.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+__all__ = ["MAX_BODY", "Request", "UpstreamError", "forward", "read_request", "respond"]
+
+#: Largest request body accepted (a 128K-token prompt as JSON ids is ~1 MiB).
+MAX_BODY = 64 * 1024 * 1024
+_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "host",
+        "content-length",
+        "transfer-encoding",
+        "proxy-connection",
+        "te",
+        "upgrade",
+    }
+)
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    411: "Length Required",
+    413: "Payload Too Large",
+    502: "Bad Gateway",
+    503: "Service Unavailable",
+}
+
+
+@dataclass
+class Request:
+    """One parsed HTTP request."""
+
+    method: str
+    target: str
+    headers: list[tuple[str, str]]
+    body: bytes
+
+    def header(self, name: str) -> str | None:
+        """The first value of header ``name`` (case-insensitive)."""
+        name = name.lower()
+        return next((v for k, v in self.headers if k.lower() == name), None)
+
+
+class BadRequest(Exception):
+    """The client sent something this server does not take; ``status`` says how to answer."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class UpstreamError(Exception):
+    """The upstream could not be reached or closed before answering (nothing was sent back)."""
+
+
+async def read_request(reader: asyncio.StreamReader) -> Request | None:
+    """The next request, ``None`` if the client closed; raises :class:`BadRequest`."""
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except asyncio.IncompleteReadError:
+        return None
+    except asyncio.LimitOverrunError as exc:
+        raise BadRequest(400, "request head too large") from exc
+    lines = head[:-4].decode("latin-1").split("\r\n")
+    parts = lines[0].split(" ")
+    if len(parts) != 3:
+        raise BadRequest(400, "malformed request line")
+    headers = []
+    for line in lines[1:]:
+        name, sep, value = line.partition(":")
+        if not sep:
+            raise BadRequest(400, "malformed header")
+        headers.append((name.strip(), value.strip()))
+    request = Request(parts[0], parts[1], headers, b"")
+    if request.header("transfer-encoding"):
+        raise BadRequest(411, "send a Content-Length body")
+    length_text = request.header("content-length") or "0"
+    if not length_text.isdigit():
+        raise BadRequest(400, "bad Content-Length")
+    length = int(length_text)
+    if length > MAX_BODY:
+        raise BadRequest(413, f"body over {MAX_BODY} bytes")
+    request.body = await reader.readexactly(length)
+    return request
+
+
+async def respond(
+    writer: asyncio.StreamWriter, status: int, payload: Any, content_type: str = "application/json"
+) -> None:
+    """Answer with ``payload`` (JSON-encoded unless bytes) and close."""
+    body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    head = (
+        f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\nContent-Type: {content_type}\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    )
+    writer.write(head.encode() + body)
+    await writer.drain()
+
+
+async def forward(
+    url: str,
+    request: Request,
+    writer: asyncio.StreamWriter,
+    on_first_byte: Callable[[], None],
+    connect_timeout_s: float = 5.0,
+) -> None:
+    """Send ``request`` to the server at ``url`` and stream its response to ``writer``.
+
+    Raises :class:`UpstreamError` if nothing was sent back yet (the caller may try another
+    upstream); once the response head went to the client, errors end the response early.
+    """
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+    path = parts.path.rstrip("/") + request.target
+    try:
+        reader, upstream = await asyncio.wait_for(
+            asyncio.open_connection(host, port, limit=1 << 20), connect_timeout_s
+        )
+    except (OSError, TimeoutError) as exc:
+        raise UpstreamError(f"cannot reach {url}: {exc}") from exc
+    try:
+        lines = [f"{request.method} {path} HTTP/1.1", f"Host: {host}:{port}"]
+        lines += [f"{k}: {v}" for k, v in request.headers if k.lower() not in _HOP]
+        lines += [f"Content-Length: {len(request.body)}", "Connection: close", "", ""]
+        upstream.write("\r\n".join(lines).encode("latin-1") + request.body)
+        await upstream.drain()
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, OSError) as exc:
+            raise UpstreamError(f"{url} closed without answering: {exc}") from exc
+        # The client's connection closes after this response too: say so, whatever upstream said.
+        head_lines = head[:-4].decode("latin-1").split("\r\n")
+        kept = [head_lines[0]] + [
+            line
+            for line in head_lines[1:]
+            if line.partition(":")[0].strip().lower() not in ("connection", "keep-alive")
+        ]
+        writer.write(("\r\n".join([*kept, "Connection: close", "", ""])).encode("latin-1"))
+        first = True
+        while True:
+            data = await reader.read(1 << 16)
+            if not data:
+                break
+            if first:
+                on_first_byte()
+                first = False
+            writer.write(data)
+            await writer.drain()
+        if first:
+            on_first_byte()
+    finally:
+        upstream.close()

@@ -1,0 +1,44 @@
+"""The ``[router]`` settings of ``kvstore router`` (loaded by :func:`kvstore.config.load_config`
+like every other section; kept here so that the loader stays small)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvstore.errors import ConfigError
+
+__all__ = ["RouterConfig"]
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """``kvstore router`` (:mod:`kvstore.router`): the replicas, the engines' chunk naming, scoring.
+
+    ``replicas``: comma-separated ``URL=NODE_ID`` (the kvstore node beside each engine).
+    ``namespace``: the engines' rank-0 base namespace as a JSON object of
+    :class:`~kvstore.keys.Namespace` fields (what the connector logs at start).
+    """
+
+    listen: str = "127.0.0.1:8000"
+    replicas: str = ""
+    namespace: str = ""
+    chunk_size: int = 256
+    hash_algorithm: str = "xxh3_128"
+    tokenizer: str = ""
+    tenant: str = ""
+    provisional_ttl_s: float = 5.0
+    index_timeout_s: float = 0.1
+    index_retry_s: float = 1.0
+    hit_weight: float = 2.0
+    request_cost_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        if self.chunk_size < 1:
+            raise ConfigError(f"router.chunk_size must be >= 1, got {self.chunk_size}")
+        for name in ("provisional_ttl_s", "index_timeout_s", "index_retry_s", "hit_weight"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"router.{name} must be > 0, got {getattr(self, name)}")
+        if self.request_cost_tokens < 0:
+            raise ConfigError(
+                f"router.request_cost_tokens must be >= 0, got {self.request_cost_tokens}"
+            )

@@ -1,0 +1,215 @@
+"""``kvstore router`` as a real subprocess, with two real ``kvstore serve`` nodes publishing to
+the cluster index in a real redis-server, in front of two fake engines (real HTTP servers
+standing in for vLLM replicas: see :mod:`fake_engine`; the vLLM suite runs real ones).
+
+A prompt whose chunks node A holds goes to A's replica; a burst of one new prefix goes to one
+replica (provisional entries); streaming responses pass through intact; with Redis stopped,
+requests still succeed, routed by load, and the fallback metric counts them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import http.client
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pytest
+
+from kvstore import ChunkHasher, Namespace
+from kvstore.cluster import ClusterIndex, Layout, connect
+
+if TYPE_CHECKING:
+    from conftest import ServerFactory
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "tiers"))
+sys.path.insert(0, str(Path(__file__).parent))
+from fake_engine import FakeEngine, stream_events
+from redis_server import RedisServer
+
+NS = Namespace(model="router-test", num_layers=2, num_kv_heads=2, head_size=64)
+CHUNK = 16
+HASHER = ChunkHasher(chunk_size=CHUNK, namespace=NS)
+PREFIX = "kvstore:cluster:v1:"
+
+
+def namespace_json() -> str:
+    fields = dataclasses.asdict(NS)
+    for name in ("lora_id", "cache_salt", "tp_rank"):
+        del fields[name]
+    return json.dumps(fields)
+
+
+def poll(condition: Callable[[], bool], within: float, what: str) -> None:
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} not within {within} s"
+        time.sleep(0.05)
+
+
+def cluster_env(url: str, node: str) -> dict[str, str]:
+    return {
+        "KVSTORE_CLUSTER_ENABLED": "1",
+        "KVSTORE_CLUSTER_URL": url,
+        "KVSTORE_CLUSTER_NODE_ID": node,
+        "KVSTORE_CLUSTER_PUBLISH_INTERVAL_S": "0.05",
+    }
+
+
+class RouterProcess:
+    """``kvstore router`` in a subprocess; :meth:`call` talks HTTP to it."""
+
+    def __init__(self, tmp: Path, replicas: list[str], index_url: str) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+        # The burst stays on one replica while its hit outweighs the load (see scoring).
+        env["KVSTORE_ROUTER_REQUEST_COST_TOKENS"] = "16"
+        env["KVSTORE_ROUTER_INDEX_TIMEOUT_S"] = "1.0"
+        command = [sys.executable, "-m", "kvstore.cli", "router", "--listen", "127.0.0.1:0"]
+        for replica in replicas:
+            command += ["--replica", replica]
+        command += ["--namespace", namespace_json(), "--chunk-size", str(CHUNK)]
+        command += ["--index-url", index_url]
+        self.log = (tmp / "router.log").open("w+b")
+        self.proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=self.log)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline().decode()
+        match = re.match(r"kvstore router on http://(\S+):(\d+)", line)
+        assert match, f"router did not start: {line!r} {self.stderr()}"
+        self.host, self.port = match.group(1), int(match.group(2))
+
+    def stderr(self) -> str:
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")
+
+    def call(self, method: str, path: str, body: Any = None) -> tuple[int, bytes]:
+        connection = http.client.HTTPConnection(self.host, self.port, timeout=30)
+        try:
+            payload = json.dumps(body).encode() if body is not None else None
+            headers = {"Content-Type": "application/json"} if payload else {}
+            connection.request(method, path, payload, headers)
+            response = connection.getresponse()
+            return response.status, response.read()
+        finally:
+            connection.close()
+
+    def complete(self, prompt: list[int], **extra: Any) -> dict[str, Any]:
+        status, body = self.call("POST", "/v1/completions", {"prompt": prompt, **extra})
+        assert status == 200, body
+        answer: dict[str, Any] = json.loads(body)
+        return answer
+
+    def metric(self, name: str, labels: str) -> float:
+        _, text = self.call("GET", "/metrics")
+        series = name + "{" + labels + "}" if labels else name
+        pattern = "^" + re.escape(series) + r" (\S+)$"
+        found = re.search(pattern, text.decode(), re.MULTILINE)
+        return float(found.group(1)) if found else 0.0
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def tokens(first: int, chunks: int) -> list[int]:
+    return list(range(first, first + CHUNK * chunks))
+
+
+def store(node: Any, prompt: list[int]) -> list[bytes]:
+    keys = HASHER.keys(prompt)
+    values = [np.full(4096, i, dtype=np.uint8).tobytes() for i in range(len(keys))]
+    with node.client(NS) as client:
+        assert client.put(keys, values).stored == len(keys)
+    return [bytes(k) for k in keys]
+
+
+def index_leading(url: str, keys: list[bytes]) -> dict[str, int]:
+    async def ask() -> dict[str, int]:
+        client = connect(url, 2.0)
+        try:
+            found = await ClusterIndex(client, Layout(PREFIX)).holders(keys)
+            return {node: holding.leading for node, holding in found.items()}
+        finally:
+            await client.aclose()
+
+    import asyncio
+
+    return asyncio.run(ask())
+
+
+@pytest.fixture
+def setup(
+    tmp_path: Path, server_factory: ServerFactory
+) -> Iterator[tuple[RedisServer, Any, Any, FakeEngine, FakeEngine, RouterProcess]]:
+    with RedisServer(tmp_path / "redis") as redis_server:
+        a = server_factory(env=cluster_env(redis_server.url, "node-a"))
+        b = server_factory(env=cluster_env(redis_server.url, "node-b"))
+        engine_a, engine_b = FakeEngine("a", delay_s=0.3), FakeEngine("b", delay_s=0.3)
+        router = RouterProcess(
+            tmp_path, [f"{engine_a.url}=node-a", f"{engine_b.url}=node-b"], redis_server.url
+        )
+        try:
+            yield redis_server, a, b, engine_a, engine_b, router
+        finally:
+            router.stop()
+            engine_a.close()
+            engine_b.close()
+
+
+def test_router_follows_the_index_keeps_bursts_streams_and_survives_redis(
+    setup: tuple[RedisServer, Any, Any, FakeEngine, FakeEngine, RouterProcess],
+) -> None:
+    redis_server, a, b, engine_a, engine_b, router = setup
+    assert router.call("GET", "/health")[0] == 200
+    status, models = router.call("GET", "/v1/models")
+    assert status == 200 and json.loads(models)["data"][0]["id"] == "fake"
+
+    # Prompts whose chunks a node holds go to that node's replica, whatever the order.
+    on_a, on_b = tokens(0, 8), tokens(50_000, 8)
+    keys_a, keys_b = store(a, on_a), store(b, on_b)
+    poll(lambda: index_leading(redis_server.url, keys_a).get("node-a") == 8, 10, "a's blocks")
+    poll(lambda: index_leading(redis_server.url, keys_b).get("node-b") == 8, 10, "b's blocks")
+    for prompt in (on_b, on_a, on_a, on_b, on_a):
+        router.complete(prompt, max_tokens=1)
+    assert engine_a.prompts() == [on_a] * 3
+    assert engine_b.prompts() == [on_b] * 2
+    assert (
+        router.metric("kvstore_router_decisions_total", f'reason="cache",replica="{engine_a.url}"')
+        == 3
+    )
+
+    # A burst of one new prefix (in no index yet) stays on one replica.
+    burst = tokens(100_000, 16)
+    threads = [threading.Thread(target=router.complete, args=(burst,)) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    got = [engine.prompts().count(burst) for engine in (engine_a, engine_b)]
+    assert sorted(got) == [0, 4], got
+
+    # A streamed response passes through intact, event by event.
+    status, streamed = router.call("POST", "/v1/completions", {"prompt": on_b, "stream": True})
+    assert status == 200
+    assert streamed == stream_events("b", 5)
+
+    # Redis gone: every request still succeeds, by load, and the fallbacks are counted.
+    redis_server.kill()
+    before = len(engine_a.requests) + len(engine_b.requests)
+    for _ in range(4):
+        router.complete(on_a)
+    assert len(engine_a.requests) + len(engine_b.requests) == before + 4
+    fallbacks = sum(
+        router.metric("kvstore_router_fallbacks_total", f'reason="{reason}"')
+        for reason in ("index_error", "index_down")
+    )
+    assert fallbacks == 4
+    assert router.metric("kvstore_router_index_errors_total", "") >= 1

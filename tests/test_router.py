@@ -1,0 +1,205 @@
+"""The router's pure parts: chunk keys equal the vLLM connector's, scoring, provisional entries,
+settings errors. (The HTTP proxy with real processes: tests/integration/test_router_proxy.py.)"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from kvstore.cluster import Holding
+from kvstore.config import load_config
+from kvstore.errors import ConfigError
+from kvstore.integrations.vllm_common import (
+    ConnectorSettings,
+    EngineShape,
+    base_namespace,
+    make_hasher,
+    rank_keys,
+)
+from kvstore.router import Provisional, Replica, RouterKeys, Scorer, parse_namespace
+from kvstore.router.service import parse_replicas
+from kvstore.router.tokenize import prompt_tokens
+
+SHAPE = EngineShape(
+    block_size=16,
+    num_layers=28,
+    num_kv_heads=8,
+    head_size=128,
+    dtype="bfloat16",
+    layout="vllm-cuda/block16/kvNHD",
+    tp_size=2,
+    pp_rank=0,
+    pp_size=1,
+)
+VLLM_CONFIG = SimpleNamespace(model_config=SimpleNamespace(model="Qwen/Qwen3-8B", revision=None))
+
+
+def router_namespace_json(settings: ConnectorSettings) -> str:
+    """What an operator passes as ``router.namespace``: the connector's base namespace."""
+    base = base_namespace(VLLM_CONFIG, SHAPE, settings, tp_rank=0)  # type: ignore[arg-type]
+    fields = dataclasses.asdict(base)
+    for name in ("lora_id", "cache_salt", "tp_rank"):
+        del fields[name]
+    return json.dumps(fields)
+
+
+@pytest.mark.parametrize("algorithm", ["xxh3_128", "sha256"])
+@pytest.mark.parametrize(("lora", "salt"), [("", ""), ("", "salty"), ("ad@/p", "")])
+def test_keys_equal_the_connectors(algorithm: str, lora: str, salt: str) -> None:
+    settings = ConnectorSettings(
+        target="x:1", chunk_size=64, tenant="team", secret="s3", hash_algorithm=algorithm
+    )  # type: ignore[arg-type]
+    base = base_namespace(VLLM_CONFIG, SHAPE, settings, tp_rank=0)  # type: ignore[arg-type]
+    tokens = list(range(1000, 1000 + 64 * 5 + 17))
+    expected = make_hasher(settings, base, lora, salt).keys(tokens)
+    assert rank_keys(expected, base, 0, 0) == expected  # rank 0's keys are the published ones
+    keys = RouterKeys(
+        parse_namespace(router_namespace_json(settings)),
+        64,
+        "s3",
+        algorithm,  # type: ignore[arg-type]
+    )
+    assert keys.keys(tokens, lora, salt) == expected
+    assert len(expected) == 5
+    # Any difference (secret, chunk size) names other chunks: misses, never wrong hits.
+    other = RouterKeys(parse_namespace(router_namespace_json(settings)), 64, "", algorithm)  # type: ignore[arg-type]
+    assert set(other.keys(tokens, lora, salt)).isdisjoint(expected)
+
+
+def test_namespace_setting_errors_name_the_setting() -> None:
+    with pytest.raises(ConfigError, match=r"router\.namespace.*not JSON"):
+        parse_namespace("{model")
+    with pytest.raises(ConfigError, match=r"router\.namespace: unknown fields \['modle'\]"):
+        parse_namespace('{"modle": "m"}')
+    with pytest.raises(ConfigError, match=r"router\.namespace"):
+        parse_namespace('{"model": ""}')
+
+
+def test_replica_setting_errors() -> None:
+    assert parse_replicas("http://a:1=n1, http://b:2/=n2") == [
+        Replica("http://a:1", "n1"),
+        Replica("http://b:2", "n2"),
+    ]
+    for bad in ("", "http://a:1", "a:1=n", "http://a:1=n,http://a:1=m"):
+        with pytest.raises(ConfigError, match=r"router\.replicas"):
+            parse_replicas(bad)
+    with pytest.raises(ConfigError, match=r"router\.provisional_ttl_s"):
+        load_config(env={"KVSTORE_ROUTER_PROVISIONAL_TTL_S": "0"})
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+A, B = Replica("http://a", "node-a"), Replica("http://b", "node-b")
+KEYS = [bytes([i]) * 16 for i in range(8)]
+
+
+def scorer(clock: Clock, request_cost: int = 64) -> Scorer:
+    return Scorer([A, B], 16, 2.0, request_cost, Provisional(5.0, clock))
+
+
+def test_index_holding_wins_and_faster_tier_beats_longer_slow_run() -> None:
+    s = scorer(Clock())
+    held = {"node-b": Holding(4, ["nvme"] * 4 + [""] * 4)}
+    decision = s.choose(KEYS, 128, held)
+    assert (decision.replica, decision.reason, decision.predicted_hit_tokens) == (B, "cache", 64)
+    # dram on a beats a longer nvme run on b only when it weighs more: 5 dram (64) < 8 nvme (64)?
+    held = {"node-a": Holding(6, ["dram"] * 6 + [""] * 2), "node-b": Holding(8, ["nvme"] * 8)}
+    assert s.choose(KEYS, 128, held).replica == A  # 6*16*0.8 = 76.8 > 8*16*0.5 = 64
+    # A gap ends the run: chunks after it do not count.
+    held = {"node-a": Holding(1, ["dram", "", "dram", "dram"] + [""] * 4)}
+    assert s.choose(KEYS, 128, held).predicted_hit_tokens == 16
+    # Engine-local chunks (KV events, later) weigh most.
+    held = {"node-a": Holding(8, ["dram"] * 8)}
+    assert s.choose(KEYS, 128, held, local={"http://b": 8}).replica == B
+
+
+def test_load_outweighs_a_small_hit_and_ties_rotate() -> None:
+    s = scorer(Clock())
+    first = s.choose([], 100, {})
+    second = s.choose([], 100, {})
+    assert first.reason == second.reason == "load"
+    assert {first.replica, second.replica} == {A, B}  # an idle tie rotates
+    s.dispatched(A, [], 1000)  # a owes 1000 prefill tokens
+    held = {"node-a": Holding(3, ["dram"] * 3 + [""] * 5)}
+    assert s.choose(KEYS, 128, held).replica == B
+    s.prefilled(A, 1000)  # left: one request in flight (64), under the hit (2 * 3 * 16 * 0.8)
+    assert s.choose(KEYS, 128, held).replica == A
+    s.finished(A)
+    assert s.load[A.url].in_flight == 0
+
+
+def test_provisional_entries_keep_a_burst_together_then_expire() -> None:
+    clock = Clock()
+    s = scorer(clock, request_cost=16)  # the burst stays while its hit outweighs the load
+    chosen = []
+    for _ in range(4):
+        decision = s.choose(KEYS, 128, {})
+        prefill = 128 - decision.predicted_hit_tokens
+        s.dispatched(decision.replica, KEYS, prefill)
+        chosen.append(decision.replica)
+    assert len(set(chosen)) == 1
+    for _ in range(4):
+        s.finished(chosen[0])
+        s.prefilled(chosen[0], 128)
+    clock.now += 5.1
+    assert s.provisional.holders(KEYS) == {}
+    s.provisional.record(KEYS[:1], "http://z")  # the sweep drops expired keys
+    assert len(s.provisional._entries) == 1
+
+
+def test_prompt_tokens_without_a_tokenizer() -> None:
+    assert prompt_tokens("/v1/completions", {"prompt": [1, 2, 3]}, None) == [1, 2, 3]
+    assert prompt_tokens("/v1/completions", {"prompt": [[4, 5]]}, None) == [4, 5]
+    assert prompt_tokens("/v1/completions", {"prompt": "text"}, None) is None
+    assert prompt_tokens("/v1/chat/completions", {"messages": []}, None) is None
+
+    class Fake:
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            return [ord(c) for c in text]
+
+        def apply_chat_template(self, conversation: object, **kwargs: object) -> list[int]:
+            assert kwargs == {"tokenize": True, "add_generation_prompt": True}
+            return [7, 8]
+
+    assert prompt_tokens("/v1/completions", {"prompt": "ab"}, Fake()) == [97, 98]
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    assert prompt_tokens("/v1/chat/completions", chat, Fake()) == [7, 8]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--replica", "http://a:1=n"], "router.namespace is empty"),
+        (
+            ["--replica", "a=n", "--namespace", '{"model": "m"}'],
+            "router.replicas: cannot use 'a=n'",
+        ),
+        (["--namespace", '{"model": "m"}'], "router.replicas is empty"),
+        (
+            ["--replica", "http://a:1=n", "--namespace", '{"model": "m"}', "--listen", "x"],
+            "router.listen",
+        ),
+    ],
+)
+def test_router_command_errors_are_one_line(
+    argv: list[str],
+    message: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvstore.cli import main
+
+    for name in ("KVSTORE_CONFIG", "KVSTORE_CLUSTER_URL", "KVSTORE_REDIS_URL"):
+        monkeypatch.delenv(name, raising=False)
+    assert main(["router", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
