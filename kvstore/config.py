@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from kvstore.cluster_config import SHARED_DATA, ClusterConfig
 from kvstore.errors import ConfigError
 from kvstore.policy import EVICTIONS, NVME_ADMISSIONS, SHARED_WRITES
 from kvstore.router_config import RouterConfig
@@ -32,7 +33,6 @@ from kvstore.sizes import SIZE_HINT, format_size, parse_size
 from kvstore.tenant_config import TenantConfig, tenant_tables
 
 #: Accepted values of ``cluster.shared_data`` (see :class:`ClusterConfig`).
-SHARED_DATA = ("redis", "peers", "both")
 
 __all__ = [
     "SHARED_DATA",
@@ -272,44 +272,6 @@ class RedisConfig:
             raise ConfigError(f"redis.ttl_s must be > 0, got {self.ttl_s}")
         if self.op_timeout_s <= 0:
             raise ConfigError(f"redis.op_timeout_s must be > 0, got {self.op_timeout_s}")
-
-
-@dataclass(frozen=True)
-class ClusterConfig:
-    """The cluster index (:mod:`kvstore.cluster`): which node holds which blocks, in Redis.
-
-    ``url`` empty means ``redis.url``; ``node_id`` empty means one generated once and kept in
-    the nvme directory (random per start without one). ``shared_data`` (:data:`SHARED_DATA`):
-    where other nodes' blocks are read from: ``redis`` (the shared tier), ``peers`` (straight
-    from the node holding them, :mod:`kvstore.cluster.peers`; Redis then holds only the index),
-    ``both`` (peers first, then Redis). ``peer_token``: the bearer token a node presents to its
-    peers (empty: none); ``peer_timeout_s`` bounds a peer read when its request set no deadline.
-    """
-
-    enabled: bool = False
-    url: str = ""
-    node_id: str = ""
-    lease_ttl_s: float = 10.0
-    publish_interval_s: float = 0.1
-    key_prefix: str = "kvstore:cluster:v1:"
-    shared_data: str = "redis"
-    peer_token: str = field(default="", repr=False)
-    peer_timeout_s: float = 2.0
-
-    def __post_init__(self) -> None:
-        if self.lease_ttl_s < 0.1:
-            raise ConfigError(f"cluster.lease_ttl_s must be >= 0.1, got {self.lease_ttl_s}")
-        if not 0 < self.publish_interval_s <= self.lease_ttl_s:
-            raise ConfigError(
-                "cluster.publish_interval_s must be > 0 and <= cluster.lease_ttl_s, "
-                f"got {self.publish_interval_s}"
-            )
-        if self.shared_data not in SHARED_DATA:
-            raise ConfigError(
-                f"cluster.shared_data must be one of {list(SHARED_DATA)}, got {self.shared_data!r}"
-            )
-        if self.peer_timeout_s <= 0:
-            raise ConfigError(f"cluster.peer_timeout_s must be > 0, got {self.peer_timeout_s}")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,52 @@
+"""The ``[cluster]`` settings: the cluster index and where other nodes' blocks are read from
+(loaded by :func:`kvstore.config.load_config` like every other section; kept here so that the
+loader stays small)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvstore.errors import ConfigError
+
+__all__ = ["SHARED_DATA", "ClusterConfig"]
+
+#: Where a node reads blocks it does not hold: the shared tier, the nodes holding them, or both.
+SHARED_DATA = ("redis", "peers", "both")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """The cluster index (:mod:`kvstore.cluster`): which node holds which blocks, in Redis.
+
+    ``url`` empty means ``redis.url``; ``node_id`` empty means one generated once and kept in
+    the nvme directory (random per start without one). ``shared_data`` (:data:`SHARED_DATA`):
+    where other nodes' blocks are read from: ``redis`` (the shared tier), ``peers`` (straight
+    from the node holding them, :mod:`kvstore.cluster.peers`; Redis then holds only the index),
+    ``both`` (peers first, then Redis). ``peer_token``: the bearer token a node presents to its
+    peers (empty: none); ``peer_timeout_s`` bounds a peer read when its request set no deadline.
+    """
+
+    enabled: bool = False
+    url: str = ""
+    node_id: str = ""
+    lease_ttl_s: float = 10.0
+    publish_interval_s: float = 0.1
+    key_prefix: str = "kvstore:cluster:v1:"
+    shared_data: str = "redis"
+    peer_token: str = field(default="", repr=False)
+    peer_timeout_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.lease_ttl_s < 0.1:
+            raise ConfigError(f"cluster.lease_ttl_s must be >= 0.1, got {self.lease_ttl_s}")
+        if not 0 < self.publish_interval_s <= self.lease_ttl_s:
+            raise ConfigError(
+                "cluster.publish_interval_s must be > 0 and <= cluster.lease_ttl_s, "
+                f"got {self.publish_interval_s}"
+            )
+        if self.shared_data not in SHARED_DATA:
+            raise ConfigError(
+                f"cluster.shared_data must be one of {list(SHARED_DATA)}, got {self.shared_data!r}"
+            )
+        if self.peer_timeout_s <= 0:
+            raise ConfigError(f"cluster.peer_timeout_s must be > 0, got {self.peer_timeout_s}")
