@@ -2,7 +2,7 @@
 
 Exact command (repository root; well under a minute on 2 shared cores)::
 
-    PYTHONPATH=. /work/main/.venv/bin/python benchmarks/bench_cluster_index.py \
+    .venv/bin/python benchmarks/bench_cluster_index.py \
         --out benchmarks/results/cluster_index.md
 
 One throw-away ``redis-server`` (no persistence). Each round makes ``--events`` fresh 32-byte

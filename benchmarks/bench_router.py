@@ -3,7 +3,7 @@
 
 Exact command (repository root; about a minute on 2 shared cores)::
 
-    PYTHONPATH=. /work/main/.venv/bin/python benchmarks/bench_router.py \
+    .venv/bin/python benchmarks/bench_router.py \
         --out benchmarks/results/router.md
 
 What is timed: :meth:`kvstore.router.Router.decide` on the prompt's token ids, i.e. the rank-0
