@@ -60,11 +60,9 @@ T = TypeVar("T")
 def build_store(config: Config, keyring: Keyring | None = None) -> TieredStore:
     """The :class:`TieredStore` a config describes, its index rebuilt from persistent tiers.
 
-    Its tiers sign and verify blocks with ``keyring``; without one, the configured integrity
-    keyring is installed for the whole process first and they use that.
+    Its tiers sign and verify blocks with ``keyring``; ``None``: the keyring installed for the
+    whole process (:func:`open_tenants` installs the configured one first).
     """
-    if keyring is None:
-        install_keyring(load_keyring(config))
     tiers = build_tiers(config)
     for tier in tiers:
         tier.keyring = keyring
@@ -87,28 +85,16 @@ async def open_tenants(config: Config) -> Tenants:
     server without tenants; stores opened before one that fails are closed again."""
     keyring = load_keyring(config)
     install_keyring(keyring)
-    server = config.server
     if not config.tenants:
-        store = build_store(config, None)
-        return Tenants.single(
-            Tenant(
-                "",
-                store,
-                Prefetcher(store, max_queued_keys=server.prefetch_queue_keys),
-                InflightBudget(server.inflight_bytes),
-            )
-        )
+        return Tenants.single(_open_tenant("", config, None))
     opened: list[Tenant] = []
     try:
         for spec in config.tenants:
-            own = tenant_config(config, spec)
-            store = build_store(own, keyring.for_tenant(spec.name))
             opened.append(
-                Tenant(
+                _open_tenant(
                     spec.name,
-                    store,
-                    Prefetcher(store, max_queued_keys=server.prefetch_queue_keys),
-                    InflightBudget(own.server.inflight_bytes),
+                    tenant_config(config, spec),
+                    keyring.for_tenant(spec.name),
                     frozenset(spec.uids) or None,
                     frozenset(spec.gids) or None,
                 )
@@ -119,6 +105,21 @@ async def open_tenants(config: Config) -> Tenants:
         raise
     owners = {identity: spec.name for spec in config.tenants for identity in spec.identities}
     return Tenants(opened, owners)
+
+
+def _open_tenant(
+    name: str,
+    config: Config,
+    keyring: Keyring | None,
+    uids: frozenset[int] | None = None,
+    gids: frozenset[int] | None = None,
+) -> Tenant:
+    """One tenant's store (``config``: the tenant's own, :func:`tenant_config`), its prefetch
+    queue and its in-flight budget."""
+    store = build_store(config, keyring)
+    server = config.server
+    prefetcher = Prefetcher(store, max_queued_keys=server.prefetch_queue_keys)
+    return Tenant(name, store, prefetcher, InflightBudget(server.inflight_bytes), uids, gids)
 
 
 @dataclass
@@ -220,14 +221,12 @@ async def start_server(config: Config) -> RunningServer:
         port = server.add_insecure_port(config.server.listen)
     else:
         port = server.add_secure_port(config.server.listen, credentials)
-    if port == 0:
-        for tenant in tenants:
-            await tenant.store.close()
-        raise OSError(f"cannot listen on {config.server.listen}")
     try:
+        if port == 0:
+            raise OSError(f"cannot listen on {config.server.listen}")
         metrics = await _start_metrics(config, tenants)
     except OSError:
-        for tenant in tenants:
+        for tenant in tenants:  # nothing serves them: leave LMDB closed for the next start
             await tenant.store.close()
         raise
     for tenant in tenants:
