@@ -16,6 +16,7 @@ A wrong key is silent corruption, the worst failure this system can have; the go
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import struct
@@ -93,6 +94,11 @@ class Namespace:
                 f"Namespace needs 0 <= tp_rank < tp_size, got tp_rank={self.tp_rank} "
                 f"tp_size={self.tp_size}"
             )
+
+    def for_request(self, lora_id: str, cache_salt: str) -> Namespace:
+        """This engine-wide namespace with one request's LoRA adapter and cache salt filled in:
+        the namespace the connector names that request's chunks in (and the router too)."""
+        return dataclasses.replace(self, lora_id=lora_id, cache_salt=cache_salt)
 
     def canonical(self) -> bytes:
         """The stable byte encoding the fingerprint is computed over (sorted-key JSON)."""

@@ -271,16 +271,9 @@ def make_hasher(
     settings: ConnectorSettings, base: Namespace, lora_id: str, cache_salt: str
 ) -> ChunkHasher:
     """The chunk hasher for requests with this LoRA adapter and cache salt."""
-    namespace = Namespace(
-        **{
-            **{name: getattr(base, name) for name in base.__dataclass_fields__},
-            "lora_id": lora_id,
-            "cache_salt": cache_salt,
-        }
-    )
     return ChunkHasher(
         settings.chunk_size,
-        namespace,
+        base.for_request(lora_id, cache_salt),
         secret=settings.secret.encode(),
         algorithm=settings.hash_algorithm,
     )

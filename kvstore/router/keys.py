@@ -67,9 +67,11 @@ class RouterKeys:
         """The hasher the connector uses for this adapter and salt (made once, then kept)."""
         hasher = self._hashers.get((lora_id, cache_salt))
         if hasher is None:
-            namespace = dataclasses.replace(self.base, lora_id=lora_id, cache_salt=cache_salt)
             hasher = ChunkHasher(
-                self.chunk_size, namespace, secret=self._secret, algorithm=self._algorithm
+                self.chunk_size,
+                self.base.for_request(lora_id, cache_salt),
+                secret=self._secret,
+                algorithm=self._algorithm,
             )
             self._hashers[(lora_id, cache_salt)] = hasher
         return hasher
