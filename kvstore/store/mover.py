@@ -58,6 +58,17 @@ class BlockMover:
 
     # -- placement and eviction (caller holds the lock) ---------------------------------------
 
+    async def place_promotion(
+        self, header: BlockHeader, payload: memoryview, start: int, stop: int
+    ) -> str | None:
+        """:meth:`place` a block read from further away (a lower tier, a peer), counted as a
+        promotion into the tier that took it. Must hold :attr:`lock`."""
+        placed = await self.place(header, payload, start, stop)
+        if placed:
+            self._counters.add("promotions")
+            self._counters.promotions[placed] += 1
+        return placed
+
     async def place(
         self, header: BlockHeader, payload: memoryview, start: int, stop: int
     ) -> str | None:
@@ -193,9 +204,7 @@ class BlockMover:
             elif into is not None and key in levels[into]:
                 return True
             start, stop = (0, level) if into is None else (into, into + 1)
-            if placed := await self.place(header, memoryview(payload), start, stop):
-                self._counters.add("promotions")
-                self._counters.promotions[placed] += 1
+            await self.place_promotion(header, memoryview(payload), start, stop)
             return key in levels[target]
 
     # -- delete and persist (take the lock) ----------------------------------------------------

@@ -156,12 +156,9 @@ class BlockReader:
             if key in index:  # stored or fetched meanwhile
                 return index.meta[key].namespace == namespace
             header = BlockHeader.for_payload(key, namespace, payload)
-            placed = await mover.place(
+            placed = await mover.place_promotion(
                 header, memoryview(payload), stack.host_level, stack.local_levels
             )
-            if placed:
-                self._counters.add("promotions")
-                self._counters.promotions[placed] += 1
             return placed is not None
 
     async def _read_found(
