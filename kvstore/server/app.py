@@ -31,7 +31,7 @@ from kvstore.server.budget import InflightBudget
 from kvstore.server.health import add_health_to_server
 from kvstore.server.integrity import load_keyring
 from kvstore.server.metrics import build_registry
-from kvstore.server.metrics_http import MetricsServer, check_metrics_exposure
+from kvstore.server.metrics_http import MetricsServer
 from kvstore.server.servicer import SERVICE_NAME, KVStoreServicer, add_to_server
 from kvstore.server.sessions import ArenaSessions
 from kvstore.server.shm import ShmServer
@@ -195,7 +195,6 @@ async def start_server(config: Config) -> RunningServer:
     authenticated, an unreadable certificate or tokens file): ConfigError before anything opens.
     """
     check_exposure(config.server)
-    check_metrics_exposure(config.server)
     check_tenants(config)
     credentials = server_credentials(config.server)
     auth = interceptors(config.server)

@@ -101,7 +101,8 @@ def is_loopback(address: str) -> bool:
 
 
 def check_exposure(server: ServerConfig) -> None:
-    """Refuse (ConfigError, one line) to listen beyond loopback with nobody authenticated."""
+    """Refuse (ConfigError, one line) to listen beyond loopback with nobody authenticated: the
+    gRPC port, the UCX listener and the metrics endpoint alike."""
     if server.tokens_file and not server.tls_cert and not is_loopback(server.listen):
         logger.warning(
             "server.tokens_file without server.tls_cert on %s: bearer tokens cross the network "
@@ -125,6 +126,12 @@ def check_exposure(server: ServerConfig) -> None:
         raise ConfigError(
             f"server.ucx_listen = {server.ucx_listen} listens on every interface and no client "
             "is authenticated: " + fix
+        )
+    if server.metrics_listen and not is_loopback(server.metrics_listen):
+        raise ConfigError(
+            f"server.metrics_listen = {server.metrics_listen} is beyond loopback and no client is "
+            f"authenticated: {fix}; or listen on loopback (--metrics-listen 127.0.0.1:9464; '' "
+            "turns the endpoint off)"
         )
 
 

@@ -5,7 +5,8 @@ changes them (no lock, no torn reads), and it follows the gRPC port's rules: wit
 ``server.tokens_file`` every scrape needs ``Authorization: Bearer <token>`` of a listed token
 (401 otherwise); with ``server.tls_cert`` it is served over TLS with the same certificate (and,
 with ``server.tls_client_ca``, requires a client certificate signed by it); beyond loopback with
-neither, it is refused unless ``server.allow_unauthenticated``.
+neither, it is refused unless ``server.allow_unauthenticated``
+(:func:`kvstore.server.auth.check_exposure`, the rule of every port).
 """
 
 from __future__ import annotations
@@ -22,30 +23,15 @@ from prometheus_client.registry import CollectorRegistry
 
 from kvstore.config import ServerConfig
 from kvstore.errors import ConfigError
-from kvstore.server.auth import is_loopback, load_tokens
+from kvstore.server.auth import load_tokens
 
-__all__ = ["MetricsServer", "check_metrics_exposure"]
+__all__ = ["MetricsServer"]
 
 logger = logging.getLogger(__name__)
 
 # A scrape request is a few hundred bytes; anything past this is not Prometheus.
 _MAX_REQUEST_BYTES = 16 * 1024
 _REQUEST_TIMEOUT_S = 10.0
-
-
-def check_metrics_exposure(server: ServerConfig) -> None:
-    """Refuse (ConfigError, one line) a metrics port beyond loopback with nobody authenticated."""
-    listen = server.metrics_listen
-    if not listen or is_loopback(listen):
-        return
-    if server.tokens_file or server.tls_client_ca or server.allow_unauthenticated:
-        return
-    raise ConfigError(
-        f"server.metrics_listen = {listen} is beyond loopback and no client is authenticated: "
-        "configure server.tokens_file or server.tls_client_ca, set "
-        "server.allow_unauthenticated = true, or listen on loopback (--metrics-listen "
-        "127.0.0.1:9464; '' turns the endpoint off)"
-    )
 
 
 class MetricsServer:

@@ -56,7 +56,7 @@ from prometheus_server import (
 
 from kvstore import ChunkHasher, KVStoreClient, Namespace
 from kvstore.config import load_config
-from kvstore.server.metrics_http import check_metrics_exposure
+from kvstore.server.auth import check_exposure
 
 if TYPE_CHECKING:
     from conftest import ServerFactory, ServerProcess
@@ -302,7 +302,7 @@ def test_dashboard_provisioning_and_compose_agree() -> None:
     config = load_config(str(DEPLOY / "kvstore.toml"), env=dict(environment))
     assert config.server.metrics_listen == environment["KVSTORE_SERVER_METRICS_LISTEN"]
     assert config.redis.url == environment["KVSTORE_REDIS_URL"]
-    check_metrics_exposure(config.server)
+    check_exposure(config.server)
 
     for path in DASHBOARDS.glob("*.json"):
         board = json.loads(path.read_text())
