@@ -117,9 +117,16 @@ def test_index_holding_wins_and_faster_tier_beats_longer_slow_run() -> None:
     # A gap ends the run: chunks after it do not count.
     held = {"node-a": Holding(1, ["dram", "", "dram", "dram"] + [""] * 4)}
     assert s.choose(KEYS, 128, held).predicted_hit_tokens == 16
-    # Engine-local chunks (KV events, later) weigh most.
-    held = {"node-a": Holding(8, ["dram"] * 8)}
-    assert s.choose(KEYS, 128, held, local={"http://b": 8}).replica == B
+    # Engine-local chunks (the index's tier "local", from the engines' KV events) weigh most,
+    # and a run may start in the engine and go on in the node's tiers.
+    held = {"node-a": Holding(8, ["dram"] * 8), "node-b": Holding(8, ["local"] * 8)}
+    assert s.choose(KEYS, 128, held).replica == B
+    held = {"node-a": Holding(8, ["local"] * 7 + [""]), "node-b": Holding(8, ["local"] * 8)}
+    assert s.choose(KEYS, 128, held).replica == B
+    held = {"node-a": Holding(8, ["local"] * 4 + ["nvme"] * 4), "node-b": Holding(8, ["dram"] * 8)}
+    assert s.choose(KEYS, 128, held).replica == B  # 4*16 + 4*16*0.5 = 96 < 8*16*0.8 = 102.4
+    held["node-a"] = Holding(8, ["local"] * 5 + ["nvme"] * 3)  # 80 + 24 = 104 > 102.4
+    assert s.choose(KEYS, 128, held).replica == A
 
 
 def test_load_outweighs_a_small_hit_and_ties_rotate() -> None:

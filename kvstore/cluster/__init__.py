@@ -4,6 +4,9 @@ Every node registers itself (:mod:`.membership`: node id, boot epoch, addresses,
 lease it renews) and publishes, batched, which blocks it holds in which tier (:mod:`.publisher`);
 a router asks :class:`~.index.ClusterIndex` which nodes hold how many leading chunks of a
 request. :mod:`.layout` names the Redis keys; :mod:`.node` starts and stops it all for a server.
+With ``cluster.engine_events`` a node also publishes, as tier ``local``, the chunks the vLLM
+engine beside it holds in its own prefix cache, learnt from the engine's KV events
+(:mod:`.engine_events`, :mod:`.engine_chunks`; their staleness is described there).
 
 **What counts.** An entry counts only while its node's lease is alive *and* carries the entry's
 boot epoch: a node that crashed stops counting when its lease expires, a restarted node's entries
@@ -19,6 +22,7 @@ publish interval. The index claims only exact chunk keys a node holds: a key tha
 after the router's query is a miss there, as with any cache.
 """
 
+from kvstore.cluster.engine_chunks import LOCAL, EngineChunks, LocalPublisher
 from kvstore.cluster.index import ClusterIndex, Holding
 from kvstore.cluster.layout import Layout, connect
 from kvstore.cluster.membership import Membership, NodeInfo
@@ -26,10 +30,13 @@ from kvstore.cluster.node import ClusterNode, start_cluster
 from kvstore.cluster.publisher import Publisher
 
 __all__ = [
+    "LOCAL",
     "ClusterIndex",
     "ClusterNode",
+    "EngineChunks",
     "Holding",
     "Layout",
+    "LocalPublisher",
     "Membership",
     "NodeInfo",
     "Publisher",

@@ -5,12 +5,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
+from kvstore.cluster.engine_chunks import EngineChunks, LocalPublisher
+from kvstore.cluster.engine_events import EngineEvents, load_event_modules
 from kvstore.cluster.index import ClusterIndex
 from kvstore.cluster.layout import Client, Layout, connect
 from kvstore.cluster.membership import Membership, NodeInfo, node_id_for
 from kvstore.cluster.peers import PeerSource
 from kvstore.cluster.publisher import Publisher
-from kvstore.config import Config
+from kvstore.cluster_config import ClusterConfig, namespace_from_json
+from kvstore.config import Config, hash_secret
 from kvstore.errors import ConfigError
 from kvstore.store import TieredStore
 
@@ -29,15 +32,20 @@ class ClusterNode:
         membership: Membership,
         publishers: list[Publisher],
         peers: Mapping[str, tuple[TieredStore, PeerSource]] | None = None,
+        engine: EngineEvents | None = None,
     ):
         self.client = client
         self.membership = membership
         self.publishers = publishers
         #: By tenant: the store and the peer source it reads through.
         self.peers = dict(peers or {})
+        #: The engine's KV events, with ``cluster.engine_events``.
+        self.engine = engine
 
     async def stop(self) -> None:
         """Leave the index: lease first (entries stop counting at once), then the entries."""
+        if self.engine is not None:
+            await self.engine.stop()
         for store, source in self.peers.values():
             store.set_remote_source(None)
             await source.aclose()
@@ -60,6 +68,7 @@ async def start_cluster(
     url = settings.url or config.redis.url
     if not url:  # Config refuses this; a hand-built one may not
         raise ConfigError("cluster.enabled needs cluster.url or redis.url; both are empty")
+    engine_tenant = _engine_tenant(settings, stores)
     client = connect(url, timeout_s=min(2.0, settings.lease_ttl_s / 3))
     layout = Layout(settings.key_prefix)
     node_id = node_id_for(settings.node_id, config.nvme.path)
@@ -80,14 +89,20 @@ async def start_cluster(
         settings.lease_ttl_s,
         rejoined,
     )
+    engine: EngineEvents | None = None
     for tenant, store in stores.items():
-        publisher = Publisher(
+        kind = LocalPublisher if tenant == engine_tenant else Publisher
+        publisher = kind(
             client, layout.for_tenant(tenant), store, membership, settings.publish_interval_s
         )
         publishers.append(publisher)
+        if isinstance(publisher, LocalPublisher):
+            engine = EngineEvents(settings.engine_events, _engine_chunks(settings, publisher))
     for publisher in publishers:
         publisher.start()
     await membership.start()
+    if engine is not None:
+        engine.start()
     logger.info("cluster index: node %s publishing to %s", node_id, settings.key_prefix)
     peers: dict[str, tuple[TieredStore, PeerSource]] = {}
     if settings.shared_data in ("peers", "both"):
@@ -105,4 +120,32 @@ async def start_cluster(
         logger.info(
             "cluster index: reading other nodes' blocks from peers (%s)", settings.shared_data
         )
-    return ClusterNode(client, membership, publishers, peers)
+    return ClusterNode(client, membership, publishers, peers, engine)
+
+
+def _engine_tenant(settings: ClusterConfig, stores: Mapping[str, TieredStore]) -> str | None:
+    """The tenant whose store the engine's connector uses (its namespace's), or ``None`` when
+    ``cluster.engine_events`` is off; checks that the event modules are installed."""
+    if not settings.engine_events:
+        return None
+    load_event_modules()
+    tenant = namespace_from_json(settings.engine_namespace, "cluster.engine_namespace").tenant
+    if tenant not in stores:
+        raise ConfigError(
+            f"cluster.engine_namespace: tenant {tenant!r} is not served here; "
+            f"tenants: {sorted(stores)}"
+        )
+    return tenant
+
+
+def _engine_chunks(settings: ClusterConfig, publisher: LocalPublisher) -> EngineChunks:
+    algorithm = settings.engine_hash_algorithm
+    return EngineChunks(
+        namespace_from_json(settings.engine_namespace, "cluster.engine_namespace"),
+        settings.engine_chunk_size,
+        hash_secret().encode(),
+        publisher.hold,
+        publisher.release,
+        algorithm="sha256" if algorithm == "sha256" else "xxh3_128",
+        max_blocks=settings.engine_max_blocks,
+    )

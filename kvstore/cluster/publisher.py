@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from kvstore.cluster.layout import REDIS_ERRORS, Client, Layout
 from kvstore.cluster.membership import Membership
@@ -78,6 +78,10 @@ class Publisher:
             self.store.add_listener(self.on_change)
         self._task = asyncio.create_task(self._run(), name="cluster-publisher")
 
+    def holdings(self) -> Iterator[tuple[bytes, str]]:
+        """What a full resync publishes: every key held and its tier (the store's, by default)."""
+        return self.store.holdings() if self.store is not None else iter(())
+
     async def _run(self) -> None:
         while True:
             with contextlib.suppress(TimeoutError):
@@ -96,7 +100,7 @@ class Publisher:
         batch, self._pending = self._pending, {}
         if self._resync:
             self._resync = False
-            held = dict(self.store.holdings()) if self.store is not None else {}
+            held = dict(self.holdings())
             changes: dict[bytes, str | None] = dict(held)
             changes.update({key: None for key in self.published if key not in held})
             force = True

@@ -15,36 +15,18 @@ falls back to load); it never sends a wrong answer anywhere.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from collections.abc import Sequence
 from typing import Any
 
-from kvstore.errors import ConfigError
+from kvstore.cluster_config import namespace_from_json
 from kvstore.keys import ChunkHasher, HashAlgorithm, Namespace
 
 __all__ = ["RouterKeys", "parse_namespace"]
 
-#: Fields of the base namespace the router takes; the per-request ones are filled per request.
-_PER_REQUEST = frozenset({"lora_id", "cache_salt", "tp_rank"})
-
 
 def parse_namespace(text: str) -> Namespace:
     """The ``router.namespace`` setting (a JSON object of Namespace fields) as rank 0's base."""
-    try:
-        fields = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"router.namespace: cannot use {text!r}: not JSON ({exc})") from exc
-    if not isinstance(fields, dict):
-        raise ConfigError(f"router.namespace: cannot use {text!r}: not a JSON object")
-    known = {f.name for f in dataclasses.fields(Namespace)} - _PER_REQUEST
-    unknown = sorted(set(fields) - known)
-    if unknown:
-        raise ConfigError(f"router.namespace: unknown fields {unknown}; known: {sorted(known)}")
-    try:
-        return Namespace(**fields, tp_rank=0)
-    except (ConfigError, TypeError) as exc:
-        raise ConfigError(f"router.namespace: cannot use {text!r}: {exc}") from exc
+    return namespace_from_json(text, "router.namespace")
 
 
 class RouterKeys:

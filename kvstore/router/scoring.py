@@ -1,10 +1,10 @@
 """Choosing a replica: the cached prefix each one would reuse, weighed against its load.
 
 Per replica, the *reusable prefix* is the leading run of the request's chunks that some source
-says that replica can reach without computing: the engine's own prefix cache (``local``, from the
-engine's KV events once they are consumed; see :class:`Scorer` ``local``), a provisional entry the
-router recorded when it sent an earlier request there, or the tiers of the kvstore node beside it
-in the cluster index. Each chunk counts ``chunk_size`` tokens times the weight of the fastest
+says that replica can reach without computing: the engine's own prefix cache (tier ``local`` in
+the cluster index: the node beside the engine publishes the chunks its engine's KV events show,
+``cluster.engine_events``), a provisional entry the router recorded when it sent an earlier
+request there, or the tiers of the kvstore node beside it in the cluster index. Each chunk counts ``chunk_size`` tokens times the weight of the fastest
 source that has it (:data:`TIER_WEIGHTS`: engine-local > hbm > dram > nvme > shared redis).
 
     score = hit_weight * weighted_hit_tokens
@@ -26,14 +26,15 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from kvstore.cluster import Holding
+from kvstore.cluster import LOCAL, Holding
 
 __all__ = ["TIER_WEIGHTS", "Decision", "Load", "Provisional", "Replica", "Scorer"]
 
-#: Weight of a cached chunk per source. "local" is the engine's own cache (and provisional
-#: entries, which predict it); the rest are kvstore tier names as the index publishes them.
+#: Weight of a cached chunk per source. "local" is the engine's own cache (as its node publishes
+#: it to the index, :data:`kvstore.cluster.LOCAL`, and provisional entries, which predict it);
+#: the rest are kvstore tier names as the index publishes them.
 TIER_WEIGHTS: dict[str, float] = {
-    "local": 1.0,
+    LOCAL: 1.0,
     "hbm": 0.9,
     "dram": 0.8,
     "nvme": 0.5,
@@ -131,16 +132,17 @@ class Scorer:
         count: int,
         holdings: Mapping[str, Holding],
         provisional: Mapping[str, int],
-        local: Mapping[str, int],
     ) -> tuple[int, float]:
-        """The replica's reusable leading chunks and their weighted token count."""
-        engine = max(provisional.get(replica.url, 0), local.get(replica.url, 0))
+        """The replica's reusable leading chunks and their weighted token count: a chunk counts
+        at the weight of the fastest source that has it (a provisional entry counts as local;
+        the index's entries as their tier, ``local`` for the engine's own cache)."""
+        engine = provisional.get(replica.url, 0)
         holding = holdings.get(replica.node)
         tiers = holding.tiers if holding is not None else []
         chunks, weighted = 0, 0.0
         for index in range(count):
             if index < engine:
-                weight = TIER_WEIGHTS["local"]
+                weight = TIER_WEIGHTS[LOCAL]
             elif index < len(tiers) and tiers[index]:
                 weight = TIER_WEIGHTS.get(tiers[index], TIER_WEIGHTS["redis"])
             else:
@@ -154,21 +156,18 @@ class Scorer:
         keys: Sequence[bytes],
         prompt_tokens: int,
         holdings: Mapping[str, Holding],
-        local: Mapping[str, int] | None = None,
     ) -> Decision:
         """The best replica for a request of ``prompt_tokens`` tokens whose chunks are ``keys``.
 
-        ``holdings`` is the index's answer (node -> holding; empty when the index is out),
-        ``local`` the engines' own cached leading chunks per replica url (empty until KV events
-        are consumed).
+        ``holdings`` is the index's answer (node -> holding; empty when the index is out); the
+        engines' own caches are in it, as tier ``local`` of the node beside each engine.
         """
         provisional = self.provisional.holders(keys) if keys else {}
-        local = local or {}
         turn, self._turn = self._turn, self._turn + 1
         count = len(keys)
         rows = []
         for position, replica in enumerate(self.replicas):
-            chunks, weighted = self.hit_chunks(replica, count, holdings, provisional, local)
+            chunks, weighted = self.hit_chunks(replica, count, holdings, provisional)
             load = self.load[replica.url]
             cost = load.queued_prefill_tokens + self.request_cost_tokens * load.in_flight
             score = self.hit_weight * weighted - cost

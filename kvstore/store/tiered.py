@@ -312,6 +312,11 @@ class TieredStore:
 
         self._index.on_change = notify
 
+    def tier_of(self, key: bytes) -> str | None:
+        """The name of the fastest local tier holding ``key`` (``None``: none holds it)."""
+        level = self._index.level_of(key)
+        return None if level is None else self.tiers[level].name
+
     def holdings(self) -> Iterator[tuple[bytes, str]]:
         """Every key the store holds with the name of the fastest tier holding it (a listener's
         full resync); iterate without awaiting in between (the index changes on the loop)."""
