@@ -4,8 +4,9 @@ Per replica, the *reusable prefix* is the leading run of the request's chunks th
 says that replica can reach without computing: the engine's own prefix cache (tier ``local`` in
 the cluster index: the node beside the engine publishes the chunks its engine's KV events show,
 ``cluster.engine_events``), a provisional entry the router recorded when it sent an earlier
-request there, or the tiers of the kvstore node beside it in the cluster index. Each chunk counts ``chunk_size`` tokens times the weight of the fastest
-source that has it (:data:`TIER_WEIGHTS`: engine-local > hbm > dram > nvme > shared redis).
+request there, or the tiers of the kvstore node beside it in the cluster index. Each chunk counts
+``chunk_size`` tokens times the weight of the fastest source that has it (:data:`TIER_WEIGHTS`:
+engine-local > hbm > dram > nvme > shared redis).
 
     score = hit_weight * weighted_hit_tokens
             - (queued_prefill_tokens + request_cost_tokens * in_flight)
