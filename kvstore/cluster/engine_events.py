@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,18 +44,32 @@ logger = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
-def load_event_modules() -> tuple[Any, Any]:
-    """``zmq`` (with ``zmq.asyncio``) and ``msgpack``, or one ConfigError naming the extra."""
+def load_event_modules() -> tuple[Any, Callable[[bytes], Any]]:
+    """``zmq`` (with ``zmq.asyncio``) and a msgpack decoder (``msgpack``'s, or ``msgspec``'s,
+    which vLLM itself installs), or one ConfigError naming the extra."""
     try:
-        import msgpack
         import zmq
         import zmq.asyncio
     except ImportError as exc:
         raise ConfigError(
-            f"cluster.engine_events needs pyzmq and msgpack ({exc.name} is missing): "
-            "pip install 'kvstore[events]'"
+            "cluster.engine_events needs pyzmq (not installed): pip install 'kvstore[events]'"
         ) from exc
-    return zmq, msgpack
+    try:
+        import msgpack
+
+        def unpack(payload: bytes) -> Any:
+            return msgpack.unpackb(payload, raw=False, strict_map_key=False)
+
+    except ImportError:
+        try:
+            import msgspec
+        except ImportError as exc:
+            raise ConfigError(
+                "cluster.engine_events needs msgpack (not installed): "
+                "pip install 'kvstore[events]'"
+            ) from exc
+        unpack = msgspec.msgpack.decode
+    return zmq, unpack
 
 
 @dataclass(frozen=True)
@@ -120,10 +134,10 @@ def _event(event: Any) -> Event:
     raise ValueError(f"unknown event type {kind!r}")
 
 
-def decode_batch(msgpack: Any, payload: bytes) -> list[Event]:
+def decode_batch(unpack: Callable[[bytes], Any], payload: bytes) -> list[Event]:
     """The events of one ``KVEventBatch`` payload; ValueError if it is not one."""
     try:
-        batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+        batch = unpack(payload)
     except Exception as exc:  # msgpack raises several types for corrupt input
         raise ValueError(f"not msgpack: {exc}") from exc
     if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[1], list):
@@ -140,7 +154,7 @@ class EngineEvents:
     def __init__(self, endpoint: str, chunks: EngineChunks) -> None:
         self.endpoint = endpoint
         self.chunks = chunks
-        self._zmq, self._msgpack = load_event_modules()
+        self._zmq, self._unpack = load_event_modules()
         self._seq: int | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._sockets: list[Any] = []
@@ -155,7 +169,7 @@ class EngineEvents:
             if len(frames) != 3 or len(frames[1]) != 8:
                 raise ValueError(f"expected [topic, seq, payload], got {len(frames)} frames")
             seq = int.from_bytes(frames[1], "big", signed=True)
-            events = decode_batch(self._msgpack, frames[2])
+            events = decode_batch(self._unpack, frames[2])
         except ValueError as exc:
             self._seq = None
             self.lost("undecodable", f"an undecodable batch ({exc})")
@@ -199,7 +213,7 @@ class EngineEvents:
         sub = context.socket(zmq.SUB)
         sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
-        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         sub.connect(self.endpoint)
         self._sockets = [sub, monitor]
         self._tasks = [
@@ -217,7 +231,9 @@ class EngineEvents:
 
         while True:
             message = parse_monitor_message(await monitor.recv_multipart())
-            if message["event"] == self._zmq.EVENT_DISCONNECTED:
+            if message["event"] == self._zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                logger.info("engine events: connected to %s", self.endpoint)
+            elif message["event"] == self._zmq.EVENT_DISCONNECTED:
                 self._seq = None
                 self.lost("disconnected", "the engine's connection closed")
 

@@ -1,0 +1,250 @@
+"""A real vLLM engine's KV events make its prefix cache tier ``local`` in the cluster index.
+
+One engine (the suite's tiny model, the kvstore connector, ``kv_events_config`` publishing on
+ZMQ) beside a real ``kvstore serve`` node that consumes its events (``cluster.engine_events``)
+and a real redis-server holding the index. After a prompt of three whole chunks and a partial
+one, :meth:`ClusterIndex.holders` lists exactly the three whole chunks as local for that node,
+under the keys the connector computes (its own hasher over the namespace it logged; it stored the
+same keys in the node).
+
+Needs vLLM's CPU build; skipped without it unless ``KVSTORE_REQUIRE_VLLM=1``. Runtime: about a
+minute, mostly the engine's start-up.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import dataclasses
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO
+
+import pytest
+from store_process import free_port
+
+from kvstore import KVStoreClient, Namespace
+from kvstore.cluster import ClusterIndex, Holding, Layout, connect
+from kvstore.integrations.vllm_common import ConnectorSettings, make_hasher
+
+if os.environ.get("KVSTORE_REQUIRE_VLLM") != "1":
+    pytest.importorskip("vllm", reason="vLLM's CPU build is not installed")
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "tiers"))
+from redis_server import RedisServer
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+HERE = Path(__file__).parent
+CHUNK = 256
+PREFIX = "kvstore:cluster:v1:"
+START_TIMEOUT_S = 300
+
+
+def wait_for(condition: Callable[[], bool], what: str, within: float) -> None:
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} not within {within} s"
+        time.sleep(0.1)
+
+
+class EventsEngine:
+    """``events_engine.py`` in a subprocess: one prompt per stdin line, results on stdout."""
+
+    def __init__(self, workdir: Path, model: Path, target: str, events: str) -> None:
+        self.log = workdir / "engine.log"
+        command = [
+            sys.executable,
+            str(HERE / "events_engine.py"),
+            "--model",
+            str(model),
+            "--target",
+            target,
+            "--events",
+            events,
+            "--chunk-size",
+            str(CHUNK),
+            "--workdir",
+            str(workdir),
+        ]
+        with self.log.open("wb") as log:
+            self.proc = subprocess.Popen(
+                command, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT
+            )
+        self.results = 0
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_ready(self) -> None:
+        def ready() -> bool:
+            if self.proc.poll() is not None:
+                pytest.fail(f"the engine exited:\n{self.text()[-4000:]}")
+            return "READY" in self.text()
+
+        wait_for(ready, "the engine's start-up", START_TIMEOUT_S)
+
+    def namespace(self) -> Namespace:
+        """The connector's base namespace, from its start-up line ``namespace Namespace(...)``."""
+        match = re.search(r"namespace (Namespace\(.*\))$", self.text(), re.MULTILINE)
+        assert match, "the connector did not log its namespace"
+        call = ast.parse(match.group(1), mode="eval").body
+        assert isinstance(call, ast.Call)
+        return Namespace(**{k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg})
+
+    def generate(self, tokens: list[int]) -> None:
+        stdin: IO[bytes] | None = self.proc.stdin
+        assert stdin is not None
+        stdin.write((json.dumps(tokens) + "\n").encode())
+        stdin.flush()
+        self.results += 1
+        wait_for(lambda: self.text().count("RESULT ") >= self.results, "a generation", 120)
+
+    def stop(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class Node:
+    """``kvstore serve`` with the cluster index and the engine's events."""
+
+    def __init__(self, workdir: Path, target: str, env: dict[str, str]) -> None:
+        self.log = workdir / "node.log"
+        command = [
+            sys.executable,
+            "-c",
+            "import sys; from kvstore.cli import main; sys.exit(main())",
+            "serve",
+            "--listen",
+            target,
+            "--nvme-path",
+            str(workdir / "nvme"),
+            "--dram-capacity",
+            "512MiB",
+        ]
+        with self.log.open("wb") as log:
+            self.proc = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env}
+            )
+        wait_for(
+            lambda: "kvstore serving on" in self.text() or self.proc.poll() is not None,
+            "the node's start-up",
+            60,
+        )
+        assert self.proc.poll() is None, self.text()
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(timeout=30)
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    path = tmp_path / "tiny-llama"
+    subprocess.run(
+        [sys.executable, str(HERE / "tiny_model.py"), str(path)],
+        check=True,
+        timeout=300,
+        capture_output=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    return path
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    with RedisServer(tmp_path / "redis") as server:
+        yield server
+
+
+def holders(url: str, keys: list[bytes]) -> dict[str, Holding]:
+    async def ask() -> dict[str, Holding]:
+        client = connect(url, 2.0)
+        try:
+            return await ClusterIndex(client, Layout(PREFIX)).holders(keys)
+        finally:
+            await client.aclose()
+
+    return asyncio.run(ask())
+
+
+def test_engine_prefix_cache_is_local_in_the_index(
+    tmp_path: Path, model: Path, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target = f"127.0.0.1:{free_port()}"
+    port = free_port()
+    secret = "engine-events-vllm"
+    monkeypatch.setenv("KVSTORE_HASH_SECRET", secret)  # the connector and the node share it
+    engine = EventsEngine(tmp_path, model, target, f"tcp://*:{port}")
+    node: Node | None = None
+    try:
+        engine.wait_ready()
+        base = engine.namespace()
+        per_request = ("lora_id", "cache_salt", "tp_rank")
+        fields = {
+            f.name: getattr(base, f.name)
+            for f in dataclasses.fields(base)
+            if f.name not in per_request
+        }
+        node = Node(
+            tmp_path,
+            target,
+            {
+                "KVSTORE_CLUSTER_ENABLED": "1",
+                "KVSTORE_CLUSTER_URL": redis_server.url,
+                "KVSTORE_CLUSTER_NODE_ID": "beside-engine",
+                "KVSTORE_CLUSTER_PUBLISH_INTERVAL_S": "0.05",
+                "KVSTORE_CLUSTER_ENGINE_EVENTS": f"tcp://127.0.0.1:{port}",
+                "KVSTORE_CLUSTER_ENGINE_NAMESPACE": json.dumps(fields),
+                "KVSTORE_CLUSTER_ENGINE_CHUNK_SIZE": str(CHUNK),
+            },
+        )
+        # The connector's own naming of this engine's unsalted, non-LoRA requests.
+        settings = ConnectorSettings.from_extra_config({"target": target, "chunk_size": CHUNK})
+        hasher = make_hasher(settings, base, "", "")
+        rng = random.Random(20261124)
+
+        # Warm-up prompts until the node hears the engine (a PUB socket drops what it sends
+        # before the subscriber has joined).
+        def heard() -> bool:
+            warm = [rng.randrange(3, 1000) for _ in range(CHUNK + 10)]
+            engine.generate(warm)
+            time.sleep(1.0)
+            return "beside-engine" in holders(redis_server.url, hasher.keys(warm))
+
+        wait_for(heard, "the node hearing the engine's events", 120)
+
+        prompt = [rng.randrange(3, 1000) for _ in range(3 * CHUNK + 100)]
+        keys = hasher.keys(prompt + [1] * (CHUNK - 100))  # 3 whole chunks and the partial 4th
+        engine.generate(prompt)
+
+        def local() -> list[str]:
+            found = holders(redis_server.url, keys).get("beside-engine")
+            return found.tiers if found is not None else []
+
+        wait_for(lambda: local() == ["local"] * 3 + [""], "the prompt's whole chunks as local", 30)
+        # The connector stored the very same keys in the node (its own naming).
+        with KVStoreClient(target, namespace=base, timeout=5.0) as client:
+            wait_for(lambda: client.lookup(keys[:3]) == 3, "the connector's saves", 30)
+    finally:
+        engine.stop()
+        if node is not None:
+            node.stop()
+    assert "engine events: connected to" in node.text()
