@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -87,7 +87,8 @@ class _Block:
     tail: tuple[bytes, ...]
     #: The chunk keys ending inside this block.
     keys: list[bytes]
-    children: set[BlockHash] = field(default_factory=set)
+    #: Blocks stored after this one in a chain (``None`` while none: most blocks are leaves).
+    children: set[BlockHash] | None = None
 
 
 class EngineChunks:
@@ -146,14 +147,16 @@ class EngineChunks:
             self.skipped += len(event.hashes)
             return
         size = event.block_size
-        if size < 1 or len(event.token_ids) != size * len(event.hashes):
-            raise ValueError(
-                f"BlockStored has {len(event.token_ids)} tokens for {len(event.hashes)} blocks "
-                f"of {size}"
-            )
         extras = event.extra_keys or [None] * len(event.hashes)
-        if len(extras) != len(event.hashes):
-            raise ValueError("BlockStored has extra keys for a different number of blocks")
+        if (
+            size < 1
+            or len(event.token_ids) != size * len(event.hashes)
+            or len(extras) != len(event.hashes)
+        ):
+            # Tokens that do not split evenly into the blocks (vLLM skips masked blocks of
+            # sliding-window groups): which tokens are whose is unknown, so nothing is named.
+            self.skipped += len(event.hashes)
+            return
         previous = event.parent
         for index, block_hash in enumerate(event.hashes):
             known = self._blocks.get(block_hash)
@@ -207,7 +210,10 @@ class EngineChunks:
     def _add(self, block_hash: BlockHash, block: _Block) -> None:
         self._blocks[block_hash] = block
         if block.parent is not None:
-            self._blocks[block.parent].children.add(block_hash)
+            parent = self._blocks[block.parent]
+            if parent.children is None:
+                parent.children = set()
+            parent.children.add(block_hash)
         for key in block.keys:
             count = self._held.get(key, 0)
             self._held[key] = count + 1
@@ -228,14 +234,15 @@ class EngineChunks:
         first = self._blocks.pop(block_hash)
         if first.parent is not None:
             parent = self._blocks.get(first.parent)
-            if parent is not None:
+            if parent is not None and parent.children is not None:
                 parent.children.discard(block_hash)
         stack = [first]
         while stack:
             block = stack.pop()
             for key in block.keys:
                 self._unhold(key)
-            stack.extend(self._blocks.pop(child) for child in block.children)
+            if block.children is not None:
+                stack.extend(self._blocks.pop(child) for child in block.children)
 
     def _unhold(self, key: bytes) -> None:
         count = self._held[key] - 1

@@ -65,8 +65,7 @@ def load_event_modules() -> tuple[Any, Callable[[bytes], Any]]:
             import msgspec
         except ImportError as exc:
             raise ConfigError(
-                "cluster.engine_events needs msgpack (not installed): "
-                "pip install 'kvstore[events]'"
+                "cluster.engine_events needs msgpack (not installed): pip install 'kvstore[events]'"
             ) from exc
         unpack = msgspec.msgpack.decode
     return zmq, unpack
