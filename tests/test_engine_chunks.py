@@ -1,6 +1,6 @@
 """Engine blocks to kvstore chunk keys (:class:`kvstore.cluster.EngineChunks`) and the
 ``cluster.engine_*`` settings. The node consuming a real event stream is
-``tests/integration/test_engine_events.py``."""
+``tests/integration/test_engine_local_index.py``."""
 
 from __future__ import annotations
 
