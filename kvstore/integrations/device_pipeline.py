@@ -149,9 +149,9 @@ class StepLoad:
     crashed: bool = False  # the layer work failed: every chunk of the step is recomputed
     cancelled: bool = False  # the forward gave up waiting: write nothing more
     waited: set[int] = field(default_factory=set)  # layers whose attention asked for them
-    fetch_s: float = 0.0
-    waited_s: float = 0.0
-    scatter_s: float = 0.0
+    fetch_s: float = 0.0  # the get, on the loader thread
+    waited_s: float = 0.0  # the forward's waits, all layers together
+    scatter_s: float = 0.0  # the loader's copies and scatters, all layers (overlapping the forward)
     reason: str = "missing"  # why its failed chunks failed (see vllm_stats.LOAD_FAILURES)
     reported: bool = False  # its failed chunks are in the load errors
 

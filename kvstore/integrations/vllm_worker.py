@@ -327,7 +327,7 @@ class WorkerSide:
             self._fail_loads(load.specs)
         self._account(load, skipped)
         logger.debug(
-            "kvstore load: %d chunks, %.1f MiB, get %.2f ms, waited %.2f ms, layers %.2f ms",
+            "kvstore load: %d chunks, %.1f MiB, get %.2f ms, waited %.2f ms, scatter %.2f ms",
             len(load.ok or ()),
             load.host.nbytes / 2**20,
             load.fetch_s * 1e3,
