@@ -157,3 +157,28 @@ def test_a_scatter_that_fails_makes_the_step_recompute(
 
 def test_the_layout_found_is_reported(worker: WorkerSide) -> None:
     assert worker.layout_name == "packed/HND"
+
+
+def test_bench_gpu_parses_its_arguments_and_refuses_to_run_without_cuda(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    bench = root / "benchmarks" / "bench_gpu.py"
+    helped = subprocess.run(
+        [sys.executable, str(bench), "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert helped.returncode == 0 and "--prefix" in helped.stdout, helped.stderr
+    sys.path.insert(0, str(bench.parent))
+    try:
+        import bench_gpu
+    finally:
+        sys.path.remove(str(bench.parent))
+    args = bench_gpu.parse_args(["--prefix", "4096", "--rounds", "3"])
+    assert (args.prefix, args.rounds, args.arena_copy_mib) == (4096, 3, 256)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench_gpu.main([]) == 2
+    assert "needs a CUDA device" in capsys.readouterr().err
