@@ -182,3 +182,13 @@ def test_bench_gpu_parses_its_arguments_and_refuses_to_run_without_cuda(
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert bench_gpu.main([]) == 2
     assert "needs a CUDA device" in capsys.readouterr().err
+
+
+def test_a_cache_whose_layout_cannot_be_told_is_refused(worker: WorkerSide) -> None:
+    from kvstore.errors import ConfigError
+
+    five_d = {f"l{i}": torch.zeros(2, BLOCKS, BLOCK, 2, 3) for i in range(LAYERS)}
+    with pytest.raises(ConfigError, match=r"\(2, 8, 4, 2, 3\) from attention backend unknown"):
+        worker.register_kv_caches(five_d)
+    worker.register_kv_caches(five_d, backend="FLASH_ATTN")
+    assert worker.layout_name == "kv_first/NHD"
