@@ -3,7 +3,8 @@ listeners and a real redis-server.
 
 A node reads another's blocks over UCX where the peer advertises a listener (``auto``), counted
 per transport; a UCX failure falls back to gRPC for that read (``auto``) or is a miss (``ucx``);
-keys a dead holder cannot serve come from the next live holder within the same request.
+keys a dead holder cannot serve come from the next live holder within the same request; and
+across network namespaces (tests/netns_hosts.py) the UCX path is the one taken.
 The UCX failure is a real one: the peer's advertised UCX address is rewritten in the index to a
 port where nothing listens, so connecting is refused while its gRPC port still answers.
 """
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from netns_hosts import Host, Hosts
 from test_cluster_index import PREFIX, blocks_for, holders, poll
 from test_peer_fetch import counters, grpc_client, payload_keys, peer_env
 
@@ -44,10 +46,18 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
 
 
 def node(
-    factory: ServerFactory, url: str, name: str, transport: str = "auto", shared: str = "peers"
+    factory: ServerFactory,
+    url: str,
+    name: str,
+    transport: str = "auto",
+    shared: str = "peers",
+    host: Host | None = None,
 ) -> ServerProcess:
     env = {**peer_env(url, name, shared), "KVSTORE_CLUSTER_PEER_TRANSPORT": transport}
-    return factory(*UCX, env=env)
+    if host is None:
+        return factory(*UCX, env=env)
+    listen = ("--ucx-listen", f"{host.address}:0", "--allow-unauthenticated")
+    return factory(*listen, env=env, host=host)
 
 
 def break_ucx(redis_server: RedisServer, name: str) -> None:
@@ -158,3 +168,25 @@ def test_keys_a_dead_holder_cannot_serve_come_from_the_next_holder(
     assert seen["peer_suspected"] == 1
     assert seen["peer_hits"] == 4
     assert seen.get("miss_peer_down", 0) == 0
+
+
+def test_a_node_in_another_network_namespace_reads_over_ucx(
+    server_factory: ServerFactory, tmp_path: Path
+) -> None:
+    """Two hosts on a bridge, Redis on the bridge's address: nothing but TCP between them."""
+    with Hosts(2) as hosts, RedisServer(tmp_path / "netns-redis", host=hosts.gateway) as redis:
+        url = redis.url
+        one = node(server_factory, url, "one", host=hosts[0])
+        three = node(server_factory, url, "three", host=hosts[1])
+        keys, values = blocks_for(0, 5)
+        with grpc_client(one) as writer:
+            assert writer.put(keys, values).stored == 5
+        poll(lambda: holders(url, keys).get("one") is not None, 5.0, "node one in the index")
+        with grpc_client(three) as reader:
+            assert reader.get(keys) == values  # bit-identical, from the other host, over UCX
+        seen = counters(three)
+        assert seen["peer_hits_ucx"] == 5
+        assert seen.get("peer_hits_grpc", 0) == 0
+        assert payload_keys(redis) == []  # Redis holds the index only
+        for server in (one, three):
+            server.stop()
