@@ -22,10 +22,12 @@ bridge over TCP; nothing is shared memory.
   from another host: the cross-host hop is the only remote one, as in a deployment.
 
 Each round gets ``--round-mib`` of fresh blocks per size and path (each block read exactly once
-by each reading node, so every read is cold), in batches of ``--batch-mib``; the three paths run
-one after another in an order that rotates each round. Reported: bytes/s per round (median and
-p90 of the per-round rates; the p90 is the slower tail, i.e. the 10th percentile of rate) and the
-ratio of each peer path's median to Redis's. Every payload's digest is checked. The node-side
+by each reading node, so every read is cold), in gets of ``--batch-mib``, one get of each path in
+turn (an order that rotates each round): on a machine shared with other work, every path then
+meets the same background load. After the three, a fourth reference case gets the Redis
+reader's blocks again (now local to it: the client and shared-memory hop alone). Reported:
+bytes/s per round (median, and the slow tail: the 10th percentile of the per-round rates) and
+the ratio of each path's median to Redis's. Every payload's digest is checked. The node-side
 counters confirm the path each reader took. Done-when of issue 16: peer get >= 1.5x Redis.
 """
 
