@@ -3,7 +3,7 @@
 Exact command (repository root, as root: it creates network namespaces; a few minutes on 2
 shared cores)::
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_peer.py \
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_peer.py --rounds 9 --round-mib 32 \
         --json benchmarks/results/peer.json --out benchmarks/results/peer.md
 
 Two "hosts" (``tests/netns_hosts.py``: network namespaces on a bridge) and a ``redis-server`` in
@@ -127,7 +127,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--sizes-mib", default="1,4", help="block sizes in MiB, comma-separated")
     parser.add_argument("--round-mib", type=int, default=32, help="MiB per size, path and round")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--batch-mib", type=int, default=8, help="MiB per get call")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=None)
@@ -155,7 +155,10 @@ def main() -> None:
                     ),
                 }
                 started.extend(readers.values())
+                load_before = os.getloadavg()[0]
                 result = measure(args, sizes, one, readers, b, url, redis)
+                # The machine is shared: how busy it was says how far to trust the figures.
+                result["load_average_1min"] = [load_before, os.getloadavg()[0]]
             finally:
                 for node in started:
                     try:
@@ -288,7 +291,10 @@ def report(result: dict[str, Any]) -> str:
         table,
         "",
         f"{result['rounds']} rounds x {result['round_mib']} MiB per size and path, "
-        f"{result['batch_mib']} MiB per get; client plane: {timings['planes']}.",
+        f"{result['batch_mib']} MiB per get; client plane: "
+        f"{', '.join(sorted(set(timings['planes'].values())))}; "
+        f"1-minute load average before/after: {result['load_average_1min'][0]:.1f} / "
+        f"{result['load_average_1min'][1]:.1f} on {os.cpu_count()} cores.",
         "Reader counters: "
         + "; ".join(
             f"{path}: "
