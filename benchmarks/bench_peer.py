@@ -285,7 +285,9 @@ def report(result: dict[str, Any]) -> str:
                     f"{median / base:.2f}x",
                 ]
             )
-    table = markdown_table(["block", "path", "GB/s (median)", "GB/s (p90 slow)", "vs redis"], rows)
+    table = markdown_table(
+        ["block", "path", "GB/s (median)", "GB/s (slow tail, p10 of rate)", "vs redis"], rows
+    )
     used = {path: result["counters"][path] for path in PATHS}
     lines = [
         table,
