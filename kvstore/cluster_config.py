@@ -8,10 +8,12 @@ from dataclasses import dataclass, field
 
 from kvstore.errors import ConfigError
 
-__all__ = ["SHARED_DATA", "ClusterConfig"]
+__all__ = ["PEER_TRANSPORTS", "SHARED_DATA", "ClusterConfig"]
 
 #: Where a node reads blocks it does not hold: the shared tier, the nodes holding them, or both.
 SHARED_DATA = ("redis", "peers", "both")
+#: How a node reads its peers' blocks: UCX where offered (else gRPC), only UCX, only gRPC.
+PEER_TRANSPORTS = ("auto", "ucx", "grpc")
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,9 @@ class ClusterConfig:
     from the node holding them, :mod:`kvstore.cluster.peers`; Redis then holds only the index),
     ``both`` (peers first, then Redis). ``peer_token``: the bearer token a node presents to its
     peers (empty: none); ``peer_timeout_s`` bounds a peer read when its request set no deadline.
+    ``peer_transport`` (:data:`PEER_TRANSPORTS`): ``auto`` reads over UCX from peers advertising
+    a UCX listener and over gRPC otherwise (and after a UCX failure); ``ucx`` only over UCX;
+    ``grpc`` only over gRPC.
     """
 
     enabled: bool = False
@@ -35,6 +40,7 @@ class ClusterConfig:
     shared_data: str = "redis"
     peer_token: str = field(default="", repr=False)
     peer_timeout_s: float = 2.0
+    peer_transport: str = "auto"
 
     def __post_init__(self) -> None:
         if self.lease_ttl_s < 0.1:
@@ -47,6 +53,11 @@ class ClusterConfig:
         if self.shared_data not in SHARED_DATA:
             raise ConfigError(
                 f"cluster.shared_data must be one of {list(SHARED_DATA)}, got {self.shared_data!r}"
+            )
+        if self.peer_transport not in PEER_TRANSPORTS:
+            raise ConfigError(
+                f"cluster.peer_transport must be one of {list(PEER_TRANSPORTS)}, "
+                f"got {self.peer_transport!r}"
             )
         if self.peer_timeout_s <= 0:
             raise ConfigError(f"cluster.peer_timeout_s must be > 0, got {self.peer_timeout_s}")
