@@ -42,6 +42,14 @@ def add_router_parser(commands: Any) -> argparse.ArgumentParser:
         action="append",
         help="a vLLM server and the kvstore node beside it; repeat per replica (router.replicas)",
     )
+    for role, engine in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
+        router.add_argument(
+            f"--{role}",
+            metavar="URL=NODE_ID",
+            action="append",
+            help=f"P/D mode, instead of --replica: a {role} replica (its connector's kv_role "
+            f"{engine}) and the kvstore node beside it; repeat per replica (router.{role})",
+        )
     router.add_argument(
         "--namespace",
         metavar="JSON",
@@ -79,6 +87,9 @@ def run_router_command(args: argparse.Namespace) -> int:
     overrides: dict[str, Any] = {s: getattr(args, f) for f, s in ROUTER_FLAGS.items()}
     if args.replica:
         overrides["router.replicas"] = ",".join(args.replica)
+    for role in ("prefill", "decode"):
+        if getattr(args, role):
+            overrides[f"router.{role}"] = ",".join(getattr(args, role))
     config = load_config(args.config, overrides=overrides)
 
     def ready(url: str) -> None:
