@@ -9,6 +9,9 @@ from kvstore.errors import ConfigError
 
 __all__ = ["RouterConfig"]
 
+# The same tuple as kvstore.router.scoring.POLICIES (this leaf module imports nothing above it).
+_POLICIES = ("kv", "round_robin", "least_loaded")
+
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -31,8 +34,14 @@ class RouterConfig:
     index_retry_s: float = 1.0
     hit_weight: float = 2.0
     request_cost_tokens: int = 256
+    #: ``kv`` (cached prefix against load), ``round_robin`` or ``least_loaded`` (baselines).
+    policy: str = "kv"
 
     def __post_init__(self) -> None:
+        if self.policy not in _POLICIES:
+            raise ConfigError(
+                f"router.policy: cannot use {self.policy!r}: one of {', '.join(_POLICIES)}"
+            )
         if self.chunk_size < 1:
             raise ConfigError(f"router.chunk_size must be >= 1, got {self.chunk_size}")
         for name in ("provisional_ttl_s", "index_timeout_s", "index_retry_s", "hit_weight"):
