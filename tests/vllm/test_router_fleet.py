@@ -12,7 +12,7 @@ at once, so where a request goes depends on the index alone. In order, sharing o
 3. with Redis stopped, requests still succeed, routed by load, and the fallbacks are counted.
 
 Needs vLLM's CPU build; skipped without it unless ``KVSTORE_REQUIRE_VLLM=1``. Runtime: about
-three minutes on two cores, mostly the start-up of the two API servers.
+a minute on two cores (55 s here), mostly the start-up of the two API servers.
 """
 
 from __future__ import annotations
