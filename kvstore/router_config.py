@@ -9,6 +9,9 @@ from kvstore.errors import ConfigError
 
 __all__ = ["RouterConfig"]
 
+# The same tuple as kvstore.router.scoring.POLICIES (this leaf module imports nothing above it).
+_POLICIES = ("kv", "round_robin", "least_loaded")
+
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -38,8 +41,14 @@ class RouterConfig:
     prefill: str = ""
     decode: str = ""
     prefill_timeout_s: float = 60.0
+    #: ``kv`` (cached prefix against load), ``round_robin`` or ``least_loaded`` (baselines).
+    policy: str = "kv"
 
     def __post_init__(self) -> None:
+        if self.policy not in _POLICIES:
+            raise ConfigError(
+                f"router.policy: cannot use {self.policy!r}: one of {', '.join(_POLICIES)}"
+            )
         if self.chunk_size < 1:
             raise ConfigError(f"router.chunk_size must be >= 1, got {self.chunk_size}")
         for name in (

@@ -19,6 +19,7 @@ ROUTER_FLAGS = {
     "tokenizer": "router.tokenizer",
     "tenant": "router.tenant",
     "index_url": "cluster.url",
+    "policy": "router.policy",
 }
 
 
@@ -63,6 +64,12 @@ def add_router_parser(commands: Any) -> argparse.ArgumentParser:
         "--tokenizer", metavar="PATH", help="Hugging Face tokenizer files of the model (optional)"
     )
     router.add_argument("--tenant", metavar="NAME", help="the kvstore tenant the engines use")
+    router.add_argument(
+        "--policy",
+        choices=("kv", "round_robin", "least_loaded"),
+        help="kv (default): where the prefix is cached, weighed against load; round_robin and "
+        "least_loaded ignore the cache (baselines) (router.policy)",
+    )
     router.add_argument(
         "--index-url", metavar="URL", help="the cluster index's Redis (cluster.url)"
     )

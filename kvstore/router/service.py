@@ -78,6 +78,7 @@ class Router:
         hit_weight: float = 2.0,
         request_cost_tokens: int = 256,
         index_retry_s: float = 1.0,
+        policy: str = "kv",
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.keys = keys  # None (P/D mode without router.namespace): routed by load
@@ -91,6 +92,7 @@ class Router:
             hit_weight,
             request_cost_tokens,
             Provisional(provisional_ttl_s, clock),
+            policy,
         )
         self.index_retry_s = index_retry_s
         self._clock = clock
@@ -119,13 +121,15 @@ class Router:
         started = time.perf_counter()
         keys: list[bytes] = []
         holdings: Mapping[str, Holding] = {}
+        fallback = ""
         if tokens is None:
             fallback = "no_tokens"
         elif self.keys is None:
             fallback = "no_namespace"
         else:
             keys = self.keys.keys(tokens, lora_id, cache_salt)
-            holdings, fallback = await self._holdings(keys) if keys else ({}, "")
+            if keys and self.scorer.policy == "kv":  # the baselines never ask the index
+                holdings, fallback = await self._holdings(keys)
         if fallback:
             self.metrics.fallbacks.labels(fallback).inc()
         decision = self.scorer.choose(keys, len(tokens or ()), holdings)
@@ -262,6 +266,7 @@ def build_router(config: Config) -> tuple[Router, Client | None]:
         hit_weight=settings.hit_weight,
         request_cost_tokens=settings.request_cost_tokens,
         index_retry_s=settings.index_retry_s,
+        policy=settings.policy,
     )
     if prefill:
         router.prefill = PrefillStage(
