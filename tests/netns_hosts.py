@@ -108,6 +108,7 @@ class Hosts:
         self.gateway = f"{self._subnet}.1"
         self.hosts: list[Host] = []
         self._serial = 0
+        self._outside: list[str] = []  # the bridge ends of the veth pairs
 
     def __enter__(self) -> Hosts:
         _require_tools()
@@ -130,6 +131,7 @@ class Hosts:
             _ip("netns", "add", namespace)
             self.hosts.append(Host(namespace, address))
             _ip("link", "add", outside, "type", "veth", "peer", "name", inside, "netns", namespace)
+            self._outside.append(outside)
             _ip("link", "set", outside, "master", self.bridge)
             _ip("link", "set", outside, "up")
             _ip("-n", namespace, "addr", "add", f"{address}/24", "dev", inside)
@@ -162,6 +164,11 @@ class Hosts:
             # tests stop theirs first, and the name goes now regardless.
             _ip("netns", "delete", host.namespace, check=False)
         self.hosts.clear()
+        # A namespace with a process still inside outlives its name, and its veth pair with it:
+        # deleting our end removes both, so the next Hosts of this process can use the names.
+        for outside in self._outside:
+            _ip("link", "delete", outside, check=False)
+        self._outside.clear()
         with contextlib.suppress(subprocess.SubprocessError):
             _ip("link", "delete", self.bridge, check=False)
 
