@@ -11,6 +11,8 @@ the other nodes' peer fetch) and the test client's token.
 * Node one SIGKILLed while readers go through node three: every read ends within its deadline,
   never with wrong bytes; the index stops naming node one within its lease; the readers
   recompute (put the blocks on node three) and read them again.
+* Node one cut off the network (packets dropped, not refused): the read ends at its deadline as a
+  miss, node one is suspect and not asked again until its lease renews after the link is back.
 
 Figures (worst read time, time until the index forgets a node) are printed (``pytest -s``).
 """
@@ -242,4 +244,51 @@ def test_a_node_killed_under_load_costs_bounded_misses_never_wrong_bytes(
         f"\nnode loss: {len(readers.reads)} reads, {len(after_kill)} after the kill, {missed} "
         f"blocks missed; worst read {worst:.3f} s (deadline {DEADLINE_S} s); index forgot the "
         f"node {forgotten:.2f} s after the kill (lease {LEASE_TTL_S} s)"
+    )
+
+
+def test_a_partitioned_peer_is_a_miss_at_the_deadline_then_suspect_until_it_renews(
+    hosts: Hosts, server_factory: ServerFactory, redis_server: RedisServer, tokens_file: Path
+) -> None:
+    url = redis_server.url
+    one = node(server_factory, hosts[0], "one", url, tokens_file)
+    three = node(server_factory, hosts[2], "three", url, tokens_file)
+    groups = [blocks_for(1_000 * index, 2) for index in range(4)]
+    with client(one) as writer:
+        for keys, values in groups:
+            assert writer.put(keys, values).stored == 2
+    every = [key for keys, _ in groups for key in keys]
+    poll(lambda: named_on(url, "one", every), 5.0, "node one's blocks in the index")
+    with client(three, timeout=DEADLINE_S) as reader:
+        assert reader.get(groups[0][0]) == groups[0][1]  # the channel to node one is up
+
+        hosts.cut(hosts[0])  # node one drops every packet: no refusal, only silence
+        start = time.monotonic()
+        assert reader.get(groups[1][0], timeout=DEADLINE_S) == [None, None]
+        took = time.monotonic() - start
+        assert took <= DEADLINE_S + SLACK_S
+        stats = counters(three)
+        assert stats["miss_peer_timeout"] == 2
+        assert stats["peer_suspected"] == 1
+        asked = stats["peer_requests"]
+
+        start = time.monotonic()
+        assert reader.get(groups[2][0], timeout=DEADLINE_S) == [None, None]
+        skipped = time.monotonic() - start
+        assert counters(three)["peer_requests"] == asked  # suspect: not asked again
+
+        hosts.mend(hosts[0])
+        mended = time.monotonic()
+        # Node one renews (or re-registers) its lease; node three asks it again.
+        poll(
+            lambda: reader.get(groups[3][0], timeout=DEADLINE_S) == groups[3][1],
+            LEASE_TTL_S + 5.0,
+            "node one asked again after its lease renewed",
+        )
+        back = time.monotonic() - mended
+        assert counters(three)["peer_requests"] > asked
+    print(
+        f"\npartition: the read of a silent peer took {took:.3f} s (deadline {DEADLINE_S} s); "
+        f"the next, skipping the suspect, {skipped * 1000:.1f} ms; node one served again "
+        f"{back:.2f} s after its link came back (lease {LEASE_TTL_S} s)"
     )
