@@ -13,6 +13,7 @@ the other nodes' peer fetch) and the test client's token.
   recompute (put the blocks on node three) and read them again.
 * Node one cut off the network (packets dropped, not refused): the read ends at its deadline as a
   miss, node one is suspect and not asked again until its lease renews after the link is back.
+* Node one restarted on its directory: a new epoch, and what LMDB kept is named and readable again.
 
 Figures (worst read time, time until the index forgets a node) are printed (``pytest -s``).
 """
@@ -292,3 +293,32 @@ def test_a_partitioned_peer_is_a_miss_at_the_deadline_then_suspect_until_it_rene
         f"the next, skipping the suspect, {skipped * 1000:.1f} ms; node one served again "
         f"{back:.2f} s after its link came back (lease {LEASE_TTL_S} s)"
     )
+
+
+def test_a_node_restarted_on_its_directory_rejoins_under_a_new_epoch_with_what_survived(
+    hosts: Hosts, server_factory: ServerFactory, redis_server: RedisServer, tokens_file: Path
+) -> None:
+    url = redis_server.url
+    # 1 MiB of dram: most of node one's blocks go down to LMDB, which outlives a SIGKILL.
+    one = node(server_factory, hosts[0], "one", url, tokens_file, dram_capacity="1MiB")
+    three = node(server_factory, hosts[2], "three", url, tokens_file)
+    keys, values = blocks_for(0, 40)
+    with client(one) as writer:
+        assert writer.put(keys, values).stored == 40
+        on_nvme = [i for i, tier in enumerate(writer.lookup_tiers(keys).tiers) if tier == "nvme"]
+    assert len(on_nvme) >= 20
+    poll(lambda: named_on(url, "one", keys), 5.0, "node one's blocks in the index")
+    first_epoch = members(url)["one"].epoch
+    with client(three) as reader:  # node three has talked to node one before its restart
+        assert reader.get(keys[-1:]) == values[-1:]
+
+    one.stop(signal.SIGKILL)
+    one.start()  # same nvme directory, a new port
+    poll(lambda: "one" in members(url), 5.0, "node one registered again")
+    assert members(url)["one"].epoch == first_epoch + 1
+    survived = [keys[i] for i in on_nvme]
+    poll(lambda: named_on(url, "one", survived), 5.0, "node one's surviving blocks named again")
+    asked = counters(three)["peer_hits"]
+    with client(three) as reader:
+        assert reader.get(survived) == [values[i] for i in on_nvme]
+    assert counters(three)["peer_hits"] == asked + len(survived)
