@@ -14,6 +14,8 @@ the other nodes' peer fetch) and the test client's token.
 * Node one cut off the network (packets dropped, not refused): the read ends at its deadline as a
   miss, node one is suspect and not asked again until its lease renews after the link is back.
 * Node one restarted on its directory: a new epoch, and what LMDB kept is named and readable again.
+* Nodes listening on every interface (all on one port, each in its host) publish the host they
+  advertise (``cluster.advertise``); without it a node refuses to start.
 
 Figures (worst read time, time until the index forgets a node) are printed (``pytest -s``).
 """
@@ -44,7 +46,7 @@ if TYPE_CHECKING:
     from conftest import ServerFactory, ServerProcess
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tiers"))
-from redis_server import RedisServer
+from redis_server import RedisServer, free_port
 
 CLIENT_TOKEN = "client-token-for-tests"
 #: The deadline of each read through node three.
@@ -322,3 +324,32 @@ def test_a_node_restarted_on_its_directory_rejoins_under_a_new_epoch_with_what_s
     with client(three) as reader:
         assert reader.get(survived) == [values[i] for i in on_nvme]
     assert counters(three)["peer_hits"] == asked + len(survived)
+
+
+def test_nodes_on_every_interface_publish_the_host_they_advertise(
+    hosts: Hosts, server_factory: ServerFactory, redis_server: RedisServer, tokens_file: Path
+) -> None:
+    url = redis_server.url
+    port = free_port()  # the same port on every host, as a deployment would have it
+    everywhere = ("--tokens-file", str(tokens_file), "--listen", f"0.0.0.0:{port}")
+    # 0.0.0.0:PORT in the index would send every node that dials it to itself.
+    with pytest.raises(RuntimeError, match=r"cluster\.advertise") as refused:
+        server_factory(*everywhere, env=peer_env(url, "one", "peers"), host=hosts[0])
+    assert "Traceback" not in str(refused.value)
+
+    started = []
+    for host, name in ((hosts[0], "one"), (hosts[2], "three")):
+        env = {**peer_env(url, name, "peers"), "KVSTORE_CLUSTER_ADVERTISE": host.address}
+        server = server_factory(*everywhere, env=env, host=host)
+        assert server.target == f"0.0.0.0:{port}"
+        server.target = f"{host.address}:{port}"  # where the test, outside, reaches it
+        started.append(server)
+    one, three = started
+    assert members(url)["one"].grpc == f"{hosts[0].address}:{port}"
+    keys, values = blocks_for(0, 3)
+    with client(one) as writer:
+        assert writer.put(keys, values).stored == 3
+    poll(lambda: named_on(url, "one", keys), 5.0, "node one's blocks in the index")
+    with client(three) as reader:
+        assert reader.get(keys) == values
+    assert counters(three)["peer_hits"] == 3
