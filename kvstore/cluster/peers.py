@@ -196,7 +196,7 @@ class PeerSource:
                 raise DeadlineExceededError("no time left")
             client = self._client(node, namespace)
             wanted = [keys[position] for position in positions]
-            got = await asyncio.wait_for(client.get(wanted, timeout=budget), budget + 0.05)
+            got = await asyncio.wait_for(client.get(wanted, timeout=budget), budget)
         except (DeadlineExceededError, TimeoutError):
             reason = "peer_timeout"
         except (
