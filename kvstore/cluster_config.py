@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from kvstore.errors import ConfigError
 
-__all__ = ["PEER_TRANSPORTS", "SHARED_DATA", "ClusterConfig"]
+__all__ = ["PEER_TRANSPORTS", "SHARED_DATA", "ClusterConfig", "check_advertise"]
 
 #: Where a node reads blocks it does not hold: the shared tier, the nodes holding them, or both.
 SHARED_DATA = ("redis", "peers", "both")
@@ -41,6 +41,7 @@ class ClusterConfig:
     peer_token: str = field(default="", repr=False)
     peer_timeout_s: float = 2.0
     peer_transport: str = "auto"
+    advertise: str = ""
 
     def __post_init__(self) -> None:
         if self.lease_ttl_s < 0.1:
@@ -61,3 +62,44 @@ class ClusterConfig:
             )
         if self.peer_timeout_s <= 0:
             raise ConfigError(f"cluster.peer_timeout_s must be > 0, got {self.peer_timeout_s}")
+        host, port = _split(self.advertise)
+        if self.advertise and (not host.strip("[]") or (":" in host and host[0] != "[")):
+            raise ConfigError(
+                "cluster.advertise must be HOST or HOST:PORT (an IPv6 address in brackets, e.g. "
+                f"[fd00::5]:50051), got {self.advertise!r}"
+            )
+        if port and not (port.isdigit() and 0 < int(port) < 65536):
+            raise ConfigError(
+                f"cluster.advertise must name a port from 1 to 65535, got {self.advertise!r}"
+            )
+
+    def grpc_target(self, bound: str) -> str:
+        """The gRPC target this node publishes when it listens on ``bound`` (``HOST:PORT``):
+        ``advertise``'s host in place of ``bound``'s, and its port too where it names one."""
+        if not self.advertise:
+            return bound
+        host, port = _split(self.advertise)
+        return f"{host}:{port or bound.rpartition(':')[2]}"
+
+
+def _split(address: str) -> tuple[str, str]:
+    """``HOST`` or ``HOST:PORT`` (IPv6 in brackets) as (host, port or "")."""
+    if address.startswith("["):
+        host, _, rest = address.partition("]")
+        return host + "]", rest.removeprefix(":")
+    if address.count(":") == 1:
+        host, _, port = address.partition(":")
+        return host, port
+    return address, ""
+
+
+def check_advertise(listen: str, cluster: ClusterConfig) -> None:
+    """Refuse (ConfigError, one line) to publish an address other nodes cannot dial: a node in
+    the cluster index that listens on every interface must say where it is reached."""
+    host = listen.rpartition(":")[0].strip("[]")
+    if cluster.enabled and not cluster.advertise and host in ("0.0.0.0", "::", ""):
+        raise ConfigError(
+            f"server.listen = {listen} listens on every interface, which other nodes cannot "
+            "dial: set cluster.advertise (KVSTORE_CLUSTER_ADVERTISE) to the host they reach this "
+            "node at, e.g. 10.0.0.5"
+        )

@@ -1,11 +1,16 @@
 """Several "hosts" on one machine: network namespaces joined by veth pairs to a bridge.
 
 Processes started in a :class:`Host` see only that namespace's interfaces: their own loopback and
-one veth with a private address. Nothing crosses between hosts but TCP/UDP through the bridge, so
-neither shared memory sockets (abstract unix sockets are per namespace) nor a loopback shortcut
-can hide a broken remote path. The test process itself stays in the root namespace, where the
-bridge has the first address of the subnet: it reaches every host, and every host reaches it
-(a Redis bound to :attr:`Hosts.gateway` is "the Redis host").
+one veth with a private address. Nothing crosses between hosts over the network but TCP/UDP
+through the bridge, so a loopback shortcut cannot hide a broken remote path. The file system is
+shared, though: a unix socket bound to a path (``kvstore serve``'s shared-memory socket is one)
+is reachable from every namespace, and a client on the automatic data plane does use shared
+memory with a node on another host; clients that must cross the network ask for
+``data_plane="grpc"`` (abstract unix sockets, unlike path ones, are per namespace).
+
+The test process itself stays in the root namespace, where the bridge has the first address of
+the subnet: it reaches every host, and every host reaches it (a Redis bound to
+:attr:`Hosts.gateway` is "the Redis host").
 
 Needs root (CAP_NET_ADMIN) and the ``ip`` command: without them :class:`Hosts` raises, it never
 skips, since the multi-host tests are part of the suite. Namespaces carry the creating process's
@@ -108,6 +113,7 @@ class Hosts:
         self.gateway = f"{self._subnet}.1"
         self.hosts: list[Host] = []
         self._serial = 0
+        self._outside: list[str] = []  # the bridge ends of the veth pairs
 
     def __enter__(self) -> Hosts:
         _require_tools()
@@ -130,6 +136,7 @@ class Hosts:
             _ip("netns", "add", namespace)
             self.hosts.append(Host(namespace, address))
             _ip("link", "add", outside, "type", "veth", "peer", "name", inside, "netns", namespace)
+            self._outside.append(outside)
             _ip("link", "set", outside, "master", self.bridge)
             _ip("link", "set", outside, "up")
             _ip("-n", namespace, "addr", "add", f"{address}/24", "dev", inside)
@@ -162,6 +169,11 @@ class Hosts:
             # tests stop theirs first, and the name goes now regardless.
             _ip("netns", "delete", host.namespace, check=False)
         self.hosts.clear()
+        # A namespace with a process still inside outlives its name, and its veth pair with it:
+        # deleting our end removes both, so the next Hosts of this process can use the names.
+        for outside in self._outside:
+            _ip("link", "delete", outside, check=False)
+        self._outside.clear()
         with contextlib.suppress(subprocess.SubprocessError):
             _ip("link", "delete", self.bridge, check=False)
 

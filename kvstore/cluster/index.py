@@ -34,6 +34,9 @@ class ClusterIndex:
         self.client = client
         self.layout = layout
         self._known: set[str] = set()
+        #: The boot epoch of each node with a live lease, as of the last :meth:`holders`
+        #: answer (a reader's cached address of a node whose epoch moved is stale).
+        self.epochs: dict[str, int] = {}
 
     async def _leases(self, nodes: Sequence[str]) -> dict[str, bytes | None]:
         pipe = self.client.pipeline(transaction=False)
@@ -60,6 +63,7 @@ class ClusterIndex:
         # Remember live nodes (and those just seen) for the next query's single round trip.
         self._known = {node for node, lease in leases.items() if lease is not None or node in seen}
         live = {node.encode(): lease + b":" for node, lease in leases.items() if lease is not None}
+        self.epochs = {node: int(lease) for node, lease in leases.items() if lease is not None}
         found: dict[str, Holding] = {}
         count = len(keys)
         for index, entry in enumerate(entries):

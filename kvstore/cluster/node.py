@@ -76,7 +76,7 @@ async def start_cluster(
     membership = Membership(
         client,
         layout,
-        lambda epoch: NodeInfo(node_id, epoch, grpc, ucx, capacity),
+        lambda epoch: NodeInfo(node_id, epoch, settings.grpc_target(grpc), ucx, capacity),
         settings.lease_ttl_s,
         rejoined,
     )

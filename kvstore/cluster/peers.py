@@ -187,7 +187,10 @@ class PeerSource:
 
     async def _refresh(self, holders: Mapping[str, object]) -> None:
         """Learn the addresses of nodes not seen before; forgive suspects whose lease moved."""
-        if any(node not in self._nodes for node in holders):
+        epochs = self.index.epochs  # a node restarted since its address was read: read again
+        if any(
+            node not in self._nodes or self._nodes[node].epoch != epochs[node] for node in holders
+        ):
             self._nodes.update(await self.index.nodes())
         suspects = [node for node in holders if node in self._suspects]
         if suspects:
@@ -329,7 +332,7 @@ class PeerSource:
         if budget <= 0:
             raise DeadlineExceededError("no time left")
         client = self._client(node, namespace)
-        return await asyncio.wait_for(client.get(keys, timeout=budget), budget + 0.05)
+        return await asyncio.wait_for(client.get(keys, timeout=budget), budget)
 
     async def aclose(self) -> None:
         """Close every client and UCX link."""
