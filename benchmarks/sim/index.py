@@ -46,14 +46,22 @@ class SimIndex:
         self.peak_hashes = 0
         self.ops: Counter[str] = Counter()
         self.ops_by_second: Counter[int] = Counter()
+        #: The same without lease GETs (what a router caching leases would send).
+        self.ops_by_second_no_leases: Counter[int] = Counter()
         self.now = 0.0
         self._field_bytes = node_id_bytes + _VALUE_BYTES + FIELD_OVERHEAD
-        #: Nodes a router's ClusterIndex has seen (it pipelines a lease GET for each).
-        self._known: set[str] = set()
+        #: Per reader (the router, each node's peer source): the nodes its ClusterIndex has
+        #: seen, for each of which it pipelines a lease GET per query.
+        self._known: dict[str, set[str]] = {}
+        #: Per reader: nodes seen in the query under way (peer lookups, one key at a time).
+        self._seen: dict[str, set[str]] = {}
 
     def _count(self, kind: str, count: int = 1) -> None:
         self.ops[kind] += count
-        self.ops_by_second[int(self.now / _BUCKET_S)] += count
+        second = int(self.now / _BUCKET_S)
+        self.ops_by_second[second] += count
+        if kind != "lease_get":
+            self.ops_by_second_no_leases[second] += count
 
     def changed(self, node: str, key: bytes, level: int | None) -> None:
         """A node's publisher reports ``key`` now at ``level`` (``None``: gone)."""
@@ -80,7 +88,7 @@ class SimIndex:
         """Redis memory of ``hashes`` entry hashes holding ``fields`` fields in all."""
         return hashes * (HASH_OVERHEAD + _ENTRY_KEY_BYTES) + fields * self._field_bytes
 
-    def query(self, keys: Sequence[bytes]) -> dict[str, Holding]:
+    def query(self, keys: Sequence[bytes], reader: str = "router") -> dict[str, Holding]:
         """What :meth:`kvstore.cluster.ClusterIndex.holders` answers a router for ``keys``."""
         found: dict[str, Holding] = {}
         count = len(keys)
@@ -93,13 +101,17 @@ class SimIndex:
         for holding in found.values():
             holding.leading = next((i for i, t in enumerate(holding.tiers) if not t), count)
         self._count("hgetall", count)
-        self.count_leases()
-        self._known.update(found)
+        self._seen.setdefault(reader, set()).update(found)
+        self.count_leases(reader)
         return found
 
-    def count_leases(self) -> None:
-        """One ``holders`` query's lease ``GET`` s: one per node seen so far."""
-        self._count("lease_get", len(self._known))
+    def count_leases(self, reader: str) -> None:
+        """The lease ``GET`` s of one ``holders`` query by ``reader``: one per node it knew, one
+        per node new to it in the answer (a second round trip); then it knows them all."""
+        known = self._known.setdefault(reader, set())
+        seen = self._seen.pop(reader, set())
+        self._count("lease_get", len(known) + len(seen - known))
+        known |= seen
 
     def peer_for(self, key: bytes, asking: str) -> str | None:
         """The node a peer fetch of ``key`` reads from (dram holders first, as PeerSource
@@ -108,6 +120,7 @@ class SimIndex:
         held = self.holders.get(key)
         if not held:
             return None
+        self._seen.setdefault(asking, set()).update(held)
         best = None
         for node, level in held.items():
             if node != asking and (best is None or level < held[best]):

@@ -86,6 +86,7 @@ _COLUMNS = [
     ("index MiB (peak)", "index_bytes_peak", None),
     ("index ops/s (mean)", "index_ops_per_s", "{:,.0f}"),
     ("index ops/s (peak 1 s)", "index_ops_per_s_peak", "{:,.0f}"),
+    ("peak without lease GETs", "index_ops_per_s_peak_no_leases", "{:,.0f}"),
     ("load max/mean", "load_max_over_mean", "{:.2f}"),
     ("sim s", "wall_s", "{:.1f}"),
 ]

@@ -164,7 +164,7 @@ class _Run:
 
         sources = node.get(keys, remote)
         if asked[0]:
-            self.index.count_leases()
+            self.index.count_leases(node.name)
         leading = next((i for i, s in enumerate(sources) if s is None), len(sources))
         hit_tokens = min(leading * self.chunk_tokens, request.input_tokens)
         stats["requests"] += 1
@@ -227,6 +227,7 @@ class _Run:
             "redis_read_bytes": stats["redis_read_bytes"],
             "redis_write_bytes": stats["redis_write_bytes"],
             "span_s": span,
+            "peer_bytes_per_request": stats["peer_bytes"] / max(stats["requests"], 1),
             "peer_bytes_per_node_s": stats["peer_bytes"] / span / config.nodes,
             "peer_bytes_busiest_node_s": max(self.per_node_in) / span,
             "index_fields_peak": index.peak_fields,
@@ -235,6 +236,10 @@ class _Run:
             "index_ops": dict(index.ops),
             "index_ops_per_s": ops / span,
             "index_ops_per_s_peak": max(index.ops_by_second.values(), default=0),
+            "index_ops_per_s_no_leases": (ops - index.ops["lease_get"]) / span,
+            "index_ops_per_s_peak_no_leases": max(
+                index.ops_by_second_no_leases.values(), default=0
+            ),
             "mean_queue_s": stats["queue_s"] / max(stats["requests"], 1),
             "load_max_over_mean": max(loads) / (sum(loads) / len(loads)) if sum(loads) else 0.0,
             "evicted": sum(node.evicted for node in self.nodes),
