@@ -53,6 +53,8 @@ class SimIndex:
         #: Per reader (the router, each node's peer source): the nodes its ClusterIndex has
         #: seen, for each of which it pipelines a lease GET per query.
         self._known: dict[str, set[str]] = {}
+        #: Lease GETs if a query read only the leases of the nodes its answer names.
+        self.named_lease_gets = 0
         #: Per reader: nodes seen in the query under way (peer lookups, one key at a time).
         self._seen: dict[str, set[str]] = {}
 
@@ -111,6 +113,7 @@ class SimIndex:
         known = self._known.setdefault(reader, set())
         seen = self._seen.pop(reader, set())
         self._count("lease_get", len(known) + len(seen - known))
+        self.named_lease_gets += len(seen)
         known |= seen
 
     def peer_for(self, key: bytes, asking: str) -> str | None:

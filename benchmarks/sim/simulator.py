@@ -237,6 +237,8 @@ class _Run:
             "index_ops_per_s": ops / span,
             "index_ops_per_s_peak": max(index.ops_by_second.values(), default=0),
             "index_ops_per_s_no_leases": (ops - index.ops["lease_get"]) / span,
+            "index_ops_per_s_named_leases": (ops - index.ops["lease_get"] + index.named_lease_gets)
+            / span,
             "index_ops_per_s_peak_no_leases": max(
                 index.ops_by_second_no_leases.values(), default=0
             ),
