@@ -8,10 +8,12 @@ from dataclasses import dataclass, field
 
 from kvstore.errors import ConfigError
 
-__all__ = ["SHARED_DATA", "ClusterConfig"]
+__all__ = ["PEER_TRANSPORTS", "SHARED_DATA", "ClusterConfig", "check_advertise"]
 
 #: Where a node reads blocks it does not hold: the shared tier, the nodes holding them, or both.
 SHARED_DATA = ("redis", "peers", "both")
+#: How a node reads its peers' blocks: UCX where offered (else gRPC), only UCX, only gRPC.
+PEER_TRANSPORTS = ("auto", "ucx", "grpc")
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,9 @@ class ClusterConfig:
     from the node holding them, :mod:`kvstore.cluster.peers`; Redis then holds only the index),
     ``both`` (peers first, then Redis). ``peer_token``: the bearer token a node presents to its
     peers (empty: none); ``peer_timeout_s`` bounds a peer read when its request set no deadline.
+    ``peer_transport`` (:data:`PEER_TRANSPORTS`): ``auto`` reads over UCX from peers advertising
+    a UCX listener and over gRPC otherwise (and after a UCX failure); ``ucx`` only over UCX;
+    ``grpc`` only over gRPC.
     """
 
     enabled: bool = False
@@ -35,6 +40,8 @@ class ClusterConfig:
     shared_data: str = "redis"
     peer_token: str = field(default="", repr=False)
     peer_timeout_s: float = 2.0
+    peer_transport: str = "auto"
+    advertise: str = ""
 
     def __post_init__(self) -> None:
         if self.lease_ttl_s < 0.1:
@@ -48,5 +55,51 @@ class ClusterConfig:
             raise ConfigError(
                 f"cluster.shared_data must be one of {list(SHARED_DATA)}, got {self.shared_data!r}"
             )
+        if self.peer_transport not in PEER_TRANSPORTS:
+            raise ConfigError(
+                f"cluster.peer_transport must be one of {list(PEER_TRANSPORTS)}, "
+                f"got {self.peer_transport!r}"
+            )
         if self.peer_timeout_s <= 0:
             raise ConfigError(f"cluster.peer_timeout_s must be > 0, got {self.peer_timeout_s}")
+        host, port = _split(self.advertise)
+        if self.advertise and (not host.strip("[]") or (":" in host and host[0] != "[")):
+            raise ConfigError(
+                "cluster.advertise must be HOST or HOST:PORT (an IPv6 address in brackets, e.g. "
+                f"[fd00::5]:50051), got {self.advertise!r}"
+            )
+        if port and not (port.isdigit() and 0 < int(port) < 65536):
+            raise ConfigError(
+                f"cluster.advertise must name a port from 1 to 65535, got {self.advertise!r}"
+            )
+
+    def grpc_target(self, bound: str) -> str:
+        """The gRPC target this node publishes when it listens on ``bound`` (``HOST:PORT``):
+        ``advertise``'s host in place of ``bound``'s, and its port too where it names one."""
+        if not self.advertise:
+            return bound
+        host, port = _split(self.advertise)
+        return f"{host}:{port or bound.rpartition(':')[2]}"
+
+
+def _split(address: str) -> tuple[str, str]:
+    """``HOST`` or ``HOST:PORT`` (IPv6 in brackets) as (host, port or "")."""
+    if address.startswith("["):
+        host, _, rest = address.partition("]")
+        return host + "]", rest.removeprefix(":")
+    if address.count(":") == 1:
+        host, _, port = address.partition(":")
+        return host, port
+    return address, ""
+
+
+def check_advertise(listen: str, cluster: ClusterConfig) -> None:
+    """Refuse (ConfigError, one line) to publish an address other nodes cannot dial: a node in
+    the cluster index that listens on every interface must say where it is reached."""
+    host = listen.rpartition(":")[0].strip("[]")
+    if cluster.enabled and not cluster.advertise and host in ("0.0.0.0", "::", ""):
+        raise ConfigError(
+            f"server.listen = {listen} listens on every interface, which other nodes cannot "
+            "dial: set cluster.advertise (KVSTORE_CLUSTER_ADVERTISE) to the host they reach this "
+            "node at, e.g. 10.0.0.5"
+        )

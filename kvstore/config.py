@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from kvstore.cluster_config import SHARED_DATA, ClusterConfig
+from kvstore.cluster_config import SHARED_DATA, ClusterConfig, check_advertise
 from kvstore.errors import ConfigError
 from kvstore.policy import EVICTIONS, NVME_ADMISSIONS, SHARED_WRITES
 from kvstore.router_config import RouterConfig
@@ -352,6 +352,7 @@ class Config:
                 f"cluster.shared_data = {self.cluster.shared_data!r} needs cluster.enabled = true "
                 "(peers are found through the cluster index)"
             )
+        check_advertise(self.server.listen, self.cluster)
 
 
 _SECTIONS: dict[str, type[Any]] = {

@@ -9,6 +9,9 @@ from kvstore.errors import ConfigError
 
 __all__ = ["RouterConfig"]
 
+# The same tuple as kvstore.router.scoring.POLICIES (this leaf module imports nothing above it).
+_POLICIES = ("kv", "round_robin", "least_loaded")
+
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -17,6 +20,10 @@ class RouterConfig:
     ``replicas``: comma-separated ``URL=NODE_ID`` (the kvstore node beside each engine).
     ``namespace``: the engines' rank-0 base namespace as a JSON object of
     :class:`~kvstore.keys.Namespace` fields (what the connector logs at start).
+    ``prefill`` / ``decode``: P/D mode (:mod:`kvstore.router.pd`), instead of ``replicas``:
+    comma-separated ``URL=NODE_ID`` of the ``kv_producer`` and the ``kv_consumer`` engines.
+    ``prefill_timeout_s``: how long a prefill may take before the decode replica computes the
+    prompt itself.
     """
 
     listen: str = "127.0.0.1:8000"
@@ -31,11 +38,26 @@ class RouterConfig:
     index_retry_s: float = 1.0
     hit_weight: float = 2.0
     request_cost_tokens: int = 256
+    prefill: str = ""
+    decode: str = ""
+    prefill_timeout_s: float = 60.0
+    #: ``kv`` (cached prefix against load), ``round_robin`` or ``least_loaded`` (baselines).
+    policy: str = "kv"
 
     def __post_init__(self) -> None:
+        if self.policy not in _POLICIES:
+            raise ConfigError(
+                f"router.policy: cannot use {self.policy!r}: one of {', '.join(_POLICIES)}"
+            )
         if self.chunk_size < 1:
             raise ConfigError(f"router.chunk_size must be >= 1, got {self.chunk_size}")
-        for name in ("provisional_ttl_s", "index_timeout_s", "index_retry_s", "hit_weight"):
+        for name in (
+            "provisional_ttl_s",
+            "index_timeout_s",
+            "index_retry_s",
+            "hit_weight",
+            "prefill_timeout_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"router.{name} must be > 0, got {getattr(self, name)}")
         if self.request_cost_tokens < 0:

@@ -616,11 +616,36 @@ def test_memory_bounds_must_be_positive(setting: str) -> None:
         ({"KVSTORE_CLUSTER_ENABLED": "1"}, "cluster.url or redis.url"),
         ({"KVSTORE_CLUSTER_LEASE_TTL_S": "0"}, "cluster.lease_ttl_s"),
         ({"KVSTORE_CLUSTER_PUBLISH_INTERVAL_S": "20"}, "cluster.publish_interval_s"),
+        ({"KVSTORE_CLUSTER_ADVERTISE": "fd00::5"}, "cluster.advertise must be HOST or HOST:PORT"),
+        ({"KVSTORE_CLUSTER_ADVERTISE": "node-1:0"}, "cluster.advertise must name a port"),
+        (
+            {
+                "KVSTORE_CLUSTER_ENABLED": "1",
+                "KVSTORE_REDIS_URL": "redis://h:1/0",
+                "KVSTORE_SERVER_LISTEN": "0.0.0.0:50051",
+                "KVSTORE_SERVER_ALLOW_UNAUTHENTICATED": "1",
+            },
+            "set cluster.advertise",
+        ),
     ],
 )
 def test_cluster_settings_are_checked(env: dict[str, str], named: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(named)):
         config_module.load_config(env=env)
+
+
+def test_cluster_advertise_names_the_published_address() -> None:
+    env = {
+        "KVSTORE_CLUSTER_ENABLED": "1",
+        "KVSTORE_REDIS_URL": "redis://h:1/0",
+        "KVSTORE_SERVER_LISTEN": "[::]:50051",
+        "KVSTORE_CLUSTER_ADVERTISE": "10.0.0.5",
+    }
+    cluster = config_module.load_config(env=env).cluster
+    assert cluster.grpc_target("[::]:50051") == "10.0.0.5:50051"
+    assert config_module.load_config(env={}).cluster.grpc_target("h:1") == "h:1"
+    with_port = config_module.load_config(env={**env, "KVSTORE_CLUSTER_ADVERTISE": "[fd00::5]:7"})
+    assert with_port.cluster.grpc_target("[::]:50051") == "[fd00::5]:7"
 
 
 def test_cluster_index_uses_the_redis_url_by_default() -> None:

@@ -203,3 +203,32 @@ def test_router_command_errors_are_one_line(
     assert main(["router", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+def test_baseline_policies_ignore_the_cache() -> None:
+    held = {"node-b": Holding(8, ["dram"] * 8)}
+    s = Scorer([A, B], 16, 2.0, 64, Provisional(5.0, Clock()), policy="round_robin")
+    s.dispatched(A, KEYS, 1000)  # round robin ignores load too: a is next in turn all the same
+    picks = [s.choose(KEYS, 128, held) for _ in range(4)]
+    assert [d.replica for d in picks] == [A, B, A, B]
+    assert {d.reason for d in picks} == {"round_robin"}
+    assert {d.predicted_hit_tokens for d in picks} == {0}
+
+    s = Scorer([A, B], 16, 2.0, 64, Provisional(5.0, Clock()), policy="least_loaded")
+    s.dispatched(B, KEYS, 10)  # b holds every chunk (index and provisional) but owes 10 tokens
+    for _ in range(3):
+        decision = s.choose(KEYS, 128, held, local={"http://b": 8})
+        assert (decision.replica, decision.reason) == (A, "load")
+    s.dispatched(A, [], 500)
+    assert s.choose(KEYS, 128, held).replica == B
+
+
+def test_policy_setting_names_the_allowed_values() -> None:
+    assert load_config(env={}).router.policy == "kv"
+    assert (
+        load_config(env={"KVSTORE_ROUTER_POLICY": "least_loaded"}).router.policy == "least_loaded"
+    )
+    with pytest.raises(
+        ConfigError, match=r"router.policy.*'random'.*kv, round_robin, least_loaded"
+    ):
+        load_config(env={"KVSTORE_ROUTER_POLICY": "random"})

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from kvstore.cluster import ClusterIndex, Holding, Layout, connect
+from kvstore.cluster.index import ONE_TRIP_NODES
 from kvstore.router.lookup import ScriptIndex
 
 sys.path.insert(0, str(Path(__file__).parent / "tiers"))
@@ -52,3 +53,39 @@ def test_script_index_equals_cluster_index(tmp_path: Path) -> None:
         "b": Holding(2, ["nvme", "nvme", "", "", "redis", ""]),
     }
     assert none == {}
+
+
+def test_a_large_fleet_reads_only_the_leases_an_answer_names(tmp_path: Path) -> None:
+    """Past ONE_TRIP_NODES known nodes the query stops reading every lease, and still answers
+    the same: live nodes count, an expired lease and an earlier epoch do not."""
+    layout = Layout("kvstore:cluster:v1:")
+    nodes = [f"n{i}" for i in range(ONE_TRIP_NODES * 2)]
+    with RedisServer(tmp_path / "redis") as server:
+        raw = server.client()
+        for node in nodes:
+            raw.set(layout.lease(node), 1)
+        for index, key in enumerate(KEYS):
+            raw.hset(layout.entry(key), mapping={node: "1:dram" for node in nodes[index::6]})
+
+        async def twice() -> tuple[dict[str, Holding], dict[str, Holding], int, int]:
+            client = connect(server.url, 2.0)
+            try:
+                index = ClusterIndex(client, layout)
+                first = await index.holders(KEYS)  # learns every node
+                raw.delete(layout.lease("n0"))  # n0's lease expired
+                raw.set(layout.lease("n1"), 2)  # n1 restarted: its entries are of epoch 1
+                before = int(raw.info("stats")["total_commands_processed"])
+                second = await index.holders(KEYS[:1])
+                after = int(raw.info("stats")["total_commands_processed"])
+                return first, second, after - before, len(index._known)
+            finally:
+                await client.aclose()
+
+        first, second, commands, known = asyncio.run(twice())
+    assert set(first) == set(nodes)
+    assert first["n0"] == Holding(1, ["dram", "", "", "", "", ""])
+    # KEYS[0] is held by n0, n6, n12, ...: n0 lost its lease; everyone else of them counts.
+    assert set(second) == set(nodes[6::6]) and "n0" not in second
+    assert known <= len(nodes[0::6])  # next time, the nodes this answer named
+    # One HGETALL and one GET per holder named (plus the INFO call), not a GET per known node.
+    assert commands <= 1 + len(nodes[0::6]) + 1 + 2, commands

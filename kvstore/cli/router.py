@@ -19,6 +19,7 @@ ROUTER_FLAGS = {
     "tokenizer": "router.tokenizer",
     "tenant": "router.tenant",
     "index_url": "cluster.url",
+    "policy": "router.policy",
 }
 
 
@@ -42,6 +43,14 @@ def add_router_parser(commands: Any) -> argparse.ArgumentParser:
         action="append",
         help="a vLLM server and the kvstore node beside it; repeat per replica (router.replicas)",
     )
+    for role, engine in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
+        router.add_argument(
+            f"--{role}",
+            metavar="URL=NODE_ID",
+            action="append",
+            help=f"P/D mode, instead of --replica: a {role} replica (its connector's kv_role "
+            f"{engine}) and the kvstore node beside it; repeat per replica (router.{role})",
+        )
     router.add_argument(
         "--namespace",
         metavar="JSON",
@@ -55,6 +64,12 @@ def add_router_parser(commands: Any) -> argparse.ArgumentParser:
         "--tokenizer", metavar="PATH", help="Hugging Face tokenizer files of the model (optional)"
     )
     router.add_argument("--tenant", metavar="NAME", help="the kvstore tenant the engines use")
+    router.add_argument(
+        "--policy",
+        choices=("kv", "round_robin", "least_loaded"),
+        help="kv (default): where the prefix is cached, weighed against load; round_robin and "
+        "least_loaded ignore the cache (baselines) (router.policy)",
+    )
     router.add_argument(
         "--index-url", metavar="URL", help="the cluster index's Redis (cluster.url)"
     )
@@ -79,6 +94,9 @@ def run_router_command(args: argparse.Namespace) -> int:
     overrides: dict[str, Any] = {s: getattr(args, f) for f, s in ROUTER_FLAGS.items()}
     if args.replica:
         overrides["router.replicas"] = ",".join(args.replica)
+    for role in ("prefill", "decode"):
+        if getattr(args, role):
+            overrides[f"router.{role}"] = ",".join(getattr(args, role))
     config = load_config(args.config, overrides=overrides)
 
     def ready(url: str) -> None:

@@ -49,7 +49,7 @@ from kvstore.protocol.ucx import (
 )
 from kvstore.types import PutResult
 
-__all__ = ["UcxDataClient"]
+__all__ = ["UcxDataClient", "abort_endpoint", "open_endpoint", "receive_payloads"]
 
 logger = logging.getLogger(__name__)
 
@@ -241,7 +241,9 @@ class UcxDataClient:
                     )
             if buffers:
                 self._loop().run(
-                    _receive(connection.endpoint, transfer_id, buffers, _remaining(deadline)),
+                    receive_payloads(
+                        connection.endpoint, transfer_id, buffers, _remaining(deadline)
+                    ),
                     _remaining(deadline),
                 )
             self.counters["transfers"] += 1
@@ -339,7 +341,9 @@ class UcxDataClient:
             load_ucxx()
             client_id = os.urandom(CLIENT_ID_BYTES)
             timeout = min(self.connect_timeout_s, _remaining(deadline) * CONNECT_SHARE)
-            endpoint = self._loop().run(_open(self._host, self._port, client_id, timeout), timeout)
+            endpoint = self._loop().run(
+                open_endpoint(self._host, self._port, client_id, timeout), timeout
+            )
             self._connection = _Connection(endpoint, client_id)
             self.counters["connects"] += 1
             return self._connection
@@ -355,7 +359,7 @@ class UcxDataClient:
 
     def _abort(self, connection: _Connection) -> None:
         try:
-            self._loop().run(_abort(connection.endpoint), 2.0)
+            self._loop().run(abort_endpoint(connection.endpoint), 2.0)
         except Exception:
             logger.debug("aborting a UCX endpoint failed", exc_info=True)
 
@@ -393,7 +397,7 @@ def _remaining(deadline: float) -> float:
 # -- coroutines run on the UCX loop -----------------------------------------------------------
 
 
-async def _open(host: str, port: int, client_id: bytes, timeout: float) -> Any:
+async def open_endpoint(host: str, port: int, client_id: bytes, timeout: float) -> Any:
     """Connect to the listener and introduce ourselves; the endpoint, once the server knows us."""
     ucxx = load_ucxx()
     endpoint = None
@@ -419,7 +423,7 @@ async def _open(host: str, port: int, client_id: bytes, timeout: float) -> Any:
             raise TimeoutError(f"no answer within {timeout:.1f}s")
     except Exception as exc:
         if endpoint is not None:
-            await _abort(endpoint)
+            await abort_endpoint(endpoint)
         raise UcxTransportError(f"cannot connect to UCX listener {host}:{port}: {exc}") from exc
     return endpoint
 
@@ -438,7 +442,7 @@ async def _until_closed(endpoint: Any, poll_s: float = 0.005) -> None:
     raise ConnectionRefusedError("the UCX endpoint closed before the listener answered")
 
 
-async def _receive(
+async def receive_payloads(
     endpoint: Any, transfer_id: int, buffers: dict[int, Any], timeout: float
 ) -> None:
     """Receive one transfer's payloads; on failure abort the endpoint, cancelling the rest."""
@@ -450,7 +454,7 @@ async def _receive(
         await asyncio.wait_for(asyncio.gather(*receives), timeout)
     except Exception as exc:
         # Before the caller falls back: no posted receive may write into its buffers later.
-        await _abort(endpoint)
+        await abort_endpoint(endpoint)
         raise endpoint_error(exc) from exc
 
 
@@ -463,11 +467,11 @@ async def _send(endpoint: Any, transfer_id: int, views: list[memoryview], timeou
     try:
         await asyncio.wait_for(asyncio.gather(*sends), timeout)
     except Exception as exc:
-        await _abort(endpoint)
+        await abort_endpoint(endpoint)
         raise endpoint_error(exc) from exc
 
 
-async def _abort(endpoint: Any) -> None:
+async def abort_endpoint(endpoint: Any) -> None:
     """Close ``endpoint`` at once; UCX cancels its outstanding requests."""
     if not endpoint.closed:
         endpoint.abort(period=_ABORT_PERIOD_NS)

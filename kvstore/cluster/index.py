@@ -14,7 +14,12 @@ from dataclasses import dataclass
 from kvstore.cluster.layout import Client, Layout
 from kvstore.cluster.membership import NodeInfo
 
-__all__ = ["ClusterIndex", "Holding"]
+__all__ = ["ONE_TRIP_NODES", "ClusterIndex", "Holding"]
+
+#: Most known nodes whose leases ride along with the entries in one pipeline; past it, only the
+#: leases of nodes an answer names are read, in a second round trip. A lease GET costs about
+#: what a loopback round trip does divided by this (redis-py: ~30 us a command).
+ONE_TRIP_NODES = 32
 
 
 @dataclass
@@ -34,6 +39,9 @@ class ClusterIndex:
         self.client = client
         self.layout = layout
         self._known: set[str] = set()
+        #: The boot epoch of each node with a live lease, as of the last :meth:`holders`
+        #: answer (a reader's cached address of a node whose epoch moved is stale).
+        self.epochs: dict[str, int] = {}
 
     async def _leases(self, nodes: Sequence[str]) -> dict[str, bytes | None]:
         pipe = self.client.pipeline(transaction=False)
@@ -44,7 +52,7 @@ class ClusterIndex:
     async def holders(self, keys: Sequence[bytes]) -> dict[str, Holding]:
         """Per live node holding any of ``keys``: its leading run and tier per key."""
         layout = self.layout
-        known = sorted(self._known)
+        known = sorted(self._known) if len(self._known) <= ONE_TRIP_NODES else []
         pipe = self.client.pipeline(transaction=False)
         for key in keys:
             pipe.hgetall(layout.entry(key))
@@ -60,6 +68,7 @@ class ClusterIndex:
         # Remember live nodes (and those just seen) for the next query's single round trip.
         self._known = {node for node, lease in leases.items() if lease is not None or node in seen}
         live = {node.encode(): lease + b":" for node, lease in leases.items() if lease is not None}
+        self.epochs = {node: int(lease) for node, lease in leases.items() if lease is not None}
         found: dict[str, Holding] = {}
         count = len(keys)
         for index, entry in enumerate(entries):

@@ -76,7 +76,7 @@ async def start_cluster(
     membership = Membership(
         client,
         layout,
-        lambda epoch: NodeInfo(node_id, epoch, grpc, ucx, capacity),
+        lambda epoch: NodeInfo(node_id, epoch, settings.grpc_target(grpc), ucx, capacity),
         settings.lease_ttl_s,
         rejoined,
     )
@@ -99,10 +99,13 @@ async def start_cluster(
                 token=settings.peer_token,
                 timeout_s=settings.peer_timeout_s,
                 max_block_bytes=store.max_block_bytes,
+                transport=settings.peer_transport,
             )
             store.set_remote_source(source)
             peers[tenant] = (store, source)
         logger.info(
-            "cluster index: reading other nodes' blocks from peers (%s)", settings.shared_data
+            "cluster index: reading other nodes' blocks from peers (%s, transport %s)",
+            settings.shared_data,
+            settings.peer_transport,
         )
     return ClusterNode(client, membership, publishers, peers)

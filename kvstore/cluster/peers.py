@@ -3,10 +3,23 @@
 :class:`PeerSource` is the store's remote source (:mod:`kvstore.store.remote`) under
 ``cluster.shared_data = peers | both``. For keys the local tiers miss it asks the cluster index
 (:class:`~kvstore.cluster.index.ClusterIndex`) which live node holds each, and reads them from
-that node with the client library over gRPC (``data_plane = grpc``: never shared memory, which
-would hide a broken remote path when peers share a host), presenting ``cluster.peer_token`` and
-naming the request's namespace, within what is left of the request's deadline (else
-``cluster.peer_timeout_s``).
+that node, presenting ``cluster.peer_token`` and naming the request's namespace, within what is
+left of the request's deadline (else ``cluster.peer_timeout_s``).
+
+**Transports** (``cluster.peer_transport``). ``auto`` (default): over UCX
+(:mod:`kvstore.cluster.peer_ucx`) where the peer advertises a UCX listener in the index and ucxx
+is installed here, over gRPC otherwise. A UCX read that fails (no connection, a late or failed
+transfer) is read again over gRPC for the same request, in what is left of its deadline (UCX's
+connect may take at most half of it), and UCX to that peer rests for :data:`UCX_RETRY_S`; it is
+counted in ``peer_ucx_fallbacks``. ``ucx``: UCX only (a peer without a UCX listener is not asked;
+a UCX failure is that read's miss, as a gRPC failure is under ``grpc``). ``grpc``: the client
+library over gRPC only (``data_plane = grpc``: never shared memory, which would hide a broken
+remote path when peers share a host). Hits are counted per transport (``peer_hits_ucx``,
+``peer_hits_grpc``; ``peer_hits`` is their sum).
+
+**Second holder.** Keys a peer failed to serve (it failed, ran late, or no longer holds them)
+are asked of the next live holder the index names, fastest tier first, while the deadline
+leaves time (counted in ``peer_retries``).
 
 **Suspects.** A peer that does not answer in time (``peer_timeout``) or fails (``peer_down``:
 refused, unreachable, any error) is marked suspect with its lease's epoch and expiry at that
@@ -26,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import zlib
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -34,18 +48,29 @@ from kvstore.client import AsyncKVStoreClient
 from kvstore.cluster.index import ClusterIndex
 from kvstore.cluster.layout import REDIS_ERRORS
 from kvstore.cluster.membership import NodeInfo
-from kvstore.errors import DeadlineExceededError
+from kvstore.cluster.peer_ucx import UcxPeerLink
+from kvstore.cluster_config import PEER_TRANSPORTS
+from kvstore.errors import ConfigError, DeadlineExceededError
+from kvstore.protocol.ucx import UcxTransportError, ucx_unavailable_reason
 from kvstore.store.counters import StoreCounters
 from kvstore.store.remote import remaining_s
 
-__all__ = ["PeerSource"]
+__all__ = ["PeerSource", "holder_rank"]
 
 logger = logging.getLogger(__name__)
 
 #: Clients kept open (one per peer and namespace; the least recently used is closed).
 MAX_CLIENTS = 64
+#: How long UCX to a peer rests after a failure (its reads go over gRPC meanwhile, under ``auto``).
+UCX_RETRY_S = 30.0
 #: How much later a lease's expiry must be to count as renewed (absorbs clock jitter).
 _RENEWAL_SLACK_S = 0.05
+
+
+def holder_rank(key: bytes, node: str) -> int:
+    """Where ``node`` comes among the equally fast holders of ``key`` (lowest first): the same
+    on every node, different per key, so reads of many keys spread over their holders."""
+    return zlib.crc32(node.encode(), zlib.crc32(key))
 
 
 @dataclass
@@ -69,7 +94,20 @@ class PeerSource:
         token: str = "",
         timeout_s: float = 2.0,
         max_block_bytes: int = 64 * 1024**2,
+        transport: str = "auto",
     ) -> None:
+        if transport not in PEER_TRANSPORTS:
+            raise ConfigError(
+                f"cluster.peer_transport must be one of {list(PEER_TRANSPORTS)}, got {transport!r}"
+            )
+        unavailable = ucx_unavailable_reason() if transport != "grpc" else None
+        if transport == "ucx" and unavailable is not None:
+            raise ConfigError(f"cluster.peer_transport = 'ucx' needs ucxx here: {unavailable}")
+        if unavailable is not None:
+            logger.info("peer fetch: UCX unavailable (%s); reading peers over gRPC", unavailable)
+        #: ``auto``, ``ucx`` or ``grpc`` (:data:`~kvstore.cluster_config.PEER_TRANSPORTS`).
+        self.transport = transport
+        self._ucx_ok = transport != "grpc" and unavailable is None
         self.index = index
         self.node_id = node_id
         self.counters = counters
@@ -79,6 +117,7 @@ class PeerSource:
         self._nodes: dict[str, NodeInfo] = {}
         self._suspects: dict[str, _Suspect] = {}
         self._clients: OrderedDict[tuple[str, bytes], AsyncKVStoreClient] = OrderedDict()
+        self._links: OrderedDict[tuple[str, str], UcxPeerLink] = OrderedDict()
 
     async def read(
         self, keys: Sequence[bytes], namespace: bytes
@@ -98,26 +137,48 @@ class PeerSource:
         except REDIS_ERRORS as exc:  # TimeoutError among them
             logger.debug("peer fetch: the cluster index did not answer (%s)", exc)
             return payloads, why
-        plan: dict[str, list[int]] = {}
+        candidates: dict[int, list[str]] = {}
         for position in range(len(keys)):
             names = [node for node, held in holders.items() if held.tiers[position]]
             if not names:
                 continue
             usable = [node for node in names if node not in self._suspects and node in self._nodes]
+            if self.transport == "ucx":  # UCX only: a peer without a listener is not asked
+                usable = [node for node in usable if self._nodes[node].ucx]
             if not usable:
                 why[position] = "peer_down"
                 self.counters.add("peer_skipped_suspect")
                 continue
-            # The fastest tier first, so a peer holding it in dram beats one reading nvme.
-            best = min(usable, key=lambda node: holders[node].tiers[position] != "dram")
-            plan.setdefault(best, []).append(position)
-        if plan:
+            # The fastest tier first, so a peer holding it in dram beats one reading nvme; among
+            # equals, rendezvous order spreads keys over their holders.
+            usable.sort(
+                key=lambda node: (
+                    holders[node].tiers[position] != "dram",
+                    holder_rank(keys[position], node),
+                )
+            )
+            candidates[position] = usable
+        while candidates:
+            plan: dict[str, list[int]] = {}
+            for position, names in candidates.items():
+                plan.setdefault(names[0], []).append(position)
             await asyncio.gather(
                 *(
                     self._fetch(node, keys, positions, namespace, payloads, why)
                     for node, positions in plan.items()
                 )
             )
+            # What a holder did not serve goes to the next live one, while time is left.
+            candidates = {
+                position: [node for node in names[1:] if node not in self._suspects]
+                for position, names in candidates.items()
+                if payloads[position] is None
+            }
+            candidates = {position: names for position, names in candidates.items() if names}
+            if candidates:
+                if self._budget() <= 0:
+                    break
+                self.counters.add("peer_retries", len(candidates))
         return payloads, why
 
     def _budget(self) -> float:
@@ -126,7 +187,10 @@ class PeerSource:
 
     async def _refresh(self, holders: Mapping[str, object]) -> None:
         """Learn the addresses of nodes not seen before; forgive suspects whose lease moved."""
-        if any(node not in self._nodes for node in holders):
+        epochs = self.index.epochs  # a node restarted since its address was read: read again
+        if any(
+            node not in self._nodes or self._nodes[node].epoch != epochs[node] for node in holders
+        ):
             self._nodes.update(await self.index.nodes())
         suspects = [node for node in holders if node in self._suspects]
         if suspects:
@@ -176,6 +240,22 @@ class PeerSource:
         self._clients.move_to_end(key)
         return client
 
+    def _link(self, node: str) -> UcxPeerLink | None:
+        """The UCX link to ``node`` if reads to it go over UCX now, else ``None``."""
+        info = self._nodes[node]
+        if not self._ucx_ok or not info.ucx:
+            return None
+        key = (info.grpc, info.ucx)  # a restarted node may listen elsewhere
+        link = self._links.get(key)
+        if link is None:
+            link = UcxPeerLink(info.grpc, info.ucx, self.token)
+            self._links[key] = link
+            if len(self._links) > MAX_CLIENTS:
+                _, old = self._links.popitem(last=False)
+                asyncio.get_running_loop().create_task(old.aclose())
+        self._links.move_to_end(key)
+        return link
+
     async def _fetch(
         self,
         node: str,
@@ -185,21 +265,37 @@ class PeerSource:
         payloads: list[bytes | None],
         why: dict[int, str],
     ) -> None:
-        budget = self._budget()
         self.counters.add("peer_requests")
-        reason = ""
+        wanted = [keys[position] for position in positions]
+        reason, transport = "", "grpc"
+        got: list[bytes | None] = []
         try:
-            if budget <= 0:
-                raise DeadlineExceededError("no time left")
-            client = self._client(node, namespace)
-            wanted = [keys[position] for position in positions]
-            got = await asyncio.wait_for(client.get(wanted, timeout=budget), budget + 0.05)
+            link = self._link(node)
+            if link is not None and (link.usable() or self.transport == "ucx"):
+                transport = "ucx"
+                try:
+                    got = await self._over_ucx(node, link, wanted, namespace)
+                except (DeadlineExceededError, TimeoutError):
+                    raise
+                except Exception as exc:
+                    if self.transport == "ucx":
+                        raise
+                    # auto: the same keys over gRPC, in what is left of the deadline.
+                    link.retry_at = time.monotonic() + UCX_RETRY_S
+                    self.counters.add("peer_ucx_fallbacks")
+                    logger.warning(
+                        "peer fetch: UCX to node %s failed (%s); gRPC for %.0fs",
+                        node,
+                        exc,
+                        UCX_RETRY_S,
+                    )
+                    transport = "grpc"
+            if transport == "grpc":
+                got = await self._over_grpc(node, wanted, namespace)
         except (DeadlineExceededError, TimeoutError):
             reason = "peer_timeout"
-        except (
-            Exception
-        ) as exc:  # whatever a peer does wrong is its miss, never this request's error
-            logger.debug("peer fetch from %s failed: %s", node, exc)
+        except Exception as exc:  # whatever a peer does wrong is its miss, never the request's
+            logger.debug("peer fetch from %s over %s failed: %s", node, transport, exc)
             reason = "peer_down"
         if reason:
             for position in positions:
@@ -211,11 +307,38 @@ class PeerSource:
             if payload is None or not 0 < len(payload) <= self.max_block_bytes:
                 continue  # the peer no longer holds it (evicted since it published): a miss
             payloads[position] = payload
+            why.pop(position, None)  # an earlier holder's failure, made good
             self.counters.add("peer_hits")
+            self.counters.add(f"peer_hits_{transport}")
             self.counters.add("peer_bytes", len(payload))
 
+    async def _over_ucx(
+        self, node: str, link: UcxPeerLink, keys: list[bytes], namespace: bytes
+    ) -> list[bytes | None]:
+        budget = self._budget()
+        if budget <= 0:
+            raise DeadlineExceededError("no time left")
+        try:
+            return await link.get(keys, namespace, budget)
+        except UcxTransportError as exc:
+            if self._budget() <= 0:
+                raise DeadlineExceededError(f"UCX read from node {node}: {exc}") from exc
+            raise
+
+    async def _over_grpc(
+        self, node: str, keys: list[bytes], namespace: bytes
+    ) -> list[bytes | None]:
+        budget = self._budget()
+        if budget <= 0:
+            raise DeadlineExceededError("no time left")
+        client = self._client(node, namespace)
+        return await asyncio.wait_for(client.get(keys, timeout=budget), budget)
+
     async def aclose(self) -> None:
-        """Close every client."""
+        """Close every client and UCX link."""
         clients, self._clients = list(self._clients.values()), OrderedDict()
         for client in clients:
             await client.aclose()
+        links, self._links = list(self._links.values()), OrderedDict()
+        for link in links:
+            await link.aclose()

@@ -22,7 +22,12 @@ that a chunk the store cannot deliver is recomputed instead of failing the reque
 engine's block size, default 256), ``tenant``, ``timeout_s`` (get/put deadline, default 5),
 ``lookup_timeout_s`` (longest a request waits for its lookup, default 0.5), ``retry_after_s``
 (how long a failed store is left alone, default 5), ``hash_algorithm`` and ``secret`` (else
-``$KVSTORE_HASH_SECRET``).
+``$KVSTORE_HASH_SECRET``), ``handoff_wait_s`` (longest a decode request waits for a prefill
+engine's chunks to reach the store, default 2).
+
+``kv_role``: ``kv_both`` (loads and saves), ``kv_producer`` (a prefill engine: never loads, saves
+every whole prompt chunk and reports their count in the request's ``kv_transfer_params``) or
+``kv_consumer`` (a decode engine: loads, never saves; see ``kvstore router --prefill/--decode``).
 
 How it works: only whole ``chunk_size`` chunks of prompt tokens are stored, each under the chained
 key of :class:`kvstore.ChunkHasher` in a namespace built from the engine's configuration (model,

@@ -68,6 +68,7 @@ _KNOWN_KEYS = frozenset(
         "secret",
         "token",
         "tls_ca",
+        "handoff_wait_s",
     }
 )
 
@@ -94,6 +95,9 @@ class ConnectorSettings:
             the client (``KVSTORE_TOKEN``).
         tls_ca: PEM file of the server's CA (TLS); ``None`` leaves it to the client
             (``KVSTORE_TLS_CA``).
+        handoff_wait_s: Prefill/decode hand-off: how long a request that carries a producer's
+            saved-chunk count waits for those chunks to reach the store (the producer's puts
+            are asynchronous) before it goes ahead with the ones that arrived.
     """
 
     target: str
@@ -106,13 +110,14 @@ class ConnectorSettings:
     secret: str = ""
     token: str | None = field(default=None, repr=False)
     tls_ca: str | None = None
+    handoff_wait_s: float = 2.0
 
     def __post_init__(self) -> None:
         if not self.target or ":" not in self.target:
             raise ConfigError(f"target must be 'HOST:PORT', got {self.target!r}")
         if self.chunk_size < 1:
             raise ConfigError(f"chunk_size must be >= 1, got {self.chunk_size}")
-        for name in ("timeout_s", "lookup_timeout_s"):
+        for name in ("timeout_s", "lookup_timeout_s", "handoff_wait_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.retry_after_s < 0:
@@ -146,6 +151,7 @@ class ConnectorSettings:
                 secret=str(extra["secret"]) if "secret" in extra else hash_secret(env),
                 token=str(extra["token"]) if "token" in extra else None,
                 tls_ca=str(extra["tls_ca"]) if "tls_ca" in extra else None,
+                handoff_wait_s=float(extra.get("handoff_wait_s", 2.0)),
             )
         except (TypeError, ValueError) as exc:
             if isinstance(exc, ConfigError):

@@ -11,6 +11,15 @@ Per step, :meth:`SchedulerSide.build_connector_meta` hands the workers the loads
 store lacks. A request that had saves planned is reported as "still saving" by
 ``request_finished``; the workers report it done through ``get_finished`` once they no longer read
 its blocks.
+
+Roles (``kv_transfer_config.kv_role``, :data:`KV_ROLES`): ``kv_both`` loads and saves;
+``kv_producer`` (a prefill engine) never looks up or loads and saves every computed whole prompt
+chunk, then reports in the request's output ``kv_transfer_params`` how many chunks are in the
+store or on their way (:data:`HANDOFF_KEY`); ``kv_consumer`` (a decode engine) loads every whole
+prompt chunk it can and never saves. The producer's puts are asynchronous (they may still be
+running when its response is sent), so a request that arrives with the producer's count in its
+``kv_transfer_params`` looks up again, without holding the scheduler, until the store holds that
+many leading chunks or ``handoff_wait_s`` has passed, then loads what is there.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore.client import KVStoreClient
 from kvstore.errors import (
+    ConfigError,
     DeadlineExceededError,
     KVStoreError,
     StoreUnavailableError,
@@ -52,7 +62,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-__all__ = ["SchedulerSide"]
+__all__ = ["HANDOFF_KEY", "KV_ROLES", "SchedulerSide", "kv_role"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +75,35 @@ _INLINE_WAIT_S = 0.005
 # lacks (say, its put failed) may be saved again.
 _RECENT_SAVE_S = 30.0
 _RECENT_SAVE_MAX = 1 << 16
+# While a hand-off waits for the producer's chunks, the store is asked again this often.
+_HANDOFF_RETRY_S = 0.01
+
+#: ``kv_transfer_config.kv_role`` values the connector takes.
+KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
+#: The ``kv_transfer_params`` key of a producer's output (and of the decode request that carries
+#: it on): the request's leading whole prompt chunks that are stored or being stored.
+HANDOFF_KEY = "kvstore_saved_chunks"
+
+
+def kv_role(vllm_config: Any) -> str:
+    """The engine's ``kv_role``; none set (no transfer config) is ``kv_both``."""
+    role = getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_role", None)
+    if role is None:
+        return "kv_both"
+    if role not in KV_ROLES:
+        raise ConfigError(
+            f"kv_transfer_config.kv_role: cannot use {role!r}: one of {', '.join(KV_ROLES)}"
+        )
+    return str(role)
+
+
+def _handoff_chunks(request: Any) -> int:
+    """The producer's saved-chunk count a request carries (0: none, or not a count)."""
+    params = getattr(request, "kv_transfer_params", None)
+    value = params.get(HANDOFF_KEY) if isinstance(params, dict) else None
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    return 0
 
 
 @dataclass(slots=True)
@@ -80,6 +119,9 @@ class _RequestState:
     saved: int = 0  # chunks [0, saved) are in the store or planned for saving
     has_saves: bool = False
     prompt_len: int = 0
+    expect: int = 0  # leading chunks a producer reported stored (hand-off), else 0
+    wait_until: float = 0.0  # until when lookups are repeated for them
+    next_lookup: float = 0.0  # no new lookup before this
 
 
 class SchedulerSide:
@@ -94,6 +136,9 @@ class SchedulerSide:
     ) -> None:
         """``client`` replaces the store client the scheduler would open (tests pass stand-ins)."""
         self._settings = settings
+        self.role = kv_role(vllm_config)
+        self._loads = self.role != "kv_producer"
+        self._saves = self.role != "kv_consumer"
         shape = engine_shape(vllm_config, kv_cache_config, pp_rank=0)
         self._block_size = shape.block_size
         self._blocks_per_chunk = blocks_per_chunk(settings, shape)
@@ -112,7 +157,8 @@ class SchedulerSide:
         # Connect now, off the critical path: the first call on a fresh channel pays for it.
         self._pool.submit(warm_up, self._client, self._breaker, settings.lookup_timeout_s)
         logger.info(
-            "kvstore connector (scheduler) -> %s, chunk %d tokens, namespace %s",
+            "kvstore connector (scheduler, %s) -> %s, chunk %d tokens, namespace %s",
+            self.role,
             settings.target,
             settings.chunk_size,
             self._base,
@@ -128,8 +174,8 @@ class SchedulerSide:
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         """Tokens beyond ``num_computed_tokens`` the store can supply; ``None`` = not known yet."""
-        state = self._state(request)
-        if state.loadable == 0:
+        state = self._state(request)  # a producer still needs it: saves are planned from it
+        if state.loadable == 0 or not self._loads:
             return 0, False
         hits = self._poll_lookup(state)
         if hits is None:
@@ -150,7 +196,10 @@ class SchedulerSide:
                 keys=keys,
                 loadable=min(len(keys), max(prompt_len - 1, 0) // chunk),
                 prompt_len=prompt_len,
+                expect=_handoff_chunks(request) if self._loads else 0,
             )
+            if state.expect:
+                state.wait_until = time.monotonic() + self._settings.handoff_wait_s
             self._requests[request.request_id] = state
         return state
 
@@ -177,6 +226,8 @@ class SchedulerSide:
         if state.hits is not None:
             return state.hits
         if state.future is None:
+            if state.next_lookup and time.monotonic() < state.next_lookup:
+                return None  # a hand-off's next lookup is not due yet
             if self._breaker.is_open():
                 state.hits = 0
                 self.counters.record_lookup(state.loadable * self._settings.chunk_size, 0, None)
@@ -200,11 +251,31 @@ class SchedulerSide:
             logger.warning("kvstore lookup failed, treating as a miss: %s", exc)
             hits = 0
         state.future = None
+        if self._handoff_pending(state, hits):
+            return None
         state.hits = hits
         state.saved = max(state.saved, hits)
         chunk = self._settings.chunk_size
         self.counters.record_lookup(state.loadable * chunk, min(hits, state.loadable) * chunk, None)
         return hits
+
+    def _handoff_pending(self, state: _RequestState, hits: int) -> bool:
+        """Whether to look up again: a producer said more chunks are on their way to the store."""
+        want = min(state.expect, state.loadable)
+        if hits >= want or self._breaker.is_open():
+            return False
+        now = time.monotonic()
+        if now < state.wait_until:
+            state.next_lookup = now + _HANDOFF_RETRY_S
+            return True
+        logger.warning(
+            "kvstore hand-off: %d of the %d chunks the producer saved reached the store within "
+            "handoff_wait_s=%.1f; computing the rest",
+            hits,
+            want,
+            self._settings.handoff_wait_s,
+        )
+        return False
 
     def _lookup(self, keys: list[bytes], timeout: float) -> int:
         started = time.perf_counter()
@@ -248,7 +319,7 @@ class SchedulerSide:
         self._pending_loads = []
         scheduled = scheduler_output.num_scheduled_tokens
         now = time.monotonic()
-        if not self._breaker.is_open():
+        if self._saves and not self._breaker.is_open():
             for new in scheduler_output.scheduled_new_reqs:
                 done = new.num_computed_tokens + scheduled.get(new.req_id, 0)
                 self._plan_save(meta, new.req_id, done, now)
@@ -293,13 +364,15 @@ class SchedulerSide:
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """True while the workers may still read this request's blocks for a save."""
+        """True while the workers may still read this request's blocks for a save; a
+        producer's output also says how many leading chunks it stored (:data:`HANDOFF_KEY`)."""
         state = self._requests.pop(request.request_id, None)
         if state is None:
             return False, None
         if state.future is not None:
             state.future.cancel()
-        return state.has_saves, None
+        params = {HANDOFF_KEY: state.saved} if self.role == "kv_producer" and state.keys else None
+        return state.has_saves, params
 
     def take_stats(self) -> dict[str, Any] | None:
         """The lookups' figures since the last call (``None`` if none)."""

@@ -25,7 +25,7 @@ class RouterMetrics:
         self.fallbacks = Counter(
             "kvstore_router_fallbacks",
             "Requests routed without the index, by why (index_error, index_down, no_index, "
-            "no_tokens)",
+            "no_tokens, no_namespace)",
             ["reason"],
             registry=r,
         )

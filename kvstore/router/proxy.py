@@ -16,8 +16,18 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-__all__ = ["MAX_BODY", "Request", "UpstreamError", "forward", "read_request", "respond"]
+__all__ = [
+    "MAX_BODY",
+    "REPLICA_HEADER",
+    "Request",
+    "UpstreamError",
+    "forward",
+    "read_request",
+    "respond",
+]
 
+#: Response header naming the replica URL that answered a proxied request.
+REPLICA_HEADER = "x-kvstore-replica"
 #: Largest request body accepted (a 128K-token prompt as JSON ids is ~1 MiB).
 MAX_BODY = 64 * 1024 * 1024
 _HOP = frozenset(
@@ -152,6 +162,8 @@ async def forward(
             for line in head_lines[1:]
             if line.partition(":")[0].strip().lower() not in ("connection", "keep-alive")
         ]
+        # Which replica answered, for clients and tests (the decision metrics count the same).
+        kept.append(f"{REPLICA_HEADER}: {url}")
         writer.write(("\r\n".join([*kept, "Connection: close", "", ""])).encode("latin-1"))
         first = True
         while True:

@@ -28,7 +28,12 @@ from dataclasses import dataclass
 
 from kvstore.cluster import Holding
 
-__all__ = ["TIER_WEIGHTS", "Decision", "Load", "Provisional", "Replica", "Scorer"]
+__all__ = ["POLICIES", "TIER_WEIGHTS", "Decision", "Load", "Provisional", "Replica", "Scorer"]
+
+#: ``router.policy`` values: ``kv`` scores cached prefixes against load (above); the other two
+#: are the baselines the KV-aware choice is measured against (benchmarks/bench_route_replay.py):
+#: ``round_robin`` takes replicas in turn, ``least_loaded`` the lowest load term alone.
+POLICIES = ("kv", "round_robin", "least_loaded")
 
 #: Weight of a cached chunk per source. "local" is the engine's own cache (and provisional
 #: entries, which predict it); the rest are kvstore tier names as the index publishes them.
@@ -116,8 +121,10 @@ class Scorer:
         hit_weight: float,
         request_cost_tokens: int,
         provisional: Provisional,
+        policy: str = "kv",
     ) -> None:
         self.replicas = tuple(replicas)
+        self.policy = policy
         self.chunk_size = chunk_size
         self.hit_weight = hit_weight
         self.request_cost_tokens = request_cost_tokens
@@ -162,8 +169,10 @@ class Scorer:
         ``local`` the engines' own cached leading chunks per replica url (empty until KV events
         are consumed).
         """
-        provisional = self.provisional.holders(keys) if keys else {}
-        local = local or {}
+        kv = self.policy == "kv"
+        provisional = self.provisional.holders(keys) if keys and kv else {}
+        local = (local or {}) if kv else {}
+        holdings = holdings if kv else {}
         turn, self._turn = self._turn, self._turn + 1
         count = len(keys)
         rows = []
@@ -173,13 +182,17 @@ class Scorer:
             cost = load.queued_prefill_tokens + self.request_cost_tokens * load.in_flight
             score = self.hit_weight * weighted - cost
             order = (position - turn) % len(self.replicas)
-            rows.append((-score, load.in_flight, order, replica, chunks))
+            if self.policy == "round_robin":  # the turn alone decides
+                score, in_flight = 0.0, 0
+            else:
+                in_flight = load.in_flight
+            rows.append((-score, in_flight, order, replica, chunks))
         rows.sort(key=lambda row: row[:3])
         _, _, _, best, chunks = rows[0]
         hit_tokens = min(chunks * self.chunk_size, prompt_tokens)
         return Decision(
             replica=best,
-            reason="cache" if chunks else "load",
+            reason="round_robin" if self.policy == "round_robin" else "cache" if chunks else "load",
             score=-rows[0][0],
             predicted_hit_tokens=hit_tokens,
             ranked=tuple(row[3] for row in rows),

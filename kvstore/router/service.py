@@ -5,6 +5,9 @@ benchmark times; :meth:`Router.handle` serves one HTTP connection. The index is 
 never fails a request: without ``cluster.url``/``redis.url``, after a failed or slow query (for
 ``router.index_retry_s`` after it) or without token ids, requests are routed by load and the
 provisional entries alone, and ``kvstore_router_fallbacks_total`` counts why.
+
+In P/D mode (``router.prefill`` and ``router.decode``) a :class:`~kvstore.router.pd.PrefillStage`
+runs each completion on a prefill replica first; the decision then picks among decode replicas.
 """
 
 from __future__ import annotations
@@ -27,11 +30,12 @@ from kvstore.errors import ConfigError
 from kvstore.router.keys import RouterKeys, parse_namespace
 from kvstore.router.lookup import ScriptIndex
 from kvstore.router.metrics import RouterMetrics
+from kvstore.router.pd import PrefillStage
 from kvstore.router.proxy import BadRequest, Request, UpstreamError, forward, read_request, respond
 from kvstore.router.scoring import Decision, Provisional, Replica, Scorer
 from kvstore.router.tokenize import Tokenizer, load_tokenizer, prompt_tokens
 
-__all__ = ["Router", "build_router", "parse_replicas", "run_router"]
+__all__ = ["Router", "build_router", "parse_replicas", "pd_replicas", "run_router"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,21 +45,21 @@ _ROUTED = ("/v1/completions", "/v1/chat/completions")
 Index = ClusterIndex | ScriptIndex
 
 
-def parse_replicas(text: str) -> list[Replica]:
-    """``router.replicas``: comma-separated ``URL=NODE_ID`` pairs."""
+def parse_replicas(text: str, setting: str = "router.replicas") -> list[Replica]:
+    """``router.replicas`` (or ``setting``): comma-separated ``URL=NODE_ID`` pairs."""
     replicas = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         url, sep, node = item.rpartition("=")
         if not sep or not url.startswith(("http://",)) or not node:
             raise ConfigError(
-                f"router.replicas: cannot use {item!r}: give URL=NODE_ID, e.g. "
+                f"{setting}: cannot use {item!r}: give URL=NODE_ID, e.g. "
                 "http://10.0.0.5:8000=node-a"
             )
         replicas.append(Replica(url.rstrip("/"), node))
     if not replicas:
-        raise ConfigError("router.replicas is empty; give at least one URL=NODE_ID")
+        raise ConfigError(f"{setting} is empty; give at least one URL=NODE_ID")
     if len({r.url for r in replicas}) != len(replicas):
-        raise ConfigError(f"router.replicas names a URL twice: {text!r}")
+        raise ConfigError(f"{setting} names a URL twice: {text!r}")
     return replicas
 
 
@@ -65,26 +69,30 @@ class Router:
     def __init__(
         self,
         replicas: Sequence[Replica],
-        keys: RouterKeys,
+        keys: RouterKeys | None,
         index: Index | None,
         *,
+        prefill: PrefillStage | None = None,
         tokenizer: Tokenizer | None = None,
         provisional_ttl_s: float = 5.0,
         hit_weight: float = 2.0,
         request_cost_tokens: int = 256,
         index_retry_s: float = 1.0,
+        policy: str = "kv",
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.keys = keys
+        self.keys = keys  # None (P/D mode without router.namespace): routed by load
         self.index = index
+        self.prefill = prefill
         self.tokenizer = tokenizer
         self.metrics = RouterMetrics()
         self.scorer = Scorer(
             replicas,
-            keys.chunk_size,
+            keys.chunk_size if keys is not None else 1,
             hit_weight,
             request_cost_tokens,
             Provisional(provisional_ttl_s, clock),
+            policy,
         )
         self.index_retry_s = index_retry_s
         self._clock = clock
@@ -113,11 +121,15 @@ class Router:
         started = time.perf_counter()
         keys: list[bytes] = []
         holdings: Mapping[str, Holding] = {}
+        fallback = ""
         if tokens is None:
             fallback = "no_tokens"
+        elif self.keys is None:
+            fallback = "no_namespace"
         else:
             keys = self.keys.keys(tokens, lora_id, cache_salt)
-            holdings, fallback = await self._holdings(keys) if keys else ({}, "")
+            if keys and self.scorer.policy == "kv":  # the baselines never ask the index
+                holdings, fallback = await self._holdings(keys)
         if fallback:
             self.metrics.fallbacks.labels(fallback).inc()
         decision = self.scorer.choose(keys, len(tokens or ()), holdings)
@@ -164,6 +176,10 @@ class Router:
                 await respond(writer, 400, {"error": "the body is not a JSON object"})
                 return
             tokens = prompt_tokens(path, body, self.tokenizer)
+            if self.prefill is not None:
+                decode = await self.prefill.run(request, body, len(tokens or ()))
+                if decode is not None:  # else the decode replica computes the whole prompt
+                    request.body = json.dumps(decode).encode()
             salt = body.get("cache_salt")
             decision, keys = await self.decide(tokens, salt if isinstance(salt, str) else "")
             prefill = len(tokens or ()) - decision.predicted_hit_tokens
@@ -213,20 +229,26 @@ class Router:
 def build_router(config: Config) -> tuple[Router, Client | None]:
     """The router of ``config`` and its index client (``None`` without an index URL)."""
     settings = config.router
-    replicas = parse_replicas(settings.replicas)
-    if not settings.namespace:
+    prefill: list[Replica] = []
+    if settings.prefill or settings.decode:
+        prefill, replicas = pd_replicas(settings.replicas, settings.prefill, settings.decode)
+    else:
+        replicas = parse_replicas(settings.replicas)
+    if not settings.namespace and not prefill:
         raise ConfigError("router.namespace is empty; give the engines' base namespace as JSON")
     if settings.hash_algorithm not in ("xxh3_128", "sha256"):
         raise ConfigError(
             f"router.hash_algorithm: cannot use {settings.hash_algorithm!r}: "
             "one of xxh3_128, sha256"
         )
-    keys = RouterKeys(
-        parse_namespace(settings.namespace),
-        settings.chunk_size,
-        hash_secret(),
-        "sha256" if settings.hash_algorithm == "sha256" else "xxh3_128",
-    )
+    keys = None
+    if settings.namespace:
+        keys = RouterKeys(
+            parse_namespace(settings.namespace),
+            settings.chunk_size,
+            hash_secret(),
+            "sha256" if settings.hash_algorithm == "sha256" else "xxh3_128",
+        )
     url = config.cluster.url or config.redis.url
     client = connect(url, settings.index_timeout_s) if url else None
     layout = Layout(config.cluster.key_prefix, settings.tenant)
@@ -244,8 +266,33 @@ def build_router(config: Config) -> tuple[Router, Client | None]:
         hit_weight=settings.hit_weight,
         request_cost_tokens=settings.request_cost_tokens,
         index_retry_s=settings.index_retry_s,
+        policy=settings.policy,
     )
+    if prefill:
+        router.prefill = PrefillStage(
+            prefill,
+            router.metrics.registry,
+            timeout_s=settings.prefill_timeout_s,
+            request_cost_tokens=settings.request_cost_tokens,
+        )
     return router, client
+
+
+def pd_replicas(replicas: str, prefill: str, decode: str) -> tuple[list[Replica], list[Replica]]:
+    """P/D mode's prefill and decode replicas (``router.prefill``, ``router.decode``)."""
+    if replicas:
+        raise ConfigError(
+            "router.replicas: cannot use it with router.prefill/router.decode: in P/D mode every "
+            "replica is a prefill or a decode one"
+        )
+    if not prefill or not decode:
+        missing = "router.decode" if prefill else "router.prefill"
+        raise ConfigError(f"{missing} is empty; P/D mode needs prefill and decode replicas")
+    pre, dec = parse_replicas(prefill, "router.prefill"), parse_replicas(decode, "router.decode")
+    both = sorted({r.url for r in pre} & {r.url for r in dec})
+    if both:
+        raise ConfigError(f"router.prefill and router.decode both name {both}; give each once")
+    return pre, dec
 
 
 async def run_router(config: Config, on_ready: Callable[[str], None]) -> None:

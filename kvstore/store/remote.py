@@ -5,7 +5,10 @@ live node holds a key and reads it from that node. The store knows only this int
 source set (the default) a get costs nothing more.
 
 A request's deadline reaches the source through :data:`REQUEST_DEADLINE` (set by the gRPC
-servicer for the call it serves), so a remote read never outlives the request that needs it.
+servicer for the call it serves), so a remote read never outlives the request that needs it:
+it gets :func:`remaining_s`, which keeps :data:`ANSWER_SHARE` of the time left for the request to
+answer afterwards (a peer that stays silent is then a miss in the answer, not a deadline error
+that loses the keys this node did serve).
 """
 
 from __future__ import annotations
@@ -15,17 +18,22 @@ from collections.abc import Sequence
 from contextvars import ContextVar
 from typing import Protocol
 
-__all__ = ["REQUEST_DEADLINE", "RemoteSource", "remaining_s"]
+__all__ = ["ANSWER_SHARE", "REQUEST_DEADLINE", "RemoteSource", "remaining_s"]
 
 #: The ``time.monotonic()`` by which the request being served must be answered (``None``: the
 #: caller set none; the source applies its own bound).
 REQUEST_DEADLINE: ContextVar[float | None] = ContextVar("kvstore_request_deadline", default=None)
 
 
+#: The share of a request's time left that a remote read leaves to the request's answer.
+ANSWER_SHARE = 0.1
+
+
 def remaining_s() -> float | None:
-    """Seconds left before the current request's deadline (``None`` without one)."""
+    """Seconds a remote read may take for the current request: what is left before its deadline
+    less :data:`ANSWER_SHARE` of it (``None`` without a deadline)."""
     deadline = REQUEST_DEADLINE.get()
-    return None if deadline is None else deadline - time.monotonic()
+    return None if deadline is None else (deadline - time.monotonic()) * (1 - ANSWER_SHARE)
 
 
 class RemoteSource(Protocol):

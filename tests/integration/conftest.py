@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from netns_hosts import Host
 
 from kvstore import KVStoreClient, Namespace
 
@@ -73,8 +74,11 @@ class ServerProcess:
         env: Mapping[str, str] | None = None,
         *,
         nvme_path: Path | None = None,
+        host: Host | None = None,
     ) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
+        #: The network namespace it runs in (tests/netns_hosts.py); None: this host, loopback.
+        self.host = host
         self.workdir = workdir
         self.nvme_path = nvme_path if nvme_path is not None else workdir / "nvme"
         self.flags = list(flags)
@@ -104,7 +108,8 @@ class ServerProcess:
         """Start on a fresh free port and wait for the ready line; fail with the server's log."""
         assert self.proc is None or self.proc.poll() is not None, "already running"
         self._starts += 1
-        listen = f"127.0.0.1:{free_port()}"
+        address = self.host.address if self.host is not None else "127.0.0.1"
+        listen = f"{address}:{free_port()}"
         command = [
             sys.executable,
             "-m",
@@ -123,7 +128,9 @@ class ServerProcess:
         if "XDG_RUNTIME_DIR" not in self.env:
             env.pop("XDG_RUNTIME_DIR", None)  # else the socket directory would go there
         with self.stdout_path.open("wb") as out, self.stderr_path.open("wb") as err:
-            self.proc = subprocess.Popen(command, stdout=out, stderr=err, env=env)
+            # `ip netns exec` execs the server itself: the pid and its signals are the server's.
+            argv = self.host.command(command) if self.host is not None else command
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=err, env=env)
         self.returncode = None
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
@@ -209,12 +216,14 @@ def _factory(root: Path) -> Iterator[ServerFactory]:
         dram_capacity: str = "64MiB",
         nvme_capacity: str = "64MiB",
         nvme_path: Path | None = None,
+        host: Host | None = None,
     ) -> ServerProcess:
         process = ServerProcess(
             root / f"server-{len(started)}",
             ["--dram-capacity", dram_capacity, "--nvme-capacity", nvme_capacity, *flags],
             env,
             nvme_path=nvme_path,
+            host=host,
         )
         started.append(process)
         return process.start()

@@ -92,7 +92,7 @@ def test_shared_tier_spans_every_shard(
     assert len({redis_cluster.master_of(name).port for name in names}) == 3
     with node1.client(NS) as one, node2.client(NS) as two:
         assert one.put(keys, values).stored == 48
-        poll(lambda: two.lookup(keys) == 48, 10.0, "write-through to the cluster")
+        poll(lambda: two.lookup(keys) == 48, 30.0, "write-through to the cluster")
         assert two.lookup_tiers(keys).tiers == ["redis"] * 48
         assert two.get(keys) == values
         assert redis_stats(two)["read_errors"] == 0

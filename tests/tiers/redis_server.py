@@ -55,8 +55,10 @@ class RedisServer:
         username: str = "",
         password: str = "",
         tls: tuple[Path, Path, Path] | None = None,
+        host: str = "127.0.0.1",
     ) -> None:
         self.binary = redis_server_binary()
+        self.host = host  # the address it binds and its URL names (a bridge address for netns)
         self.username = username
         self.password = password
         self.tls = tls
@@ -72,8 +74,8 @@ class RedisServer:
         the CA rides as the ``ssl_ca_certs`` query argument, which redis-py passes through)."""
         credentials = f"{self.username}:{self.password}@" if self.password else ""
         if self.tls is None:
-            return f"redis://{credentials}127.0.0.1:{self.port}/0"
-        return f"rediss://{credentials}127.0.0.1:{self.port}/0?ssl_ca_certs={self.tls[2]}"
+            return f"redis://{credentials}{self.host}:{self.port}/0"
+        return f"rediss://{credentials}{self.host}:{self.port}/0?ssl_ca_certs={self.tls[2]}"
 
     def start(self, timeout: float = 10.0) -> RedisServer:
         """Start the server and wait until it answers PING."""
@@ -86,7 +88,11 @@ class RedisServer:
     def _command(self) -> list[str]:
         # No RDB snapshots and no AOF: a killed server comes back empty, like a real crash
         # of a cache that nobody persists.
-        options = {"port": str(self.port), "bind": "127.0.0.1", "save": "", "appendonly": "no"}
+        options = {"port": str(self.port), "bind": self.host, "save": "", "appendonly": "no"}
+        if self.host != "127.0.0.1" and not self.password:
+            # Protected mode refuses every non-loopback client of a user without a password:
+            # the other "hosts" of a network-namespace test are exactly that.
+            options["protected-mode"] = "no"
         if self.tls is not None:
             cert, key, ca = self.tls
             options.update(

@@ -1,0 +1,316 @@
+"""Cross-node gets between network namespaces: through peers (UCX, gRPC) vs through Redis.
+
+Exact command (repository root, as root: it creates network namespaces; a few minutes on 2
+shared cores)::
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_peer.py --rounds 9 --round-mib 32 \
+        --json benchmarks/results/peer.json --out benchmarks/results/peer.md
+
+Two "hosts" (``tests/netns_hosts.py``: network namespaces on a bridge) and a ``redis-server`` in
+the root namespace on the bridge's address (the Redis host). Every byte between nodes crosses the
+bridge over TCP; nothing is shared memory.
+
+* **Host A**: node ``one`` holds the blocks: ``cluster.shared_data = both``, so each put is
+  written through to Redis *and* published in the cluster index, and it serves peers over gRPC
+  and from its UCX listener.
+* **Host B**: three reading nodes, each cold (it never held the blocks):
+  ``redis`` (``shared_data = redis``: reads Redis's copy), ``peer-ucx`` and ``peer-grpc``
+  (``shared_data = peers`` with ``cluster.peer_transport = ucx`` / ``grpc``: reads node one).
+* **The client** (``benchmarks/_peer_reader.py``) runs in host B too, next to the reading nodes
+  (as an inference engine runs next to its node), over the automatic data plane (shared memory
+  with its local node). So what is timed is a reading node serving gets of blocks it must fetch
+  from another host: the cross-host hop is the only remote one, as in a deployment.
+
+Each round gets ``--round-mib`` of fresh blocks per size and path (each block read exactly once
+by each reading node, so every read is cold), in gets of ``--batch-mib``, one get of each path in
+turn (an order that rotates each round): on a machine shared with other work, every path then
+meets the same background load. After the three, a fourth reference case gets the Redis
+reader's blocks again (now local to it: the client and shared-memory hop alone). Reported:
+bytes/s per round (median, and the slow tail: the 10th percentile of the per-round rates) and
+the ratio of each path's median to Redis's. Every payload's digest is checked. The node-side
+counters confirm the path each reader took. Done-when of issue 16: peer get >= 1.5x Redis.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+# The benchmarks' helpers, and the tests' hosts (network namespaces), servers and redis-server.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "tiers"))
+
+import conftest as servers  # the integration tests' ServerProcess: real `kvstore serve`
+from _common import machine_info, markdown_table, percentile
+from netns_hosts import Hosts
+from redis_server import RedisServer
+
+from kvstore import KVStoreClient
+from kvstore.cluster import ClusterIndex, Layout, connect
+from kvstore.keys import KEY_BYTES
+
+ROOT = Path(__file__).resolve().parents[1]
+MiB = 1024**2
+NAMESPACE = {"model": "bench-peer", "num_layers": 2, "num_kv_heads": 2, "head_size": 64}
+PREFIX = "kvstore:cluster:v1:"
+PATHS = ("redis", "peer-ucx", "peer-grpc")
+#: What the report shows: the three cross-host paths and the local reference.
+SHOWN = (*PATHS, "local")
+SECRET = "bench-peer-secret"
+
+
+def node_env(name: str, redis_url: str, shared: str, transport: str = "auto") -> dict[str, str]:
+    env = {"KVSTORE_INTEGRITY_SECRETS": SECRET, "KVSTORE_SERVER_INFLIGHT_BYTES": "1GiB"}
+    if shared in ("redis", "both"):
+        env["KVSTORE_REDIS_URL"] = redis_url
+    if shared != "redis":
+        env.update(
+            {
+                "KVSTORE_CLUSTER_ENABLED": "1",
+                "KVSTORE_CLUSTER_URL": redis_url,
+                "KVSTORE_CLUSTER_NODE_ID": name,
+                "KVSTORE_CLUSTER_PUBLISH_INTERVAL_S": "0.05",
+                "KVSTORE_CLUSTER_SHARED_DATA": shared,
+                "KVSTORE_CLUSTER_PEER_TRANSPORT": transport,
+                "KVSTORE_CLUSTER_PEER_TIMEOUT_S": "30",
+            }
+        )
+    return env
+
+
+def start_node(
+    workdir: Path, host: Any, env: dict[str, str], dram: str, ucx: bool
+) -> servers.ServerProcess:
+    flags = ["--dram-capacity", dram, "--nvme-capacity", "64MiB", "--allow-unauthenticated"]
+    if ucx:
+        flags += ["--ucx-listen", f"{host.address}:0"]
+    return servers.ServerProcess(workdir, flags, env, host=host).start()
+
+
+def counters(node: servers.ServerProcess) -> dict[str, int]:
+    with KVStoreClient(node.target, data_plane="grpc", timeout=10.0) as client:
+        return dict(client.stats()["counters"])
+
+
+def holders_of(url: str, keys: list[bytes]) -> set[str]:
+    async def ask() -> set[str]:
+        client = connect(url, 5.0)
+        try:
+            held = await ClusterIndex(client, Layout(PREFIX)).holders(keys)
+            return {node for node, h in held.items() if all(h.tiers)}
+        finally:
+            await client.aclose()
+
+    return asyncio.run(ask())
+
+
+def wait_for(condition: Any, within: float, what: str) -> None:
+    deadline = time.monotonic() + within
+    while not condition():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{what}: not within {within:.0f} s")
+        time.sleep(0.1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--sizes-mib", default="1,4", help="block sizes in MiB, comma-separated")
+    parser.add_argument("--round-mib", type=int, default=32, help="MiB per size, path and round")
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--batch-mib", type=int, default=8, help="MiB per get call")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    sizes = [int(s) * MiB for s in args.sizes_mib.split(",")]
+    work = Path(tempfile.mkdtemp(prefix="bench-peer-"))
+    servers._SERVER_TMPDIR = str(work)  # the servers' TMPDIR (their shm socket directories)
+    started: list[servers.ServerProcess] = []
+    with Hosts(2) as hosts:
+        a, b = hosts[0], hosts[1]
+        with RedisServer(work / "redis", host=hosts.gateway) as redis:
+            url = redis.url
+            try:
+                one = start_node(work / "one", a, node_env("one", url, "both"), "2GiB", ucx=True)
+                started.append(one)
+                readers = {
+                    "redis": start_node(
+                        work / "r-redis", b, node_env("r-redis", url, "redis"), "2GiB", False
+                    ),
+                    "peer-ucx": start_node(
+                        work / "r-ucx", b, node_env("r-ucx", url, "peers", "ucx"), "2GiB", True
+                    ),
+                    "peer-grpc": start_node(
+                        work / "r-grpc", b, node_env("r-grpc", url, "peers", "grpc"), "2GiB", False
+                    ),
+                }
+                started.extend(readers.values())
+                load_before = os.getloadavg()[0]
+                result = measure(args, sizes, one, readers, b, url, redis)
+                # The machine is shared: how busy it was says how far to trust the figures.
+                result["load_average_1min"] = [load_before, os.getloadavg()[0]]
+            finally:
+                for node in started:
+                    try:
+                        node.stop()  # graceful: a clean exit (and atexit hooks) where it can
+                    except Exception:
+                        node.kill()
+    result["machine"] = machine_info()
+    result["command"] = " ".join(sys.argv)
+    text = report(result)
+    print(text)
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    if args.out is not None:
+        args.out.write_text(text + "\n")
+
+
+def measure(
+    args: argparse.Namespace,
+    sizes: list[int],
+    one: servers.ServerProcess,
+    readers: dict[str, servers.ServerProcess],
+    b: Any,
+    url: str,
+    redis: RedisServer,
+) -> dict[str, Any]:
+    from kvstore import Namespace
+
+    namespace = Namespace(**NAMESPACE)
+    rounds: list[list[dict[str, Any]]] = []
+    written: list[bytes] = []
+    with KVStoreClient(one.target, namespace=namespace, data_plane="grpc", timeout=60) as writer:
+        for size in sizes:
+            count = max(1, args.round_mib * MiB // size)
+            batch = max(1, args.batch_mib * MiB // size)
+            for round_index in range(-1, args.rounds):  # -1: a warm-up round, not reported
+                cases = []
+                for path in PATHS:  # distinct blocks per path: no reader can help another
+                    # The warm-up opens every connection (gRPC, UCX endpoint, Redis) untimed.
+                    n = count if round_index >= 0 else batch
+                    keys = [os.urandom(KEY_BYTES) for _ in range(n)]
+                    values = [os.urandom(size) for _ in range(n)]
+                    for first in range(0, n, batch):
+                        stored = writer.put(
+                            keys[first : first + batch], values[first : first + batch]
+                        )
+                        assert stored.stored == len(keys[first : first + batch]), stored
+                    written.extend(keys)
+                    digests = [hashlib.blake2b(v, digest_size=16).hexdigest() for v in values]
+                    cases.append(
+                        {
+                            "name": f"{path}/{size // MiB}MiB",
+                            "target": readers[path].target,
+                            "keys": [k.hex() for k in keys],
+                            "digests": digests,
+                            "batch": batch,
+                            "warmup": round_index < 0,
+                        }
+                    )
+                shift = max(round_index, 0) % len(cases)
+                # The reference: the Redis reader's blocks again, now local to it (what the
+                # client and its shared-memory hop cost alone, with no remote fetch).
+                local = {**cases[0], "name": f"local/{size // MiB}MiB"}
+                rounds.append(cases[shift:] + cases[:shift] + [local])
+    # Untimed: every block written through to Redis and published by node one.
+    payloads = redis.client()
+    wait_for(
+        lambda: (
+            sum(1 for _ in payloads.scan_iter(match="kvstore:v1:*", count=1000)) >= len(written)
+        ),
+        120,
+        "the payloads written through to Redis",
+    )
+    wait_for(lambda: holders_of(url, written) == {"one"}, 60, "node one in the index")
+    spec = {
+        "namespace": NAMESPACE,
+        "data_plane": "auto",
+        "timeout_s": 60,
+        "rounds": rounds,
+    }
+    proc = b.popen(
+        [sys.executable, str(ROOT / "benchmarks" / "_peer_reader.py")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    out, _ = proc.communicate(json.dumps(spec).encode(), timeout=1800)
+    if proc.returncode != 0:
+        raise SystemExit(f"the reader failed ({proc.returncode})")
+    timings = json.loads(out)
+    seen = {path: counters(node) for path, node in readers.items()}
+    return {
+        "sizes": sizes,
+        "round_mib": args.round_mib,
+        "rounds": args.rounds,
+        "batch_mib": args.batch_mib,
+        "timings": timings,
+        "counters": {
+            path: {k: v for k, v in c.items() if k.startswith(("peer", "miss", "hits", "tier"))}
+            for path, c in seen.items()
+        },
+    }
+
+
+def report(result: dict[str, Any]) -> str:
+    timings = result["timings"]
+    rows = []
+    for size in result["sizes"]:
+        label = f"{size // MiB}MiB"
+        rates: dict[str, list[float]] = {}
+        for path in SHOWN:
+            name = f"{path}/{label}"
+            rates[path] = [
+                n / s for n, s in zip(timings["bytes"][name], timings["seconds"][name], strict=True)
+            ]
+        base = percentile(rates["redis"], 50)
+        for path in SHOWN:
+            median = percentile(rates[path], 50)
+            rows.append(
+                [
+                    label,
+                    path,
+                    f"{median / 1e9:.3f}",
+                    f"{percentile(rates[path], 10) / 1e9:.3f}",
+                    f"{median / base:.2f}x",
+                ]
+            )
+    table = markdown_table(
+        ["block", "path", "GB/s (median)", "GB/s (slow tail, p10 of rate)", "vs redis"], rows
+    )
+    used = {path: result["counters"][path] for path in PATHS}
+    lines = [
+        table,
+        "",
+        f"{result['rounds']} rounds x {result['round_mib']} MiB per size and path, "
+        f"{result['batch_mib']} MiB per get; client plane: "
+        f"{', '.join(sorted(set(timings['planes'].values())))}; "
+        f"1-minute load average before/after: {result['load_average_1min'][0]:.1f} / "
+        f"{result['load_average_1min'][1]:.1f} on {os.cpu_count()} cores.",
+        "Reader counters: "
+        + "; ".join(
+            f"{path}: "
+            + ", ".join(
+                f"{k}={v}"
+                for k, v in sorted(c.items())
+                if k in ("peer_hits_ucx", "peer_hits_grpc", "peer_ucx_fallbacks", "hits_redis")
+                or k.startswith("miss_peer")
+            )
+            for path, c in used.items()
+        ),
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

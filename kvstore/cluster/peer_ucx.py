@@ -1,0 +1,165 @@
+"""Peer reads over UCX: a node reading blocks from another node's UCX listener.
+
+:class:`UcxPeerLink` is the UCX half of :class:`~kvstore.cluster.peers.PeerSource`: one per peer
+(its gRPC target and advertised UCX address). It speaks the same protocol as the client's UCX data
+path (:mod:`kvstore.client.ucx`): an authenticated ``UcxTransfer.UcxGet`` control call over gRPC
+(carrying ``cluster.peer_token``, so the peer checks it like any client's), then the payloads over
+the UCX endpoint, tagged by transfer id and index.
+
+**Which loop.** Unlike the blocking client, which runs ucxx on a thread of its own, a link runs on
+the server's event loop, where the peer source runs: ucxx completes its futures on the loop that
+first used it, and in a server that is the loop of its own UCX listener. The server's loop is never
+blocked: every step is awaited.
+
+**Failures.** Any failure (no ucxx, no connection, a late or failed transfer, a peer that forgot
+this endpoint twice) raises :class:`~kvstore.protocol.ucx.UcxTransportError` after dropping the
+endpoint (which cancels receives still posted, so nothing lands late); the peer source then reads
+the same keys over gRPC in what is left of the deadline. Request errors of the peer (a refused
+token, a bad namespace) raise the :class:`~kvstore.errors.KVStoreError` gRPC would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from collections.abc import Sequence
+from typing import Any, cast
+
+import grpc
+
+from kvstore._proto.kvstore.v1 import ucx_pb2 as ucx_pb
+from kvstore._proto.kvstore.v1 import ucx_pb2_grpc as ucx_pb_grpc
+from kvstore.client.channel import ChannelSecurity, aio_channel
+from kvstore.client.core import client_settings
+from kvstore.client.ucx import CONNECT_SHARE, abort_endpoint, open_endpoint, receive_payloads
+from kvstore.protocol import messages as _wire
+from kvstore.protocol.ucx import CLIENT_ID_BYTES, UcxTransportError, parse_address
+
+__all__ = ["UcxPeerLink"]
+
+logger = logging.getLogger(__name__)
+
+#: gRPC codes of the control call that mean "the UCX path failed", not "the request was bad".
+_TRANSPORT_CODES = {
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.UNIMPLEMENTED,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.CANCELLED,
+}
+
+
+class UcxPeerLink:
+    """Reads blocks from one peer over UCX (``target``: its gRPC address, for the control calls;
+    ``ucx_address``: the ``HOST:PORT`` its listener advertises), presenting ``token``."""
+
+    def __init__(self, target: str, ucx_address: str, token: str) -> None:
+        self.target = target
+        self.address = ucx_address
+        self._host, self._port = parse_address(ucx_address)
+        security = ChannelSecurity.for_client(
+            client_settings(None, "grpc"), token or None, None, None, None
+        )
+        self._channel = aio_channel(target, security)
+        self._stub = ucx_pb_grpc.UcxTransferStub(self._channel)
+        self._endpoint: Any = None
+        self._connecting = asyncio.Lock()
+        self._client_id = b""
+        self._transfer_ids = itertools.count(1)  # 0 is never used: HELLO_TAG is tag (0, 1)
+        #: ``time.monotonic()`` before which UCX is not tried again after a failure.
+        self.retry_at = 0.0
+
+    def usable(self) -> bool:
+        """False for a while after a failure (the peer source reads over gRPC meanwhile)."""
+        return time.monotonic() >= self.retry_at
+
+    async def get(
+        self, keys: Sequence[bytes], namespace: bytes, timeout: float
+    ) -> list[bytes | None]:
+        """Each key's payload (``None`` where the peer does not hold it), within ``timeout``."""
+        deadline = time.monotonic() + timeout
+        for attempt in (1, 2):
+            endpoint, client_id = await self._connect(deadline)
+            transfer_id = next(self._transfer_ids)
+            request = ucx_pb.UcxGetRequest(
+                namespace=_wire.namespace_bytes(namespace),
+                keys=list(keys),
+                client_id=client_id,
+                transfer_id=transfer_id,
+            )
+            try:
+                response = await self._stub.UcxGet(request, timeout=_remaining(deadline))
+            except grpc.aio.AioRpcError as exc:
+                details = exc.details() or ""
+                if exc.code() == grpc.StatusCode.ABORTED and "unknown UCX client" in details:
+                    # The peer restarted (or dropped us): a new endpoint, once.
+                    await self.drop()
+                    if attempt == 1:
+                        continue
+                if exc.code() in _TRANSPORT_CODES:
+                    await self.drop()
+                    raise UcxTransportError(
+                        f"UCX control call failed: {exc.code().name}: {details}"
+                    ) from exc
+                raise _wire.map_rpc_error(exc) from exc
+            if len(response.lengths) != len(keys) or len(response.sent) != len(keys):
+                await self.drop()
+                raise UcxTransportError("malformed UcxGet answer")
+            # Received in place: a large bytearray's zeroed pages come lazily from the kernel,
+            # so it costs no more than an empty array, and needs no copy into bytes after.
+            blocks = {
+                index: bytearray(response.lengths[index])
+                for index, sent in enumerate(response.sent)
+                if sent
+            }
+            buffers: dict[int, Any] = {index: memoryview(b) for index, b in blocks.items()}
+            if buffers:
+                try:
+                    await receive_payloads(endpoint, transfer_id, buffers, _remaining(deadline))
+                except BaseException:
+                    # Failed, late or cancelled: no receive still posted may outlive this call.
+                    await self.drop()
+                    raise
+            payloads: list[bytes | None] = [None] * len(keys)
+            for index, block in blocks.items():
+                # bytes-like, and the store only measures, views and copies a served payload.
+                payloads[index] = cast(bytes, block)
+            return payloads
+        raise UcxTransportError("the peer forgot this UCX endpoint twice")  # pragma: no cover
+
+    async def _connect(self, deadline: float) -> tuple[Any, bytes]:
+        """The open endpoint, or a new one made in at most a share of the time left (a vanished
+        listener stalls the handshake, and the gRPC fallback needs the rest)."""
+        async with self._connecting:  # concurrent reads share one new endpoint
+            if self._endpoint is not None and not self._endpoint.closed:
+                return self._endpoint, self._client_id
+            client_id = os.urandom(CLIENT_ID_BYTES)
+            timeout = _remaining(deadline) * CONNECT_SHARE
+            self._endpoint = await open_endpoint(self._host, self._port, client_id, timeout)
+            self._client_id = client_id
+            logger.debug("peer fetch: UCX endpoint to %s open", self.address)
+            return self._endpoint, client_id
+
+    async def drop(self) -> None:
+        """Abort the endpoint (the next read reconnects)."""
+        endpoint, self._endpoint = self._endpoint, None
+        if endpoint is not None:
+            try:
+                await abort_endpoint(endpoint)
+            except Exception:  # already closed by the peer's failure
+                logger.debug("aborting a peer UCX endpoint failed", exc_info=True)
+
+    async def aclose(self) -> None:
+        """Drop the endpoint and close the control channel."""
+        await self.drop()
+        await self._channel.close(None)
+
+
+def _remaining(deadline: float) -> float:
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise UcxTransportError("deadline passed before the UCX transfer finished")
+    return remaining

@@ -1,0 +1,194 @@
+"""The layer-wise load pipeline on CPU: each layer waits for itself only; failures recompute.
+
+The same code runs on CUDA with real streams and events (tests/test_harness_pipeline.py, ``gpu``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import kvstore_kernels  # type: ignore[import-not-found, unused-ignore]
+import pytest
+import torch
+
+from kvstore.integrations import device_pipeline
+from kvstore.integrations.device_pipeline import Device, LoadPipeline, StepLoad
+from kvstore.integrations.vllm_common import ConnectorSettings, LoadSpec, StepPlan
+from kvstore.integrations.vllm_worker import WorkerSide
+
+LAYERS, BLOCKS, BLOCK, CHUNK = 3, 8, 4, 8  # two blocks per chunk
+LAYOUT = kvstore_kernels.CacheLayout("vllm-packed", block_dim=0, ndim=4)
+CHUNK_SHAPE = (LAYERS, 2, 2, BLOCK, 6)
+
+
+class _HeldPipeline(LoadPipeline):
+    """Holds the loader before layer ``held`` until ``release`` is set."""
+
+    def __init__(self, caches: Sequence[torch.Tensor], held: int) -> None:
+        super().__init__(Device(torch.device("cpu")), caches, LAYOUT, CHUNK_SHAPE, 2, 1)
+        self.held = held
+        self.release = threading.Event()
+
+    def _issue_layer(self, load: StepLoad, layer: int) -> None:
+        if layer == self.held:
+            assert self.release.wait(30)
+        super()._issue_layer(load, layer)
+
+
+def _caches() -> list[torch.Tensor]:
+    return [torch.zeros(BLOCKS, 2, BLOCK, 6) for _ in range(LAYERS)]
+
+
+def _start(pipeline: LoadPipeline) -> tuple[StepLoad, threading.Thread]:
+    host = torch.arange(float(torch.Size(CHUNK_SHAPE).numel())).reshape(1, *CHUNK_SHAPE) + 1
+    load = pipeline.new_load([LoadSpec("r", [b"k"], [5, 6])], host)
+    thread = threading.Thread(target=pipeline.run, args=(load, lambda _: [True]))
+    thread.start()
+    return load, thread
+
+
+def test_a_layer_is_ready_while_later_layers_are_still_loading() -> None:
+    caches = _caches()
+    pipeline = _HeldPipeline(caches, held=1)
+    load, thread = _start(pipeline)
+    assert pipeline.wait_layer(load, 0, timeout=30)
+    assert caches[0][5:7].abs().sum() > 0  # layer 0 is written ...
+    assert not load.ready[1].is_set()  # ... while layer 1 has not started
+    assert caches[1].abs().sum() == 0
+    pipeline.release.set()
+    assert pipeline.wait_layer(load, 1, timeout=30)
+    assert pipeline.wait_layer(load, 2, timeout=30)
+    thread.join(30)
+    for layer, cache in enumerate(caches):
+        assert torch.equal(cache[5:7], load.host[0, layer])
+        assert cache[:5].abs().sum() == 0 and cache[7:].abs().sum() == 0
+    assert load.waited == {0, 1, 2} and not load.cancelled
+
+
+def test_a_layer_not_ready_in_time_cancels_the_rest_of_the_step() -> None:
+    caches = _caches()
+    pipeline = _HeldPipeline(caches, held=1)
+    load, thread = _start(pipeline)
+    assert not pipeline.wait_layer(load, 1, timeout=0.05)
+    assert load.cancelled
+    pipeline.release.set()
+    thread.join(30)
+    assert caches[2].abs().sum() == 0  # nothing written after the forward gave up
+    assert all(ready.is_set() for ready in load.ready)
+
+
+def test_cpu_streams_and_events_are_stand_ins() -> None:
+    device = Device(torch.device("cpu"))
+    stream, event = device.new_stream(), device.new_event()
+    with stream.use():
+        event.record(stream)
+    stream.wait(event)
+    event.synchronize()
+    assert stream.raw is None and event.raw is None
+    assert not device.host_buffer((2, 3), torch.float32).is_pinned()
+    assert device.device_buffer((2,), torch.float32) is None
+
+
+class _Store:
+    """Enough of :class:`kvstore.KVStoreClient` for the worker: one chunk of ones."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+
+    def get_into(
+        self, keys: Sequence[bytes], buffers: Sequence[torch.Tensor], **_: Any
+    ) -> list[bool]:
+        for buffer in buffers:
+            buffer.fill_(1)
+        return [True] * len(keys)
+
+    def stats(self, **_: Any) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture()
+def worker() -> Iterator[WorkerSide]:
+    spec = SimpleNamespace(block_size=BLOCK, num_kv_heads=2, head_size=3, dtype=torch.float32)
+    names = [f"l{i}" for i in range(LAYERS)]
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(model="m", revision=None, max_model_len=4 * CHUNK),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        device_config=SimpleNamespace(device_type="cpu"),
+        cache_config=SimpleNamespace(kv_cache_layout=None, cache_dtype="auto"),
+    )
+    kv_config = SimpleNamespace(
+        num_blocks=BLOCKS,
+        kv_cache_groups=[SimpleNamespace(layer_names=names, kv_cache_spec=spec)],
+    )
+    settings = ConnectorSettings.from_extra_config(
+        {"target": "127.0.0.1:1", "chunk_size": CHUNK}, env={}
+    )
+    side = WorkerSide(settings, config, kv_config, client=_Store())  # type: ignore[arg-type]
+    side.register_kv_caches({name: cache for name, cache in zip(names, _caches(), strict=True)})
+    yield side
+    side.shutdown()
+
+
+def test_a_scatter_that_fails_makes_the_step_recompute(
+    worker: WorkerSide, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = []
+
+    def failing(*args: Any, **kwargs: Any) -> None:
+        calls.append(1)
+        raise RuntimeError("scatter failed")
+
+    monkeypatch.setattr(device_pipeline.kvstore_kernels, "scatter_blocks", failing)
+    plan = StepPlan(loads=[LoadSpec("r", [b"k"], [5, 6])])
+    worker.start_load_kv(plan)
+    for i in range(LAYERS):
+        worker.wait_for_layer_load(f"l{i}")
+    worker.wait_for_save(plan)
+    assert calls == [1]
+    assert worker.get_block_ids_with_load_errors() == {5, 6}
+    assert worker.counters.take()["load_failed_tokens"] == {"error": CHUNK}
+
+
+def test_the_layout_found_is_reported(worker: WorkerSide) -> None:
+    assert worker.layout_name == "packed/HND"
+
+
+def test_bench_gpu_parses_its_arguments_and_refuses_to_run_without_cuda(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    bench = root / "benchmarks" / "bench_gpu.py"
+    helped = subprocess.run(
+        [sys.executable, str(bench), "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert helped.returncode == 0 and "--prefix" in helped.stdout, helped.stderr
+    sys.path.insert(0, str(bench.parent))
+    try:
+        import bench_gpu
+    finally:
+        sys.path.remove(str(bench.parent))
+    args = bench_gpu.parse_args(["--prefix", "4096", "--rounds", "3"])
+    assert (args.prefix, args.rounds, args.arena_copy_mib) == (4096, 3, 256)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench_gpu.main([]) == 2
+    assert "needs a CUDA device" in capsys.readouterr().err
+
+
+def test_a_cache_whose_layout_cannot_be_told_is_refused(worker: WorkerSide) -> None:
+    from kvstore.errors import ConfigError
+
+    five_d = {f"l{i}": torch.zeros(2, BLOCKS, BLOCK, 2, 3) for i in range(LAYERS)}
+    with pytest.raises(ConfigError, match=r"\(2, 8, 4, 2, 3\) from attention backend unknown"):
+        worker.register_kv_caches(five_d)
+    worker.register_kv_caches(five_d, backend="FLASH_ATTN")
+    assert worker.layout_name == "kv_first/NHD"

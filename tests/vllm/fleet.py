@@ -1,0 +1,443 @@
+"""A two-replica fleet on this machine: real vLLM CPU API servers, each with the kvstore
+connector pointed at its own ``kvstore serve`` node (cluster index on, distinct node ids, one
+real redis-server), and ``kvstore router`` subprocesses in front of them.
+
+Used by ``tests/vllm/test_router_fleet.py`` and ``benchmarks/bench_route_replay.py``. Start-up
+cost is the two API servers (they start side by side); everything else takes a second.
+The router's ``router.namespace`` is read from what the connector logs at start, as an operator
+would (a logging config makes vLLM's processes print kvstore's INFO lines).
+"""
+
+from __future__ import annotations
+
+import ast
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE.parent / "tiers"))
+from redis_server import RedisServer  # noqa: E402
+from store_process import free_port  # noqa: E402
+
+__all__ = [
+    "ApiServer",
+    "Fleet",
+    "Node",
+    "Reply",
+    "RouterProcess",
+    "build_model",
+]
+
+CHUNK = 256
+START_TIMEOUT_S = 600
+_KVSTORE = [sys.executable, "-c", "import sys; from kvstore.cli import main; sys.exit(main())"]
+_LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {
+        "plain": {"format": "%(asctime)s %(process)d %(name)s %(levelname)s %(message)s"}
+    },
+    "handlers": {
+        "out": {
+            "class": "logging.StreamHandler",
+            "formatter": "plain",
+            "stream": "ext://sys.stdout",
+        }
+    },
+    "loggers": {
+        "vllm": {"handlers": ["out"], "level": "INFO", "propagate": False},
+        "kvstore": {"handlers": ["out"], "level": "INFO", "propagate": False},
+    },
+}
+
+
+def build_model(directory: Path, **sizes: int) -> Path:
+    """The suite's tiny random Llama, built in a subprocess (torch stays out of this one)."""
+    path = directory / "tiny-llama"
+    flags = [f"--{name}={value}" for name, value in sizes.items()]
+    subprocess.run(
+        [sys.executable, str(HERE / "tiny_model.py"), str(path), *flags],
+        check=True,
+        timeout=300,
+        capture_output=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    return path
+
+
+def _wait(check: Any, what: str, timeout: float, log: Path | None = None) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:]) if log else ""
+            raise RuntimeError(f"{what} not within {timeout:.0f} s\n{tail}")
+        time.sleep(0.2)
+
+
+class Node:
+    """``kvstore serve`` with the cluster index on (each boot starts empty)."""
+
+    def __init__(self, workdir: Path, node_id: str, index_url: str) -> None:
+        self.node_id = node_id
+        self.index_url = index_url
+        self.target = f"127.0.0.1:{free_port()}"
+        self.workdir = workdir
+        self.boots = 0
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    def start(self) -> None:
+        """Start (again, on the same port: the engine's connector reconnects to it)."""
+        self.boots += 1
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+        env |= {
+            "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
+            "KVSTORE_CLUSTER_ENABLED": "1",
+            "KVSTORE_CLUSTER_URL": self.index_url,
+            "KVSTORE_CLUSTER_NODE_ID": self.node_id,
+            "KVSTORE_CLUSTER_PUBLISH_INTERVAL_S": "0.05",
+        }
+        command = [*_KVSTORE, "serve", "--listen", self.target]
+        command += ["--metrics-listen", "127.0.0.1:0", "--dram-capacity", "1GiB"]
+        # A fresh nvme directory per boot: a restarted node holds nothing of its last life.
+        command += ["--nvme-path", str(self.workdir / f"{self.node_id}-{self.boots}-nvme")]
+        self.log = self.workdir / f"{self.node_id}-{self.boots}.log"
+        with self.log.open("wb") as log:
+            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        _wait(self._ready, f"kvstore serve {self.node_id}", 60, self.log)
+
+    def _ready(self) -> bool:
+        from kvstore import KVStoreClient, KVStoreError
+
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"kvstore serve exited:\n{self.log.read_text()}")
+        try:
+            with KVStoreClient(self.target, timeout=1.0) as client:
+                client.stats()
+            return True
+        except KVStoreError:
+            return False
+
+    def stats(self) -> dict[str, Any]:
+        """The node's stats."""
+        from kvstore import KVStoreClient
+
+        with KVStoreClient(self.target, timeout=5.0) as client:
+            return client.stats()
+
+    def kill(self) -> None:
+        """SIGKILL: no clean stop, so its index entries stay behind (under the old epoch)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self) -> None:
+        """SIGTERM (the node removes its lease and entries), SIGKILL after 15 s."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+class ApiServer:
+    """vLLM's OpenAI API server (CPU) with the kvstore connector, in its own process group."""
+
+    def __init__(
+        self,
+        name: str,
+        workdir: Path,
+        model: Path,
+        target: str,
+        max_model_len: int,
+        cpu: str,
+        chunk: int = CHUNK,
+    ) -> None:
+        self.name = name
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = workdir / f"{name}.log"
+        logging_config = workdir / "vllm-logging.json"
+        logging_config.write_text(json.dumps(_LOGGING))
+        transfer = {
+            "kv_connector": "KVStoreConnector",
+            "kv_connector_module_path": "kvstore.integrations.vllm",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"target": target, "chunk_size": chunk},
+        }
+        command = [
+            *(sys.executable, "-m", "vllm.entrypoints.openai.api_server"),
+            *("--model", str(model), "--port", str(self.port)),
+            "--enable-prompt-tokens-details",
+            *("--max-model-len", str(max_model_len), "--enforce-eager"),
+            *("--kv-transfer-config", json.dumps(transfer)),
+        ]
+        env = {
+            **os.environ,
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            # One core each: the two replicas do not fight over the same cores.
+            "VLLM_CPU_OMP_THREADS_BIND": cpu,
+            "VLLM_LOGGING_CONFIG_PATH": str(logging_config),
+        }
+        with self.log.open("wb") as log:
+            self.proc = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+
+    def wait_healthy(self) -> None:
+        """Block until ``/health`` answers 200 (fails with the log's tail if it exits)."""
+
+        def healthy() -> bool:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited:\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
+                    return bool(response.status == 200)
+            except (urllib.error.URLError, OSError):
+                return False
+
+        _wait(healthy, f"vLLM server {self.name}", START_TIMEOUT_S, self.log)
+
+    def namespace_json(self) -> str:
+        """The connector's base namespace, from its start-up log line, as ``router.namespace``."""
+        found = re.search(r"namespace Namespace\((.*)\)\s*$", self.log.read_text(), re.MULTILINE)
+        if not found:
+            raise RuntimeError(f"{self.name} logged no kvstore namespace:\n{self.tail()}")
+        fields = {
+            name: ast.literal_eval(value)
+            for name, value in re.findall(r"(\w+)=('[^']*'|-?\d+)", found.group(1))
+        }
+        for name in ("lora_id", "cache_salt", "tp_rank"):
+            fields.pop(name, None)
+        return json.dumps(fields)
+
+    def complete(self, model: str, prompt: list[int], max_tokens: int = 2) -> dict[str, Any]:
+        """One greedy completion straight to this server (no router); the response's JSON."""
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
+        request = urllib.request.Request(
+            self.url + "/v1/completions",
+            json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=300) as response:
+            answer: dict[str, Any] = json.loads(response.read())
+        return answer
+
+    def tail(self) -> str:
+        """The log's last lines."""
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-40:])
+
+    def stop(self) -> None:
+        """SIGTERM to the whole group, SIGKILL after 30 s."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+@dataclass
+class Reply:
+    """One completion through the router: who answered, usage, time to first byte of body."""
+
+    status: int
+    replica: str
+    body: dict[str, Any]
+    ttft_s: float
+    total_s: float
+    raw: bytes = field(repr=False, default=b"")
+
+    @property
+    def prompt_tokens(self) -> int:
+        """``usage.prompt_tokens``."""
+        return int(self.body["usage"]["prompt_tokens"])
+
+    @property
+    def cached_tokens(self) -> int:
+        """``usage.prompt_tokens_details.cached_tokens`` (engine prefix cache + kvstore loads)."""
+        details = self.body["usage"].get("prompt_tokens_details") or {}
+        return int(details.get("cached_tokens") or 0)
+
+
+class RouterProcess:
+    """``kvstore router`` in a subprocess in front of ``replicas`` (``URL=NODE_ID``)."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        replicas: Sequence[str],
+        namespace: str,
+        index_url: str,
+        *,
+        policy: str = "kv",
+        env: dict[str, str] | None = None,
+        chunk: int = CHUNK,
+    ) -> None:
+        # The engines' connectors hash with $KVSTORE_HASH_SECRET: the router must too.
+        environ = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith("KVSTORE_") or k == "KVSTORE_HASH_SECRET"
+        }
+        environ |= {"PYTHONPATH": os.environ.get("PYTHONPATH", ""), **(env or {})}
+        command = [*_KVSTORE, "router", "--listen", "127.0.0.1:0", "--policy", policy]
+        for replica in replicas:
+            command += ["--replica", replica]
+        command += ["--namespace", namespace, "--chunk-size", str(chunk)]
+        command += ["--index-url", index_url]
+        self.log_path = workdir / f"router-{policy}.log"
+        self.log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(command, env=environ, stdout=subprocess.PIPE, stderr=self.log)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline().decode()
+        match = re.match(r"kvstore router on http://(\S+):(\d+)", line)
+        if not match:
+            raise RuntimeError(f"router did not start: {line!r}\n{self.log_path.read_text()}")
+        self.host, self.port = match.group(1), int(match.group(2))
+
+    def call(self, method: str, path: str, body: Any = None) -> tuple[int, bytes]:
+        """One plain HTTP exchange."""
+        connection = http.client.HTTPConnection(self.host, self.port, timeout=300)
+        try:
+            payload = json.dumps(body).encode() if body is not None else None
+            headers = {"Content-Type": "application/json"} if payload else {}
+            connection.request(method, path, payload, headers)
+            response = connection.getresponse()
+            return response.status, response.read()
+        finally:
+            connection.close()
+
+    def complete(self, model: str, prompt: list[int], max_tokens: int = 2, **extra: Any) -> Reply:
+        """A greedy streamed completion of token ids; usage comes in the last event."""
+        body = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            **extra,
+        }
+        connection = http.client.HTTPConnection(self.host, self.port, timeout=300)
+        try:
+            started = time.perf_counter()
+            connection.request(
+                "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+            )
+            response = connection.getresponse()
+            first = response.read1(1 << 16)  # the first chunk: time to first token
+            ttft = time.perf_counter() - started
+            raw = first + response.read()
+            total = time.perf_counter() - started
+            replica = response.getheader("x-kvstore-replica") or ""
+            status = response.status
+        finally:
+            connection.close()
+        usage: dict[str, Any] = {}
+        if status == 200:
+            for line in raw.decode(errors="replace").splitlines():
+                if line.startswith("data: {"):
+                    event = json.loads(line[6:])
+                    if event.get("usage"):
+                        usage = event
+        return Reply(status, replica, usage, ttft, total, raw)
+
+    def metric(self, name: str, labels: str = "") -> float:
+        """One sample of the router's ``/metrics`` (0 when absent)."""
+        _, text = self.call("GET", "/metrics")
+        series = name + "{" + labels + "}" if labels else name
+        found = re.search("^" + re.escape(series) + r" (\S+)$", text.decode(), re.MULTILINE)
+        return float(found.group(1)) if found else 0.0
+
+    def stop(self) -> None:
+        """SIGTERM, SIGKILL after 10 s."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+class Fleet:
+    """Redis, nodes ``node-0``/``node-1``, one API server beside each, routers on demand."""
+
+    def __init__(
+        self, workdir: Path, model: Path, max_model_len: int = 2048, chunk: int = CHUNK
+    ) -> None:
+        self.workdir = workdir
+        self.chunk = chunk
+        self.model = model
+        self.redis = RedisServer(workdir / "redis").start()
+        self.nodes: list[Node] = []
+        self.servers: list[ApiServer] = []
+        self.routers: list[RouterProcess] = []
+        try:
+            for number in range(2):
+                self.nodes.append(Node(workdir, f"node-{number}", self.redis.url))
+            cores = os.cpu_count() or 1
+            for number, node in enumerate(self.nodes):
+                cpu = str(number % cores)
+                self.servers.append(
+                    ApiServer(
+                        f"vllm-{number}", workdir, model, node.target, max_model_len, cpu, chunk
+                    )
+                )
+            for server in self.servers:
+                server.wait_healthy()
+            self.namespace = self.servers[0].namespace_json()
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def replicas(self) -> list[str]:
+        """``URL=NODE_ID`` of each replica, in order."""
+        return [f"{s.url}={n.node_id}" for s, n in zip(self.servers, self.nodes, strict=True)]
+
+    def router(self, policy: str = "kv", env: dict[str, str] | None = None) -> RouterProcess:
+        """A new router in front of both replicas (stopped by :meth:`close`)."""
+        router = RouterProcess(
+            self.workdir,
+            self.replicas,
+            self.namespace,
+            self.redis.url,
+            policy=policy,
+            env=env,
+            chunk=self.chunk,
+        )
+        self.routers.append(router)
+        return router
+
+    def close(self) -> None:
+        """Stop everything this fleet started."""
+        for router in self.routers:
+            router.stop()
+        for server in self.servers:
+            server.stop()
+        for node in self.nodes:
+            node.stop()
+        self.redis.stop()
