@@ -1,25 +1,28 @@
 """TTFT of a second replica on shared prefixes: recompute vs ExampleConnector vs kvstore.
 
-Exact command (repository root, in the vLLM environment; about 6 minutes on 2 cores)::
+Exact command (repository root, in the vLLM environment; about 8 minutes on 2 cores)::
 
     .venv-vllm/bin/python benchmarks/bench_ttft.py --out benchmarks/ttft_cpu
 
 For every prefix length (1K, 2K, 4K and 8K tokens by default) and repetition, engine A (its own
 process) serves ``prefix + 16 tokens``; engine B (another process, empty local prefix cache)
 then serves ``prefix + 16 other tokens`` one request at a time with ``max_tokens=1``, so a
-request's latency is its time to first token. B runs four ways (each connector's B after that
+request's latency is its time to first token. B runs five ways (each connector's B after that
 connector's own engine A):
 
 * ``recompute``: no connector; B prefills the whole prompt;
 * ``recompute_conn``: ``KVStoreConnector`` configured but its store down, so B prefills the whole
   prompt with the engine set up exactly as for the kvstore run (vLLM's CPU engine prefills
   noticeably faster with a KV connector configured than without one; this is the fair baseline);
+* ``local``: the floor every connector is bounded by: vLLM's own prefix-cache hit. One engine,
+  set up as ``recompute_conn``, serves A's prompt and right after it B's, so B's prefix is in its
+  local prefix cache; only B's requests count;
 * ``example``: vLLM's ``ExampleConnector`` (safetensors files on local disk);
 * ``kvstore``: ``KVStoreConnector`` against a ``kvstore serve`` on loopback (dram + nvme tiers).
 
 The 16-token suffix keeps the prompts inside one 128-token engine block past the prefix, the only
 case where ``ExampleConnector`` (which keys on the whole prompt) can hit at all; both connectors
-then load the same tokens. B's first tokens are checked to agree across the four ways.
+then load the same tokens. B's first tokens are checked to agree across the five ways.
 
 kvstore's TTFT is broken down from the connector's own debug log: the scheduler's lookup, the
 worker's get (on a background thread; over shared memory, since the store runs on the same host,
@@ -64,6 +67,7 @@ MODEL_SIZES = {
     "num_key_value_heads": 2,
     "max_position_embeddings": 16384,
 }
+B_FLAGS = ["--sequential", "--warmup", "256"]
 _LOOKUP = re.compile(r"kvstore lookup: (\d+) keys -> (\d+) hits in ([\d.]+) ms")
 _LOAD = re.compile(r"get ([\d.]+) ms, waited ([\d.]+) ms, scatter ([\d.]+) ms")
 
@@ -150,6 +154,11 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--out", default="benchmarks/ttft_cpu", help="OUT.json and OUT.md")
     parser.add_argument("--workdir", help="keep models, logs and stores here (default: temp)")
+    parser.add_argument(
+        "--floor-only",
+        action="store_true",
+        help="only the local hit and kvstore (for profiling): print their medians, write nothing",
+    )
     args = parser.parse_args()
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench-ttft-"))
@@ -159,14 +168,56 @@ def main() -> None:
     model = build_tiny_llama(workdir / "model", **MODEL_SIZES)
     a_prompts, b_prompts, lengths = _prompts(args.sizes, args.reps)
     max_len = max(args.sizes) + 2 * SUFFIX + 32
-    b_flags = ["--sequential", "--warmup", "256"]
 
+    dead = ["--connector", "kvstore", "--target", f"127.0.0.1:{_free_port()}"]
+    recompute = recompute_conn = example = {}
+    if not args.floor_only:
+        recompute, recompute_conn, example = _recompute_and_example(
+            workdir, model, a_prompts, b_prompts, max_len, dead
+        )
+
+    print("local prefix-cache hit")
+    # The floor every connector is bounded by: the same engine (set up as for the kvstore run,
+    # connector on, store down) serves A's prompt and then B's, so B's prefix comes from vLLM's
+    # own prefix cache. Only the B requests' latencies count.
+    interleaved = [p for pair in zip(a_prompts, b_prompts, strict=True) for p in pair]
+    local_run, _ = _engine("b_local", workdir, model, interleaved, max_len, *dead, *B_FLAGS)
+    local = {**local_run, "results": local_run["results"][1::2]}
+
+    kvstore, kv_log, data_plane = _kvstore(workdir, model, a_prompts, b_prompts, max_len)
+    breakdown = _breakdown(kv_log, len(b_prompts))
+    if args.floor_only:
+        _print_floor(local, kvstore, breakdown, lengths, args.sizes)
+        return
+    runs = {
+        "recompute": recompute,
+        "recompute_conn": recompute_conn,
+        "local": local,
+        "example": example,
+        "kvstore": kvstore,
+    }
+    report = _report(runs, breakdown, lengths, args, data_plane)
+    Path(f"{args.out}.json").write_text(json.dumps(report["raw"], indent=1))
+    Path(f"{args.out}.md").write_text(report["markdown"])
+    print(report["markdown"])
+
+
+def _recompute_and_example(
+    workdir: Path,
+    model: Path,
+    a_prompts: list[list[int]],
+    b_prompts: list[list[int]],
+    max_len: int,
+    dead: list[str],
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """B's runs without a hit: no connector, the kvstore connector with its store down; and
+    ExampleConnector's A and B."""
+    b_flags = B_FLAGS
     print("recompute")
     recompute, _ = _engine("b_recompute", workdir, model, b_prompts, max_len, *b_flags)
     # The same engine with the connector loaded but its store down (every lookup a miss at no
     # cost): vLLM's CPU engine prefills markedly faster with any KV connector configured than
     # without one, so this is the like-for-like recompute baseline.
-    dead = ["--connector", "kvstore", "--target", f"127.0.0.1:{_free_port()}"]
     recompute_conn, _ = _engine(
         "b_recompute_conn", workdir, model, b_prompts, max_len, *dead, *b_flags
     )
@@ -179,6 +230,14 @@ def main() -> None:
     _engine("a_example", workdir, model, a_prompts, max_len, *ex, "--sequential")
     example, _ = _engine("b_example", workdir, model, b_prompts, max_len, *ex, *b_flags)
 
+    return recompute, recompute_conn, example
+
+
+def _kvstore(
+    workdir: Path, model: Path, a_prompts: list[list[int]], b_prompts: list[list[int]], max_len: int
+) -> tuple[dict[str, Any], str, str]:
+    """kvstore's A then B against a fresh ``kvstore serve``: B's run, its log, the data plane."""
+    b_flags = B_FLAGS
     print("kvstore")
     target = f"127.0.0.1:{_free_port()}"
     store_log = (workdir / "store.log").open("wb")
@@ -221,17 +280,24 @@ def main() -> None:
         store.wait(timeout=30)
         store_log.close()
 
-    runs = {
-        "recompute": recompute,
-        "recompute_conn": recompute_conn,
-        "example": example,
-        "kvstore": kvstore,
-    }
-    breakdown = _breakdown(kv_log, len(b_prompts))
-    report = _report(runs, breakdown, lengths, args, data_plane)
-    Path(f"{args.out}.json").write_text(json.dumps(report["raw"], indent=1))
-    Path(f"{args.out}.md").write_text(report["markdown"])
-    print(report["markdown"])
+    return kvstore, kv_log, data_plane
+
+
+def _print_floor(
+    local: dict[str, Any],
+    kvstore: dict[str, Any],
+    breakdown: list[dict[str, float]] | None,
+    lengths: list[int],
+    sizes: list[int],
+) -> None:
+    for size in sizes:
+        pick = [i for i, n in enumerate(lengths) if n == size]
+        loc = [local["results"][i]["latency_s"] * 1e3 for i in pick]
+        kv = [kvstore["results"][i]["latency_s"] * 1e3 for i in pick]
+        ratio = statistics.median(kv) / statistics.median(loc)
+        print(f"{size}: local {loc} kvstore {kv} ratio of medians {ratio:.2f}")
+        if breakdown is not None:
+            print("   ", [breakdown[i] for i in pick])
 
 
 def _report(
@@ -259,9 +325,11 @@ def _report(
 
     lines = [
         "| shared prefix | recompute, no connector | recompute, connector on, store down "
-        "| ExampleConnector | kvstore | recompute (store down) / kvstore | Example / kvstore "
-        "| tokens loaded (Example / kvstore) | kvstore lookup | get | forward waited | scatter |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| local prefix-cache hit | ExampleConnector | kvstore | **kvstore / local hit** "
+        "| recompute (store down) / kvstore | Example / kvstore "
+        "| tokens cached (local / Example / kvstore) | kvstore lookup | get | forward waited "
+        "| scatter |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     table = []
     for size in args.sizes:
@@ -269,8 +337,10 @@ def _report(
             "prefix": size,
             "recompute_ms": med("recompute", size),
             "recompute_conn_ms": med("recompute_conn", size),
+            "local_ms": med("local", size),
             "example_ms": med("example", size),
             "kvstore_ms": med("kvstore", size),
+            "local_cached": med("local", size, "num_cached_tokens", 1),
             "example_cached": med("example", size, "num_cached_tokens", 1),
             "kvstore_cached": med("kvstore", size, "num_cached_tokens", 1),
         }
@@ -282,11 +352,14 @@ def _report(
             f"{size // 1024}K",
             f"{row['recompute_ms']:.0f} ms",
             f"{row['recompute_conn_ms']:.0f} ms",
-            f"{row['example_ms']:.0f} ms",
-            f"{row['kvstore_ms']:.0f} ms",
+            f"{row['local_ms']:.1f} ms",
+            f"{row['example_ms']:.1f} ms",
+            f"{row['kvstore_ms']:.1f} ms",
+            f"**{row['kvstore_ms'] / row['local_ms']:.2f}x**",
             f"{row['recompute_conn_ms'] / row['kvstore_ms']:.1f}x",
             f"{row['example_ms'] / row['kvstore_ms']:.1f}x",
-            f"{row['example_cached']:.0f} / {row['kvstore_cached']:.0f}",
+            f"{row['local_cached']:.0f} / {row['example_cached']:.0f} / "
+            f"{row['kvstore_cached']:.0f}",
         ]
         if breakdown is not None:
             parts += [
@@ -300,7 +373,7 @@ def _report(
         "",
         f"Median of {args.reps} requests per prefix length; engine B's time to first token "
         f"(`max_tokens=1`, one request at a time, after a warm-up request). Random Llama "
-        f"({sizes}), bf16, vLLM CPU build, 2 cores. First tokens differing between the four "
+        f"({sizes}), bf16, vLLM CPU build, 2 cores. First tokens differing between the five "
         f"ways: {mismatches} of {len(lengths)}. The kvstore breakdown comes from the "
         f"connector's debug log: lookup on the scheduler, get (over {data_plane}) on the "
         f"worker's fetch thread, "

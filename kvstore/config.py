@@ -217,11 +217,19 @@ class HbmConfig:
     capacity: int = 0
     page_size: int = 1024**2
     device: str = "cuda"
+    #: Reads (since it was stored) before a block is promoted into the pool: a small pool then
+    #: holds what engines reuse instead of churning on blocks read once (:mod:`kvstore.policy`).
+    promote_after_reads: int = 2
 
     def __post_init__(self) -> None:
         if self.capacity < 0:
             raise ConfigError(f"hbm.capacity must be >= 0, got {self.capacity}")
         _positive("hbm.page_size", self.page_size)
+        if self.promote_after_reads < 1:
+            raise ConfigError(
+                "hbm.promote_after_reads must be a whole number >= 1 (reads before a block is "
+                f"promoted into hbm), got {self.promote_after_reads}"
+            )
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,12 @@
   used; ``fifo``, the oldest stored; ``lfu-aging``, the least often used, with dynamic ageing so
   that blocks popular long ago age out (a chain's shared prefix, read by many requests, outlives
   one-off suffixes). Each is a priority function in :mod:`kvstore.store.eviction`.
+* **When does a block earn a place in a device tier (hbm)?** Only once it was read at least
+  ``promote_after_reads`` times since it was stored (default 2). Device pools are small: promoting
+  on every first read would churn the pool with blocks read once and never again, each costing a
+  host-to-device copy and evicting a block that was really hot. Reads are counted in the block's
+  index entry, so the counters cost nothing beyond the index and go with the block. Host tiers
+  (dram) still take a block read from below on its first read.
 """
 
 from __future__ import annotations
@@ -43,8 +49,11 @@ class Policy:
     shared_write: str = "through"
     nvme_admission: str = "all"
     eviction: str = "lru"
+    promote_after_reads: int = 2
 
     def __post_init__(self) -> None:
+        if self.promote_after_reads < 1:
+            raise ValueError(f"promote_after_reads must be >= 1: {self.promote_after_reads!r}")
         if self.shared_write not in SHARED_WRITES:
             raise ValueError(f"shared_write must be one of {SHARED_WRITES}: {self.shared_write!r}")
         if self.nvme_admission not in NVME_ADMISSIONS:
@@ -73,6 +82,11 @@ class Policy:
         if persistent_target and self.nvme_admission == "hit":
             return hits > 0
         return True
+
+    def promote_to_device(self, reads: int) -> bool:
+        """Whether a block read ``reads`` times since it was stored may be promoted into a
+        device tier (hbm); below that, promotions stop at the host tiers."""
+        return reads >= self.promote_after_reads
 
     @staticmethod
     def recency_order(keys: Sequence[bytes]) -> list[bytes]:

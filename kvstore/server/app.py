@@ -74,6 +74,7 @@ def build_store(config: Config, keyring: Keyring | None = None) -> TieredStore:
             shared_write=config.policy.shared_write,
             nvme_admission=config.policy.nvme_admission,
             eviction=config.policy.eviction,
+            promote_after_reads=config.hbm.promote_after_reads,
         ),
     )
     store.load_index()

@@ -27,6 +27,7 @@ from kvstore.store.counters import StoreCounters
 from kvstore.store.index import BlockIndex
 from kvstore.store.layout import TierStack
 from kvstore.store.shared_writer import SharedTierWriter
+from kvstore.tiers.dram import DramTier
 
 __all__ = ["BlockMover"]
 
@@ -204,8 +205,30 @@ class BlockMover:
             elif into is not None and key in levels[into]:
                 return True
             start, stop = (0, level) if into is None else (into, into + 1)
-            await self.place_promotion(header, memoryview(payload), start, stop)
+            host = self._stack.host_level
+            if into is None and not self._policy.promote_to_device(meta.hits if meta else 0):
+                start = host  # not read often enough for a device tier yet
+                if start >= level:
+                    return False
+            source = self._arena_view(key) if start < host else None
+            if source is None:
+                await self.place_promotion(header, memoryview(payload), start, stop)
+                return key in levels[target]
+            # Into a device tier from the arena pages themselves (page-locked where CUDA
+            # exists: a DMA, no pageable copy); pinned so making room cannot move them.
+            self._index.pin([key])
+            try:
+                await self.place_promotion(header, source, start, stop)
+            finally:
+                self._index.unpin([key])
             return key in levels[target]
+
+    def _arena_view(self, key: bytes) -> memoryview | None:
+        """A zero-copy view of ``key``'s payload in the dram arena, if it is one run there."""
+        arena = self._stack[self._stack.host_level]
+        if not isinstance(arena, DramTier) or key not in self._index.levels[self._stack.host_level]:
+            return None
+        return arena.view(key)
 
     # -- delete and persist (take the lock) ----------------------------------------------------
 

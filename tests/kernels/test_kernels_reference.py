@@ -69,6 +69,24 @@ def test_scatter_writes_only_targeted_blocks(
             assert same_bytes(block(cache, layout, b), want), (layer, b)
 
 
+@pytest.mark.parametrize(("layout", "block_shape"), LAYOUTS)
+def test_runs_of_consecutive_ids_copy_as_the_blocks_they_are(
+    layout: CacheLayout, block_shape: tuple[int, ...]
+) -> None:
+    caches, blocks = _hand_built(layout, block_shape, torch.bfloat16, num_layers=2)
+    ids = [2, 3, 4, 0, 6, 5]  # a run of three, then singles (5 after 6 is no run)
+    buffer = patterned((2, len(ids), *block_shape), torch.bfloat16, seed=7)
+    reference.scatter_blocks(buffer, caches, ids, layout)
+    for layer, cache in enumerate(caches):
+        for b in range(NUM_BLOCKS):
+            want = buffer[layer, ids.index(b)] if b in ids else blocks[layer][b]
+            assert same_bytes(block(cache, layout, b), want), (layer, b)
+    gathered = reference.gather_blocks(caches, [1, 2, 3, 3, 4, 0], layout)
+    for layer, cache in enumerate(caches):
+        for at, b in enumerate([1, 2, 3, 3, 4, 0]):
+            assert same_bytes(gathered[layer, at], block(cache, layout, b)), (layer, at)
+
+
 def test_gather_into_given_out_and_tensor_ids() -> None:
     caches = make_caches(2, (2, 5, 4, 2, 8), torch.bfloat16, seed=1)
     out = torch.empty((2, 3, 2, 4, 2, 8), dtype=torch.bfloat16)

@@ -13,7 +13,8 @@ import torch
 from kvstore.block import BlockHeader
 from kvstore.config import load_config
 from kvstore.tiers import build_tiers
-from kvstore.tiers.hbm import HbmTier
+from kvstore.tiers.dram import DramTier
+from kvstore.tiers.hbm import COPIER_THREAD, HbmTier
 
 PAGE = 4096
 NS = b"n" * 16
@@ -84,6 +85,37 @@ async def test_fragmented_pool_holds_a_block_in_several_runs() -> None:
     big = payload(9, 3 * PAGE)
     assert await tier.write(header(9, big), big)  # three separate free pages
     assert [bytes(r.payload) for r in await tier.read([key(9)]) if r] == [big]
+    await tier.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+async def test_copies_run_on_the_copier_thread_not_the_event_loop(device: str) -> None:
+    tier = HbmTier(8 * PAGE, page_size=PAGE, device=device)
+    data = payload(1, 3 * PAGE)
+    assert await tier.write(header(1, data), data)
+    assert tier.copy_thread.startswith(COPIER_THREAD)
+    tier.copy_thread = ""
+    assert [bytes(r.payload) for r in await tier.read([key(1)]) if r] == [data]
+    assert tier.copy_thread.startswith(COPIER_THREAD) and tier.copies == 2
+    await tier.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+async def test_cuda_copies_use_the_tiers_stream_from_the_page_locked_arena() -> None:
+    tier = HbmTier(8 * PAGE, page_size=PAGE, device="cuda")
+    assert tier.stream is not None and tier.stream != torch.cuda.default_stream()
+    arena = DramTier(4 * PAGE, page_size=PAGE, force_cuda_check=True)
+    assert arena.pinned
+    data = payload(2, 2 * PAGE)
+    assert await arena.write(header(2, data), data)
+    view = arena.view(key(2))
+    assert view is not None and torch.frombuffer(view, dtype=torch.uint8).is_pinned()
+    assert await tier.write(header(2, data), view)
+    read = await tier.read([key(2)])
+    assert read[0] is not None and bytes(read[0].payload) == data
+    await tier.close()
+    await arena.close()
 
 
 async def test_length_mismatch_is_a_bug_not_a_write() -> None:
