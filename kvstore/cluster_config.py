@@ -18,6 +18,7 @@ __all__ = [
     "ClusterConfig",
     "check_advertise",
     "namespace_from_json",
+    "namespace_to_json",
 ]
 
 #: Where a node reads blocks it does not hold: the shared tier, the nodes holding them, or both.
@@ -29,6 +30,17 @@ ENGINE_EVENT_SCHEMES = ("tcp://", "ipc://")
 #: Namespace fields filled per request (never part of an engine-wide base namespace).
 _PER_REQUEST = frozenset({"lora_id", "cache_salt", "tp_rank"})
 _HASH_ALGORITHMS = ("xxh3_128", "sha256")
+
+
+def namespace_to_json(namespace: Namespace) -> str:
+    """``namespace`` as :func:`namespace_from_json` reads it: what an engine's connector logs at
+    start, for ``kvstore router --namespace`` and ``cluster.engine_namespace``."""
+    fields = {
+        name: value
+        for name, value in dataclasses.asdict(namespace).items()
+        if name not in _PER_REQUEST
+    }
+    return json.dumps(fields, sort_keys=True)
 
 
 def namespace_from_json(text: str, setting: str) -> Namespace:

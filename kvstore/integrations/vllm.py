@@ -75,6 +75,24 @@ __all__ = ["ConnectorSettings", "KVStoreConnector", "KVStoreConnectorMetadata"]
 logger = logging.getLogger(__name__)
 
 
+def _log_through_vllm() -> None:
+    """Show kvstore's log lines where vLLM shows its own.
+
+    vLLM configures only the ``vllm`` logger; kvstore's lines (the namespace ``kvstore router
+    --namespace`` needs, a store that went down) would otherwise reach nobody below WARNING.
+    Where the application configured logging itself (root or ``kvstore`` has handlers) it is
+    left alone, and so is a vLLM whose own logging is switched off (no handlers to share).
+    """
+    ours = logging.getLogger("kvstore")
+    vllm_handlers = logging.getLogger("vllm").handlers
+    if ours.handlers or logging.getLogger().handlers or not vllm_handlers:
+        return
+    for handler in vllm_handlers:
+        ours.addHandler(handler)
+    ours.setLevel(logging.INFO)
+    ours.propagate = False
+
+
 @dataclass
 class KVStoreConnectorMetadata(StepPlan, KVConnectorMetadata):  # type: ignore[misc, unused-ignore]  # untyped base
     """One engine step's :class:`~kvstore.integrations.vllm_common.StepPlan` as the connector
@@ -101,6 +119,7 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
         kv_cache_config: KVCacheConfig,
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        _log_through_vllm()
         transfer = self._kv_transfer_config
         settings = ConnectorSettings.from_extra_config(dict(transfer.kv_connector_extra_config))
         self._scheduler: SchedulerSide | None = None

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvstore.client import KVStoreClient
+from kvstore.cluster_config import namespace_to_json
 from kvstore.errors import (
     ConfigError,
     DeadlineExceededError,
@@ -157,11 +158,13 @@ class SchedulerSide:
         # Connect now, off the critical path: the first call on a fresh channel pays for it.
         self._pool.submit(warm_up, self._client, self._breaker, settings.lookup_timeout_s)
         logger.info(
-            "kvstore connector (scheduler, %s) -> %s, chunk %d tokens, namespace %s",
+            "kvstore connector (scheduler, %s) -> %s, chunk %d tokens, namespace %s; "
+            "kvstore router --namespace '%s'",
             self.role,
             settings.target,
             settings.chunk_size,
             self._base,
+            namespace_to_json(self._base),
         )
 
     def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:

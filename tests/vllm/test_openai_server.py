@@ -29,6 +29,8 @@ from typing import Any
 import pytest
 from store_process import StoreProcess, free_port
 
+from kvstore.cluster_config import namespace_from_json
+
 if os.environ.get("KVSTORE_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm", reason="vLLM's CPU build is not installed")
 
@@ -195,6 +197,12 @@ def test_second_server_reports_tokens_cached_in_kvstore(
         assert _cached_tokens(response) == 0
         # The worker saves after the request; wait until every whole chunk reached the store.
         _poll(lambda: store.stats()["blocks"] >= prompt_tokens // CHUNK, "chunks stored")
+        # The connector's start-up line shows in the server's own output (vLLM configures only
+        # its own logger), with the namespace `kvstore router --namespace` takes, as it takes it.
+        line = re.search(r"kvstore router --namespace '(\{.*\})'", first.log.read_text())
+        assert line is not None, first.tail()
+        namespace = namespace_from_json(line.group(1), "--namespace")
+        assert namespace.model == str(model) and namespace.tp_rank == 0
     finally:
         first.stop()
 
