@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import subprocess
 import sys
 import textwrap
@@ -284,3 +285,34 @@ def test_package_imports_and_runs_without_triton() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "ok"
+
+
+def _on_a_side_thread(work: Callable[[], Any]) -> Any:
+    """Run ``work`` on a thread other than the main one (the connector's save and load threads)."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(work).result(timeout=60)
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float8_e4m3fn, torch.int8, torch.float64])
+@pytest.mark.parametrize(("layout", "block_shape"), LAYOUTS)
+def test_side_thread_copies_match_the_main_thread(
+    layout: CacheLayout, block_shape: tuple[int, ...], dtype: torch.dtype
+) -> None:
+    """Off the main thread the CPU path copies through numpy; the bytes must be the same."""
+    source = dtype if dtype.is_floating_point and dtype.itemsize > 1 else torch.float32
+    caches, _ = _hand_built(layout, block_shape, source, num_layers=3)
+    caches = [cache.to(dtype) for cache in caches]
+    ids = [2, 3, 4, 0, 6, 6]  # a run, a single block and a repeat
+    on_main = reference.gather_blocks(caches, ids, layout)
+    on_side = _on_a_side_thread(lambda: reference.gather_blocks(caches, ids, layout))
+    assert same_bytes(on_side, on_main)
+
+    unique = [2, 3, 4, 0, 6]
+    buffer = reference.gather_blocks([c.flip(0) for c in caches], unique, layout)
+    main_caches = [c.clone() for c in caches]
+    side_caches = [c.clone() for c in caches]
+    reference.scatter_blocks(buffer, main_caches, unique, layout)
+    _on_a_side_thread(lambda: reference.scatter_blocks(buffer, side_caches, unique, layout))
+    for main, side in zip(main_caches, side_caches, strict=True):
+        assert same_bytes(side, main)
+    assert not all(same_bytes(a, b) for a, b in zip(main_caches, caches, strict=True))

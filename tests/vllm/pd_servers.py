@@ -68,7 +68,15 @@ class _Process:
 class ApiServer(_Process):
     """``python -m vllm.entrypoints.openai.api_server`` with the connector in ``role``."""
 
-    def __init__(self, name: str, workdir: Path, model: Path, target: str, role: str) -> None:
+    def __init__(
+        self,
+        name: str,
+        workdir: Path,
+        model: Path,
+        target: str,
+        role: str,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
         self.name = name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -77,7 +85,7 @@ class ApiServer(_Process):
             "kv_connector_module_path": "kvstore.integrations.vllm",
             "kv_role": role,
             "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"target": target},
+            "kv_connector_extra_config": {"target": target, **(extra or {})},
         }
         command = [
             sys.executable,
