@@ -16,12 +16,11 @@ each drop everything learnt; the remembered blocks are bounded.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,9 +29,10 @@ import numpy as np
 import pytest
 import zmq
 from conftest import free_port
+from test_cluster_index import holders, poll
 
 from kvstore import ChunkHasher, Namespace
-from kvstore.cluster import ClusterIndex, Holding, Layout, connect
+from kvstore.cluster import Holding
 
 if TYPE_CHECKING:
     from conftest import ServerFactory
@@ -46,7 +46,6 @@ NS = Namespace(model="engine-events", num_layers=2, num_kv_heads=2, head_size=64
 SECRET = "engine-events-secret"
 CHUNK = 32
 BLOCK = 16
-PREFIX = "kvstore:cluster:v1:"
 MAX_BLOCKS = 12
 
 
@@ -105,26 +104,8 @@ def removed(prompt: list[int], index: int) -> dict[str, Any]:
     return {"type": "BlockRemoved", "block_hashes": hashes, "medium": "GPU", "group_idx": 0}
 
 
-def holders(url: str, keys: list[bytes]) -> dict[str, Holding]:
-    async def ask() -> dict[str, Holding]:
-        client = connect(url, 2.0)
-        try:
-            return await ClusterIndex(client, Layout(PREFIX)).holders(keys)
-        finally:
-            await client.aclose()
-
-    return asyncio.run(ask())
-
-
 def tiers(url: str, keys: list[bytes]) -> list[str]:
     return holders(url, keys).get("n", Holding(0, [""] * len(keys))).tiers
-
-
-def poll(condition: Callable[[], bool], what: str, within: float = 10.0) -> None:
-    deadline = time.monotonic() + within
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} not within {within} s"
-        time.sleep(0.05)
 
 
 @pytest.fixture
@@ -169,13 +150,13 @@ def test_engine_chunks_are_local_whole_and_withdrawn(
         prompt = list(range(1, 97))
         keys = hasher().keys(prompt)
         engine.send([stored(prompt, 0, 3), stored(prompt, 3, 2)])
-        poll(lambda: tiers(url, keys) == ["local", "local", ""], "the whole chunks as local")
+        poll(lambda: tiers(url, keys) == ["local", "local", ""], 10.0, "the whole chunks as local")
 
         # A cache salt is part of the connector's names; the same tokens unsalted are not held.
         salted = list(range(200, 264))
         salted_keys = hasher("s1").keys(salted)
         engine.send([stored(salted, 0, 4, salt="s1")])
-        poll(lambda: tiers(url, salted_keys) == ["local"] * 2, "the salted chunks")
+        poll(lambda: tiers(url, salted_keys) == ["local"] * 2, 10.0, "the salted chunks")
         assert tiers(url, hasher().keys(salted)) == ["", ""]
 
         # The node's own tier shows once the engine drops a chunk it also stores.
@@ -186,40 +167,42 @@ def test_engine_chunks_are_local_whole_and_withdrawn(
         assert tiers(url, keys) == ["local", "local", ""]
         # Removing block 2 (the first of chunk 1) withdraws chunk 1; chunk 0 stays.
         engine.send([removed(prompt, 2)])
-        poll(lambda: tiers(url, keys) == ["local", "", ""], "chunk 1 withdrawn")
+        poll(lambda: tiers(url, keys) == ["local", "", ""], 10.0, "chunk 1 withdrawn")
         # Removing block 0 withdraws everything after it: chunk 0 is now only in dram.
         engine.send([removed(prompt, 0)])
-        poll(lambda: tiers(url, keys) == ["dram", "", ""], "the node's own tier again")
+        poll(lambda: tiers(url, keys) == ["dram", "", ""], 10.0, "the node's own tier again")
 
         # A lost batch (sequence gap) drops everything learnt, then learning starts again.
         engine.send([stored(prompt, 0, 4)], skip=1)
-        poll(lambda: tiers(url, salted_keys) == ["", ""], "the gap dropping what was learnt")
+        poll(lambda: tiers(url, salted_keys) == ["", ""], 10.0, "the gap dropping what was learnt")
         assert tiers(url, probe_keys) == [""]
         assert tiers(url, keys) == ["local", "local", ""]  # the batch after the gap counts
 
         # An undecodable batch drops everything too.
         engine.send_raw(b"\xc1 not msgpack")
-        poll(lambda: tiers(url, keys) == ["dram", "", ""], "an undecodable batch dropping all")
+        poll(
+            lambda: tiers(url, keys) == ["dram", "", ""], 10.0, "an undecodable batch dropping all"
+        )
 
         # AllBlocksCleared.
         engine.send([stored(salted, 0, 4, salt="s1")])
-        poll(lambda: tiers(url, salted_keys) == ["local"] * 2, "the salted chunks again")
+        poll(lambda: tiers(url, salted_keys) == ["local"] * 2, 10.0, "the salted chunks again")
         engine.send([{"type": "AllBlocksCleared"}])
-        poll(lambda: tiers(url, salted_keys) == ["", ""], "AllBlocksCleared")
+        poll(lambda: tiers(url, salted_keys) == ["", ""], 10.0, "AllBlocksCleared")
 
         # Bounded: 12 blocks at most. 8 blocks of one prompt, then 8 of another: the oldest
         # blocks (the first prompt's start) are forgotten, and every chunk after them with them.
         long_a, long_b = list(range(1000, 1128)), list(range(3000, 3128))
         keys_a, keys_b = hasher().keys(long_a), hasher().keys(long_b)
         engine.send([stored(long_a, 0, 8)])
-        poll(lambda: tiers(url, keys_a) == ["local"] * 4, "the first long prompt")
+        poll(lambda: tiers(url, keys_a) == ["local"] * 4, 10.0, "the first long prompt")
         engine.send([stored(long_b, 0, 8)])
-        poll(lambda: tiers(url, keys_b) == ["local"] * 4, "the second long prompt")
-        poll(lambda: tiers(url, keys_a) == [""] * 4, "the first one forgotten")
+        poll(lambda: tiers(url, keys_b) == ["local"] * 4, 10.0, "the second long prompt")
+        poll(lambda: tiers(url, keys_a) == [""] * 4, 10.0, "the first one forgotten")
 
         # The engine going away (its connection closing) drops everything it told.
         engine.close()
-        poll(lambda: tiers(url, keys_b) == [""] * 4, "the engine's chunks after it left")
+        poll(lambda: tiers(url, keys_b) == [""] * 4, 10.0, "the engine's chunks after it left")
     finally:
         engine.close()
     assert node.running
