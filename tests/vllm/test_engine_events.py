@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import IO
 
 import pytest
+from fleet import build_model
 from store_process import free_port
 
 from kvstore import Namespace
@@ -156,15 +157,7 @@ class Node:
 
 @pytest.fixture
 def model(tmp_path: Path) -> Path:
-    path = tmp_path / "tiny-llama"
-    subprocess.run(
-        [sys.executable, str(HERE / "tiny_model.py"), str(path)],
-        check=True,
-        timeout=300,
-        capture_output=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
-    return path
+    return build_model(tmp_path)
 
 
 @pytest.fixture

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fleet import build_model
 from store_process import StoreProcess, free_port
 
 from kvstore.cluster_config import namespace_from_json
@@ -136,15 +137,7 @@ class ApiServer:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("model") / "tiny-llama"
-    subprocess.run(
-        [sys.executable, str(HERE / "tiny_model.py"), str(path)],
-        check=True,
-        timeout=300,
-        capture_output=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
-    return path
+    return build_model(tmp_path_factory.mktemp("model"))
 
 
 def _cached_tokens(response: dict[str, Any]) -> int:

@@ -23,13 +23,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from fleet import build_model
 from pd_servers import ApiServer, RouterProcess, post_json, start_servers
 from store_process import StoreProcess
 
@@ -38,7 +37,6 @@ if os.environ.get("KVSTORE_REQUIRE_VLLM") != "1":
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
-HERE = Path(__file__).parent
 CHUNK = 256  # the connector's default chunk_size
 PROMPT_LEN = 4 * CHUNK + 45
 OUTPUT_TOKENS = 12
@@ -46,15 +44,7 @@ OUTPUT_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("model") / "tiny-llama"
-    subprocess.run(
-        [sys.executable, str(HERE / "tiny_model.py"), str(path)],
-        check=True,
-        timeout=300,
-        capture_output=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
-    return path
+    return build_model(tmp_path_factory.mktemp("model"))
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fleet import build_model
 from store_process import StoreProcess
 
 if os.environ.get("KVSTORE_REQUIRE_VLLM") != "1":
@@ -104,16 +105,7 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def model(workdir: Path) -> Path:
-    # Built in a subprocess: importing transformers here would only weigh on the test process.
-    path = workdir / "tiny-llama"
-    subprocess.run(
-        [sys.executable, str(HERE / "tiny_model.py"), str(path)],
-        check=True,
-        timeout=300,
-        capture_output=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
-    return path
+    return build_model(workdir)
 
 
 @pytest.fixture(scope="module")
