@@ -28,11 +28,10 @@ import logging
 import time
 from collections.abc import Sequence
 from typing import Any
-from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from kvstore.router.proxy import Request, UpstreamError
+from kvstore.router.proxy import Request, UpstreamError, send_upstream
 from kvstore.router.scoring import Provisional, Replica, Scorer
 
 __all__ = ["PREFILL_FAILURES", "PrefillStage", "decode_body", "prefill_body"]
@@ -41,9 +40,6 @@ logger = logging.getLogger(__name__)
 
 #: Reasons a prefill is given up (the label of ``kvstore_router_pd_prefill_failures_total``).
 PREFILL_FAILURES = ("unreachable", "timeout", "status", "bad_response")
-_HOP = frozenset(
-    {"connection", "keep-alive", "host", "content-length", "transfer-encoding", "te", "upgrade"}
-)
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -166,23 +162,10 @@ async def post(url: str, request: Request, body: bytes) -> tuple[int, bytes]:
     The client's own headers (say, ``Authorization``) go along. Raises :class:`UpstreamError` if
     the server cannot be reached or closes before answering.
     """
-    parts = urlsplit(url)
-    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+    reader, writer, head_lines = await send_upstream(
+        url, "POST", request.target, request.headers, body
+    )
     try:
-        reader, writer = await asyncio.open_connection(host, port, limit=1 << 20)
-    except OSError as exc:
-        raise UpstreamError(f"cannot reach {url}: {exc}") from exc
-    try:
-        lines = [f"POST {parts.path.rstrip('/')}{request.target} HTTP/1.1", f"Host: {host}:{port}"]
-        lines += [f"{k}: {v}" for k, v in request.headers if k.lower() not in _HOP]
-        lines += [f"Content-Length: {len(body)}", "Connection: close", "", ""]
-        writer.write("\r\n".join(lines).encode("latin-1") + body)
-        await writer.drain()
-        try:
-            head = await reader.readuntil(b"\r\n\r\n")
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, OSError) as exc:
-            raise UpstreamError(f"{url} closed without answering: {exc}") from exc
-        head_lines = head[:-4].decode("latin-1").split("\r\n")
         status_parts = head_lines[0].split(" ")
         status = int(status_parts[1]) if len(status_parts) > 1 and status_parts[1].isdigit() else 0
         chunked = any(

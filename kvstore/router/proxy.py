@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -24,6 +24,7 @@ __all__ = [
     "forward",
     "read_request",
     "respond",
+    "send_upstream",
 ]
 
 #: Response header naming the replica URL that answered a proxied request.
@@ -124,6 +125,45 @@ async def respond(
     await writer.drain()
 
 
+async def send_upstream(
+    url: str,
+    method: str,
+    target: str,
+    headers: Sequence[tuple[str, str]],
+    body: bytes,
+    connect_timeout_s: float | None = None,
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, list[str]]:
+    """Send one request (``Connection: close``) to the server at ``url``; read its response head.
+
+    The client's own headers (say, ``Authorization``) go along, hop-by-hop ones excepted. Returns
+    the connection, for the caller to read the body from and close, and the head's lines (status
+    line first). Raises :class:`UpstreamError` if the server cannot be reached (within
+    ``connect_timeout_s``; None: no bound of its own) or closes before answering.
+    """
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+    try:
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(host, port, limit=1 << 20), connect_timeout_s
+        )
+    except (OSError, TimeoutError) as exc:
+        raise UpstreamError(f"cannot reach {url}: {exc}") from exc
+    try:
+        lines = [f"{method} {parts.path.rstrip('/')}{target} HTTP/1.1", f"Host: {host}:{port}"]
+        lines += [f"{k}: {v}" for k, v in headers if k.lower() not in _HOP]
+        lines += [f"Content-Length: {len(body)}", "Connection: close", "", ""]
+        writer.write("\r\n".join(lines).encode("latin-1") + body)
+        await writer.drain()
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, OSError) as exc:
+            raise UpstreamError(f"{url} closed without answering: {exc}") from exc
+    except BaseException:
+        writer.close()
+        raise
+    return reader, writer, head[:-4].decode("latin-1").split("\r\n")
+
+
 async def forward(
     url: str,
     request: Request,
@@ -136,27 +176,11 @@ async def forward(
     Raises :class:`UpstreamError` if nothing was sent back yet (the caller may try another
     upstream); once the response head went to the client, errors end the response early.
     """
-    parts = urlsplit(url)
-    host, port = parts.hostname or "127.0.0.1", parts.port or 80
-    path = parts.path.rstrip("/") + request.target
+    reader, upstream, head_lines = await send_upstream(
+        url, request.method, request.target, request.headers, request.body, connect_timeout_s
+    )
     try:
-        reader, upstream = await asyncio.wait_for(
-            asyncio.open_connection(host, port, limit=1 << 20), connect_timeout_s
-        )
-    except (OSError, TimeoutError) as exc:
-        raise UpstreamError(f"cannot reach {url}: {exc}") from exc
-    try:
-        lines = [f"{request.method} {path} HTTP/1.1", f"Host: {host}:{port}"]
-        lines += [f"{k}: {v}" for k, v in request.headers if k.lower() not in _HOP]
-        lines += [f"Content-Length: {len(request.body)}", "Connection: close", "", ""]
-        upstream.write("\r\n".join(lines).encode("latin-1") + request.body)
-        await upstream.drain()
-        try:
-            head = await reader.readuntil(b"\r\n\r\n")
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, OSError) as exc:
-            raise UpstreamError(f"{url} closed without answering: {exc}") from exc
         # The client's connection closes after this response too: say so, whatever upstream said.
-        head_lines = head[:-4].decode("latin-1").split("\r\n")
         kept = [head_lines[0]] + [
             line
             for line in head_lines[1:]
