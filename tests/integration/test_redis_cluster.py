@@ -22,6 +22,7 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from test_two_nodes import poll, redis_stats
 
 from kvstore import ChunkHasher, KVStoreClient, Namespace
 from kvstore.cluster import ClusterIndex, Holding, Layout, connect
@@ -49,17 +50,6 @@ def blocks_for(first_token: int, count: int) -> tuple[list[bytes], list[bytes]]:
     keys = HASHER.keys(list(range(first_token, first_token + 16 * count)))
     rng = np.random.default_rng(first_token)
     return keys, [rng.integers(0, 256, BLOCK_BYTES, dtype=np.uint8).tobytes() for _ in keys]
-
-
-def poll(condition: Callable[[], bool], within: float, what: str) -> None:
-    deadline = time.monotonic() + within
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} not within {within} s"
-        time.sleep(0.05)
-
-
-def redis_stats(client: KVStoreClient) -> dict[str, Any]:
-    return dict(client.stats()["tiers"]["redis"])
 
 
 def serving(node: ServerProcess) -> bool:
