@@ -19,6 +19,7 @@ import grpc
 from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.client.channel import ChannelSecurity, Pem, aio_channel, blocking_channel
 from kvstore.client.core import Blocking, ClientBase, Plan, Rpc, Step, client_settings
+from kvstore.client.device_fill import DeviceFill
 from kvstore.client.settings import ClientSettings
 from kvstore.keys import Namespace
 from kvstore.types import LookupResult, PrefetchProgress, PutResult
@@ -122,6 +123,23 @@ class AsyncKVStoreClient(ClientBase):
         Over shared memory each block is copied once, from the store's arena into its buffer.
         """
         return await self._run(self._core.get_into(keys, buffers, timeout))
+
+    async def get_into_device(
+        self,
+        keys: Sequence[bytes],
+        tensors: Sequence[Any],
+        *,
+        staging: Sequence[Any] | None = None,
+        timeout: float | None = None,
+    ) -> DeviceFill:
+        """Fill torch tensors on any device (a GPU's too); the result says which path it took.
+
+        Device tensors are received straight into device memory over UCX where the store is on
+        another host and UCX reaches device memory here; otherwise through ``staging`` (host
+        buffers of the tensors' sizes, page-locked for speed; made per call if ``None``) and one
+        host-to-device copy each. See :mod:`kvstore.client.device_fill`.
+        """
+        return await self._run(self._core.get_into_device(keys, tensors, staging, timeout))
 
     async def delete(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
         """Remove ``keys`` from every tier; returns how many were present."""

@@ -27,6 +27,14 @@ from typing import Any, TypeVar
 import grpc
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.client.device_fill import (
+    DeviceFill,
+    checked_staging,
+    copy_to_devices,
+    device_byte_views,
+    is_device_tensor,
+    staging_for,
+)
 from kvstore.client.settings import ClientSettings
 from kvstore.client.shm import ShmDataPlane, ShmUnavailableError
 from kvstore.client.shm_link import ShmLink
@@ -352,6 +360,34 @@ class ClientCore:
         if filled is not None:
             return filled
         return _wire.fill_buffers((yield from self._get_grpc(keys, deadline)), buffers)
+
+    def get_into_device(
+        self,
+        keys: Sequence[bytes],
+        tensors: Sequence[Any],
+        staging: Sequence[Any] | None,
+        timeout: float | None,
+    ) -> Plan[DeviceFill]:
+        """Fill torch tensors on any device; see :mod:`kvstore.client.device_fill` for paths."""
+        check_pairs(keys, tensors, "tensors")
+        if not any(is_device_tensor(t) for t in tensors):
+            return DeviceFill((yield from self.get_into(keys, tensors, timeout)), "host")
+        deadline = self.deadline(timeout)
+        views = device_byte_views(tensors)
+        plane = yield from self._shm_plane(deadline)
+        if (plane is None or not plane.usable_for(keys)) and all(map(is_device_tensor, tensors)):
+            ucx = yield from self._ucx_client(deadline)
+            if ucx is not None and (yield Blocking(ucx.device_transports)):
+                filled = yield Blocking(
+                    lambda: ucx.get_into(keys, views, timeout=deadline.remaining())
+                )
+                if filled is not None:
+                    return DeviceFill(filled, "ucx-device")
+        hosts = staging_for(tensors) if staging is None else checked_staging(staging, tensors)
+        found = yield from self.get_into(keys, hosts, deadline.remaining())
+        path = f"{self.data_plane}-pinned"
+        yield Blocking(lambda: copy_to_devices(hosts, tensors, found))
+        return DeviceFill(found, path)
 
     def delete(self, keys: Sequence[bytes], timeout: float | None) -> Plan[int]:
         """Remove ``keys`` from every tier; how many were present."""

@@ -36,6 +36,7 @@ import numpy as np
 from kvstore._proto.kvstore.v1 import ucx_pb2 as ucx_pb
 from kvstore._proto.kvstore.v1 import ucx_pb2_grpc as ucx_pb_grpc
 from kvstore.buffers import byte_view, writable_byte_view
+from kvstore.client.device_fill import device_transports_in, is_device_tensor
 from kvstore.protocol import messages as _wire
 from kvstore.protocol.checks import check_pairs
 from kvstore.protocol.ucx import (
@@ -137,6 +138,7 @@ class UcxDataClient:
         self._transfer_ids = itertools.count(1)  # 0 is never used: HELLO_TAG is tag (0, 1)
         self._retry_at = 0.0
         self._closed = False
+        self._device_transports: tuple[str, ...] | None = None
         #: ``transfers``, ``fallbacks``, ``connects``: for logs, tests and benchmarks.
         self.counters: Counter[str] = Counter()
         #: Why the last fallback happened ("" if none yet).
@@ -155,10 +157,27 @@ class UcxDataClient:
         """Receive each found payload straight into its buffer; False where missing or the size
         differs. ``None``: UCX could not be used, read over gRPC instead."""
         check_pairs(keys, buffers, "buffers")
-        views = [writable_byte_view(buffer) for buffer in buffers]
-        sizes = [len(view) for view in views]
+        # Device memory (flat uint8 tensors, see kvstore.client.device_fill) goes to ucxx as is.
+        views = [b if is_device_tensor(b) else writable_byte_view(b) for b in buffers]
+        sizes = [int(b.nbytes) if is_device_tensor(b) else len(b) for b in views]
         response = self._call_get(keys, sizes, views, timeout)
         return None if response is None else list(response.sent)
+
+    def device_transports(self) -> tuple[str, ...]:
+        """The transports of this process's UCX context that reach device memory (none without
+        a GPU and its driver); asked once."""
+        if self._device_transports is None:
+
+            async def describe() -> str:
+                return str(load_ucxx().get_ucp_context_info())
+
+            try:
+                info = self._loop().run(describe(), self.connect_timeout_s)
+            except Exception as exc:  # no ucxx, or a context that cannot start: host paths only
+                logger.debug("UCX context description unavailable: %s", exc)
+                info = ""
+            self._device_transports = device_transports_in(info)
+        return self._device_transports
 
     def get(
         self, keys: Sequence[bytes], *, timeout: float | None = None
@@ -198,7 +217,7 @@ class UcxDataClient:
         self,
         keys: Sequence[bytes],
         sizes: list[int],
-        views: list[memoryview] | None,
+        views: list[Any] | None,
         timeout: float | None,
     ) -> _GetOutcome | None:
         if not self.usable:
@@ -213,7 +232,7 @@ class UcxDataClient:
         self,
         keys: Sequence[bytes],
         sizes: list[int],
-        views: list[memoryview] | None,
+        views: list[Any] | None,
         deadline: float,
         retried: bool,
     ) -> _GetOutcome | None:
