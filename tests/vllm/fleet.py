@@ -15,12 +15,9 @@ import http.client
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +25,7 @@ from typing import Any
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parent / "tiers"))
+from api_server import ApiServerProcess, wait_all_healthy  # noqa: E402
 from redis_server import RedisServer  # noqa: E402
 from store_process import free_port  # noqa: E402
 
@@ -41,7 +39,6 @@ __all__ = [
 ]
 
 CHUNK = 256
-START_TIMEOUT_S = 600
 _KVSTORE = [sys.executable, "-c", "import sys; from kvstore.cli import main; sys.exit(main())"]
 _LOGGING = {
     "version": 1,
@@ -157,7 +154,7 @@ class Node:
                 self.kill()
 
 
-class ApiServer:
+class ApiServer(ApiServerProcess):
     """vLLM's OpenAI API server (CPU) with the kvstore connector, in its own process group."""
 
     def __init__(
@@ -170,10 +167,7 @@ class ApiServer:
         cpu: str,
         chunk: int = CHUNK,
     ) -> None:
-        self.name = name
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = workdir / f"{name}.log"
+        port = free_port()
         logging_config = workdir / "vllm-logging.json"
         logging_config.write_text(json.dumps(_LOGGING))
         transfer = {
@@ -185,7 +179,7 @@ class ApiServer:
         }
         command = [
             *(sys.executable, "-m", "vllm.entrypoints.openai.api_server"),
-            *("--model", str(model), "--port", str(self.port)),
+            *("--model", str(model), "--port", str(port)),
             "--enable-prompt-tokens-details",
             *("--max-model-len", str(max_model_len), "--enforce-eager"),
             *("--kv-transfer-config", json.dumps(transfer)),
@@ -198,24 +192,7 @@ class ApiServer:
             "VLLM_CPU_OMP_THREADS_BIND": cpu,
             "VLLM_LOGGING_CONFIG_PATH": str(logging_config),
         }
-        with self.log.open("wb") as log:
-            self.proc = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-
-    def wait_healthy(self) -> None:
-        """Block until ``/health`` answers 200 (fails with the log's tail if it exits)."""
-
-        def healthy() -> bool:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited:\n{self.tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
-                    return bool(response.status == 200)
-            except (urllib.error.URLError, OSError):
-                return False
-
-        _wait(healthy, f"vLLM server {self.name}", START_TIMEOUT_S, self.log)
+        super().__init__(name, command, workdir / f"{name}.log", env, port)
 
     def namespace_json(self) -> str:
         """The connector's base namespace, from its start-up log line, as ``router.namespace``."""
@@ -233,28 +210,7 @@ class ApiServer:
     def complete(self, model: str, prompt: list[int], max_tokens: int = 2) -> dict[str, Any]:
         """One greedy completion straight to this server (no router); the response's JSON."""
         body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
-        request = urllib.request.Request(
-            self.url + "/v1/completions",
-            json.dumps(body).encode(),
-            {"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=300) as response:
-            answer: dict[str, Any] = json.loads(response.read())
-        return answer
-
-    def tail(self) -> str:
-        """The log's last lines."""
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-40:])
-
-    def stop(self) -> None:
-        """SIGTERM to the whole group, SIGKILL after 30 s."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        return self.post_completion(body)
 
 
 @dataclass
@@ -406,8 +362,7 @@ class Fleet:
                         f"vllm-{number}", workdir, model, node.target, max_model_len, cpu, chunk
                     )
                 )
-            for server in self.servers:
-                server.wait_healthy()
+            wait_all_healthy(self.servers)
             self.namespace = self.servers[0].namespace_json()
         except BaseException:
             self.close()

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 import urllib.error
@@ -21,11 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from api_server import ApiServerProcess, GroupProcess, wait_all_healthy
 from store_process import free_port
 
 __all__ = ["ApiServer", "RouterProcess", "post_json", "start_servers"]
-
-START_TIMEOUT_S = 300
 
 
 def post_json(url: str, body: dict[str, Any], timeout: float = 300) -> bytes:
@@ -41,31 +38,7 @@ def post_json(url: str, body: dict[str, Any], timeout: float = 300) -> bytes:
     return data
 
 
-class _Process:
-    """A command in its own process group (vLLM spawns children), logging to a file."""
-
-    def __init__(self, command: list[str], log: Path, env: dict[str, str]) -> None:
-        self.log = log
-        with log.open("wb") as out:
-            self.proc = subprocess.Popen(
-                command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-
-    def tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-
-    def stop(self) -> None:
-        """SIGTERM to the whole group, SIGKILL after 30 s."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-
-
-class ApiServer(_Process):
+class ApiServer(ApiServerProcess):
     """``python -m vllm.entrypoints.openai.api_server`` with the connector in ``role``."""
 
     def __init__(
@@ -77,9 +50,7 @@ class ApiServer(_Process):
         role: str,
         extra: dict[str, Any] | None = None,
     ) -> None:
-        self.name = name
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        port = free_port()
         transfer = {
             "kv_connector": "KVStoreConnector",
             "kv_connector_module_path": "kvstore.integrations.vllm",
@@ -88,49 +59,21 @@ class ApiServer(_Process):
             "kv_connector_extra_config": {"target": target, **(extra or {})},
         }
         command = [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(model),
-            "--port",
-            str(self.port),
+            *(sys.executable, "-m", "vllm.entrypoints.openai.api_server"),
+            *("--model", str(model), "--port", str(port)),
             "--enable-prompt-tokens-details",
-            "--kv-transfer-config",
-            json.dumps(transfer),
-            "--max-model-len",
-            "2048",
-            "--enforce-eager",
+            *("--kv-transfer-config", json.dumps(transfer)),
+            *("--max-model-len", "2048", "--enforce-eager"),
         ]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-        super().__init__(command, workdir / f"{name}.log", env)
-
-    def ready(self) -> bool:
-        """True once ``/health`` answers; fails the test if the server died."""
-        if self.proc.poll() is not None:
-            pytest.fail(f"vLLM server {self.name} exited:\n{self.tail()}")
-        try:
-            with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
-                return bool(response.status == 200)
-        except (urllib.error.URLError, OSError):
-            return False
+        super().__init__(name, command, workdir / f"{name}.log", env, port)
 
 
-def start_servers(servers: list[ApiServer]) -> None:
-    """Wait until every server answers ``/health``; stop them all and fail otherwise."""
-    deadline = time.monotonic() + START_TIMEOUT_S
-    try:
-        while not all(server.ready() for server in servers):
-            if time.monotonic() > deadline:
-                pytest.fail("vLLM servers did not start:\n" + "\n".join(s.tail() for s in servers))
-            time.sleep(1.0)
-    except BaseException:
-        for server in servers:
-            server.stop()
-        raise
+#: Start the servers side by side, then wait for them all (each start-up takes about a minute).
+start_servers = wait_all_healthy
 
 
-class RouterProcess(_Process):
+class RouterProcess(GroupProcess):
     """``kvstore router`` in P/D mode (``--prefill`` / ``--decode``) on a free port."""
 
     def __init__(self, workdir: Path, prefill: list[str], decode: list[str]) -> None:

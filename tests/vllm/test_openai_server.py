@@ -17,16 +17,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
+from api_server import ApiServerProcess, wait_all_healthy
 from fleet import build_model
 from store_process import StoreProcess, free_port
 
@@ -46,7 +44,6 @@ CHUNK = 256
 PROMPT_WORDS = 700  # the tiny tokenizer makes more than two whole chunks of tokens of them
 # Test-only additions: keep the engine small and skip a ~45 s torch.compile warm-up.
 TEST_FLAGS = " --max-model-len 2048 --enforce-eager"
-START_TIMEOUT_S = 300
 
 
 def readme_server_command() -> str:
@@ -65,17 +62,15 @@ def test_readme_block_is_the_api_server_command() -> None:
         assert needed in command
 
 
-class ApiServer:
-    """The README's command in a shell, in its own process group (the engine spawns children)."""
+class ApiServer(ApiServerProcess):
+    """The README's command in a shell, started and waited for until ``/health`` answers."""
 
     def __init__(self, name: str, workdir: Path, model: Path, target: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = workdir / f"{name}.log"
+        port = free_port()
         command = (
             readme_server_command()
             .replace(README_MODEL, str(model))
-            .replace("--port 8000", f"--port {self.port}")
+            .replace("--port 8000", f"--port {port}")
             .replace(README_TARGET, target)
         )
         python_dir = str(Path(sys.executable).parent)
@@ -85,54 +80,15 @@ class ApiServer:
             "HF_HUB_OFFLINE": "1",
             "VLLM_CPU_KVCACHE_SPACE": "1",
         }
-        with self.log.open("wb") as log:
-            self.proc = subprocess.Popen(
-                ["bash", "-c", command + TEST_FLAGS],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-            )
-        self._wait_healthy()
-
-    def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                pytest.fail(f"the README's vLLM server did not start:\n{self.tail()}")
-            time.sleep(1.0)
+        super().__init__(
+            name, ["bash", "-c", command + TEST_FLAGS], workdir / f"{name}.log", env, port
+        )
+        wait_all_healthy([self])
 
     def complete(self, model: Path, prompt: str) -> dict[str, Any]:
         """One greedy completion over HTTP; the response's JSON."""
-        body = json.dumps(
-            {"model": str(model), "prompt": prompt, "max_tokens": 4, "temperature": 0.0}
-        ).encode()
-        request = urllib.request.Request(
-            self.url + "/v1/completions", body, {"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(request, timeout=120) as response:
-            result: dict[str, Any] = json.loads(response.read())
-        return result
-
-    def tail(self) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-40:])
-
-    def stop(self) -> None:
-        """SIGTERM to the whole group, SIGKILL after 30 s."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        body = {"model": str(model), "prompt": prompt, "max_tokens": 4, "temperature": 0.0}
+        return self.post_completion(body, timeout=120)
 
 
 @pytest.fixture(scope="module")

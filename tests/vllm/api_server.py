@@ -1,0 +1,103 @@
+"""vLLM's OpenAI API server as the vLLM tests start it: in its own process group, logging to a file.
+
+The fleet (``fleet.py``), the P/D hand-off (``pd_servers.py``) and the README's server test
+(``test_openai_server.py``) each build their own command line; starting, waiting for ``/health``,
+asking for a completion and stopping the whole group (vLLM spawns an engine core and workers) is
+this module's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+__all__ = ["START_TIMEOUT_S", "ApiServerProcess", "GroupProcess", "wait_all_healthy"]
+
+#: Two engines starting side by side on two loaded cores can take minutes.
+START_TIMEOUT_S = 600
+
+
+class GroupProcess:
+    """A command in its own process group, its output in ``log``."""
+
+    def __init__(self, command: Sequence[str], log: Path, env: dict[str, str]) -> None:
+        self.log = log
+        with log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                list(command), stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+
+    def tail(self, lines: int = 40) -> str:
+        """The log's last lines."""
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        """SIGTERM to the whole group, SIGKILL after 30 s."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+class ApiServerProcess(GroupProcess):
+    """An API server started by ``command``, which must make it listen on 127.0.0.1:``port``."""
+
+    def __init__(
+        self, name: str, command: Sequence[str], log: Path, env: dict[str, str], port: int
+    ) -> None:
+        self.name = name
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        super().__init__(command, log, env)
+
+    def healthy(self) -> bool:
+        """True once ``/health`` answers 200; fails the test if the server exited."""
+        if self.proc.poll() is not None:
+            pytest.fail(f"vLLM server {self.name} exited:\n{self.tail()}")
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
+                return bool(response.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def post_completion(self, body: dict[str, Any], timeout: float = 300) -> dict[str, Any]:
+        """POST ``body`` to ``/v1/completions``; the answer's JSON (an error status fails)."""
+        request = urllib.request.Request(
+            self.url + "/v1/completions",
+            json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                answer: dict[str, Any] = json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            pytest.fail(f"{self.name} answered {exc.code}: {exc.read()[:500]!r}")
+        return answer
+
+
+def wait_all_healthy(servers: Sequence[ApiServerProcess], timeout: float = START_TIMEOUT_S) -> None:
+    """Wait until every server answers ``/health``; stop them all and fail the test otherwise."""
+    deadline = time.monotonic() + timeout
+    try:
+        while not all(server.healthy() for server in servers):
+            if time.monotonic() > deadline:
+                tails = "\n".join(f"--- {s.name}\n{s.tail()}" for s in servers)
+                pytest.fail(f"vLLM servers did not start within {timeout:.0f} s:\n{tails}")
+            time.sleep(1.0)
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
