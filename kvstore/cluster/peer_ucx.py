@@ -115,7 +115,14 @@ class UcxPeerLink:
             if len(response.lengths) != len(keys) or len(response.sent) != len(keys):
                 await self.drop()
                 raise UcxTransportError("malformed UcxGet answer")
-            blocks = await _buffers(keys, response, landing)
+            try:
+                # Bounded too: reserving pages may wait for the store's lock and evict.
+                blocks = await asyncio.wait_for(
+                    _buffers(keys, response, landing), _remaining(deadline)
+                )
+            except TimeoutError as exc:
+                await self.drop()  # the peer's sends, already under way, end with the endpoint
+                raise UcxTransportError("no buffers to receive into before the deadline") from exc
             buffers: dict[int, Any] = {index: memoryview(b) for index, b in blocks.items()}
             if buffers:
                 try:
