@@ -5,6 +5,9 @@ shared cores)::
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_peer.py --rounds 9 --round-mib 32 \
         --json benchmarks/results/peer.json --out benchmarks/results/peer.md
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_peer.py --rounds 9 --round-mib 32 \
+        --prefault --json benchmarks/results/peer-prefault.json \
+        --out benchmarks/results/peer-prefault.md
 
 Two "hosts" (``tests/netns_hosts.py``: network namespaces on a bridge) and a ``redis-server`` in
 the root namespace on the bridge's address (the Redis host). Every byte between nodes crosses the
@@ -25,7 +28,10 @@ Each round gets ``--round-mib`` of fresh blocks per size and path (each block re
 by each reading node, so every read is cold), in gets of ``--batch-mib``, one get of each path in
 turn (an order that rotates each round): on a machine shared with other work, every path then
 meets the same background load. After the three, a fourth reference case gets the Redis
-reader's blocks again (now local to it: the client and shared-memory hop alone). Reported:
+reader's blocks again (now local to it: the client and shared-memory hop alone). With
+``--prefault`` the readers' arenas are resident from the start (``dram.prefault``): a fresh
+node's arena otherwise page-faults (and zeroes) every page on its first write, which costs both
+paths alike but is a larger share of the faster one. Reported:
 bytes/s per round (median, and the slow tail: the 10th percentile of the per-round rates) and
 the ratio of each path's median to Redis's. Every payload's digest is checked. The node-side
 counters confirm the path each reader took. Done-when of issue 16: peer get >= 1.5x Redis.
@@ -131,6 +137,12 @@ def main() -> None:
     parser.add_argument("--batch-mib", type=int, default=8, help="MiB per get call")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--prefault",
+        action="store_true",
+        help="readers' arenas resident from the start (dram.prefault), as on a node whose arena "
+        "is page-locked for CUDA or was filled before: no page fault on a block's first write",
+    )
     args = parser.parse_args()
     sizes = [int(s) * MiB for s in args.sizes_mib.split(",")]
     work = Path(tempfile.mkdtemp(prefix="bench-peer-"))
@@ -143,16 +155,18 @@ def main() -> None:
             try:
                 one = start_node(work / "one", a, node_env("one", url, "both"), "2GiB", ucx=True)
                 started.append(one)
+                # Resident arenas take their whole capacity: 1 GiB holds what a reader reads.
+                warm = {"KVSTORE_DRAM_PREFAULT": "1"} if args.prefault else {}
+                dram = "1GiB" if args.prefault else "2GiB"
                 readers = {
-                    "redis": start_node(
-                        work / "r-redis", b, node_env("r-redis", url, "redis"), "2GiB", False
-                    ),
-                    "peer-ucx": start_node(
-                        work / "r-ucx", b, node_env("r-ucx", url, "peers", "ucx"), "2GiB", True
-                    ),
-                    "peer-grpc": start_node(
-                        work / "r-grpc", b, node_env("r-grpc", url, "peers", "grpc"), "2GiB", False
-                    ),
+                    path: start_node(
+                        work / name, b, {**node_env(name, url, *how), **warm}, dram, ucx
+                    )
+                    for path, name, how, ucx in (
+                        ("redis", "r-redis", ("redis",), False),
+                        ("peer-ucx", "r-ucx", ("peers", "ucx"), True),
+                        ("peer-grpc", "r-grpc", ("peers", "grpc"), False),
+                    )
                 }
                 started.extend(readers.values())
                 load_before = os.getloadavg()[0]
@@ -165,6 +179,7 @@ def main() -> None:
                         node.stop()  # graceful: a clean exit (and atexit hooks) where it can
                     except Exception:
                         node.kill()
+    result["prefault"] = args.prefault
     result["machine"] = machine_info()
     result["command"] = " ".join(sys.argv)
     text = report(result)
@@ -293,7 +308,9 @@ def report(result: dict[str, Any]) -> str:
         table,
         "",
         f"{result['rounds']} rounds x {result['round_mib']} MiB per size and path, "
-        f"{result['batch_mib']} MiB per get; client plane: "
+        f"{result['batch_mib']} MiB per get; readers' arenas "
+        f"{'prefaulted' if result.get('prefault') else 'cold (faulted on first write)'}; "
+        "client plane: "
         f"{', '.join(sorted(set(timings['planes'].values())))}; "
         f"1-minute load average before/after: {result['load_average_1min'][0]:.1f} / "
         f"{result['load_average_1min'][1]:.1f} on {os.cpu_count()} cores.",

@@ -238,12 +238,15 @@ class DramConfig:
     from the machine's memory). The arena is page-locked for CUDA where an NVIDIA driver is seen
     (``/dev/nvidiactl``); ``force_cuda_check`` asks torch even where that file is missing.
     ``verify_reads`` checks each block's MAC before the server serves it from DRAM (gRPC and
-    shm leases; a client's direct reads through the published index are not checked)."""
+    shm leases; a client's direct reads through the published index are not checked).
+    ``prefault`` makes every arena page resident at start, as page-locking does, so that a
+    block's first write into a page costs no page fault."""
 
     capacity: int
     page_size: int = 64 * 1024
     force_cuda_check: bool = False
     verify_reads: bool = False
+    prefault: bool = False
 
     def __post_init__(self) -> None:
         if self.capacity < 0:

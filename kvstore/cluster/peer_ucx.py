@@ -37,6 +37,7 @@ from kvstore.client.core import client_settings
 from kvstore.client.ucx import CONNECT_SHARE, abort_endpoint, open_endpoint, receive_payloads
 from kvstore.protocol import messages as _wire
 from kvstore.protocol.ucx import CLIENT_ID_BYTES, UcxTransportError, parse_address
+from kvstore.store.remote import Landing
 
 __all__ = ["UcxPeerLink"]
 
@@ -77,9 +78,15 @@ class UcxPeerLink:
         return time.monotonic() >= self.retry_at
 
     async def get(
-        self, keys: Sequence[bytes], namespace: bytes, timeout: float
+        self,
+        keys: Sequence[bytes],
+        namespace: bytes,
+        timeout: float,
+        landing: Landing | None = None,
     ) -> list[bytes | None]:
-        """Each key's payload (``None`` where the peer does not hold it), within ``timeout``."""
+        """Each key's payload (``None`` where the peer does not hold it), within ``timeout``;
+        received into ``landing``'s buffers where it offers them (those buffers are then the
+        payloads; on failure they are abandoned to it)."""
         deadline = time.monotonic() + timeout
         for attempt in (1, 2):
             endpoint, client_id = await self._connect(deadline)
@@ -108,19 +115,23 @@ class UcxPeerLink:
             if len(response.lengths) != len(keys) or len(response.sent) != len(keys):
                 await self.drop()
                 raise UcxTransportError("malformed UcxGet answer")
-            # Received in place: a large bytearray's zeroed pages come lazily from the kernel,
-            # so it costs no more than an empty array, and needs no copy into bytes after.
-            blocks = {
-                index: bytearray(response.lengths[index])
-                for index, sent in enumerate(response.sent)
-                if sent
-            }
+            try:
+                # Bounded too: reserving pages may wait for the store's lock and evict.
+                blocks = await asyncio.wait_for(
+                    _buffers(keys, response, landing), _remaining(deadline)
+                )
+            except TimeoutError as exc:
+                await self.drop()  # the peer's sends, already under way, end with the endpoint
+                raise UcxTransportError("no buffers to receive into before the deadline") from exc
             buffers: dict[int, Any] = {index: memoryview(b) for index, b in blocks.items()}
             if buffers:
                 try:
                     await receive_payloads(endpoint, transfer_id, buffers, _remaining(deadline))
                 except BaseException:
-                    # Failed, late or cancelled: no receive still posted may outlive this call.
+                    # Failed, late or cancelled: no receive still posted may outlive this call,
+                    # and pages of the host tier it wrote into are not reused for a while.
+                    if landing is not None:
+                        landing.abandon([keys[index] for index in blocks])
                     await self.drop()
                     raise
             payloads: list[bytes | None] = [None] * len(keys)
@@ -156,6 +167,23 @@ class UcxPeerLink:
         """Drop the endpoint and close the control channel."""
         await self.drop()
         await self._channel.close(None)
+
+
+async def _buffers(
+    keys: Sequence[bytes], response: ucx_pb.UcxGetResponse, landing: Landing | None
+) -> dict[int, Any]:
+    """A buffer for each block the peer sends: the landing's pages where it offers them, else
+    a bytearray (its zeroed pages come lazily from the kernel, and it needs no copy after)."""
+    sent = [index for index, flag in enumerate(response.sent) if flag]
+    offered: list[Any | None] = [None] * len(sent)
+    if landing is not None and sent:
+        offered = await landing.buffers(
+            [keys[index] for index in sent], [response.lengths[index] for index in sent]
+        )
+    return {
+        index: bytearray(response.lengths[index]) if buffer is None else buffer
+        for index, buffer in zip(sent, offered, strict=True)
+    }
 
 
 def _remaining(deadline: float) -> float:

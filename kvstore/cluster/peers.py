@@ -28,7 +28,9 @@ changes (it restarted); keys it holds are misses meanwhile (``peer_down``). A de
 expires within ``cluster.lease_ttl_s`` and the index stops naming it.
 
 **Checks.** A block counts only if the peer says found and its length is within
-``server.max_block_bytes``; the store checksums it as it places it here (like a promotion).
+``server.max_block_bytes``; the store checksums it as it places it here (like a promotion). For
+a promotion (a shared-memory or UCX reader's acquire), UCX receives straight into reserved pages
+of the host tier (:mod:`kvstore.store.landing`), which become the block in place.
 
 **Tenants.** One ``cluster.peer_token`` is presented for every tenant, so a peer serves the
 fetch from the tenant that token belongs to there; per-tenant peer tokens are not supported.
@@ -53,7 +55,7 @@ from kvstore.cluster_config import PEER_TRANSPORTS
 from kvstore.errors import ConfigError, DeadlineExceededError
 from kvstore.protocol.ucx import UcxTransportError, ucx_unavailable_reason
 from kvstore.store.counters import StoreCounters
-from kvstore.store.remote import remaining_s
+from kvstore.store.remote import Landing, remaining_s
 
 __all__ = ["PeerSource", "holder_rank"]
 
@@ -120,10 +122,11 @@ class PeerSource:
         self._links: OrderedDict[tuple[str, str], UcxPeerLink] = OrderedDict()
 
     async def read(
-        self, keys: Sequence[bytes], namespace: bytes
+        self, keys: Sequence[bytes], namespace: bytes, landing: Landing | None = None
     ) -> tuple[list[bytes | None], dict[int, str]]:
         """Each key's payload from a peer holding it (``None`` where none served it), and the
-        miss reason of keys a peer was named for but did not serve."""
+        miss reason of keys a peer was named for but did not serve. With a ``landing``, UCX
+        receives into its buffers where it offers them."""
         payloads: list[bytes | None] = [None] * len(keys)
         why: dict[int, str] = {}
         budget = self._budget()
@@ -164,7 +167,7 @@ class PeerSource:
                 plan.setdefault(names[0], []).append(position)
             await asyncio.gather(
                 *(
-                    self._fetch(node, keys, positions, namespace, payloads, why)
+                    self._fetch(node, keys, positions, namespace, payloads, why, landing)
                     for node, positions in plan.items()
                 )
             )
@@ -264,6 +267,7 @@ class PeerSource:
         namespace: bytes,
         payloads: list[bytes | None],
         why: dict[int, str],
+        landing: Landing | None = None,
     ) -> None:
         self.counters.add("peer_requests")
         wanted = [keys[position] for position in positions]
@@ -274,7 +278,7 @@ class PeerSource:
             if link is not None and (link.usable() or self.transport == "ucx"):
                 transport = "ucx"
                 try:
-                    got = await self._over_ucx(node, link, wanted, namespace)
+                    got = await self._over_ucx(node, link, wanted, namespace, landing)
                 except (DeadlineExceededError, TimeoutError):
                     raise
                 except Exception as exc:
@@ -313,13 +317,18 @@ class PeerSource:
             self.counters.add("peer_bytes", len(payload))
 
     async def _over_ucx(
-        self, node: str, link: UcxPeerLink, keys: list[bytes], namespace: bytes
+        self,
+        node: str,
+        link: UcxPeerLink,
+        keys: list[bytes],
+        namespace: bytes,
+        landing: Landing | None,
     ) -> list[bytes | None]:
         budget = self._budget()
         if budget <= 0:
             raise DeadlineExceededError("no time left")
         try:
-            return await link.get(keys, namespace, budget)
+            return await link.get(keys, namespace, budget, landing)
         except UcxTransportError as exc:
             if self._budget() <= 0:
                 raise DeadlineExceededError(f"UCX read from node {node}: {exc}") from exc

@@ -7,7 +7,9 @@ once and promotes it upward in the background; a promote copies it into the aren
 
 With a remote source (:mod:`.remote`, the cluster's peers), keys this node does not index are
 asked of it first, and what it does not serve goes on to the shared tier; a block it serves is
-placed here like a promotion (checksummed anew on the way into the host tier).
+placed here like a promotion (checksummed anew on the way into the host tier). A promotion lets
+the source receive blocks straight into reserved host-tier pages (:mod:`.landing`), which then
+become blocks where they lie, with no copy.
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ from kvstore.block import BlockHeader
 from kvstore.store.background import BackgroundTasks
 from kvstore.store.counters import StoreCounters
 from kvstore.store.index import BlockIndex, Whereabouts
+from kvstore.store.landing import ArenaLanding
 from kvstore.store.layout import TierStack
 from kvstore.store.mover import BlockMover
 from kvstore.store.remote import RemoteSource
 from kvstore.tiers.base import StoredBlock
+from kvstore.tiers.dram import DramTier
 
 __all__ = ["BlockReader", "GetResult", "Promotion"]
 
@@ -114,10 +118,18 @@ class BlockReader:
         for index in where.resident:
             outcomes[index] = "ready"
             self._index.levels[host].touch(keys[index])
-        where, remote_found = await self._read_remote(keys, namespace, where, reasons)
-        for index, payload in remote_found:
-            placed = await self._place_remote(keys[index], namespace, payload)
-            outcomes[index] = "ready" if placed else "failed"
+        landing = self._landing()
+        try:
+            where, remote_found = await self._read_remote(keys, namespace, where, reasons, landing)
+            for index, payload in remote_found:
+                if landing is not None and landing.holds(keys[index], payload):
+                    placed = await landing.install(keys[index], namespace)  # received in place
+                else:
+                    placed = await self._place_remote(keys[index], namespace, payload)
+                outcomes[index] = "ready" if placed else "failed"
+        finally:
+            if landing is not None:
+                landing.close()
         async for index, level, block, epoch in self._read_found(keys, namespace, where, reasons):
             promoted = await self._mover.copy_into(block.header, block.payload, level, host, epoch)
             outcomes[index] = "ready" if promoted else "failed"
@@ -129,6 +141,7 @@ class BlockReader:
         namespace: bytes,
         where: Whereabouts,
         reasons: dict[int, str] | None,
+        landing: ArenaLanding | None = None,
     ) -> tuple[Whereabouts, list[tuple[int, bytes]]]:
         """Ask the remote source for the keys of ``where`` not indexed here: ``where`` less the
         keys it served (the shared tier is asked for the rest), and ``(index, payload)`` per key
@@ -136,7 +149,8 @@ class BlockReader:
         remote, unindexed = self.remote, where.unindexed
         if remote is None or not unindexed:
             return where, []
-        payloads, why = await remote.read([keys[index] for index in unindexed], namespace)
+        wanted = [keys[index] for index in unindexed]
+        payloads, why = await remote.read(wanted, namespace, landing)
         found: list[tuple[int, bytes]] = []
         left: list[int] = []
         for position, (index, payload) in enumerate(zip(unindexed, payloads, strict=True)):
@@ -147,6 +161,13 @@ class BlockReader:
             else:
                 found.append((index, payload))
         return dataclasses.replace(where, unindexed=left), found
+
+    def _landing(self) -> ArenaLanding | None:
+        """Host-tier pages for a remote source to receive into, if the host tier is an arena."""
+        top = self._stack[self._stack.host_level]
+        if self.remote is None or not isinstance(top, DramTier) or not top.capacity:
+            return None
+        return ArenaLanding(top, self._stack, self._index, self._counters, self._mover)
 
     async def _place_remote(self, key: bytes, namespace: bytes, payload: bytes) -> bool:
         """Store a block a remote source served into the host tier (or below), like a

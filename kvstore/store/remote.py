@@ -16,9 +16,9 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from contextvars import ContextVar
-from typing import Protocol
+from typing import Any, Protocol
 
-__all__ = ["ANSWER_SHARE", "REQUEST_DEADLINE", "RemoteSource", "remaining_s"]
+__all__ = ["ANSWER_SHARE", "REQUEST_DEADLINE", "Landing", "RemoteSource", "remaining_s"]
 
 #: The ``time.monotonic()`` by which the request being served must be answered (``None``: the
 #: caller set none; the source applies its own bound).
@@ -36,6 +36,21 @@ def remaining_s() -> float | None:
     return None if deadline is None else (deadline - time.monotonic()) * (1 - ANSWER_SHARE)
 
 
+class Landing(Protocol):
+    """Pages of this node's host tier that a source may receive blocks into (no copy to place
+    them afterwards); see :class:`kvstore.store.landing.ArenaLanding`."""
+
+    async def buffers(self, keys: Sequence[bytes], lengths: Sequence[int]) -> list[Any | None]:
+        """A writable buffer of exactly ``lengths[i]`` bytes per key, or ``None`` (receive that
+        one into memory of your own). A buffer received into whole is the key's payload."""
+        ...
+
+    def abandon(self, keys: Sequence[bytes]) -> None:
+        """Buffers of ``keys`` that a failed transfer may still write into: never served, and
+        given back later."""
+        ...
+
+
 class RemoteSource(Protocol):
     """Blocks held elsewhere, read by key."""
 
@@ -43,8 +58,9 @@ class RemoteSource(Protocol):
     name: str
 
     async def read(
-        self, keys: Sequence[bytes], namespace: bytes
+        self, keys: Sequence[bytes], namespace: bytes, landing: Landing | None = None
     ) -> tuple[list[bytes | None], dict[int, str]]:
         """Each key's payload (``None`` where not found), and why, by position, a key that some
-        source was asked for was not served (a miss reason such as ``peer_timeout``)."""
+        source was asked for was not served (a miss reason such as ``peer_timeout``). With a
+        ``landing``, a payload may be one of its buffers, received in place."""
         ...

@@ -71,6 +71,7 @@ def _dram_tier(config: Config) -> Tier | None:
         dram.page_size,
         force_cuda_check=dram.force_cuda_check,
         verify_reads=dram.verify_reads,
+        prefault=dram.prefault,
     )
 
 

@@ -104,6 +104,7 @@ class DramTier(PagedTier):
         *,
         force_cuda_check: bool = False,
         verify_reads: bool = False,
+        prefault: bool = False,
     ) -> None:
         self.verify_reads = verify_reads
         self.corrupt_blocks = 0
@@ -119,6 +120,8 @@ class DramTier(PagedTier):
             fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, seals)
             self._mapping: mmap.mmap | None = mmap.mmap(self._fd, self.capacity)
             self._arena = np.frombuffer(self._mapping, dtype=np.uint8)
+            if prefault:
+                _prefault(self._mapping)
             self.index = IndexWriter(max_blocks=num_pages)
         else:
             self._mapping = None
@@ -401,6 +404,20 @@ class DramTier(PagedTier):
 def _cuda_present(force_check: bool) -> bool:
     """Whether an NVIDIA driver is there, checked without importing torch (slow) on CPU hosts."""
     return os.path.exists("/dev/nvidiactl") or force_check
+
+
+def _prefault(mapping: mmap.mmap) -> None:
+    """Make every page of ``mapping`` resident now (a first write into a fresh memfd page
+    faults, and zeroes it, in the middle of a transfer or a copy)."""
+    try:
+        mapping.madvise(_MADV_POPULATE_WRITE)
+    except OSError:  # before Linux 5.14: touch one byte per page instead
+        view = np.frombuffer(mapping, dtype=np.uint8)
+        view[:: mmap.PAGESIZE] = 0
+
+
+#: ``madvise`` advice that faults a range in writable (Linux 5.14; not in Python's mmap module).
+_MADV_POPULATE_WRITE = 23
 
 
 def _page_lock(arena: np.ndarray[Any, Any], force_cuda_check: bool) -> bool:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 from netns_hosts import Host, Hosts
-from test_cluster_index import PREFIX, blocks_for, holders, poll
+from test_cluster_index import NS, PREFIX, blocks_for, holders, poll
 from test_peer_fetch import counters, grpc_client, payload_keys, peer_env
 
 from kvstore.cluster.layout import Layout
@@ -106,6 +106,33 @@ def test_peer_reads_go_over_ucx_and_grpc_nodes_use_grpc(
     assert seen["peer_hits_grpc"] == 3
     assert seen.get("peer_hits_ucx", 0) == 0
     assert payload_keys(redis_server) == []
+
+
+def test_a_shared_memory_reader_gets_peer_blocks_received_straight_into_its_arena(
+    server_factory: ServerFactory, redis_server: RedisServer
+) -> None:
+    """An engine beside its node (shared memory): the node acquires the blocks, and UCX
+    receives them into reserved arena pages that become the blocks, with no copy."""
+    url = redis_server.url
+    one = node(server_factory, url, "one")
+    three = node(server_factory, url, "three")
+    keys, values = blocks_for(0, 4)
+    with grpc_client(one) as writer:
+        assert writer.put(keys, values).stored == 4
+    poll(lambda: holders(url, keys).get("one") is not None, 5.0, "node one in the index")
+    with three.client(NS, data_plane="shm", timeout=3.0) as reader:
+        reader.lookup(keys[:1])  # connects: attaches shared memory
+        assert reader.data_plane == "shm"
+        assert reader.get(keys) == values  # bit-identical, over UCX into the arena
+        assert reader.get(keys) == values  # now local
+    seen = counters(three)
+    assert seen["peer_hits_ucx"] == 4
+    assert seen["landed_blocks"] == 4
+    assert seen.get("peer_ucx_fallbacks", 0) == 0
+    with grpc_client(three) as reader:
+        stats = reader.stats()
+    assert stats["tiers"]["dram"]["reserved_bytes"] == 0
+    assert stats["tiers"]["dram"]["blocks"] == 4
 
 
 def test_a_ucx_failure_falls_back_to_grpc_under_auto_and_misses_under_ucx(
