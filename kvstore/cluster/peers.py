@@ -43,8 +43,9 @@ import logging
 import time
 import zlib
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 from kvstore.client import AsyncKVStoreClient
 from kvstore.cluster.index import ClusterIndex
@@ -67,6 +68,29 @@ MAX_CLIENTS = 64
 UCX_RETRY_S = 30.0
 #: How much later a lease's expiry must be to count as renewed (absorbs clock jitter).
 _RENEWAL_SLACK_S = 0.05
+
+
+class _Closable(Protocol):
+    async def aclose(self) -> None: ...
+
+
+_Key = TypeVar("_Key", bound=Hashable)
+_Connection = TypeVar("_Connection", bound=_Closable)
+
+
+def _cached(
+    cache: OrderedDict[_Key, _Connection], key: _Key, make: Callable[[], _Connection]
+) -> _Connection:
+    """``cache[key]``, made by ``make`` if missing, as the most recently used; past
+    :data:`MAX_CLIENTS` entries the least recently used one is closed (in the background)."""
+    connection = cache.get(key)
+    if connection is None:
+        connection = cache[key] = make()
+        if len(cache) > MAX_CLIENTS:
+            _, old = cache.popitem(last=False)
+            asyncio.get_running_loop().create_task(old.aclose())
+    cache.move_to_end(key)
+    return connection
 
 
 def holder_rank(key: bytes, node: str) -> int:
@@ -226,38 +250,28 @@ class PeerSource:
 
     def _client(self, node: str, namespace: bytes) -> AsyncKVStoreClient:
         target = self._nodes[node].grpc
-        key = (target, namespace)  # a restarted node may listen elsewhere
-        client = self._clients.get(key)
-        if client is None:
-            client = AsyncKVStoreClient(
+        return _cached(
+            self._clients,
+            (target, namespace),  # a restarted node may listen elsewhere
+            lambda: AsyncKVStoreClient(
                 target,
                 namespace=namespace,
                 timeout=self.timeout_s,
                 data_plane="grpc",
                 token=self.token or None,
-            )
-            self._clients[key] = client
-            if len(self._clients) > MAX_CLIENTS:
-                _, old = self._clients.popitem(last=False)
-                asyncio.get_running_loop().create_task(old.aclose())
-        self._clients.move_to_end(key)
-        return client
+            ),
+        )
 
     def _link(self, node: str) -> UcxPeerLink | None:
         """The UCX link to ``node`` if reads to it go over UCX now, else ``None``."""
         info = self._nodes[node]
         if not self._ucx_ok or not info.ucx:
             return None
-        key = (info.grpc, info.ucx)  # a restarted node may listen elsewhere
-        link = self._links.get(key)
-        if link is None:
-            link = UcxPeerLink(info.grpc, info.ucx, self.token)
-            self._links[key] = link
-            if len(self._links) > MAX_CLIENTS:
-                _, old = self._links.popitem(last=False)
-                asyncio.get_running_loop().create_task(old.aclose())
-        self._links.move_to_end(key)
-        return link
+        return _cached(
+            self._links,
+            (info.grpc, info.ucx),  # a restarted node may listen elsewhere
+            lambda: UcxPeerLink(info.grpc, info.ucx, self.token),
+        )
 
     async def _fetch(
         self,
