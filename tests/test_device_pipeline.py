@@ -144,7 +144,8 @@ def test_a_scatter_that_fails_makes_the_step_recompute(
         calls.append(1)
         raise RuntimeError("scatter failed")
 
-    monkeypatch.setattr(device_pipeline.kvstore_kernels, "scatter_blocks", failing)
+    # The CPU path copies slices itself (device_pipeline._copy); CUDA goes through the kernels.
+    monkeypatch.setattr(device_pipeline, "_copy", failing)
     plan = StepPlan(loads=[LoadSpec("r", [b"k"], [5, 6])])
     worker.start_load_kv(plan)
     for i in range(LAYERS):
@@ -192,3 +193,46 @@ def test_a_cache_whose_layout_cannot_be_told_is_refused(worker: WorkerSide) -> N
         worker.register_kv_caches(five_d)
     worker.register_kv_caches(five_d, backend="FLASH_ATTN")
     assert worker.layout_name == "kv_first/NHD"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cpu_loads_write_exactly_what_the_reference_scatter_writes(dtype: torch.dtype) -> None:
+    """Whole chunks, a partly new chunk, scattered and repeated block runs, two kernel blocks
+    per engine block: every written block equals the reference kernels' scatter of the same
+    chunk rows, blocks the engine holds (-1) and failed chunks stay untouched."""
+    layers, ratio, bpc, blocks = 2, 2, 2, 24
+    chunk_shape = (layers, bpc * ratio, 3, 5)
+    caches = [torch.zeros(blocks, 3, 5, dtype=dtype) for _ in range(layers)]
+    layout = kvstore_kernels.CacheLayout("t", block_dim=0, ndim=3)
+    pipeline = LoadPipeline(Device(torch.device("cpu")), caches, layout, chunk_shape, bpc, ratio)
+    specs = [
+        LoadSpec("a", [b"1", b"2"], [2, 3, 9, 4]),  # chunk 0 consecutive, chunk 1 split
+        LoadSpec("b", [b"3", b"4", b"5"], [-1, 7, 10, 11, 5, 6]),  # partial; ok; failed
+    ]
+    host = torch.randn(5, *chunk_shape).to(dtype)
+    load = pipeline.new_load(specs, host)
+    pipeline.run(load, lambda _: [True, True, True, True, False])
+    assert load.runs is not None and not load.crashed
+    expected = [torch.zeros_like(c) for c in caches]
+    for chunk, engine_blocks in enumerate([[2, 3], [9, 4], [-1, 7], [10, 11]]):
+        for j, block in enumerate(engine_blocks):
+            if block < 0:
+                continue
+            rows = [j * ratio, j * ratio + 1]
+            ids = [block * ratio, block * ratio + 1]
+            kvstore_kernels.scatter_blocks(host[chunk][:, rows], expected, ids, layout)
+    for cache, want in zip(caches, expected, strict=True):
+        assert torch.equal(cache, want)
+    assert caches[0][10:14].abs().sum() == 0  # chunk 4 (failed) wrote nothing
+
+
+def test_copy_runs_merge_consecutive_blocks_within_a_chunk_only() -> None:
+    from kvstore.integrations.vllm_plan import copy_runs, plan_scatter
+
+    specs = [LoadSpec("a", [b"1", b"2", b"3"], [4, 5, 6, 7, 9, 8])]
+    plan = plan_scatter(specs, [True, True, True], blocks_per_chunk=2, ratio=1)
+    # Chunks 0 and 1 continue each other in the cache but are separate sources.
+    assert copy_runs(plan, 2, 1) == [(0, 0, 4, 2), (1, 0, 6, 2), (2, 0, 9, 1), (2, 1, 8, 1)]
+    partial = [LoadSpec("b", [b"1"], [-1, 3])]
+    plan = plan_scatter(partial, [True], blocks_per_chunk=2, ratio=2)
+    assert copy_runs(plan, 2, 2) == [(0, 2, 6, 2)]

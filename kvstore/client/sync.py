@@ -28,6 +28,7 @@ from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.client.channel import ChannelSecurity, Pem, blocking_channel
 from kvstore.client.core import Blocking, ClientBase, Plan, Rpc, Step, client_settings
 from kvstore.client.settings import ClientSettings
+from kvstore.client.shm import ShmLease
 from kvstore.keys import Namespace
 from kvstore.types import LookupResult, PrefetchProgress, PutResult
 
@@ -123,6 +124,15 @@ class KVStoreClient(ClientBase):
         Over shared memory each block is copied once, from the store's arena into its buffer.
         """
         return self._run(self._core.get_into(keys, buffers, timeout))
+
+    def lease(self, keys: Sequence[bytes], *, timeout: float | None = None) -> ShmLease | None:
+        """Hold the blocks of ``keys`` in the store's shared-memory arena and read them in place.
+
+        Returns ``None`` when the client does not reach the store over shared memory (then use
+        :meth:`get_into`). The lease's ``views`` (read-only bytes, ``None`` where missing) stay
+        valid until its ``release()``; the store keeps those blocks meanwhile, so release soon.
+        """
+        return self._run(self._core.lease(keys, timeout))
 
     def delete(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
         """Remove ``keys`` from every tier; returns how many were present."""

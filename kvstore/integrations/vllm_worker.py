@@ -32,8 +32,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvstore.client import KVStoreClient
+from kvstore.client.shm import ShmLease
 from kvstore.errors import ConfigError, DeadlineExceededError, KVStoreError, StoreUnavailableError
-from kvstore.integrations.device_pipeline import Device, LoadPipeline, StepLoad
+from kvstore.integrations.device_pipeline import (
+    Device,
+    LoadPipeline,
+    StepLoad,
+    arena_chunk,
+    in_place,
+)
 from kvstore.integrations.kv_layout import CacheSpec, detect_layout
 from kvstore.integrations.vllm_common import (
     Breaker,
@@ -237,6 +244,11 @@ class WorkerSide:
             return [False] * len(keys)
         started = time.perf_counter()
         try:
+            lease = getattr(self._client, "lease", None)
+            if lease is not None and in_place(self._device, self._caches[0].dtype):
+                held = lease(keys)
+                if held is not None:
+                    return self._adopt(load, held)
             return self._client.get_into(keys, list(load.host.unbind(0)))
         except (StoreUnavailableError, DeadlineExceededError) as exc:
             load.reason = failure_reason(exc)
@@ -247,6 +259,18 @@ class WorkerSide:
         finally:
             load.fetch_s = time.perf_counter() - started
         return [False] * len(keys)
+
+    def _adopt(self, load: StepLoad, lease: ShmLease) -> list[bool]:
+        """Read the step's chunks in place from the store's arena (CPU over shared memory):
+        one copy per block, arena -> cache, layer by layer, instead of a get and a scatter."""
+        dtype = self._caches[0].dtype
+        # None: missing, or of another size than a chunk (like get_into, a failed chunk).
+        sources = [
+            None if view is None else arena_chunk(view, self._chunk_shape, dtype)
+            for view in lease.views
+        ]
+        load.sources, load.release = sources, lease.release
+        return [source is not None for source in sources]
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Make this layer's loaded blocks ready before its attention reads them."""
