@@ -195,8 +195,11 @@ def test_a_cache_whose_layout_cannot_be_told_is_refused(worker: WorkerSide) -> N
     assert worker.layout_name == "kv_first/NHD"
 
 
+@pytest.mark.parametrize("copy_on_wait", [False, True], ids=["loader", "on_wait"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_cpu_loads_write_exactly_what_the_reference_scatter_writes(dtype: torch.dtype) -> None:
+def test_cpu_loads_write_exactly_what_the_reference_scatter_writes(
+    dtype: torch.dtype, copy_on_wait: bool
+) -> None:
     """Whole chunks, a partly new chunk, scattered and repeated block runs, two kernel blocks
     per engine block: every written block equals the reference kernels' scatter of the same
     chunk rows, blocks the engine holds (-1) and failed chunks stay untouched."""
@@ -204,7 +207,15 @@ def test_cpu_loads_write_exactly_what_the_reference_scatter_writes(dtype: torch.
     chunk_shape = (layers, bpc * ratio, 3, 5)
     caches = [torch.zeros(blocks, 3, 5, dtype=dtype) for _ in range(layers)]
     layout = kvstore_kernels.CacheLayout("t", block_dim=0, ndim=3)
-    pipeline = LoadPipeline(Device(torch.device("cpu")), caches, layout, chunk_shape, bpc, ratio)
+    pipeline = LoadPipeline(
+        Device(torch.device("cpu")),
+        caches,
+        layout,
+        chunk_shape,
+        bpc,
+        ratio,
+        copy_on_wait=copy_on_wait,
+    )
     specs = [
         LoadSpec("a", [b"1", b"2"], [2, 3, 9, 4]),  # chunk 0 consecutive, chunk 1 split
         LoadSpec("b", [b"3", b"4", b"5"], [-1, 7, 10, 11, 5, 6]),  # partial; ok; failed
@@ -212,6 +223,10 @@ def test_cpu_loads_write_exactly_what_the_reference_scatter_writes(dtype: torch.
     host = torch.randn(5, *chunk_shape).to(dtype)
     load = pipeline.new_load(specs, host)
     pipeline.run(load, lambda _: [True, True, True, True, False])
+    # On wait: nothing is written until the layer is asked for (here, on the main thread).
+    assert (caches[1].abs().sum() == 0) == copy_on_wait
+    for layer in range(layers):
+        assert pipeline.wait_layer(load, layer, timeout=30)
     assert load.runs is not None and not load.crashed
     expected = [torch.zeros_like(c) for c in caches]
     for chunk, engine_blocks in enumerate([[2, 3], [9, 4], [-1, 7], [10, 11]]):

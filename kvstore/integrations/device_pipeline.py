@@ -42,6 +42,7 @@ import logging
 import math
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -167,6 +168,7 @@ class StepLoad:
     # (``[layers, kernel blocks, *block]`` numpy views, None where it failed) instead of from
     # ``host``; ``release`` ends the lease once the last layer is copied.
     sources: list[Any] | None = None
+    torch_sources: list[Any] | None = None  # the same as torch tensors (copy_on_wait)
     release: Callable[[], None] | None = None
     crashed: bool = False  # the layer work failed: every chunk of the step is recomputed
     cancelled: bool = False  # the forward gave up waiting: write nothing more
@@ -189,8 +191,15 @@ class LoadPipeline:
         chunk_shape: tuple[int, ...],
         blocks_per_chunk: int,
         ratio: int,
+        *,
+        copy_on_wait: bool = False,
     ) -> None:
+        """``copy_on_wait`` (CPU only): the loader thread only fetches, and each layer is copied
+        on the forward pass's own thread when its attention asks for it (:meth:`wait_layer`),
+        with torch's parallel ``copy_`` on the main thread; else the loader copies every layer
+        in the background, competing with the forward pass for the cores."""
         self.device = device
+        self.copy_on_wait = copy_on_wait and not device.is_cuda
         self.caches = list(caches)
         self.layout = layout
         self.chunk_shape = chunk_shape  # [layers, kernel blocks per chunk, *block]
@@ -229,6 +238,8 @@ class LoadPipeline:
         if not self.device.is_cuda:
             load.runs = copy_runs(load.plan, self.blocks_per_chunk, self.ratio)
         load.fetched.set()
+        if self.copy_on_wait:
+            return  # wait_layer copies each layer; finish() ends the lease
         started = time.perf_counter()
         try:
             with self.stream.use():
@@ -250,8 +261,13 @@ class LoadPipeline:
             load.scatter_s = time.perf_counter() - started
             for ready in load.ready:  # never leave the forward waiting
                 ready.set()
-            if load.release is not None:
-                load.release()  # nothing reads the leased blocks any more
+            self.finish(load)  # nothing reads the leased blocks any more
+
+    def finish(self, load: StepLoad) -> None:
+        """End the step's lease on the store's blocks, if it holds one (idempotent)."""
+        release, load.release = load.release, None
+        if release is not None:
+            release()
 
     def _issue_layer(self, load: StepLoad, layer: int) -> None:
         if load.runs is not None:
@@ -275,6 +291,14 @@ class LoadPipeline:
             return
         blocks = self._cpu_blocks[layer]
         sources = load.sources if load.sources is not None else _copyable(load.host)
+        if threading.current_thread() is threading.main_thread():
+            # torch's copy_ runs on the intra-op threads: safe (and faster) on the main thread.
+            blocks = _as_torch(self.caches[layer].movedim(self.layout.block_dim, 0), blocks)
+            if load.torch_sources is None:
+                with warnings.catch_warnings():  # the arena views are read-only; only read
+                    warnings.simplefilter("ignore", UserWarning)
+                    load.torch_sources = [_as_torch(load.host, s) for s in sources]
+            sources = load.torch_sources
         for chunk, row, block, count in load.runs:
             _copy(blocks[block : block + count], sources[chunk][layer, row : row + count])
 
@@ -319,6 +343,8 @@ class LoadPipeline:
         ``timeout`` seconds; then the compute stream waits for the layer's event on the device.
         """
         started = time.perf_counter()
+        if self.copy_on_wait:
+            return self._copy_on_wait(load, layer, timeout)
         issued = load.ready[layer].wait(timeout)
         load.waited_s += time.perf_counter() - started
         load.waited.add(layer)
@@ -326,6 +352,27 @@ class LoadPipeline:
             load.cancelled = True
             return False
         self.device.current_stream().wait(load.events[layer])
+        return True
+
+    def _copy_on_wait(self, load: StepLoad, layer: int, timeout: float) -> bool:
+        started = time.perf_counter()
+        fetched = load.fetched.wait(timeout)
+        load.waited_s += time.perf_counter() - started
+        load.waited.add(layer)
+        if not fetched:
+            load.cancelled = True
+            return False
+        if not (load.cancelled or load.crashed):
+            started = time.perf_counter()
+            try:
+                self._copy_layer(load, layer)
+            except Exception:
+                logger.exception("kvstore layer copy failed; recomputing the step's loads")
+                load.crashed = True
+            load.scatter_s += time.perf_counter() - started
+        load.ready[layer].set()
+        if len(load.waited) == len(self.caches):
+            self.finish(load)
         return True
 
 
@@ -337,6 +384,11 @@ def _copyable(tensor: torch.Tensor) -> Any:
     """A CPU tensor as a numpy view of the same bytes (same strides), else the tensor itself."""
     width = _SAME_WIDTH.get(tensor.element_size())
     return tensor if width is None else tensor.view(width).numpy()
+
+
+def _as_torch(like: torch.Tensor, array: Any) -> torch.Tensor:
+    """A :func:`_copyable` back as a torch tensor (numpy views share the memory)."""
+    return torch.from_numpy(array) if isinstance(array, np.ndarray) else array
 
 
 def in_place(device: Device, dtype: torch.dtype) -> bool:
