@@ -14,6 +14,7 @@ import kvstore_kernels  # type: ignore[import-not-found, unused-ignore]
 import pytest
 import torch
 
+from kvstore.client.shm import ShmLease
 from kvstore.integrations import device_pipeline
 from kvstore.integrations.device_pipeline import Device, LoadPipeline, StepLoad
 from kvstore.integrations.vllm_common import ConnectorSettings, LoadSpec, StepPlan
@@ -112,8 +113,7 @@ class _Store:
         pass
 
 
-@pytest.fixture()
-def worker() -> Iterator[WorkerSide]:
+def _worker(client: Any) -> WorkerSide:
     spec = SimpleNamespace(block_size=BLOCK, num_kv_heads=2, head_size=3, dtype=torch.float32)
     names = [f"l{i}" for i in range(LAYERS)]
     config = SimpleNamespace(
@@ -129,10 +129,56 @@ def worker() -> Iterator[WorkerSide]:
     settings = ConnectorSettings.from_extra_config(
         {"target": "127.0.0.1:1", "chunk_size": CHUNK}, env={}
     )
-    side = WorkerSide(settings, config, kv_config, client=_Store())  # type: ignore[arg-type]
+    side = WorkerSide(settings, config, kv_config, client=client)
     side.register_kv_caches({name: cache for name, cache in zip(names, _caches(), strict=True)})
+    return side
+
+
+@pytest.fixture()
+def worker() -> Iterator[WorkerSide]:
+    side = _worker(_Store())
     yield side
     side.shutdown()
+
+
+class _LeasingStore(_Store):
+    """A store read in place (like shared memory): one chunk, intact or torn once read."""
+
+    def __init__(self, chunk: torch.Tensor, intact: bool) -> None:
+        super().__init__()
+        self.chunk, self.is_intact, self.released = chunk, intact, 0
+
+    def lease(self, keys: Sequence[bytes], **_: Any) -> ShmLease:
+        view = self.chunk.view(torch.uint8).numpy().reshape(-1)
+
+        def release() -> None:
+            self.released += 1
+
+        return ShmLease([view] * len(keys), release, lambda: [self.is_intact] * len(keys))
+
+
+@pytest.mark.parametrize("intact", [True, False], ids=["intact", "torn"])
+def test_chunks_read_in_place_land_in_the_cache_or_are_recomputed_if_torn(intact: bool) -> None:
+    chunk = torch.randn(CHUNK_SHAPE)
+    store = _LeasingStore(chunk, intact)
+    side = _worker(store)
+    try:
+        plan = StepPlan(loads=[LoadSpec("r", [b"k"], [5, 6])])
+        side.start_load_kv(plan)
+        for i in range(LAYERS):
+            side.wait_for_layer_load(f"l{i}")
+        side.wait_for_save(plan)
+        for layer, cache in enumerate(side._caches):
+            assert torch.equal(cache[5:7], chunk[layer])
+        assert store.released == 1
+        if intact:
+            assert side.get_block_ids_with_load_errors() == set()
+            assert side.counters.take()["loaded_tokens"] == CHUNK
+        else:
+            assert side.get_block_ids_with_load_errors() == {5, 6}
+            assert side.counters.take()["load_failed_tokens"] == {"missing": CHUNK}
+    finally:
+        side.shutdown()
 
 
 def test_a_scatter_that_fails_makes_the_step_recompute(

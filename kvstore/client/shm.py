@@ -77,11 +77,24 @@ class ShmLease:
     """
 
     def __init__(
-        self, views: list[np.ndarray[Any, Any] | None], release: Callable[[], None]
+        self,
+        views: list[np.ndarray[Any, Any] | None],
+        release: Callable[[], None],
+        intact: Callable[[], list[bool]] | None = None,
     ) -> None:
         self.views = views
         self._release: Callable[[], None] | None = release
+        self._intact = intact
         self._lock = threading.Lock()
+
+    def intact(self) -> list[bool]:
+        """Whether each view held its block all along; ask once done reading, before trusting
+        what was read. Blocks leased from the server always do; blocks read through the
+        published index without asking (no server round trip) do unless the server retired
+        them meanwhile, and then what was read may be torn: treat it as missing."""
+        if self._intact is not None:
+            return self._intact()
+        return [view is not None for view in self.views]
 
     def release(self) -> None:
         """Let the server reuse the blocks' pages (the views must not be read any more)."""
@@ -286,13 +299,20 @@ class ShmDataPlane:
     def acquire(self, keys: Sequence[bytes], timeout: float | None = None) -> ShmLease:
         """Hold the blocks of ``keys`` in the arena and hand out read-only views of them.
 
-        The server keeps the leased pages as they are (no eviction, no reuse) until
-        :meth:`ShmLease.release`, or until the socket that holds them closes: the caller reads
-        the blocks in place, as often and as late as it likes, with no copy in between. A
-        block that is not one contiguous range (or that the server sent inline) is copied
-        once; a missing one is ``None``.
+        Where every key is in the published index, the views come from it without asking the
+        server, and the reader must check :meth:`ShmLease.intact` once done. Otherwise the
+        server leases the blocks: it keeps their pages as they are (no eviction, no reuse)
+        until :meth:`ShmLease.release`, or until the socket that holds them closes. Either way
+        the caller reads the blocks in place, with no copy in between. A block that is not one
+        contiguous range (or that the server sent inline) is copied once; a missing one is
+        ``None``.
         """
         deadline = self._deadline(timeout)
+        usable = self._usable_index()
+        if usable is not None:
+            direct = self._acquire_direct(*usable, keys)
+            if direct is not None:
+                return direct
         with self._lock:
             if self._closed:
                 raise ShmUnavailableError("the shared-memory path is closed")
@@ -318,6 +338,31 @@ class ShmDataPlane:
                 else:
                     views.append(None)
         return ShmLease(views, lambda: self._release(conn, leases))
+
+    def _acquire_direct(
+        self, index: IndexReader, touches: TouchSender, keys: Sequence[bytes]
+    ) -> ShmLease | None:
+        """Views of blocks that are all in the published index, with no server round trip;
+        ``None`` if any is not (the caller asks the server for leases instead). The server
+        hears of the reads in the next TOUCH; :meth:`ShmLease.intact` re-checks the entries."""
+        arena = self._arena
+        hits = []
+        for key in keys:
+            hit = index.find(key, self.namespace)
+            # A torn entry can hold any offset: stay inside the arena.
+            if hit is None or hit[2] + hit[3] > len(arena):
+                return None
+            hits.append(hit)
+        views: list[np.ndarray[Any, Any] | None] = []
+        for hit in hits:
+            view = arena[hit[2] : hit[2] + hit[3]]
+            view.flags.writeable = False
+            views.append(view)
+        try:
+            touches.add(keys)
+        except ConnectionError as exc:
+            raise ShmUnavailableError(str(exc)) from exc
+        return ShmLease(views, lambda: None, lambda: [index.unchanged(hit) for hit in hits])
 
     def _release(self, conn: ShmConnection, leases: list[int]) -> None:
         """End an :meth:`acquire`'s leases and give its socket back."""

@@ -170,6 +170,7 @@ class StepLoad:
     sources: list[Any] | None = None
     torch_sources: list[Any] | None = None  # the same as torch tensors (copy_on_wait)
     release: Callable[[], None] | None = None
+    intact: Callable[[], list[bool]] | None = None  # asked once every layer is copied
     crashed: bool = False  # the layer work failed: every chunk of the step is recomputed
     cancelled: bool = False  # the forward gave up waiting: write nothing more
     waited: set[int] = field(default_factory=set)  # layers whose attention asked for them

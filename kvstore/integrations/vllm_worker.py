@@ -276,7 +276,7 @@ class WorkerSide:
             None if view is None else arena_chunk(view, self._chunk_shape, dtype)
             for view in lease.views
         ]
-        load.sources, load.release = sources, lease.release
+        load.sources, load.release, load.intact = sources, lease.release, lease.intact
         return [source is not None for source in sources]
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -344,6 +344,7 @@ class WorkerSide:
             return
         if self._pipeline is not None and self._pipeline.copy_on_wait:
             self._pipeline.finish(load)  # layers never asked for: end the lease all the same
+        self._check_intact(load)
         missed = set(range(len(self._caches))) - load.waited
         skipped: str | None = None
         if missed:
@@ -367,6 +368,18 @@ class WorkerSide:
             load.waited_s * 1e3,
             load.scatter_s * 1e3,
         )
+
+    def _check_intact(self, load: StepLoad) -> None:
+        """Chunks read in place through the published index, without a lease: any the store
+        retired while they were copied may be torn, so vLLM recomputes their tokens."""
+        if load.intact is None or load.ok is None:
+            return
+        torn = [c for c, good in enumerate(load.intact()) if load.ok[c] and not good]
+        if torn:
+            for chunk in torn:
+                load.ok[chunk] = False
+            load.reason, load.reported = "missing", False
+            self._resolve(load)
 
     def take_stats(self) -> dict[str, Any] | None:
         """The figures since the last call; ``None`` on all ranks but the first."""

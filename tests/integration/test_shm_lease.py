@@ -8,6 +8,7 @@ that the connector's worker loads bit-exact KV through it.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import kvstore_kernels  # type: ignore[import-not-found, unused-ignore]
@@ -16,6 +17,7 @@ import torch
 from test_shm import NS, dram, make_blocks, wait_released
 
 from kvstore import KVStoreClient
+from kvstore.client.settings import ClientSettings
 from kvstore.integrations.device_pipeline import Device, LoadPipeline
 from kvstore.integrations.vllm_common import LoadSpec
 
@@ -25,7 +27,12 @@ if TYPE_CHECKING:
 KiB = 1024
 
 
+def _no_direct_reads() -> ClientSettings:
+    return dataclasses.replace(ClientSettings.from_env({}), shm_direct_reads=False)
+
+
 def test_leased_views_hold_the_blocks_until_released(server_factory: ServerFactory) -> None:
+    """A missing key makes the index path step aside: the server leases the blocks."""
     server = server_factory(dram_capacity="1MiB")  # 16 pages of 64 KiB
     keys, values = make_blocks(31, 4, 64 * KiB)
     missing, _ = make_blocks(32, 1, 64 * KiB)
@@ -37,14 +44,42 @@ def test_leased_views_hold_the_blocks_until_released(server_factory: ServerFacto
         assert views[-1] is None
         assert [bytes(v) for v in views[:-1] if v is not None] == values
         assert dram(client)["leases"] == 4
+        assert lease.intact() == [True] * 4 + [False]
         # Deleting and overwriting the arena many times over leaves the leased bytes alone.
         assert client.delete(keys) == 4
         more_keys, more_values = make_blocks(33, 40, 64 * KiB)
         for start in range(0, 40, 8):
             client.put(more_keys[start : start + 8], more_values[start : start + 8])
         assert [bytes(v) for v in views[:-1] if v is not None] == values
+        assert lease.intact() == [True] * 4 + [False]
         lease.release()
         lease.release()  # once only
+        wait_released(client)
+
+
+def test_blocks_in_the_index_are_read_without_a_lease_and_checked_after(
+    server_factory: ServerFactory,
+) -> None:
+    """Every key published: views straight from the index, no server lease; a block deleted
+    and overwritten meanwhile is reported not intact (its bytes may be torn)."""
+    server = server_factory(dram_capacity="1MiB")
+    keys, values = make_blocks(36, 4, 64 * KiB)
+    with KVStoreClient(server.target, namespace=NS, data_plane="shm") as client:
+        assert client.put(keys, values).stored == 4
+        lease = client.lease(keys)
+        assert lease is not None
+        assert [bytes(v) for v in lease.views if v is not None] == values
+        assert dram(client)["leases"] == 0
+        assert lease.intact() == [True] * 4
+        assert client.delete(keys[1:2]) == 1
+        assert lease.intact() == [True, False, True, True]
+        lease.release()
+    with KVStoreClient(
+        server.target, namespace=NS, data_plane="shm", settings=_no_direct_reads()
+    ) as client:
+        lease = client.lease([keys[0]])  # no index reads: the server leases it
+        assert lease is not None and dram(client)["leases"] == 1
+        lease.release()
         wait_released(client)
 
 
