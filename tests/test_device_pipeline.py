@@ -190,8 +190,9 @@ def test_a_scatter_that_fails_makes_the_step_recompute(
         calls.append(1)
         raise RuntimeError("scatter failed")
 
-    # The CPU path copies slices itself (device_pipeline._copy); CUDA goes through the kernels.
-    monkeypatch.setattr(device_pipeline, "_copy", failing)
+    # The CPU path copies slices itself (on the forward's thread, in merged groups); CUDA goes
+    # through the kernels.
+    monkeypatch.setattr(device_pipeline, "_strided_groups", failing)
     plan = StepPlan(loads=[LoadSpec("r", [b"k"], [5, 6])])
     worker.start_load_kv(plan)
     for i in range(LAYERS):
@@ -249,7 +250,7 @@ def test_cpu_loads_write_exactly_what_the_reference_scatter_writes(
     """Whole chunks, a partly new chunk, scattered and repeated block runs, two kernel blocks
     per engine block: every written block equals the reference kernels' scatter of the same
     chunk rows, blocks the engine holds (-1) and failed chunks stay untouched."""
-    layers, ratio, bpc, blocks = 2, 2, 2, 24
+    layers, ratio, bpc, blocks = 2, 2, 2, 40
     chunk_shape = (layers, bpc * ratio, 3, 5)
     caches = [torch.zeros(blocks, 3, 5, dtype=dtype) for _ in range(layers)]
     layout = kvstore_kernels.CacheLayout("t", block_dim=0, ndim=3)
@@ -265,17 +266,19 @@ def test_cpu_loads_write_exactly_what_the_reference_scatter_writes(
     specs = [
         LoadSpec("a", [b"1", b"2"], [2, 3, 9, 4]),  # chunk 0 consecutive, chunk 1 split
         LoadSpec("b", [b"3", b"4", b"5"], [-1, 7, 10, 11, 5, 6]),  # partial; ok; failed
+        LoadSpec("c", [b"6", b"7", b"8"], [0, 1, 12, 13, 14, 15]),  # merged with chunk 3
     ]
-    host = torch.randn(5, *chunk_shape).to(dtype)
+    host = torch.randn(8, *chunk_shape).to(dtype)
     load = pipeline.new_load(specs, host)
-    pipeline.run(load, lambda _: [True, True, True, True, False])
+    pipeline.run(load, lambda _: [True, True, True, True, False, True, True, True])
     # On wait: nothing is written until the layer is asked for (here, on the main thread).
     assert (caches[1].abs().sum() == 0) == copy_on_wait
     for layer in range(layers):
         assert pipeline.wait_layer(load, layer, timeout=30)
     assert load.runs is not None and not load.crashed
     expected = [torch.zeros_like(c) for c in caches]
-    for chunk, engine_blocks in enumerate([[2, 3], [9, 4], [-1, 7], [10, 11]]):
+    targets = [[2, 3], [9, 4], [-1, 7], [10, 11], [-1, -1], [0, 1], [12, 13], [14, 15]]
+    for chunk, engine_blocks in enumerate(targets):
         for j, block in enumerate(engine_blocks):
             if block < 0:
                 continue
@@ -284,7 +287,8 @@ def test_cpu_loads_write_exactly_what_the_reference_scatter_writes(
             kvstore_kernels.scatter_blocks(host[chunk][:, rows], expected, ids, layout)
     for cache, want in zip(caches, expected, strict=True):
         assert torch.equal(cache, want)
-    assert caches[0][10:14].abs().sum() == 0  # chunk 4 (failed) wrote nothing
+    # Chunks 6 and 7 lie at equal distances in the staging buffer and land back to back.
+    assert load.groups is None or [g[3] for g in load.groups] == [1, 1, 1, 1, 1, 2, 1]
 
 
 def test_copy_runs_merge_consecutive_blocks_within_a_chunk_only() -> None:

@@ -168,7 +168,9 @@ class StepLoad:
     # (``[layers, kernel blocks, *block]`` numpy views, None where it failed) instead of from
     # ``host``; ``release`` ends the lease once the last layer is copied.
     sources: list[Any] | None = None
-    torch_sources: list[Any] | None = None  # the same as torch tensors (copy_on_wait)
+    # The runs as torch copies on the main thread: (source [n, layers, rows, *block], row,
+    # first block, n, count): n chunks at equal distances in memory, landing back to back.
+    groups: list[tuple[Any, int, int, int, int]] | None = None
     release: Callable[[], None] | None = None
     intact: Callable[[], list[bool]] | None = None  # asked once every layer is copied
     crashed: bool = False  # the layer work failed: every chunk of the step is recomputed
@@ -290,16 +292,24 @@ class LoadPipeline:
         """CPU: copy ``layer``'s blocks of every loaded chunk straight into its cache."""
         if not load.runs:
             return
-        blocks = self._cpu_blocks[layer]
         sources = load.sources if load.sources is not None else _copyable(load.host)
         if threading.current_thread() is threading.main_thread():
             # torch's copy_ runs on the intra-op threads: safe (and faster) on the main thread.
-            blocks = _as_torch(self.caches[layer].movedim(self.layout.block_dim, 0), blocks)
-            if load.torch_sources is None:
+            if load.groups is None:
                 with warnings.catch_warnings():  # the arena views are read-only; only read
                     warnings.simplefilter("ignore", UserWarning)
-                    load.torch_sources = [_as_torch(load.host, s) for s in sources]
-            sources = load.torch_sources
+                    load.groups = [
+                        (_as_torch(src), row, block, n, count)
+                        for src, row, block, n, count in _strided_groups(load.runs, sources)
+                    ]
+            cache = self.caches[layer].movedim(self.layout.block_dim, 0)
+            width = _SAME_WIDTH.get(cache.element_size())
+            cache = cache if width is None else cache.view(width)
+            for src, row, block, n, count in load.groups:
+                dst = cache[block : block + n * count].unflatten(0, (n, count))  # type: ignore[no-untyped-call]
+                dst.copy_(src[:, layer, row : row + count])
+            return
+        blocks = self._cpu_blocks[layer]
         for chunk, row, block, count in load.runs:
             _copy(blocks[block : block + count], sources[chunk][layer, row : row + count])
 
@@ -387,9 +397,54 @@ def _copyable(tensor: torch.Tensor) -> Any:
     return tensor if width is None else tensor.view(width).numpy()
 
 
-def _as_torch(like: torch.Tensor, array: Any) -> torch.Tensor:
+def _as_torch(array: Any) -> torch.Tensor:
     """A :func:`_copyable` back as a torch tensor (numpy views share the memory)."""
     return torch.from_numpy(array) if isinstance(array, np.ndarray) else array
+
+
+def _strided_groups(runs: list[CopyRun], sources: Any) -> list[tuple[Any, int, int, int, int]]:
+    """Runs merged where one strided copy does: ``(source, row, block, n, count)``.
+
+    Runs of the same rows of ``n`` chunks that land back to back in the cache, whose sources
+    lie at equal distances in memory (chunks stored one after the other in the store's arena,
+    or the rows of the staging buffer), become one ``[n, layers, rows, *block]`` view over
+    those chunks: one copy per layer instead of one per chunk and layer (Python's cost per
+    call is a good part of an 8K-token load). Only addresses checked here are read.
+    """
+    groups: list[tuple[Any, int, int, int, int]] = []
+    at = 0
+    while at < len(runs):
+        chunk, row, block, count = runs[at]
+        src, n, step = sources[chunk], 1, 0
+        if isinstance(src, np.ndarray):
+            base = src.ctypes.data
+            while at + n < len(runs):
+                other_chunk, other_row, other_block, other_count = runs[at + n]
+                other = sources[other_chunk]
+                if not (
+                    isinstance(other, np.ndarray)
+                    and (other_row, other_count) == (row, count)
+                    and other_block == block + n * count
+                    and other.shape == src.shape
+                    and other.strides == src.strides
+                ):
+                    break
+                gap = other.ctypes.data - base
+                if n == 1:
+                    if gap <= 0 or gap % src.itemsize:
+                        break
+                    step = gap
+                elif gap != step * n:
+                    break
+                n += 1
+            view = np.lib.stride_tricks.as_strided(
+                src, shape=(n, *src.shape), strides=(step, *src.strides), writeable=False
+            )
+        else:
+            view = src.unsqueeze(0)
+        groups.append((view, row, block, n, count))
+        at += n
+    return groups
 
 
 def in_place(device: Device, dtype: torch.dtype) -> bool:
