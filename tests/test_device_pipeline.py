@@ -301,3 +301,27 @@ def test_copy_runs_merge_consecutive_blocks_within_a_chunk_only() -> None:
     partial = [LoadSpec("b", [b"1"], [-1, 3])]
     plan = plan_scatter(partial, [True], blocks_per_chunk=2, ratio=2)
     assert copy_runs(plan, 2, 2) == [(0, 2, 6, 2)]
+
+
+def test_a_lease_that_arrives_after_the_forward_gave_up_is_released() -> None:
+    caches = _caches()
+    pipeline = LoadPipeline(
+        Device(torch.device("cpu")), caches, LAYOUT, CHUNK_SHAPE, 2, 1, copy_on_wait=True
+    )
+    host = torch.ones(1, *CHUNK_SHAPE)
+    load = pipeline.new_load([LoadSpec("r", [b"k"], [5, 6])], host)
+    fetching, released = threading.Event(), []
+
+    def late_fetch(step: StepLoad) -> list[bool]:
+        assert fetching.wait(30)
+        step.release = lambda: released.append(1)
+        return [True]
+
+    thread = threading.Thread(target=pipeline.run, args=(load, late_fetch))
+    thread.start()
+    assert not pipeline.wait_layer(load, 0, timeout=0.05)
+    pipeline.finish(load)  # the step's end, before the lease exists
+    fetching.set()
+    thread.join(30)
+    assert released == [1]
+    assert caches[0].abs().sum() == 0

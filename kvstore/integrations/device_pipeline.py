@@ -242,7 +242,11 @@ class LoadPipeline:
             load.runs = copy_runs(load.plan, self.blocks_per_chunk, self.ratio)
         load.fetched.set()
         if self.copy_on_wait:
-            return  # wait_layer copies each layer; finish() ends the lease
+            # wait_layer copies each layer and the step's end calls finish(); a forward that
+            # gave up waiting has ended its step already, so end the lease here.
+            if load.cancelled:
+                self.finish(load)
+            return
         started = time.perf_counter()
         try:
             with self.stream.use():
