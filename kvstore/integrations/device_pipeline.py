@@ -21,7 +21,10 @@ gathered intermediate, and no torch op on the loader thread (a torch ``copy_`` o
 there enters OpenMP, which vLLM's CPU worker pins to its own threads; see ``kernels/reference.py``).
 Over shared memory on CPU the source is the store's arena itself: the worker leases the chunks
 (``KVStoreClient.lease``) instead of a get, so each block is copied ONCE, arena -> cache, layer by
-layer, and layer 0 waits for one lease round trip and its own copy, not for the whole step's get.
+layer, and layer 0 waits for the lease and its own copy, not for the whole step's get. The
+connector's worker goes further (``copy_on_wait``): the loader only takes the lease, and each
+layer is copied on the forward pass's own thread when its attention asks for it, with torch's
+parallel ``copy_`` there and chunks at equal distances in memory merged into one strided copy.
 :meth:`LoadPipeline.wait_layer` waits only until the layer's work is
 *issued* and then makes the compute stream wait on the layer's event (CUDA), so layer n+1's copy
 and scatter overlap layer n's attention; on CPU it returns once the layer is scattered, while the
