@@ -375,9 +375,11 @@ def _report(
         f"(`max_tokens=1`, one request at a time, after a warm-up request). Random Llama "
         f"({sizes}), bf16, vLLM CPU build, 2 cores. First tokens differing between the five "
         f"ways: {mismatches} of {len(lengths)}. The kvstore breakdown comes from the "
-        f"connector's debug log: lookup on the scheduler, get (over {data_plane}) on the "
-        f"worker's fetch thread, "
-        f"the time the forward pass waited for it, and the scatter into the paged cache.",
+        f"connector's debug log: lookup on the scheduler, get ({data_plane}; over shared "
+        f"memory a lease on the chunks in the store's arena, no copy) on the worker's fetch "
+        f"thread, the time the forward pass waited for it, and the scatter into the paged "
+        f"cache (on CPU, the copies out of the arena on the forward pass's own thread, layer "
+        f"by layer as each layer's attention asks for it).",
     ]
     return {
         "raw": {"runs": runs, "lengths": lengths, "breakdown": breakdown, "table": table},

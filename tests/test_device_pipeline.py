@@ -14,6 +14,7 @@ import kvstore_kernels  # type: ignore[import-not-found, unused-ignore]
 import pytest
 import torch
 
+from kvstore.client.shm import ShmLease
 from kvstore.integrations import device_pipeline
 from kvstore.integrations.device_pipeline import Device, LoadPipeline, StepLoad
 from kvstore.integrations.vllm_common import ConnectorSettings, LoadSpec, StepPlan
@@ -112,8 +113,7 @@ class _Store:
         pass
 
 
-@pytest.fixture()
-def worker() -> Iterator[WorkerSide]:
+def _worker(client: Any) -> WorkerSide:
     spec = SimpleNamespace(block_size=BLOCK, num_kv_heads=2, head_size=3, dtype=torch.float32)
     names = [f"l{i}" for i in range(LAYERS)]
     config = SimpleNamespace(
@@ -129,10 +129,56 @@ def worker() -> Iterator[WorkerSide]:
     settings = ConnectorSettings.from_extra_config(
         {"target": "127.0.0.1:1", "chunk_size": CHUNK}, env={}
     )
-    side = WorkerSide(settings, config, kv_config, client=_Store())  # type: ignore[arg-type]
+    side = WorkerSide(settings, config, kv_config, client=client)
     side.register_kv_caches({name: cache for name, cache in zip(names, _caches(), strict=True)})
+    return side
+
+
+@pytest.fixture()
+def worker() -> Iterator[WorkerSide]:
+    side = _worker(_Store())
     yield side
     side.shutdown()
+
+
+class _LeasingStore(_Store):
+    """A store read in place (like shared memory): one chunk, intact or torn once read."""
+
+    def __init__(self, chunk: torch.Tensor, intact: bool) -> None:
+        super().__init__()
+        self.chunk, self.is_intact, self.released = chunk, intact, 0
+
+    def lease(self, keys: Sequence[bytes], **_: Any) -> ShmLease:
+        view = self.chunk.view(torch.uint8).numpy().reshape(-1)
+
+        def release() -> None:
+            self.released += 1
+
+        return ShmLease([view] * len(keys), release, lambda: [self.is_intact] * len(keys))
+
+
+@pytest.mark.parametrize("intact", [True, False], ids=["intact", "torn"])
+def test_chunks_read_in_place_land_in_the_cache_or_are_recomputed_if_torn(intact: bool) -> None:
+    chunk = torch.randn(CHUNK_SHAPE)
+    store = _LeasingStore(chunk, intact)
+    side = _worker(store)
+    try:
+        plan = StepPlan(loads=[LoadSpec("r", [b"k"], [5, 6])])
+        side.start_load_kv(plan)
+        for i in range(LAYERS):
+            side.wait_for_layer_load(f"l{i}")
+        side.wait_for_save(plan)
+        for layer, cache in enumerate(side._caches):
+            assert torch.equal(cache[5:7], chunk[layer])
+        assert store.released == 1
+        if intact:
+            assert side.get_block_ids_with_load_errors() == set()
+            assert side.counters.take()["loaded_tokens"] == CHUNK
+        else:
+            assert side.get_block_ids_with_load_errors() == {5, 6}
+            assert side.counters.take()["load_failed_tokens"] == {"missing": CHUNK}
+    finally:
+        side.shutdown()
 
 
 def test_a_scatter_that_fails_makes_the_step_recompute(
@@ -144,7 +190,9 @@ def test_a_scatter_that_fails_makes_the_step_recompute(
         calls.append(1)
         raise RuntimeError("scatter failed")
 
-    monkeypatch.setattr(device_pipeline.kvstore_kernels, "scatter_blocks", failing)
+    # The CPU path copies slices itself (on the forward's thread, in merged groups); CUDA goes
+    # through the kernels.
+    monkeypatch.setattr(device_pipeline, "_strided_groups", failing)
     plan = StepPlan(loads=[LoadSpec("r", [b"k"], [5, 6])])
     worker.start_load_kv(plan)
     for i in range(LAYERS):
@@ -192,3 +240,88 @@ def test_a_cache_whose_layout_cannot_be_told_is_refused(worker: WorkerSide) -> N
         worker.register_kv_caches(five_d)
     worker.register_kv_caches(five_d, backend="FLASH_ATTN")
     assert worker.layout_name == "kv_first/NHD"
+
+
+@pytest.mark.parametrize("copy_on_wait", [False, True], ids=["loader", "on_wait"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cpu_loads_write_exactly_what_the_reference_scatter_writes(
+    dtype: torch.dtype, copy_on_wait: bool
+) -> None:
+    """Whole chunks, a partly new chunk, scattered and repeated block runs, two kernel blocks
+    per engine block: every written block equals the reference kernels' scatter of the same
+    chunk rows, blocks the engine holds (-1) and failed chunks stay untouched."""
+    layers, ratio, bpc, blocks = 2, 2, 2, 40
+    chunk_shape = (layers, bpc * ratio, 3, 5)
+    caches = [torch.zeros(blocks, 3, 5, dtype=dtype) for _ in range(layers)]
+    layout = kvstore_kernels.CacheLayout("t", block_dim=0, ndim=3)
+    pipeline = LoadPipeline(
+        Device(torch.device("cpu")),
+        caches,
+        layout,
+        chunk_shape,
+        bpc,
+        ratio,
+        copy_on_wait=copy_on_wait,
+    )
+    specs = [
+        LoadSpec("a", [b"1", b"2"], [2, 3, 9, 4]),  # chunk 0 consecutive, chunk 1 split
+        LoadSpec("b", [b"3", b"4", b"5"], [-1, 7, 10, 11, 5, 6]),  # partial; ok; failed
+        LoadSpec("c", [b"6", b"7", b"8"], [0, 1, 12, 13, 14, 15]),  # merged with chunk 3
+    ]
+    host = torch.randn(8, *chunk_shape).to(dtype)
+    load = pipeline.new_load(specs, host)
+    pipeline.run(load, lambda _: [True, True, True, True, False, True, True, True])
+    # On wait: nothing is written until the layer is asked for (here, on the main thread).
+    assert (caches[1].abs().sum() == 0) == copy_on_wait
+    for layer in range(layers):
+        assert pipeline.wait_layer(load, layer, timeout=30)
+    assert load.runs is not None and not load.crashed
+    expected = [torch.zeros_like(c) for c in caches]
+    targets = [[2, 3], [9, 4], [-1, 7], [10, 11], [-1, -1], [0, 1], [12, 13], [14, 15]]
+    for chunk, engine_blocks in enumerate(targets):
+        for j, block in enumerate(engine_blocks):
+            if block < 0:
+                continue
+            rows = [j * ratio, j * ratio + 1]
+            ids = [block * ratio, block * ratio + 1]
+            kvstore_kernels.scatter_blocks(host[chunk][:, rows], expected, ids, layout)
+    for cache, want in zip(caches, expected, strict=True):
+        assert torch.equal(cache, want)
+    # Chunks 6 and 7 lie at equal distances in the staging buffer and land back to back.
+    assert load.groups is None or [g[3] for g in load.groups] == [1, 1, 1, 1, 1, 2, 1]
+
+
+def test_copy_runs_merge_consecutive_blocks_within_a_chunk_only() -> None:
+    from kvstore.integrations.vllm_plan import copy_runs, plan_scatter
+
+    specs = [LoadSpec("a", [b"1", b"2", b"3"], [4, 5, 6, 7, 9, 8])]
+    plan = plan_scatter(specs, [True, True, True], blocks_per_chunk=2, ratio=1)
+    # Chunks 0 and 1 continue each other in the cache but are separate sources.
+    assert copy_runs(plan, 2, 1) == [(0, 0, 4, 2), (1, 0, 6, 2), (2, 0, 9, 1), (2, 1, 8, 1)]
+    partial = [LoadSpec("b", [b"1"], [-1, 3])]
+    plan = plan_scatter(partial, [True], blocks_per_chunk=2, ratio=2)
+    assert copy_runs(plan, 2, 2) == [(0, 2, 6, 2)]
+
+
+def test_a_lease_that_arrives_after_the_forward_gave_up_is_released() -> None:
+    caches = _caches()
+    pipeline = LoadPipeline(
+        Device(torch.device("cpu")), caches, LAYOUT, CHUNK_SHAPE, 2, 1, copy_on_wait=True
+    )
+    host = torch.ones(1, *CHUNK_SHAPE)
+    load = pipeline.new_load([LoadSpec("r", [b"k"], [5, 6])], host)
+    fetching, released = threading.Event(), []
+
+    def late_fetch(step: StepLoad) -> list[bool]:
+        assert fetching.wait(30)
+        step.release = lambda: released.append(1)
+        return [True]
+
+    thread = threading.Thread(target=pipeline.run, args=(load, late_fetch))
+    thread.start()
+    assert not pipeline.wait_layer(load, 0, timeout=0.05)
+    pipeline.finish(load)  # the step's end, before the lease exists
+    fetching.set()
+    thread.join(30)
+    assert released == [1]
+    assert caches[0].abs().sum() == 0

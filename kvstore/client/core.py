@@ -36,7 +36,7 @@ from kvstore.client.device_fill import (
     staging_for,
 )
 from kvstore.client.settings import ClientSettings
-from kvstore.client.shm import ShmDataPlane, ShmUnavailableError
+from kvstore.client.shm import ShmDataPlane, ShmLease, ShmUnavailableError
 from kvstore.client.shm_link import ShmLink
 from kvstore.client.ucx import CONNECT_SHARE, UcxDataClient
 from kvstore.errors import DeadlineExceededError, KVStoreError
@@ -388,6 +388,13 @@ class ClientCore:
         path = f"{self.data_plane}-pinned"
         yield Blocking(lambda: copy_to_devices(hosts, tensors, found))
         return DeviceFill(found, path)
+
+    def lease(self, keys: Sequence[bytes], timeout: float | None) -> Plan[ShmLease | None]:
+        """The blocks of ``keys`` held in the arena for reading in place; ``None`` where the
+        shared-memory path is not in use (see :meth:`ShmDataPlane.acquire`)."""
+        deadline = self.deadline(timeout)
+        held = yield from self._over_shm(keys, deadline, lambda plane, t: plane.acquire(keys, t))
+        return None if isinstance(held, _Fallback) else held
 
     def delete(self, keys: Sequence[bytes], timeout: float | None) -> Plan[int]:
         """Remove ``keys`` from every tier; how many were present."""

@@ -26,7 +26,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -50,7 +50,7 @@ from kvstore.protocol.shm_frames import (
 )
 from kvstore.types import LookupResult, PutResult
 
-__all__ = ["ShmDataPlane", "ShmUnavailableError"]
+__all__ = ["ShmDataPlane", "ShmLease", "ShmUnavailableError"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,48 @@ def _index_reader(fd: int, size: int) -> IndexReader | None:
     except ValueError as exc:
         logger.info("not reading the server's dram index directly: %s", exc)
         return None
+
+
+class ShmLease:
+    """Blocks held in the store's arena for reading in place (:meth:`ShmDataPlane.acquire`).
+
+    ``views[i]`` is key ``i``'s block as read-only ``uint8`` (``None``: missing); valid until
+    :meth:`release`, after which the server may reuse the pages under them. Thread-safe
+    release, once; also a context manager.
+    """
+
+    def __init__(
+        self,
+        views: list[np.ndarray[Any, Any] | None],
+        release: Callable[[], None],
+        intact: Callable[[], list[bool]] | None = None,
+    ) -> None:
+        self.views = views
+        self._release: Callable[[], None] | None = release
+        self._intact = intact
+        self._lock = threading.Lock()
+
+    def intact(self) -> list[bool]:
+        """Whether each view held its block all along; ask once done reading, before trusting
+        what was read. Blocks leased from the server always do; blocks read through the
+        published index without asking (no server round trip) do unless the server retired
+        them meanwhile, and then what was read may be torn: treat it as missing."""
+        if self._intact is not None:
+            return self._intact()
+        return [view is not None for view in self.views]
+
+    def release(self) -> None:
+        """Let the server reuse the blocks' pages (the views must not be read any more)."""
+        with self._lock:
+            release, self._release = self._release, None
+        if release is not None:
+            release()
+
+    def __enter__(self) -> ShmLease:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.release()
 
 
 class ShmDataPlane:
@@ -253,6 +295,88 @@ class ShmDataPlane:
             return True
 
         return self._read(keys, copy, timeout)
+
+    def acquire(self, keys: Sequence[bytes], timeout: float | None = None) -> ShmLease:
+        """Hold the blocks of ``keys`` in the arena and hand out read-only views of them.
+
+        Where every key is in the published index, the views come from it without asking the
+        server, and the reader must check :meth:`ShmLease.intact` once done. Otherwise the
+        server leases the blocks: it keeps their pages as they are (no eviction, no reuse)
+        until :meth:`ShmLease.release`, or until the socket that holds them closes. Either way
+        the caller reads the blocks in place, with no copy in between. A block that is not one
+        contiguous range (or that the server sent inline) is copied once; a missing one is
+        ``None``.
+        """
+        deadline = self._deadline(timeout)
+        usable = self._usable_index()
+        if usable is not None:
+            direct = self._acquire_direct(*usable, keys)
+            if direct is not None:
+                return direct
+        with self._lock:
+            if self._closed:
+                raise ShmUnavailableError("the shared-memory path is closed")
+            conn = self._idle.pop() if self._idle else None
+        if conn is None:
+            conn = self._open(deadline - time.monotonic())
+        views: list[np.ndarray[Any, Any] | None] = []
+        leases: list[int] = []
+        arena = self._arena
+        with closed_on_failure(conn):
+            reply = Cursor(conn.call(Op.ACQUIRE, pack_keys(keys), deadline))
+            for _ in keys:
+                kind = reply.u8()
+                if kind == Slot.LEASE:
+                    leases.append(reply.u64())
+                    ranges = reply.ranges()
+                    parts = [arena[offset : offset + size] for offset, size in ranges]
+                    view = parts[0] if len(parts) == 1 else np.concatenate(parts)
+                    view.flags.writeable = False
+                    views.append(view)
+                elif kind == Slot.BYTES:
+                    views.append(np.frombuffer(bytes(reply.take(reply.u64())), dtype=np.uint8))
+                else:
+                    views.append(None)
+        return ShmLease(views, lambda: self._release(conn, leases))
+
+    def _acquire_direct(
+        self, index: IndexReader, touches: TouchSender, keys: Sequence[bytes]
+    ) -> ShmLease | None:
+        """Views of blocks that are all in the published index, with no server round trip;
+        ``None`` if any is not (the caller asks the server for leases instead). The server
+        hears of the reads in the next TOUCH; :meth:`ShmLease.intact` re-checks the entries."""
+        arena = self._arena
+        hits = []
+        for key in keys:
+            hit = index.find(key, self.namespace)
+            # A torn entry can hold any offset: stay inside the arena.
+            if hit is None or hit[2] + hit[3] > len(arena):
+                return None
+            hits.append(hit)
+        views: list[np.ndarray[Any, Any] | None] = []
+        for hit in hits:
+            view = arena[hit[2] : hit[2] + hit[3]]
+            view.flags.writeable = False
+            views.append(view)
+        try:
+            touches.add(keys)
+        except ConnectionError as exc:
+            raise ShmUnavailableError(str(exc)) from exc
+        return ShmLease(views, lambda: None, lambda: [index.unchanged(hit) for hit in hits])
+
+    def _release(self, conn: ShmConnection, leases: list[int]) -> None:
+        """End an :meth:`acquire`'s leases and give its socket back."""
+        try:
+            with closed_on_failure(conn):
+                if leases:
+                    conn.send(Op.RELEASE, pack_ids(leases))
+        except (ShmUnavailableError, DeadlineExceededError):
+            return  # the socket is closed, and the server ends what it held by itself
+        with self._lock:
+            if self._closed:
+                conn.sock.close()
+            else:
+                self._idle.append(conn)
 
     def get(self, keys: Sequence[bytes], timeout: float | None = None) -> list[bytes | None]:
         """The payload of each key (a fresh ``bytes``), ``None`` where missing."""

@@ -29,6 +29,7 @@ from kvstore.client.channel import ChannelSecurity, Pem, blocking_channel
 from kvstore.client.core import Blocking, ClientBase, Plan, Rpc, Step, client_settings
 from kvstore.client.device_fill import DeviceFill
 from kvstore.client.settings import ClientSettings
+from kvstore.client.shm import ShmLease
 from kvstore.keys import Namespace
 from kvstore.types import LookupResult, PrefetchProgress, PutResult
 
@@ -141,6 +142,15 @@ class KVStoreClient(ClientBase):
         host-to-device copy each. See :mod:`kvstore.client.device_fill`.
         """
         return self._run(self._core.get_into_device(keys, tensors, staging, timeout))
+
+    def lease(self, keys: Sequence[bytes], *, timeout: float | None = None) -> ShmLease | None:
+        """Hold the blocks of ``keys`` in the store's shared-memory arena and read them in place.
+
+        Returns ``None`` when the client does not reach the store over shared memory (then use
+        :meth:`get_into`). The lease's ``views`` (read-only bytes, ``None`` where missing) stay
+        valid until its ``release()``; the store keeps those blocks meanwhile, so release soon.
+        """
+        return self._run(self._core.lease(keys, timeout))
 
     def delete(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
         """Remove ``keys`` from every tier; returns how many were present."""

@@ -14,13 +14,23 @@ block once, from its arena into that buffer; nothing pageable in between) -- and
 layer by layer on a background thread: on CUDA, the layer's slice of every chunk is copied into a
 device staging buffer on a dedicated load stream (one contiguous DMA per chunk and layer, the
 layer's device staging being contiguous), scattered into the layer's paged cache by the kernels
-on the same stream, and an event is recorded for the layer; on CPU the layer is scattered from the
-host buffer directly. :meth:`LoadPipeline.wait_layer` waits only until the layer's work is
+on the same stream, and an event is recorded for the layer; on CPU the layer's slice of each chunk
+is copied straight into the cache's blocks, one slice copy per run of consecutive blocks
+(:func:`~kvstore.integrations.vllm_plan.copy_runs`; usually one per chunk), through numpy: no
+gathered intermediate, and no torch op on the loader thread (a torch ``copy_`` or advanced index
+there enters OpenMP, which vLLM's CPU worker pins to its own threads; see ``kernels/reference.py``).
+Over shared memory on CPU the source is the store's arena itself: the worker leases the chunks
+(``KVStoreClient.lease``) instead of a get, so each block is copied ONCE, arena -> cache, layer by
+layer, and layer 0 waits for the lease and its own copy, not for the whole step's get. The
+connector's worker goes further (``copy_on_wait``): the loader only takes the lease, and each
+layer is copied on the forward pass's own thread when its attention asks for it, with torch's
+parallel ``copy_`` there and chunks at equal distances in memory merged into one strided copy.
+:meth:`LoadPipeline.wait_layer` waits only until the layer's work is
 *issued* and then makes the compute stream wait on the layer's event (CUDA), so layer n+1's copy
 and scatter overlap layer n's attention; on CPU it returns once the layer is scattered, while the
 next layers proceed on the background thread during the forward pass of the earlier ones.
 Keeping the stored format means nothing changes for stored data or other clients; the price is
-that the first layer waits for the whole fetch (which is a memory copy out of the store's arena).
+that, where no lease is possible (CUDA, gRPC, UCX), the first layer waits for the whole fetch.
 
 **Saves** (:meth:`Device.gather_to_host`): after the forward pass an event is recorded on the
 compute stream; the save thread makes a side stream wait for it, gathers the planned blocks on
@@ -32,19 +42,29 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import kvstore_kernels  # type: ignore[import-not-found, unused-ignore]
+import numpy as np
 import torch
 
 from kvstore.integrations.vllm_common import LoadSpec
-from kvstore.integrations.vllm_plan import ScatterPlan, chunk_blocks, kernel_ids, plan_scatter
+from kvstore.integrations.vllm_plan import (
+    CopyRun,
+    ScatterPlan,
+    chunk_blocks,
+    copy_runs,
+    kernel_ids,
+    plan_scatter,
+)
 
-__all__ = ["Device", "Event", "LoadPipeline", "StepLoad", "Stream"]
+__all__ = ["Device", "Event", "LoadPipeline", "StepLoad", "Stream", "arena_chunk", "in_place"]
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +166,16 @@ class StepLoad:
     fetched: threading.Event = field(default_factory=threading.Event)
     ok: list[bool] | None = None
     plan: ScatterPlan | None = None
+    runs: list[CopyRun] | None = None  # the plan as slice copies (CPU)
+    # CPU over shared memory: each chunk read in place from the store's arena under a lease
+    # (``[layers, kernel blocks, *block]`` numpy views, None where it failed) instead of from
+    # ``host``; ``release`` ends the lease once the last layer is copied.
+    sources: list[Any] | None = None
+    # The runs as torch copies on the main thread: (source [n, layers, rows, *block], row,
+    # first block, n, count): n chunks at equal distances in memory, landing back to back.
+    groups: list[tuple[Any, int, int, int, int]] | None = None
+    release: Callable[[], None] | None = None
+    intact: Callable[[], list[bool]] | None = None  # asked once every layer is copied
     crashed: bool = False  # the layer work failed: every chunk of the step is recomputed
     cancelled: bool = False  # the forward gave up waiting: write nothing more
     waited: set[int] = field(default_factory=set)  # layers whose attention asked for them
@@ -167,8 +197,15 @@ class LoadPipeline:
         chunk_shape: tuple[int, ...],
         blocks_per_chunk: int,
         ratio: int,
+        *,
+        copy_on_wait: bool = False,
     ) -> None:
+        """``copy_on_wait`` (CPU only): the loader thread only fetches, and each layer is copied
+        on the forward pass's own thread when its attention asks for it (:meth:`wait_layer`),
+        with torch's parallel ``copy_`` on the main thread; else the loader copies every layer
+        in the background, competing with the forward pass for the cores."""
         self.device = device
+        self.copy_on_wait = copy_on_wait and not device.is_cuda
         self.caches = list(caches)
         self.layout = layout
         self.chunk_shape = chunk_shape  # [layers, kernel blocks per chunk, *block]
@@ -179,6 +216,11 @@ class LoadPipeline:
         # Device staging, kept across steps: [layers, chunks, kernel blocks, *block], so one
         # layer's blocks of every chunk are contiguous (one scatter source per layer).
         self._device_staging: torch.Tensor | None = None
+        # CPU: each layer's cache with the block dimension first, as numpy (a view of the
+        # cache's own storage) where the dtype allows.
+        self._cpu_blocks: list[Any] = []
+        if not device.is_cuda:
+            self._cpu_blocks = [_copyable(c.movedim(layout.block_dim, 0)) for c in self.caches]
 
     def new_load(self, specs: list[LoadSpec], host: torch.Tensor) -> StepLoad:
         """A step's load landing in ``host`` (``[chunks, *chunk_shape]``)."""
@@ -199,7 +241,15 @@ class LoadPipeline:
             load.ok = [False] * load.host.shape[0]
             load.reason = "error"
         load.plan = plan_scatter(load.specs, load.ok, self.blocks_per_chunk, self.ratio)
+        if not self.device.is_cuda:
+            load.runs = copy_runs(load.plan, self.blocks_per_chunk, self.ratio)
         load.fetched.set()
+        if self.copy_on_wait:
+            # wait_layer copies each layer and the step's end calls finish(); a forward that
+            # gave up waiting has ended its step already, so end the lease here.
+            if load.cancelled:
+                self.finish(load)
+            return
         started = time.perf_counter()
         try:
             with self.stream.use():
@@ -221,8 +271,18 @@ class LoadPipeline:
             load.scatter_s = time.perf_counter() - started
             for ready in load.ready:  # never leave the forward waiting
                 ready.set()
+            self.finish(load)  # nothing reads the leased blocks any more
+
+    def finish(self, load: StepLoad) -> None:
+        """End the step's lease on the store's blocks, if it holds one (idempotent)."""
+        release, load.release = load.release, None
+        if release is not None:
+            release()
 
     def _issue_layer(self, load: StepLoad, layer: int) -> None:
+        if load.runs is not None:
+            self._copy_layer(load, layer)
+            return
         plan = load.plan
         if plan is None or (not plan.whole and not plan.partial):
             return
@@ -234,6 +294,31 @@ class LoadPipeline:
             kvstore_kernels.scatter_blocks(whole, cache, plan.whole_ids, self.layout)
         for chunk, spec, index in plan.partial:
             self._scatter_partial(src[chunk].unsqueeze(0), cache, spec, index)
+
+    def _copy_layer(self, load: StepLoad, layer: int) -> None:
+        """CPU: copy ``layer``'s blocks of every loaded chunk straight into its cache."""
+        if not load.runs:
+            return
+        sources = load.sources if load.sources is not None else _copyable(load.host)
+        if threading.current_thread() is threading.main_thread():
+            # torch's copy_ runs on the intra-op threads: safe (and faster) on the main thread.
+            if load.groups is None:
+                with warnings.catch_warnings():  # the arena views are read-only; only read
+                    warnings.simplefilter("ignore", UserWarning)
+                    load.groups = [
+                        (_as_torch(src), row, block, n, count)
+                        for src, row, block, n, count in _strided_groups(load.runs, sources)
+                    ]
+            cache = self.caches[layer].movedim(self.layout.block_dim, 0)
+            width = _SAME_WIDTH.get(cache.element_size())
+            cache = cache if width is None else cache.view(width)
+            for src, row, block, n, count in load.groups:
+                dst = cache[block : block + n * count].unflatten(0, (n, count))  # type: ignore[no-untyped-call]
+                dst.copy_(src[:, layer, row : row + count])
+            return
+        blocks = self._cpu_blocks[layer]
+        for chunk, row, block, count in load.runs:
+            _copy(blocks[block : block + count], sources[chunk][layer, row : row + count])
 
     def _stage(self, load: StepLoad, layer: int) -> torch.Tensor:
         """This layer's blocks of every chunk, where the scatter reads them."""
@@ -276,6 +361,8 @@ class LoadPipeline:
         ``timeout`` seconds; then the compute stream waits for the layer's event on the device.
         """
         started = time.perf_counter()
+        if self.copy_on_wait:
+            return self._copy_on_wait(load, layer, timeout)
         issued = load.ready[layer].wait(timeout)
         load.waited_s += time.perf_counter() - started
         load.waited.add(layer)
@@ -284,3 +371,115 @@ class LoadPipeline:
             return False
         self.device.current_stream().wait(load.events[layer])
         return True
+
+    def _copy_on_wait(self, load: StepLoad, layer: int, timeout: float) -> bool:
+        started = time.perf_counter()
+        fetched = load.fetched.wait(timeout)
+        load.waited_s += time.perf_counter() - started
+        load.waited.add(layer)
+        if not fetched:
+            load.cancelled = True
+            return False
+        if not (load.cancelled or load.crashed):
+            started = time.perf_counter()
+            try:
+                self._copy_layer(load, layer)
+            except Exception:
+                logger.exception("kvstore layer copy failed; recomputing the step's loads")
+                load.crashed = True
+            load.scatter_s += time.perf_counter() - started
+        load.ready[layer].set()
+        if len(load.waited) == len(self.caches):
+            self.finish(load)
+        return True
+
+
+# Integer dtypes of each element width: numpy has no bfloat16 or float8, and a copy moves bits.
+_SAME_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _copyable(tensor: torch.Tensor) -> Any:
+    """A CPU tensor as a numpy view of the same bytes (same strides), else the tensor itself."""
+    width = _SAME_WIDTH.get(tensor.element_size())
+    return tensor if width is None else tensor.view(width).numpy()
+
+
+def _as_torch(array: Any) -> torch.Tensor:
+    """A :func:`_copyable` back as a torch tensor (numpy views share the memory)."""
+    return torch.from_numpy(array) if isinstance(array, np.ndarray) else array
+
+
+def _strided_groups(runs: list[CopyRun], sources: Any) -> list[tuple[Any, int, int, int, int]]:
+    """Runs merged where one strided copy does: ``(source, row, block, n, count)``.
+
+    Runs of the same rows of ``n`` chunks that land back to back in the cache, whose sources
+    lie at equal distances in memory (chunks stored one after the other in the store's arena,
+    or the rows of the staging buffer), become one ``[n, layers, rows, *block]`` view over
+    those chunks: one copy per layer instead of one per chunk and layer (Python's cost per
+    call is a good part of an 8K-token load). Only addresses checked here are read.
+    """
+    groups: list[tuple[Any, int, int, int, int]] = []
+    at = 0
+    while at < len(runs):
+        chunk, row, block, count = runs[at]
+        src, n, step = sources[chunk], 1, 0
+        if isinstance(src, np.ndarray):
+            base = src.ctypes.data
+            while at + n < len(runs):
+                other_chunk, other_row, other_block, other_count = runs[at + n]
+                other = sources[other_chunk]
+                if not (
+                    isinstance(other, np.ndarray)
+                    and (other_row, other_count) == (row, count)
+                    and other_block == block + n * count
+                    and other.shape == src.shape
+                    and other.strides == src.strides
+                ):
+                    break
+                gap = other.ctypes.data - base
+                if n == 1:
+                    if gap <= 0 or gap % src.itemsize:
+                        break
+                    step = gap
+                elif gap != step * n:
+                    break
+                n += 1
+            view = np.lib.stride_tricks.as_strided(
+                src, shape=(n, *src.shape), strides=(step, *src.strides), writeable=False
+            )
+        else:
+            view = src.unsqueeze(0)
+        groups.append((view, row, block, n, count))
+        at += n
+    return groups
+
+
+def in_place(device: Device, dtype: torch.dtype) -> bool:
+    """Whether loads can read chunks in place from the store's arena (:func:`arena_chunk`):
+    on CPU, for a dtype numpy can view as integers of its width (on CUDA the chunks go
+    through page-locked staging, the DMA's source)."""
+    return not device.is_cuda and _width(dtype) is not None
+
+
+def arena_chunk(view: Any, shape: Sequence[int], dtype: torch.dtype) -> Any:
+    """A leased chunk (``uint8`` bytes in the store's arena) as a :func:`_copyable` of
+    ``shape`` holding ``dtype``; ``None`` if it is not that size (a failed chunk)."""
+    width = _width(dtype)
+    assert width is not None, "in_place() said no"
+    if view.nbytes != math.prod(shape) * width.itemsize:
+        return None
+    return view.view(width).reshape(tuple(shape))
+
+
+def _width(dtype: torch.dtype) -> np.dtype[Any] | None:
+    """numpy's integer dtype of ``dtype``'s width, if any."""
+    width = _SAME_WIDTH.get(torch.empty(0, dtype=dtype).element_size())
+    return None if width is None else torch.empty(0, dtype=width).numpy().dtype
+
+
+def _copy(dst: Any, src: Any) -> None:
+    """``dst[...] = src`` for two :func:`_copyable` slices (numpy releases the GIL)."""
+    if isinstance(dst, np.ndarray):
+        np.copyto(dst, src)
+    else:
+        dst.copy_(src)

@@ -15,7 +15,15 @@ from dataclasses import dataclass, field
 
 from kvstore.integrations.vllm_common import LoadSpec
 
-__all__ = ["ScatterPlan", "chunk_blocks", "kernel_ids", "load_targets", "plan_scatter"]
+__all__ = [
+    "CopyRun",
+    "ScatterPlan",
+    "chunk_blocks",
+    "copy_runs",
+    "kernel_ids",
+    "load_targets",
+    "plan_scatter",
+]
 
 
 def load_targets(
@@ -89,3 +97,35 @@ def plan_scatter(
         partial = [(chunk, spec, index) for chunk, (spec, index) in enumerate(chunks) if ok[chunk]]
         return ScatterPlan(partial=partial)
     return plan
+
+
+#: ``(chunk, first row, first kernel block, count)``: rows ``row .. row+count-1`` of a loaded
+#: chunk (its kernel blocks, in stored order) land in kernel blocks ``block .. block+count-1``.
+CopyRun = tuple[int, int, int, int]
+
+
+def copy_runs(plan: ScatterPlan, blocks_per_chunk: int, ratio: int) -> list[CopyRun]:
+    """``plan`` as runs of consecutive rows of one chunk landing in consecutive kernel blocks.
+
+    A fresh engine's allocator hands out consecutive blocks, so a loaded prefix is usually one
+    run per chunk: one slice copy per chunk and layer, straight from the loaded chunk into the
+    cache, with no gathered intermediate.
+    """
+    per_chunk = blocks_per_chunk * ratio
+    rows: list[tuple[int, int, int]] = []  # (chunk, row, kernel block)
+    for at, chunk in enumerate(plan.whole):
+        ids = plan.whole_ids[at * per_chunk : (at + 1) * per_chunk]
+        rows.extend((chunk, row, block) for row, block in enumerate(ids))
+    for chunk, spec, index in plan.partial:
+        for j, block in enumerate(chunk_blocks(spec.block_ids, index, blocks_per_chunk)):
+            if block >= 0:  # -1: a block the engine holds already; never written
+                rows.extend((chunk, j * ratio + i, block * ratio + i) for i in range(ratio))
+    runs: list[CopyRun] = []
+    for chunk, row, block in rows:
+        if runs:
+            last = runs[-1]
+            if last[0] == chunk and last[1] + last[3] == row and last[2] + last[3] == block:
+                runs[-1] = (chunk, last[1], last[2], last[3] + 1)
+                continue
+        runs.append((chunk, row, block, 1))
+    return runs
