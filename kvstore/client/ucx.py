@@ -47,6 +47,7 @@ from kvstore.protocol.ucx import (
     load_ucxx,
     parse_address,
     transfer_tag,
+    verify_payloads,
 )
 from kvstore.types import PutResult
 
@@ -265,6 +266,9 @@ class UcxDataClient:
                     ),
                     _remaining(deadline),
                 )
+                # Device memory cannot be hashed here; what the host received is checked.
+                host = {i: b for i, b in buffers.items() if not is_device_tensor(b)}
+                verify_payloads(host, response.checksums)
             self.counters["transfers"] += 1
             return _GetOutcome(list(response.sent), buffers)
         except UcxTransportError as exc:

@@ -36,7 +36,12 @@ from kvstore.client.channel import ChannelSecurity, aio_channel
 from kvstore.client.core import client_settings
 from kvstore.client.ucx import CONNECT_SHARE, abort_endpoint, open_endpoint, receive_payloads
 from kvstore.protocol import messages as _wire
-from kvstore.protocol.ucx import CLIENT_ID_BYTES, UcxTransportError, parse_address
+from kvstore.protocol.ucx import (
+    CLIENT_ID_BYTES,
+    UcxTransportError,
+    parse_address,
+    verify_payloads,
+)
 from kvstore.store.remote import Landing
 
 __all__ = ["UcxPeerLink"]
@@ -127,9 +132,12 @@ class UcxPeerLink:
             if buffers:
                 try:
                     await receive_payloads(endpoint, transfer_id, buffers, _remaining(deadline))
+                    # Before anything is installed or served: what arrived is what was sent.
+                    await asyncio.to_thread(verify_payloads, buffers, response.checksums)
                 except BaseException:
-                    # Failed, late or cancelled: no receive still posted may outlive this call,
-                    # and pages of the host tier it wrote into are not reused for a while.
+                    # Failed, late, damaged or cancelled: no receive still posted may outlive
+                    # this call, and pages of the host tier it wrote into are not reused for a
+                    # while (nor installed).
                     if landing is not None:
                         landing.abandon([keys[index] for index in blocks])
                     await self.drop()

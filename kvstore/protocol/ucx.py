@@ -24,7 +24,11 @@ import atexit
 import contextlib
 import os
 import threading
+from collections.abc import Mapping, Sequence
 from types import ModuleType
+from typing import Any
+
+import xxhash
 
 __all__ = [
     "CLIENT_ID_BYTES",
@@ -35,8 +39,11 @@ __all__ = [
     "endpoint_error",
     "load_ucxx",
     "parse_address",
+    "payload_checksum",
+    "payload_checksums",
     "transfer_tag",
     "ucx_unavailable_reason",
+    "verify_payloads",
 ]
 
 #: Length of the id a client announces over its endpoint and names in every control call.
@@ -151,3 +158,29 @@ def endpoint_error(exc: BaseException) -> UcxTransportError:
     if isinstance(exc, TimeoutError):
         return UcxTransportError("UCX transfer timed out")
     return UcxTransportError(f"UCX transfer failed: {type(exc).__name__}: {exc}")
+
+
+def payload_checksum(payload: Any) -> int:
+    """The xxh3-64 (seed 0, the same in every process) that a UCX get's answer gives for a
+    payload it sends; the receiver checks the bytes that arrived against it."""
+    return int(xxhash.xxh3_64_intdigest(payload))
+
+
+def payload_checksums(payloads: Sequence[tuple[int, Any]], count: int) -> list[int]:
+    """The ``checksums`` field of a get's answer: per key of ``count``, the checksum of its
+    payload in ``payloads`` (``(index, bytes)``), 0 for keys that get none."""
+    checksums = [0] * count
+    for index, payload in payloads:
+        checksums[index] = payload_checksum(payload)
+    return checksums
+
+
+def verify_payloads(received: Mapping[int, Any], checksums: Sequence[int]) -> None:
+    """Raise :class:`UcxTransportError` unless every received payload (by index in the request)
+    matches its announced checksum; an answer without checksums fails too (never trusted)."""
+    for index, payload in received.items():
+        if index >= len(checksums) or payload_checksum(payload) != checksums[index]:
+            raise UcxTransportError(
+                f"payload {index} does not match the checksum its sender announced "
+                "(a short or damaged transfer)"
+            )

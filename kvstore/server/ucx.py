@@ -48,6 +48,7 @@ from kvstore.protocol.ucx import (
     UcxTransportError,
     load_ucxx,
     parse_address,
+    payload_checksums,
     transfer_tag,
 )
 from kvstore.server.sessions import ArenaSession, ArenaSessions, Leased, Reserved, gather, scatter
@@ -269,6 +270,8 @@ class UcxDataServer:
                 else:
                     # The wire format is one message per block: gather its runs into a copy.
                     payloads.append((index, gather(arena, item.lease.ranges, lengths[index])))
+            # Hashed off the loop (tens of GB/s, but a batch may be large).
+            checksums = await asyncio.to_thread(payload_checksums, payloads, len(keys))
             # Only the leases UCX reads from travel with the sends; the others come back now.
             session.release([i for i in session.leases if i not in travelling])
             if payloads:
@@ -288,7 +291,7 @@ class UcxDataServer:
                 tiers[index] = ""
             elif isinstance(item, Leased) and not tiers[index]:
                 tiers[index] = arena.name  # stored meanwhile: the arena served it
-        return ucx_pb.UcxGetResponse(lengths=lengths, sent=sent, tiers=tiers)
+        return ucx_pb.UcxGetResponse(lengths=lengths, sent=sent, tiers=tiers, checksums=checksums)
 
     async def _get_copies(
         self,
@@ -304,10 +307,12 @@ class UcxDataServer:
         lengths = [0 if r.payload is None else len(r.payload) for r in results]
         sent = [n > 0 and (not sizes or sizes[i] == n) for i, n in enumerate(lengths)]
         payloads = [(i, r.payload) for i, r in enumerate(results) if sent[i]]
+        checksums = await asyncio.to_thread(payload_checksums, payloads, len(keys))
         if payloads:
             # The store's payloads are copies, so nothing needs pinning while they travel.
             self._spawn(self._send(client, request.transfer_id, payloads, self._timeout(context)))
-        return ucx_pb.UcxGetResponse(lengths=lengths, sent=sent, tiers=[r.tier for r in results])
+        tiers = [r.tier for r in results]
+        return ucx_pb.UcxGetResponse(lengths=lengths, sent=sent, tiers=tiers, checksums=checksums)
 
     async def _send(
         self,

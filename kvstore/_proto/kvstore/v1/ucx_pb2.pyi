@@ -22,14 +22,16 @@ class UcxGetRequest(_message.Message):
     def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., client_id: _Optional[bytes] = ..., transfer_id: _Optional[int] = ..., sizes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class UcxGetResponse(_message.Message):
-    __slots__ = ("lengths", "sent", "tiers")
+    __slots__ = ("lengths", "sent", "tiers", "checksums")
     LENGTHS_FIELD_NUMBER: _ClassVar[int]
     SENT_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     lengths: _containers.RepeatedScalarFieldContainer[int]
     sent: _containers.RepeatedScalarFieldContainer[bool]
     tiers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, lengths: _Optional[_Iterable[int]] = ..., sent: _Optional[_Iterable[bool]] = ..., tiers: _Optional[_Iterable[str]] = ...) -> None: ...
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lengths: _Optional[_Iterable[int]] = ..., sent: _Optional[_Iterable[bool]] = ..., tiers: _Optional[_Iterable[str]] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class UcxPutRequest(_message.Message):
     __slots__ = ("namespace", "keys", "lengths", "client_id", "transfer_id")
