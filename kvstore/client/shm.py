@@ -207,15 +207,19 @@ class ShmDataPlane:
             conn.close_fd()
         return conn
 
-    @contextlib.contextmanager
-    def _connection(self, deadline: float) -> Iterator[ShmConnection]:
+    def _take(self, deadline: float) -> ShmConnection:
         """An idle socket, or a new one opened before ``deadline`` (a monotonic instant)."""
         with self._lock:
             if self._closed:
                 raise ShmUnavailableError("the shared-memory path is closed")
             conn = self._idle.pop() if self._idle else None
-        if conn is None:
-            conn = self._open(deadline - time.monotonic())
+        return conn if conn is not None else self._open(deadline - time.monotonic())
+
+    @contextlib.contextmanager
+    def _connection(self, deadline: float) -> Iterator[ShmConnection]:
+        """An idle socket, or a new one opened before ``deadline`` (a monotonic instant); back
+        to the idle ones after the ``with`` block, closed if it fails."""
+        conn = self._take(deadline)
         with closed_on_failure(conn):
             yield conn
         with self._lock:
@@ -313,12 +317,7 @@ class ShmDataPlane:
             direct = self._acquire_direct(*usable, keys)
             if direct is not None:
                 return direct
-        with self._lock:
-            if self._closed:
-                raise ShmUnavailableError("the shared-memory path is closed")
-            conn = self._idle.pop() if self._idle else None
-        if conn is None:
-            conn = self._open(deadline - time.monotonic())
+        conn = self._take(deadline)
         views: list[np.ndarray[Any, Any] | None] = []
         leases: list[int] = []
         arena = self._arena
