@@ -52,11 +52,14 @@ def fleet(
     tmp_path_factory: pytest.TempPathFactory, model: Path, store: StoreProcess
 ) -> Iterator[tuple[ApiServer, ApiServer, RouterProcess]]:
     workdir = tmp_path_factory.mktemp("pd")
-    producer = ApiServer("producer", workdir, model, store.target, "kv_producer")
-    # The producer's puts are asynchronous and its answer can come back first. The default
-    # hand-off wait (2 s) bounds a decode's latency on a healthy machine; a CI runner shared with
-    # other jobs has been seen to need longer for a fresh producer's first puts, and this test is
-    # about what the decode engine loads, not how fast: a generous wait keeps it about that.
+    # The producer's puts are asynchronous and its answer can come back first. The defaults (a
+    # 5 s put deadline, a 2 s hand-off wait) bound latency on a healthy machine; on a loaded
+    # runner a put was seen to miss its 5 s deadline (the save is then dropped, as it should be)
+    # and a fresh producer's first puts to land after 2 s. This test is about what the decode
+    # engine loads, not how fast: generous bounds keep it about that.
+    producer = ApiServer(
+        "producer", workdir, model, store.target, "kv_producer", {"timeout_s": 30.0}
+    )
     consumer = ApiServer(
         "consumer", workdir, model, store.target, "kv_consumer", {"handoff_wait_s": 60.0}
     )
