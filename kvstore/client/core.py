@@ -383,10 +383,13 @@ class ClientCore:
                 )
                 if filled is not None:
                     return DeviceFill(filled, "ucx-device")
-        hosts = staging_for(tensors) if staging is None else checked_staging(staging, tensors)
+        if staging is None:  # page-locking allocates slowly: off an event loop
+            hosts: list[Any] = yield Blocking(lambda: staging_for(tensors))
+        else:
+            hosts = checked_staging(staging, tensors)
         found = yield from self.get_into(keys, hosts, deadline.remaining())
         path = f"{self.data_plane}-pinned"
-        yield Blocking(lambda: copy_to_devices(hosts, tensors, found))
+        yield Blocking(lambda: copy_to_devices(hosts, views, found))
         return DeviceFill(found, path)
 
     def lease(self, keys: Sequence[bytes], timeout: float | None) -> Plan[ShmLease | None]:

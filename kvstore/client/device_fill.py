@@ -77,13 +77,15 @@ def device_transports_in(context_info: str) -> tuple[str, ...]:
 def device_byte_views(tensors: Sequence[Any]) -> list[Any]:
     """Each tensor as a flat ``uint8`` tensor over the same memory (what UCX receives into:
     ``__cuda_array_interface__`` has no bfloat16); non-contiguous tensors are refused."""
+    import torch
+
     views = []
     for number, tensor in enumerate(tensors):
         if not tensor.is_contiguous():
             raise InvalidRequestError(
                 f"tensors[{number}] must be contiguous; call .contiguous() first"
             )
-        views.append(tensor.detach().reshape(-1).view(_uint8()))
+        views.append(tensor.detach().reshape(-1).view(torch.uint8))
     return views
 
 
@@ -103,12 +105,6 @@ def checked_staging(staging: Sequence[Any], tensors: Sequence[Any]) -> list[Any]
     return list(staging)
 
 
-def _uint8() -> Any:
-    import torch
-
-    return torch.uint8
-
-
 def staging_for(tensors: Sequence[Any]) -> list[Any]:
     """Host buffers shaped like ``tensors``, page-locked where CUDA is present."""
     import torch
@@ -117,18 +113,19 @@ def staging_for(tensors: Sequence[Any]) -> list[Any]:
     return [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in tensors]
 
 
-def copy_to_devices(staging: Sequence[Any], tensors: Sequence[Any], found: Sequence[bool]) -> None:
-    """Copy each found block from its host staging buffer into its device tensor; returns when
-    the copies are complete (they run on a side stream, so other work on the device's current
-    stream is not serialized behind them)."""
+def copy_to_devices(staging: Sequence[Any], targets: Sequence[Any], found: Sequence[bool]) -> None:
+    """Copy each found block from its host staging buffer into its target, a
+    :func:`device_byte_views` view of the device tensor; returns when the copies are complete
+    (they run on a side stream, so other work on the device's current stream is not serialized
+    behind them)."""
     import torch
 
     # Byte views on both sides: a caller's staging buffer need only match its tensor's size.
     pairs = [
         (source.reshape(-1).view(torch.uint8), target)
-        for source, target in zip(staging, device_byte_views(tensors), strict=True)
+        for source, target, ok in zip(staging, targets, found, strict=True)
+        if ok
     ]
-    pairs = [pair for pair, ok in zip(pairs, found, strict=True) if ok]
     if not pairs:
         return
     device = pairs[0][1].device

@@ -160,7 +160,7 @@ class UcxDataClient:
         check_pairs(keys, buffers, "buffers")
         # Device memory (flat uint8 tensors, see kvstore.client.device_fill) goes to ucxx as is.
         views = [b if is_device_tensor(b) else writable_byte_view(b) for b in buffers]
-        sizes = [int(b.nbytes) if is_device_tensor(b) else len(b) for b in views]
+        sizes = [int(b.nbytes) for b in views]
         response = self._call_get(keys, sizes, views, timeout)
         return None if response is None else list(response.sent)
 

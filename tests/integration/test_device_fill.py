@@ -9,7 +9,6 @@ transports from UCX's own description of its context, and the checks on staging 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -66,13 +65,11 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(a.cpu().view(torch.int16), b.cpu().view(torch.int16)))
 
 
-def _servers(factory: ServerFactory) -> dict[str, tuple[ServerProcess, str]]:
-    """A server and the data plane a client of it asks for, per path under test."""
-    return {
-        "shm": (factory(), "auto"),
-        "ucx": (factory(*NO_SHM, *UCX), "auto"),
-        "grpc": (factory(), "grpc"),
-    }
+def _server(factory: ServerFactory, path: str) -> tuple[ServerProcess, str]:
+    """A server for ``path`` (``shm``, ``ucx`` or ``grpc``) and the data plane to ask for."""
+    if path == "ucx":
+        return factory(*NO_SHM, *UCX), "auto"  # no shared memory: auto takes UCX
+    return factory(), "grpc" if path == "grpc" else "auto"
 
 
 def _fill(
@@ -116,7 +113,7 @@ def test_this_process_reports_no_device_transport_without_a_gpu(
 def test_host_tensors_take_the_host_path_on_every_data_plane(
     server_factory: ServerFactory, path: str
 ) -> None:
-    server, plane = _servers(server_factory)[path]
+    server, plane = _server(server_factory, path)
     found, taken, chunks, tensors = _fill(server, plane, "cpu")
     assert (found, taken) == ([True, True, True, False], "host")
     assert all(_same(c, t) for c, t in zip(chunks, tensors, strict=False))
@@ -137,7 +134,7 @@ def test_staging_buffers_are_checked_before_anything_moves() -> None:
 def test_copy_to_devices_copies_found_blocks_only_through_byte_views() -> None:
     sources = [torch.arange(64, dtype=torch.uint8), torch.full((64,), 7, dtype=torch.uint8)]
     targets = [torch.zeros(4, 8, dtype=torch.bfloat16) for _ in range(2)]
-    copy_to_devices(sources, targets, [True, False])
+    copy_to_devices(sources, device_byte_views(targets), [True, False])
     assert torch.equal(targets[0].view(torch.uint8).reshape(-1), sources[0])
     assert not targets[1].any()
 
@@ -145,10 +142,13 @@ def test_copy_to_devices_copies_found_blocks_only_through_byte_views() -> None:
 # -- GPU -------------------------------------------------------------------------------------------
 
 
-def _expect(path: str) -> Callable[[str], bool]:
-    if path != "ucx":
-        return lambda taken: taken == f"{path}-pinned"
-    return lambda taken: taken in ("ucx-device", "ucx-pinned")
+# The paths a CUDA fill may take per data plane: over UCX, straight into device memory where UCX
+# reaches it here, else through pinned staging.
+EXPECTED_PATHS = {
+    "shm": {"shm-pinned"},
+    "ucx": {"ucx-device", "ucx-pinned"},
+    "grpc": {"grpc-pinned"},
+}
 
 
 @pytest.mark.gpu
@@ -157,10 +157,10 @@ def _expect(path: str) -> Callable[[str], bool]:
 def test_cuda_tensors_are_filled_bit_identical_on_every_path(
     server_factory: ServerFactory, path: str
 ) -> None:
-    server, plane = _servers(server_factory)[path]
+    server, plane = _server(server_factory, path)
     found, taken, chunks, tensors = _fill(server, plane, "cuda")
     assert found == [True, True, True, False]
-    assert _expect(path)(taken), taken
+    assert taken in EXPECTED_PATHS[path], taken
     assert all(_same(c, t) for c, t in zip(chunks, tensors, strict=False))
     assert not tensors[3].any()
 
@@ -183,7 +183,7 @@ def test_ucx_receives_into_device_memory_where_ucx_reaches_it(
 @pytest.mark.gpu
 @needs_cuda
 def test_a_caller_s_pinned_staging_is_used(server_factory: ServerFactory) -> None:
-    server, plane = _servers(server_factory)["shm"]
+    server, plane = _server(server_factory, "shm")
     staging = [torch.empty(CHUNK_SHAPE, dtype=torch.bfloat16, pin_memory=True) for _ in range(4)]
     found, taken, chunks, tensors = _fill(server, plane, "cuda", staging=staging)
     assert taken == "shm-pinned" and found == [True, True, True, False]
