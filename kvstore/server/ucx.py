@@ -270,8 +270,7 @@ class UcxDataServer:
                 else:
                     # The wire format is one message per block: gather its runs into a copy.
                     payloads.append((index, gather(arena, item.lease.ranges, lengths[index])))
-            # Hashed off the loop (tens of GB/s, but a batch may be large).
-            checksums = await asyncio.to_thread(payload_checksums, payloads, len(keys))
+            checksums = await _checksums(payloads, len(keys))
             # Only the leases UCX reads from travel with the sends; the others come back now.
             session.release([i for i in session.leases if i not in travelling])
             if payloads:
@@ -307,7 +306,7 @@ class UcxDataServer:
         lengths = [0 if r.payload is None else len(r.payload) for r in results]
         sent = [n > 0 and (not sizes or sizes[i] == n) for i, n in enumerate(lengths)]
         payloads = [(i, r.payload) for i, r in enumerate(results) if sent[i]]
-        checksums = await asyncio.to_thread(payload_checksums, payloads, len(keys))
+        checksums = await _checksums(payloads, len(keys))
         if payloads:
             # The store's payloads are copies, so nothing needs pinning while they travel.
             self._spawn(self._send(client, request.transfer_id, payloads, self._timeout(context)))
@@ -514,6 +513,14 @@ def _tiers_before_acquire(
     if all(key in arena for key in keys):
         return [arena.name] * len(keys)  # misses (another namespace) are cleared later
     return list(store.lookup(keys, namespace).tiers)
+
+
+async def _checksums(payloads: list[tuple[int, Any]], count: int) -> list[int]:
+    """A get answer's ``checksums``: hashed off the loop (tens of GB/s, but a batch may be
+    large), and without a thread hop when nothing is sent (all misses)."""
+    if not payloads:
+        return [0] * count
+    return await asyncio.to_thread(payload_checksums, payloads, count)
 
 
 def _check_put(store: TieredStore, keys: Sequence[bytes], lengths: Sequence[int]) -> None:
