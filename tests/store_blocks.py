@@ -38,3 +38,10 @@ def make_store(
     if nvme_path is not None:
         tiers.append(NvmeTier(nvme_path, nvme_capacity))
     return TieredStore(tiers, **kwargs)
+
+
+def arena(store: TieredStore) -> DramTier:
+    """``store``'s dram arena (the store must have one)."""
+    tier = store.arena
+    assert tier is not None
+    return tier

@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from store_blocks import MIB, PAGE, key, make_store, payload
+from store_blocks import MIB, PAGE, arena, key, make_store, payload
 
 from kvstore.errors import CapacityError, InvalidRequestError, NamespaceMismatchError
 from kvstore.keys import Namespace
 from kvstore.store import TieredStore
-from kvstore.tiers.dram import DramLease, DramTier, Reservation
+from kvstore.tiers.dram import DramLease, Reservation
 from kvstore.tiers.nvme import NvmeTier
 
 NS = Namespace(model="direct-test").fingerprint()
@@ -32,12 +32,6 @@ async def store(tmp_path: Path) -> AsyncIterator[TieredStore]:
     s = make_store(tmp_path / "nvme")
     yield s
     await s.close()
-
-
-def arena(store: TieredStore) -> DramTier:
-    tier = store.arena
-    assert tier is not None
-    return tier
 
 
 def mapped(store: TieredStore, ranges: Sequence[tuple[int, int]]) -> bytes:

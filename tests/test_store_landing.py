@@ -16,12 +16,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-from store_blocks import PAGE, key, make_store, payload
+from store_blocks import PAGE, arena, key, make_store, payload
 
 from kvstore.keys import Namespace
 from kvstore.store import TieredStore, landing
 from kvstore.store.remote import Landing
-from kvstore.tiers.dram import DramLease, DramTier
+from kvstore.tiers.dram import DramLease
 
 NS = Namespace(model="landing-test").fingerprint()
 
@@ -71,12 +71,6 @@ async def store(tmp_path: Path) -> AsyncIterator[TieredStore]:
     s = make_store(None, dram_pages=8)
     yield s
     await s.close()
-
-
-def arena(store: TieredStore) -> DramTier:
-    tier = store.arena
-    assert tier is not None
-    return tier
 
 
 def mapped(store: TieredStore, lease: DramLease) -> bytes:
