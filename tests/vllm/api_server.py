@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -21,10 +22,49 @@ from typing import Any
 
 import pytest
 
-__all__ = ["START_TIMEOUT_S", "ApiServerProcess", "GroupProcess", "wait_all_healthy"]
+__all__ = [
+    "START_TIMEOUT_S",
+    "ApiServerProcess",
+    "GroupProcess",
+    "connector_command",
+    "server_env",
+    "wait_all_healthy",
+]
 
 #: Two engines starting side by side on two loaded cores can take minutes.
 START_TIMEOUT_S = 600
+
+
+def connector_command(
+    model: Path,
+    port: int,
+    target: str,
+    *,
+    role: str = "kv_both",
+    extra: dict[str, Any] | None = None,
+    max_model_len: int = 2048,
+) -> list[str]:
+    """The API server with the kvstore connector (``role``, ``extra`` beside ``target`` in
+    ``kv_connector_extra_config``), plus the flags that keep a CPU run short."""
+    transfer = {
+        "kv_connector": "KVStoreConnector",
+        "kv_connector_module_path": "kvstore.integrations.vllm",
+        "kv_role": role,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"target": target, **(extra or {})},
+    }
+    return [
+        *(sys.executable, "-m", "vllm.entrypoints.openai.api_server"),
+        *("--model", str(model), "--port", str(port)),
+        "--enable-prompt-tokens-details",
+        *("--max-model-len", str(max_model_len), "--enforce-eager"),
+        *("--kv-transfer-config", json.dumps(transfer)),
+    ]
+
+
+def server_env(**more: str) -> dict[str, str]:
+    """This process's environment for an API server: offline, a 1 GiB CPU KV cache, ``more``."""
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", **more}
 
 
 class GroupProcess:

@@ -25,7 +25,12 @@ from typing import Any
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parent / "tiers"))
-from api_server import ApiServerProcess, wait_all_healthy  # noqa: E402
+from api_server import (  # noqa: E402
+    ApiServerProcess,
+    connector_command,
+    server_env,
+    wait_all_healthy,
+)
 from redis_server import RedisServer  # noqa: E402
 from store_process import free_port  # noqa: E402
 
@@ -170,28 +175,14 @@ class ApiServer(ApiServerProcess):
         port = free_port()
         logging_config = workdir / "vllm-logging.json"
         logging_config.write_text(json.dumps(_LOGGING))
-        transfer = {
-            "kv_connector": "KVStoreConnector",
-            "kv_connector_module_path": "kvstore.integrations.vllm",
-            "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"target": target, "chunk_size": chunk},
-        }
-        command = [
-            *(sys.executable, "-m", "vllm.entrypoints.openai.api_server"),
-            *("--model", str(model), "--port", str(port)),
-            "--enable-prompt-tokens-details",
-            *("--max-model-len", str(max_model_len), "--enforce-eager"),
-            *("--kv-transfer-config", json.dumps(transfer)),
-        ]
-        env = {
-            **os.environ,
-            "HF_HUB_OFFLINE": "1",
-            "VLLM_CPU_KVCACHE_SPACE": "1",
+        command = connector_command(
+            model, port, target, extra={"chunk_size": chunk}, max_model_len=max_model_len
+        )
+        env = server_env(
             # One core each: the two replicas do not fight over the same cores.
-            "VLLM_CPU_OMP_THREADS_BIND": cpu,
-            "VLLM_LOGGING_CONFIG_PATH": str(logging_config),
-        }
+            VLLM_CPU_OMP_THREADS_BIND=cpu,
+            VLLM_LOGGING_CONFIG_PATH=str(logging_config),
+        )
         super().__init__(name, command, workdir / f"{name}.log", env, port)
 
     def namespace_json(self) -> str:

@@ -19,7 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from api_server import ApiServerProcess, GroupProcess, wait_all_healthy
+from api_server import (
+    ApiServerProcess,
+    GroupProcess,
+    connector_command,
+    server_env,
+    wait_all_healthy,
+)
 from store_process import free_port
 
 __all__ = ["ApiServer", "RouterProcess", "post_json", "start_servers"]
@@ -51,21 +57,8 @@ class ApiServer(ApiServerProcess):
         extra: dict[str, Any] | None = None,
     ) -> None:
         port = free_port()
-        transfer = {
-            "kv_connector": "KVStoreConnector",
-            "kv_connector_module_path": "kvstore.integrations.vllm",
-            "kv_role": role,
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"target": target, **(extra or {})},
-        }
-        command = [
-            *(sys.executable, "-m", "vllm.entrypoints.openai.api_server"),
-            *("--model", str(model), "--port", str(port)),
-            "--enable-prompt-tokens-details",
-            *("--kv-transfer-config", json.dumps(transfer)),
-            *("--max-model-len", "2048", "--enforce-eager"),
-        ]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+        command = connector_command(model, port, target, role=role, extra=extra)
+        env = server_env()
         super().__init__(name, command, workdir / f"{name}.log", env, port)
 
 

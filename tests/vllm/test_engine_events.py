@@ -13,7 +13,6 @@ minute, mostly the engine's start-up.
 from __future__ import annotations
 
 import ast
-import asyncio
 import dataclasses
 import json
 import os
@@ -32,20 +31,20 @@ from fleet import build_model
 from store_process import free_port
 
 from kvstore import Namespace
-from kvstore.cluster import ClusterIndex, Holding, Layout, connect
 from kvstore.integrations.vllm_common import ConnectorSettings, make_hasher
 
 if os.environ.get("KVSTORE_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm", reason="vLLM's CPU build is not installed")
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tiers"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
 from redis_server import RedisServer
+from test_cluster_index import holders  # what a router learns from the index
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 HERE = Path(__file__).parent
 CHUNK = 256
-PREFIX = "kvstore:cluster:v1:"
 START_TIMEOUT_S = 300
 
 
@@ -164,17 +163,6 @@ def model(tmp_path: Path) -> Path:
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     with RedisServer(tmp_path / "redis") as server:
         yield server
-
-
-def holders(url: str, keys: list[bytes]) -> dict[str, Holding]:
-    async def ask() -> dict[str, Holding]:
-        client = connect(url, 2.0)
-        try:
-            return await ClusterIndex(client, Layout(PREFIX)).holders(keys)
-        finally:
-            await client.aclose()
-
-    return asyncio.run(ask())
 
 
 def test_engine_prefix_cache_is_local_in_the_index(

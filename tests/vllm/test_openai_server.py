@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from api_server import ApiServerProcess, wait_all_healthy
+from api_server import ApiServerProcess, server_env, wait_all_healthy
 from fleet import build_model
 from store_process import StoreProcess, free_port
 
@@ -74,12 +74,7 @@ class ApiServer(ApiServerProcess):
             .replace(README_TARGET, target)
         )
         python_dir = str(Path(sys.executable).parent)
-        env = {
-            **os.environ,
-            "PATH": python_dir + os.pathsep + os.environ.get("PATH", ""),
-            "HF_HUB_OFFLINE": "1",
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-        }
+        env = server_env(PATH=python_dir + os.pathsep + os.environ.get("PATH", ""))
         super().__init__(
             name, ["bash", "-c", command + TEST_FLAGS], workdir / f"{name}.log", env, port
         )
