@@ -21,6 +21,7 @@ from kvstore.client.channel import ChannelSecurity, Pem, aio_channel, blocking_c
 from kvstore.client.core import Blocking, ClientBase, Plan, Rpc, Step, client_settings
 from kvstore.client.device_fill import DeviceFill
 from kvstore.client.settings import ClientSettings
+from kvstore.client.shm import ShmLease
 from kvstore.keys import Namespace
 from kvstore.types import LookupResult, PrefetchProgress, PutResult
 
@@ -123,6 +124,17 @@ class AsyncKVStoreClient(ClientBase):
         Over shared memory each block is copied once, from the store's arena into its buffer.
         """
         return await self._run(self._core.get_into(keys, buffers, timeout))
+
+    async def lease(
+        self, keys: Sequence[bytes], *, timeout: float | None = None
+    ) -> ShmLease | None:
+        """Hold the blocks of ``keys`` in the store's shared-memory arena and read them in place.
+
+        ``None`` when the client does not reach the store over shared memory (then use
+        :meth:`get_into`). The lease's ``views`` (read-only bytes, ``None`` where missing) stay
+        valid until its ``release()``; the store keeps those blocks meanwhile, so release soon.
+        """
+        return await self._run(self._core.lease(keys, timeout))
 
     async def get_into_device(
         self,

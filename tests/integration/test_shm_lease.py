@@ -8,6 +8,7 @@ that the connector's worker loads bit-exact KV through it.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from typing import TYPE_CHECKING
 
@@ -133,3 +134,26 @@ def test_a_load_copies_leased_chunks_straight_into_the_cache(
             assert torch.equal(cache.view(torch.int16), want.view(torch.int16))
         assert np.count_nonzero(caches[0][12:14].view(torch.int16).numpy()) == 0
         wait_released(client)
+
+
+def test_the_async_client_leases_too(server_factory: ServerFactory) -> None:
+    """``AsyncKVStoreClient.lease``: the same views as the blocking client's, ``None`` off
+    shared memory."""
+    from kvstore import AsyncKVStoreClient
+
+    server = server_factory(dram_capacity="1MiB")
+    keys, values = make_blocks(37, 3, 64 * KiB)
+    missing, _ = make_blocks(38, 1, 64 * KiB)
+
+    async def main() -> None:
+        async with AsyncKVStoreClient(server.target, namespace=NS, data_plane="shm") as client:
+            assert (await client.put(keys, values)).stored == 3
+            lease = await client.lease([keys[0], *missing, *keys[1:]])
+            assert lease is not None
+            assert lease.views[1] is None
+            assert [bytes(v) for v in lease.views if v is not None] == values
+            lease.release()
+        async with AsyncKVStoreClient(server.target, namespace=NS, data_plane="grpc") as client:
+            assert await client.lease(keys) is None
+
+    asyncio.run(main())
