@@ -69,7 +69,7 @@ MODEL_SIZES = {
 }
 B_FLAGS = ["--sequential", "--warmup", "256"]
 _LOOKUP = re.compile(r"kvstore lookup: (\d+) keys -> (\d+) hits in ([\d.]+) ms")
-_LOAD = re.compile(r"get ([\d.]+) ms, waited ([\d.]+) ms, scatter ([\d.]+) ms")
+_LOAD = re.compile(r"get ([\d.]+) ms(?: via \S+)?, waited ([\d.]+) ms, scatter ([\d.]+) ms")
 
 
 def _free_port() -> int:

@@ -13,11 +13,18 @@ A's blocks, bit for bit, and nothing else written.
 Used by tests/test_harness_pipeline.py, and runnable alone on a machine without pytest::
 
     PYTHONPATH=. python tests/gpu_harness.py --device cuda     # every layout; exit 1 on a mismatch
+    PYTHONPATH=. python tests/gpu_harness.py --device cuda --data-plane ucx
+
+The data plane is the client's (``KVSTORE_DATA_PLANE``): ``auto`` finds the server's shared
+memory; ``ucx`` loads as a worker on another host would, over the server's UCX listener (on CUDA
+straight into device memory where UCX reaches it). Each case reports the path engine B's load
+took.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -37,6 +44,9 @@ from kvstore.integrations.vllm_scheduler import SchedulerSide
 from kvstore.integrations.vllm_worker import WorkerSide
 
 BLOCK, CHUNK, LAYERS, NUM_BLOCKS, HEADS, HEAD = 16, 32, 3, 24, 2, 16
+#: ``kvstore serve`` flags for a UCX listener on loopback (it binds every interface, which a
+#: server without credentials must be told it may do).
+UCX_FLAGS = ["--ucx-listen", "127.0.0.1:0", "--allow-unauthenticated"]
 
 
 @dataclass(frozen=True)
@@ -222,8 +232,10 @@ def _block_view(engine: Engine, ids: list[int]) -> list[torch.Tensor]:
     return list(kvstore_kernels.gather_blocks(caches, kernel, layout.kernel).cpu().unbind(0))
 
 
-def round_trip(case: Case, device: str, target: str, model: str) -> None:
-    """Save a prompt from engine A, load it into engine B; raise AssertionError on a mismatch."""
+def round_trip(case: Case, device: str, target: str, model: str) -> str:
+    """Save a prompt from engine A, load it into engine B; raise AssertionError on a mismatch.
+
+    Returns the path engine B's load took (``WorkerSide.last_load_path``)."""
     chunks = 3
     tokens = [(7 * i + 3) % 1000 for i in range(chunks * CHUNK + 5)]
     blocks_needed = len(tokens) // BLOCK + 1
@@ -271,6 +283,7 @@ def round_trip(case: Case, device: str, target: str, model: str) -> None:
             assert torch.equal(want.view(torch.int16), got.view(torch.int16)), (
                 f"{case.id}: layer {layer} blocks outside the load were written"
             )
+        return b.worker.last_load_path
     finally:
         a.close()
         b.close()
@@ -304,7 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run every case against a fresh ``kvstore serve``; print one line per case."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--data-plane", choices=["auto", "ucx"], default="auto")
     args = parser.parse_args(argv)
+    os.environ["KVSTORE_DATA_PLANE"] = args.data_plane
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from serve_process import Serve
 
@@ -314,12 +329,14 @@ def main(argv: list[str] | None = None) -> int:
         tmpdir.mkdir()
         flags = ["--listen", "127.0.0.1:0", "--dram-capacity", "64MiB"]
         flags += ["--nvme-path", str(Path(tmp) / "nvme"), "--nvme-capacity", "64MiB"]
+        if args.data_plane == "ucx":
+            flags += UCX_FLAGS
         server = Serve(flags, tmpdir)
         try:
             for case in CASES:
                 try:
-                    round_trip(case, args.device, server.target, f"harness-{case.id}")
-                    print(f"OK    {args.device} {case.id}")
+                    path = round_trip(case, args.device, server.target, f"harness-{case.id}")
+                    print(f"OK    {args.device} {case.id} via {path}")
                 except AssertionError as exc:
                     failed += 1
                     print(f"FAIL  {args.device} {case.id}: {exc}")

@@ -29,6 +29,11 @@ parallel ``copy_`` there and chunks at equal distances in memory merged into one
 *issued* and then makes the compute stream wait on the layer's event (CUDA), so layer n+1's copy
 and scatter overlap layer n's attention; on CPU it returns once the layer is scattered, while the
 next layers proceed on the background thread during the forward pass of the earlier ones.
+A CUDA worker whose store is on another host receives over UCX: where UCX reaches device memory
+in the process (``cuda_copy``, ``cuda_ipc``, GPUDirect RDMA) the chunks land straight in a
+device buffer (:meth:`LoadPipeline.device_landing`, through
+:meth:`kvstore.KVStoreClient.get_into_device`) and each layer's scatter reads its slice there,
+with no host copy and no DMA; otherwise they land in the page-locked staging as above.
 Keeping the stored format means nothing changes for stored data or other clients; the price is
 that, where no lease is possible (CUDA, gRPC, UCX), the first layer waits for the whole fetch.
 
@@ -176,6 +181,12 @@ class StepLoad:
     groups: list[tuple[Any, int, int, int, int]] | None = None
     release: Callable[[], None] | None = None
     intact: Callable[[], list[bool]] | None = None  # asked once every layer is copied
+    # CUDA, a store on another host: the chunks received straight into device memory
+    # (``[chunks, *chunk_shape]``, :meth:`LoadPipeline.device_landing`), read there by each
+    # layer's scatter instead of the host staging; ``path`` is how they came
+    # (:class:`kvstore.client.device_fill.DeviceFill`).
+    landed: torch.Tensor | None = None
+    path: str = ""
     crashed: bool = False  # the layer work failed: every chunk of the step is recomputed
     cancelled: bool = False  # the forward gave up waiting: write nothing more
     waited: set[int] = field(default_factory=set)  # layers whose attention asked for them
@@ -216,6 +227,9 @@ class LoadPipeline:
         # Device staging, kept across steps: [layers, chunks, kernel blocks, *block], so one
         # layer's blocks of every chunk are contiguous (one scatter source per layer).
         self._device_staging: torch.Tensor | None = None
+        # Device landing for receives straight into device memory, made on first use only:
+        # [chunks, layers, kernel blocks, *block], a chunk's bytes contiguous as stored.
+        self._landing: torch.Tensor | None = None
         # CPU: each layer's cache with the block dimension first, as numpy (a view of the
         # cache's own storage) where the dtype allows.
         self._cpu_blocks: list[Any] = []
@@ -320,8 +334,23 @@ class LoadPipeline:
         for chunk, row, block, count in load.runs:
             _copy(blocks[block : block + count], sources[chunk][layer, row : row + count])
 
+    def device_landing(self, chunks: int) -> torch.Tensor:
+        """``[chunks, *chunk_shape]`` in device memory for a load to receive into (CUDA only),
+        kept across steps: the loader thread's steps run one after another, and each waits for
+        its layers' scatters before the next fetch starts."""
+        assert self.device.is_cuda, "device landing is for CUDA caches"
+        landing = self._landing
+        if landing is None or landing.shape[0] < chunks:
+            with self.stream.use():  # ordered with the scatters that read it
+                landing = self.device.device_buffer((chunks, *self.chunk_shape), self._dtype)
+            assert landing is not None
+            self._landing = landing
+        return landing[:chunks]
+
     def _stage(self, load: StepLoad, layer: int) -> torch.Tensor:
         """This layer's blocks of every chunk, where the scatter reads them."""
+        if load.landed is not None:
+            return load.landed[:, layer]  # already in device memory, nothing to copy
         host = load.host[:, layer]
         if not self.device.is_cuda:
             return host

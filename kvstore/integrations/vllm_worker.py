@@ -108,6 +108,9 @@ class WorkerSide:
         self._ratio = 1  # kernel blocks per engine block
         self._chunk_shape: tuple[int, ...] = ()
         self.layout_name = ""  # the detected cache layout, e.g. "kv_first/HND"
+        #: How the last step's chunks arrived: "shm-lease", "ucx-device", "ucx-pinned", or the
+        #: client's data plane for a get into host staging ("" before any load).
+        self.last_load_path = ""
         # Loads of the current step.
         # One worker, on purpose: loads run in order, so when the latest one is done every
         # earlier (late, timed-out) one is too, which is what lets _staging_buffer reuse its buffer.
@@ -119,6 +122,8 @@ class WorkerSide:
         # page-locking is slower still).
         self._staging: torch.Tensor | None = None
         self._staging_user: Future[None] | None = None
+        # Whether UCX receives reach device memory (None: not tried yet; see _fetch_into_device).
+        self._device_receives: bool | None = None
         self._saves = SaveQueue(self._client, self._breaker, self.counters, settings.chunk_size)
         # Connect now, off the critical path: the first call on a fresh channel pays for it.
         self._fetch_pool.submit(warm_up, self._client, self._breaker, settings.timeout_s)
@@ -256,6 +261,8 @@ class WorkerSide:
                 held = lease(keys)
                 if held is not None:
                     return self._adopt(load, held)
+            if self._receives_into_device():
+                return self._fetch_into_device(load, keys)
             return self._client.get_into(keys, list(load.host.unbind(0)))
         except (StoreUnavailableError, DeadlineExceededError) as exc:
             load.reason = failure_reason(exc)
@@ -267,6 +274,39 @@ class WorkerSide:
             load.fetch_s = time.perf_counter() - started
         return [False] * len(keys)
 
+    def _receives_into_device(self) -> bool:
+        """Whether this step's chunks should go straight into device memory: CUDA caches, a
+        store reached over UCX (another host), and no earlier load found that UCX cannot reach
+        device memory here (then the pinned staging and per-layer DMAs overlap better)."""
+        return (
+            self._device.is_cuda
+            and self._device_receives is not False
+            and getattr(self._client, "data_plane", "") == "ucx"
+            and hasattr(self._client, "get_into_device")
+        )
+
+    def _fetch_into_device(self, load: StepLoad, keys: list[bytes]) -> list[bool]:
+        """Receive the chunks into the pipeline's device landing (UCX into device memory, or
+        through ``load.host`` and one copy each where it cannot); the layers read them there."""
+        assert self._pipeline is not None
+        landing = self._pipeline.device_landing(len(keys))
+        fill = self._client.get_into_device(
+            keys, list(landing.unbind(0)), staging=list(load.host.unbind(0))
+        )
+        load.landed, load.path = landing, fill.path
+        direct = fill.path == "ucx-device"
+        if direct is not self._device_receives:
+            self._device_receives = direct
+            if direct:
+                logger.info("kvstore loads land in device memory over UCX (ucx-device)")
+            else:
+                logger.info(
+                    "kvstore loads: UCX cannot reach device memory here (%s); using page-locked "
+                    "staging and a copy per layer",
+                    fill.path,
+                )
+        return fill.found
+
     def _adopt(self, load: StepLoad, lease: ShmLease) -> list[bool]:
         """Read the step's chunks in place from the store's arena (CPU over shared memory):
         one copy per block, arena -> cache, layer by layer, instead of a get and a scatter."""
@@ -277,6 +317,7 @@ class WorkerSide:
             for view in lease.views
         ]
         load.sources, load.release, load.intact = sources, lease.release, lease.intact
+        load.path = "shm-lease"
         return [source is not None for source in sources]
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -360,11 +401,14 @@ class WorkerSide:
             load.cancelled = True  # the loader writes nothing more
             self._fail_loads(load.specs)
         self._account(load, skipped)
+        self.last_load_path = load.path or str(getattr(self._client, "data_plane", ""))
         logger.debug(
-            "kvstore load: %d chunks, %.1f MiB, get %.2f ms, waited %.2f ms, scatter %.2f ms",
+            "kvstore load: %d chunks, %.1f MiB, get %.2f ms via %s, waited %.2f ms, "
+            "scatter %.2f ms",
             len(load.ok or ()),
             load.host.nbytes / 2**20,
             load.fetch_s * 1e3,
+            self.last_load_path,
             load.waited_s * 1e3,
             load.scatter_s * 1e3,
         )
