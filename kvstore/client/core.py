@@ -36,7 +36,7 @@ from kvstore.client.device_fill import (
     staging_for,
 )
 from kvstore.client.settings import ClientSettings
-from kvstore.client.shm import ShmDataPlane, ShmLease, ShmUnavailableError
+from kvstore.client.shm import ShmDataPlane, ShmLease, ShmReservation, ShmUnavailableError
 from kvstore.client.shm_link import ShmLink
 from kvstore.client.ucx import CONNECT_SHARE, UcxDataClient
 from kvstore.errors import DeadlineExceededError, KVStoreError
@@ -397,6 +397,17 @@ class ClientCore:
         shared-memory path is not in use (see :meth:`ShmDataPlane.acquire`)."""
         deadline = self.deadline(timeout)
         held = yield from self._over_shm(keys, deadline, lambda plane, t: plane.acquire(keys, t))
+        return None if isinstance(held, _Fallback) else held
+
+    def reserve(
+        self, keys: Sequence[bytes], sizes: Sequence[int], timeout: float | None
+    ) -> Plan[ShmReservation | None]:
+        """Arena pages for blocks the caller writes in place and commits; ``None`` where the
+        shared-memory path is not in use (see :meth:`ShmDataPlane.reserve`)."""
+        deadline = self.deadline(timeout)
+        held = yield from self._over_shm(
+            keys, deadline, lambda plane, t: plane.reserve(keys, sizes, t)
+        )
         return None if isinstance(held, _Fallback) else held
 
     def delete(self, keys: Sequence[bytes], timeout: float | None) -> Plan[int]:

@@ -32,9 +32,10 @@ from typing import Any
 import numpy as np
 
 from kvstore.buffers import byte_view, writable_byte_view
+from kvstore.client.shm_reserve import ShmReservation, SlotState
 from kvstore.client.shm_socket import ShmConnection, ShmUnavailableError, closed_on_failure
 from kvstore.client.shm_touch import TouchSender
-from kvstore.errors import DeadlineExceededError
+from kvstore.errors import DeadlineExceededError, InvalidRequestError
 from kvstore.keys import KEY_BYTES
 from kvstore.protocol.checks import check_pairs
 from kvstore.protocol.dram_index import DIRECT_READS_SUPPORTED, IndexReader
@@ -50,7 +51,7 @@ from kvstore.protocol.shm_frames import (
 )
 from kvstore.types import LookupResult, PutResult
 
-__all__ = ["ShmDataPlane", "ShmLease", "ShmUnavailableError"]
+__all__ = ["ShmDataPlane", "ShmLease", "ShmReservation", "ShmUnavailableError"]
 
 logger = logging.getLogger(__name__)
 
@@ -177,6 +178,7 @@ class ShmDataPlane:
         self._arena_tier = first.hello.tiers[0] if first.hello.tiers else ""
         self._arena = np.frombuffer(self._mapping, dtype=np.uint8)
         self._idle: list[ShmConnection] = [first]
+        self._reserving: list[ShmConnection] = []  # sockets lent to open reservations
 
     @property
     def direct_reads(self) -> bool:
@@ -500,6 +502,64 @@ class ShmDataPlane:
         stored, already, dropped = counts
         return PutResult(stored, present + already, dropped), no_room
 
+    def reserve(
+        self, keys: Sequence[bytes], sizes: Sequence[int], timeout: float | None = None
+    ) -> ShmReservation:
+        """Reserve arena pages for blocks of ``sizes`` bytes that the caller writes in place and
+        then commits (:class:`~kvstore.client.shm_reserve.ShmReservation`); the socket stays
+        with the reservation until then."""
+        if len(sizes) != len(keys):
+            raise InvalidRequestError(f"got {len(sizes)} sizes for {len(keys)} keys")
+        if any(size < 0 for size in sizes):
+            raise InvalidRequestError("block sizes must be >= 0")
+        deadline = self._deadline(timeout)
+        conn = self._take(deadline)
+        states: list[SlotState] = []
+        ids: list[int | None] = []
+        ranges: list[_Ranges] = []
+        # A failure closes the socket, and the server then gives back whatever it reserved.
+        with closed_on_failure(conn):
+            lengths = struct.pack(f"<{len(sizes)}Q", *sizes)
+            reply = Cursor(conn.call(Op.RESERVE, pack_keys(keys) + lengths, deadline))
+            for _ in keys:
+                kind = reply.u8()
+                if kind == Slot.RESERVED:
+                    ids.append(reply.u64())
+                    ranges.append(reply.ranges())
+                    states.append("reserved")
+                else:
+                    ids.append(None)
+                    ranges.append([])
+                    states.append("present" if kind == Slot.PRESENT else "no_room")
+        with self._lock:
+            self._reserving.append(conn)
+
+        def finish(commit: list[int], cancel: list[int]) -> PutResult:
+            return self._finish_reservation(conn, commit, cancel)
+
+        return ShmReservation(self._arena, states, ids, ranges, finish)
+
+    def _finish_reservation(
+        self, conn: ShmConnection, commit: list[int], cancel: list[int]
+    ) -> PutResult:
+        """Commit and cancel a :meth:`reserve`'s slots, then give its socket back."""
+        result = PutResult()
+        with self._lock:
+            if conn in self._reserving:
+                self._reserving.remove(conn)
+        with closed_on_failure(conn):
+            if cancel:
+                conn.send(Op.CANCEL, pack_ids(cancel))
+            if commit:
+                reply = conn.call(Op.COMMIT, pack_ids(commit), self._deadline(None))
+                result = PutResult(*Cursor(reply).unpack("III"))
+        with self._lock:
+            if self._closed:
+                conn.sock.close()
+            else:
+                self._idle.append(conn)
+        return result
+
     def _write(self, ranges: _Ranges, view: memoryview) -> None:
         source = np.frombuffer(view, dtype=np.uint8)
         at = 0
@@ -573,6 +633,8 @@ class ShmDataPlane:
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
+            idle += self._reserving  # a reservation never committed ends with the client
+            self._reserving = []
         if self._touch_conn is not None:
             self._touch_conn.sock.close()
         if self._liveness is not None:

@@ -29,7 +29,7 @@ from kvstore.client.channel import ChannelSecurity, Pem, blocking_channel
 from kvstore.client.core import Blocking, ClientBase, Plan, Rpc, Step, client_settings
 from kvstore.client.device_fill import DeviceFill
 from kvstore.client.settings import ClientSettings
-from kvstore.client.shm import ShmLease
+from kvstore.client.shm import ShmLease, ShmReservation
 from kvstore.keys import Namespace
 from kvstore.types import LookupResult, PrefetchProgress, PutResult
 
@@ -151,6 +151,18 @@ class KVStoreClient(ClientBase):
         valid until its ``release()``; the store keeps those blocks meanwhile, so release soon.
         """
         return self._run(self._core.lease(keys, timeout))
+
+    def reserve(
+        self, keys: Sequence[bytes], sizes: Sequence[int], *, timeout: float | None = None
+    ) -> ShmReservation | None:
+        """Reserve arena pages for blocks of ``sizes`` bytes, written in place, then committed.
+
+        Returns ``None`` when the client does not reach the store over shared memory (then use
+        :meth:`put`). Fill each ``"reserved"`` key's ``views[i]`` (or ``write(i, value)``), then
+        ``commit()``; keys ``"present"`` are stored already, keys with ``"no_room"`` go by
+        :meth:`put`. See :mod:`kvstore.client.shm_reserve`.
+        """
+        return self._run(self._core.reserve(keys, sizes, timeout))
 
     def delete(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
         """Remove ``keys`` from every tier; returns how many were present."""
