@@ -7,6 +7,11 @@ stream wait for that event, copies the planned blocks into page-locked host buff
 after it the engine's blocks are no longer needed (requests waiting on that are reported by
 :meth:`SaveQueue.finished`); a put thread sends the buffers to the store. A slow or dead store
 therefore never holds engine blocks, and the put backlog is bounded in bytes.
+
+On CPU over shared memory the gather writes straight into the store's arena: the gather thread
+reserves pages for the chunks (:meth:`kvstore.KVStoreClient.reserve`), gathers each block into
+them, and the put thread commits; chunks the store holds already are not gathered at all. Only
+chunks without contiguous reserved pages (or without room) go through a host buffer and a put.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import kvstore_kernels  # type: ignore[import-not-found, unused-ignore]
 import torch
 
 from kvstore.client import KVStoreClient
+from kvstore.client.shm_reserve import ShmReservation
 from kvstore.errors import DeadlineExceededError, KVStoreError, StoreUnavailableError
 from kvstore.integrations.device_pipeline import Device, Event
 from kvstore.integrations.vllm_common import Breaker
@@ -52,6 +58,21 @@ class SaveJob:
     keys: list[bytes]
     kernel_ids: list[int]
     after: Event
+
+
+@dataclass(slots=True)
+class _Gathered:
+    """A job's chunks ready for the store: ``reservation`` (committed for ``written``) holds
+    those gathered in place; ``buffer`` holds chunks ``buffered`` (indices into the job's keys)
+    for a put; ``present`` chunks the store held already."""
+
+    keys: list[bytes]
+    nbytes: int  # what the backlog counts for the job
+    buffer: torch.Tensor | None = None
+    buffered: list[int] | None = None  # None: every key, in order
+    reservation: ShmReservation | None = None
+    written: list[int] | None = None
+    present: int = 0
 
 
 @dataclass(slots=True)
@@ -86,7 +107,7 @@ class SaveQueue:
         self._finished: set[str] = set()  # ... that vLLM has finished
         self._backlog_bytes = 0
         self._gather_queue: queue.Queue[SaveJob | None] = queue.Queue()
-        self._put_queue: queue.Queue[tuple[list[bytes], torch.Tensor, int] | None] = queue.Queue()
+        self._put_queue: queue.Queue[_Gathered | None] = queue.Queue()
         self._threads = [
             threading.Thread(target=self._gather_loop, name="kvstore-gather", daemon=True),
             threading.Thread(target=self._put_loop, name="kvstore-put", daemon=True),
@@ -134,7 +155,8 @@ class SaveQueue:
         stream: Any = None
         while (job := self._gather_queue.get()) is not None:
             target = self._target
-            buffer: torch.Tensor | None = None
+            gathered: _Gathered | None = None
+            reserved = False
             nbytes = 0
             try:
                 assert target is not None, "a save was queued before register_kv_caches"
@@ -144,67 +166,140 @@ class SaveQueue:
                 with self._lock:
                     if self._backlog_bytes + nbytes <= MAX_PUT_BACKLOG_BYTES:
                         self._backlog_bytes += nbytes
-                        buffer = torch.empty(0)  # reserved; allocated below, off the lock
-                if buffer is None:
+                        reserved = True
+                if not reserved:
                     logger.warning("kvstore put backlog full; dropping %d chunks", len(job.keys))
                     self._counters.record_save_failed("backlog_full", self._tokens(job.keys))
                 else:
-                    buffer = self._gather(target, stream, job)
+                    gathered = self._gather_in_place(target, job)
+                    if gathered is None:
+                        buffer = self._gather(target, stream, job, range(len(job.keys)))
+                        gathered = _Gathered(job.keys, nbytes, buffer)
             except Exception:
                 logger.exception("kvstore gather failed; not saving %d chunks", len(job.keys))
                 self._counters.record_save_failed("error", self._tokens(job.keys))
-                if buffer is not None:
+                if reserved:
                     with self._lock:
                         self._backlog_bytes -= nbytes
-                buffer = None
+                gathered = None
             finally:
                 with self._lock:
                     self._ungathered[job.req_id] -= 1
                     if not self._ungathered[job.req_id]:
                         del self._ungathered[job.req_id]
                     self._lock.notify_all()
-            if buffer is not None:
-                self._put_queue.put((job.keys, buffer, nbytes))
+            if gathered is not None:
+                self._put_queue.put(gathered)
 
-    def _gather(self, target: _Target, stream: Any, job: SaveJob) -> torch.Tensor:
-        """Copy the job's blocks into a host buffer; returns once the copy has finished."""
+    def _gather(
+        self, target: _Target, stream: Any, job: SaveJob, chunks: Sequence[int]
+    ) -> torch.Tensor:
+        """Copy chunks ``chunks`` of the job into a new host buffer (in that order); returns once
+        the copy has finished."""
         device = target.device
-        shape = (len(job.keys), *target.chunk_shape)
+        shape = (len(chunks), *target.chunk_shape)
         buffer = device.host_buffer(shape, target.caches[0].dtype, zero=False)
-        per_chunk = target.chunk_shape[1]
         with stream.use():
             # The blocks are complete only once the forward pass that wrote them has run.
             stream.wait(job.after)
-            for i in range(len(job.keys)):
-                ids = job.kernel_ids[i * per_chunk : (i + 1) * per_chunk]
-                device.gather_to_host(target.caches, ids, target.layout, buffer[i])
+            for row, chunk in enumerate(chunks):
+                ids = self._chunk_ids(target, job, chunk)
+                device.gather_to_host(target.caches, ids, target.layout, buffer[row])
             copied = device.new_event()
             copied.record(stream)
         copied.synchronize()  # this copy only: the forward pass of later steps goes on
         return buffer
 
+    def _gather_in_place(self, target: _Target, job: SaveJob) -> _Gathered | None:
+        """CPU over shared memory: gather the job's chunks straight into reserved arena pages;
+        ``None`` where that is not possible (CUDA, another data plane, a store down)."""
+        reserve = getattr(self._client, "reserve", None)
+        if target.device.is_cuda or reserve is None or self._breaker.is_open():
+            return None
+        try:
+            held: ShmReservation | None = reserve(job.keys, [target.chunk_nbytes] * len(job.keys))
+        except KVStoreError as exc:
+            logger.debug("kvstore: no arena pages for a save (%s); putting it", exc)
+            return None
+        if held is None:
+            return None
+        # CPU only: the forward pass that wrote the blocks has returned (no event to wait for).
+        dtype = target.caches[0].dtype
+        written: list[int] = []
+        scattered: list[int] = []
+        buffered: list[int] = []
+        try:
+            for chunk, (state, view) in enumerate(zip(held.states, held.views, strict=True)):
+                if state == "reserved" and view is not None:
+                    out = torch.from_numpy(view).view(dtype).view(target.chunk_shape)
+                    ids = self._chunk_ids(target, job, chunk)
+                    target.device.gather_to_host(target.caches, ids, target.layout, out)
+                    written.append(chunk)
+                elif state == "reserved":
+                    scattered.append(chunk)  # pages not in one piece: gathered, then written
+                elif state == "no_room":
+                    buffered.append(chunk)
+            if scattered:
+                buffer = self._gather(target, target.device.new_stream(), job, scattered)
+                for row, chunk in enumerate(scattered):
+                    held.write(chunk, buffer[row])
+                written += scattered
+            spilled = (
+                self._gather(target, target.device.new_stream(), job, buffered)
+                if buffered
+                else None
+            )
+        except BaseException:
+            held.cancel()
+            raise
+        return _Gathered(
+            job.keys,
+            len(job.keys) * target.chunk_nbytes,
+            spilled,
+            buffered,
+            held,
+            written,
+            held.states.count("present"),
+        )
+
+    @staticmethod
+    def _chunk_ids(target: _Target, job: SaveJob, chunk: int) -> list[int]:
+        per_chunk = target.chunk_shape[1]
+        return job.kernel_ids[chunk * per_chunk : (chunk + 1) * per_chunk]
+
     def _put_loop(self) -> None:
         while (item := self._put_queue.get()) is not None:
-            keys, buffer, nbytes = item
-            tokens = self._tokens(keys)
+            tokens = self._tokens(item.keys)
             try:
-                if self._breaker.is_open():
+                if self._breaker.is_open():  # a reservation is cancelled below
                     self._counters.record_save_failed("store_down", tokens)
                 else:
-                    self._client.put(keys, list(buffer.unbind(0)))
+                    self._store(item)
                     self._counters.record_save(tokens)
             except (StoreUnavailableError, DeadlineExceededError) as exc:
                 self._counters.record_save_failed(failure_reason(exc), tokens)
                 self._breaker.trip(exc)
             except KVStoreError as exc:
                 self._counters.record_save_failed("error", tokens)
-                logger.warning("kvstore put of %d chunks failed: %s", len(keys), exc)
+                logger.warning("kvstore put of %d chunks failed: %s", len(item.keys), exc)
             except Exception:
                 self._counters.record_save_failed("error", tokens)
-                logger.exception("kvstore put of %d chunks crashed", len(keys))
+                logger.exception("kvstore put of %d chunks crashed", len(item.keys))
             finally:
+                if item.reservation is not None:
+                    item.reservation.cancel()  # nothing if committed
                 with self._lock:
-                    self._backlog_bytes -= nbytes
+                    self._backlog_bytes -= item.nbytes
+
+    def _store(self, item: _Gathered) -> None:
+        """Commit what was gathered in place and put what was buffered."""
+        if item.reservation is not None:
+            item.reservation.commit(item.written)
+        if item.buffer is not None:
+            keys = item.keys
+            if item.buffered is not None:
+                keys = [keys[chunk] for chunk in item.buffered]
+            self._client.put(keys, list(item.buffer.unbind(0)))
 
     def _tokens(self, keys: list[bytes]) -> int:
         return len(keys) * self._tokens_per_chunk
