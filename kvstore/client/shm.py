@@ -8,65 +8,40 @@ change meanwhile (:mod:`kvstore.protocol.dram_index`); the server hears of those
 later, in a one-way ``TOUCH`` that a background thread sends (:mod:`kvstore.client.shm_touch`).
 The remaining keys take the leased path: acquire leases on their pages (which promotes them from
 lower tiers first), copy each block once, release. A write reserves pages, copies each value once
-into them and commits. The clients in :mod:`kvstore.client` use it by themselves when the server
+into them and commits; :meth:`ShmDataPlane.reserve` lets a caller that produces the bytes write
+them into the reserved pages itself (:mod:`kvstore.client.shm_reserve`). The clients in :mod:`kvstore.client` use it by themselves when the server
 is on the same host and fall back to gRPC when it is not.
 
-Thread-safe: each call borrows one socket from a small pool, so concurrent calls from several
-threads proceed in parallel (the copies release the GIL). A socket that fails or times out is
-closed, never reused, and the server then gives back whatever that socket held.
+The sockets, the mapped arena and index and the liveness check under these calls live in
+:class:`~kvstore.client.shm_attach.ShmAttachment`, which :class:`ShmDataPlane` extends;
+thread-safe like it (each call borrows one socket of its pool).
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import mmap
-import select
-import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from kvstore.buffers import byte_view, writable_byte_view
+from kvstore.client.shm_attach import ShmAttachment
 from kvstore.client.shm_reserve import ShmReservation, SlotState
 from kvstore.client.shm_socket import ShmConnection, ShmUnavailableError, closed_on_failure
 from kvstore.client.shm_touch import TouchSender
 from kvstore.errors import DeadlineExceededError, InvalidRequestError
 from kvstore.keys import KEY_BYTES
 from kvstore.protocol.checks import check_pairs
-from kvstore.protocol.dram_index import DIRECT_READS_SUPPORTED, IndexReader
-from kvstore.protocol.shm_frames import (
-    ABSENT_TIER,
-    Cursor,
-    Hello,
-    Op,
-    ProtocolError,
-    Slot,
-    pack_ids,
-    pack_keys,
-)
+from kvstore.protocol.dram_index import IndexReader
+from kvstore.protocol.shm_frames import Cursor, Op, Slot, pack_ids, pack_keys
 from kvstore.types import LookupResult, PutResult
 
 __all__ = ["ShmDataPlane", "ShmLease", "ShmReservation", "ShmUnavailableError"]
 
-logger = logging.getLogger(__name__)
-
-_HANGUP = select.POLLHUP | select.POLLERR | select.POLLRDHUP
 _Ranges = list[tuple[int, int]]
-
-
-def _index_reader(fd: int, size: int) -> IndexReader | None:
-    """The server's published index, or ``None`` if this client cannot read it (another
-    layout): reads then all go through the server, which still serves them over this plane."""
-    try:
-        return IndexReader(fd, size)
-    except ValueError as exc:
-        logger.info("not reading the server's dram index directly: %s", exc)
-        return None
 
 
 class ShmLease:
@@ -111,127 +86,12 @@ class ShmLease:
         self.release()
 
 
-class ShmDataPlane:
-    """A co-located client's direct path to a server's arena (see the module docstring)."""
+class ShmDataPlane(ShmAttachment):
+    """A co-located client's direct path to a server's arena (see the module docstring).
 
-    def __init__(
-        self,
-        path: str,
-        namespace: bytes,
-        *,
-        timeout: float = 5.0,
-        direct_reads: bool = True,
-        connect_timeout: float | None = None,
-    ) -> None:
-        """Connect to the socket at ``path`` and map the arena.
-
-        ``timeout``: the default of every call, and how long a new socket may take to connect;
-        ``connect_timeout`` (default ``timeout``) bounds this first connection instead, so that a
-        client can fit it into the deadline of the call that opens the plane.
-        ``direct_reads``: read blocks found in the published index without asking the server
-        where the CPU allows it (the client's settings turn this off with
-        ``KVSTORE_SHM_DIRECT_READS=0``).
-        """
-        self.path = path
-        self.namespace = namespace
-        self.timeout = timeout
-        self._instance: bytes | None = None  # every later connection must reach this process
-        self._lock = threading.Lock()
-        self._closed = False
-        first = self._open(connect_timeout, keep_fds=True)
-        self.hello: Hello = first.hello
-        self._instance = first.hello.instance_id
-        if not first.fds:
-            first.sock.close()
-            raise ShmUnavailableError("the store sent no arena descriptor")
-        self._index: IndexReader | None = None
-        try:
-            self._mapping = mmap.mmap(first.fds[0], first.hello.arena_size)
-            if direct_reads and DIRECT_READS_SUPPORTED and first.hello.index_size and first.fds[1:]:
-                self._index = _index_reader(first.fds[1], first.hello.index_size)
-        except (OSError, ValueError) as exc:
-            first.sock.close()
-            raise ShmUnavailableError(f"cannot map what {path} sent: {exc}") from exc
-        finally:
-            first.close_fd()
-        self._touches: TouchSender | None = None
-        # The TOUCH messages' own socket, used under the sender's lock only (replaced after a
-        # failure); opened on first use.
-        self._touch_conn: ShmConnection | None = None
-        # A socket that carries nothing and is closed only by close(): how a reader notices at
-        # once that the server died (the kernel hangs it up) without racing a replacement.
-        self._liveness: socket.socket | None = None
-        if self._index is not None:
-            try:
-                probe = self._open(connect_timeout)
-            except ShmUnavailableError:
-                first.sock.close()
-                self._index.close()
-                raise
-            self._liveness = probe.sock
-            self._touches = TouchSender(self._send_touch, self._sync, first.hello.max_keys)
-        # Tier name by the one-byte code a LOOKUP reply uses ("" for absent).
-        self._tier_names = [""] * 256
-        self._tier_names[: len(first.hello.tiers)] = first.hello.tiers
-        self._tier_names[ABSENT_TIER] = ""
-        #: The name of the server's top tier, which the index describes when it is "dram".
-        self._arena_tier = first.hello.tiers[0] if first.hello.tiers else ""
-        self._arena = np.frombuffer(self._mapping, dtype=np.uint8)
-        self._idle: list[ShmConnection] = [first]
-        self._reserving: list[ShmConnection] = []  # sockets lent to open reservations
-
-    @property
-    def direct_reads(self) -> bool:
-        """Whether reads look in the published index first (see the module docstring)."""
-        return self._index is not None
-
-    @property
-    def instance_id(self) -> bytes:
-        """The server process's identity, to compare with what gRPC's ``DataPlane`` says."""
-        return self.hello.instance_id
-
-    def _open(self, timeout: float | None = None, *, keep_fds: bool = False) -> ShmConnection:
-        """A new connection to the same server; its greeting's fds closed unless ``keep_fds``
-        (only the first connection maps them)."""
-        if timeout is not None and timeout <= 0:
-            raise DeadlineExceededError("deadline exceeded before connecting to the store")
-        try:
-            conn = ShmConnection(self.path, self.namespace, timeout or self.timeout)
-        except (OSError, ValueError, ProtocolError) as exc:
-            raise ShmUnavailableError(f"cannot open {self.path}: {exc}") from exc
-        if self._instance is not None and conn.hello.instance_id != self._instance:
-            # Another server process on the same path: its arena is not the one mapped here,
-            # and nothing it says (lease ranges, reservations) may be applied to that one.
-            conn.close_fd()
-            conn.sock.close()
-            raise ShmUnavailableError(f"the store at {self.path} restarted")
-        if not keep_fds:
-            conn.close_fd()
-        return conn
-
-    def _take(self, deadline: float) -> ShmConnection:
-        """An idle socket, or a new one opened before ``deadline`` (a monotonic instant)."""
-        with self._lock:
-            if self._closed:
-                raise ShmUnavailableError("the shared-memory path is closed")
-            conn = self._idle.pop() if self._idle else None
-        return conn if conn is not None else self._open(deadline - time.monotonic())
-
-    @contextlib.contextmanager
-    def _connection(self, deadline: float) -> Iterator[ShmConnection]:
-        """An idle socket, or a new one opened before ``deadline`` (a monotonic instant); back
-        to the idle ones after the ``with`` block, closed if it fails."""
-        conn = self._take(deadline)
-        with closed_on_failure(conn):
-            yield conn
-        with self._lock:
-            if self._closed:
-                conn.sock.close()
-            else:
-                self._idle.append(conn)
-
-    def _deadline(self, timeout: float | None) -> float:
-        return time.monotonic() + (self.timeout if timeout is None else timeout)
+    Construct it as :class:`~kvstore.client.shm_attach.ShmAttachment` (the socket's path, the
+    namespace, timeouts); that part holds the sockets and the mapped arena, this one the calls.
+    """
 
     def usable_for(self, keys: Sequence[bytes]) -> bool:
         """Whether this path can carry a request for ``keys`` (else gRPC reports the problem)."""
@@ -373,11 +233,7 @@ class ShmDataPlane:
                     conn.send(Op.RELEASE, pack_ids(leases))
         except (ShmUnavailableError, DeadlineExceededError):
             return  # the socket is closed, and the server ends what it held by itself
-        with self._lock:
-            if self._closed:
-                conn.sock.close()
-            else:
-                self._idle.append(conn)
+        self._give_back(conn)
 
     def get(self, keys: Sequence[bytes], timeout: float | None = None) -> list[bytes | None]:
         """The payload of each key (a fresh ``bytes``), ``None`` where missing."""
@@ -553,11 +409,7 @@ class ShmDataPlane:
             if commit:
                 reply = conn.call(Op.COMMIT, pack_ids(commit), self._deadline(None))
                 result = PutResult(*Cursor(reply).unpack("III"))
-        with self._lock:
-            if self._closed:
-                conn.sock.close()
-            else:
-                self._idle.append(conn)
+        self._give_back(conn)
         return result
 
     def _write(self, ranges: _Ranges, view: memoryview) -> None:
@@ -566,84 +418,3 @@ class ShmDataPlane:
         for offset, size in ranges:
             self._arena[offset : offset + size] = source[at : at + size]
             at += size
-
-    def _send_touch(self, keys: Sequence[bytes], calls: int, lookups: int) -> None:
-        with self._touch_socket(self._deadline(None)) as conn:
-            conn.send(Op.TOUCH, struct.pack("<II", calls, lookups) + pack_keys(keys))
-
-    def _sync(self, deadline: float) -> None:
-        with self._touch_socket(deadline) as conn:
-            conn.call(Op.SYNC, b"", deadline)
-
-    @contextlib.contextmanager
-    def _touch_socket(self, deadline: float) -> Iterator[ShmConnection]:
-        """The TOUCH socket (opened if there is none); closed if this use fails.
-
-        Runs under the TOUCH sender's lock only, so nothing else ever sees it replaced.
-        """
-        conn = self._touch_conn
-        if conn is None:
-            if self._closed:
-                raise ShmUnavailableError("the shared-memory path is closed")
-            conn = self._open(timeout=deadline - time.monotonic())
-            self._touch_conn = conn
-        try:
-            with closed_on_failure(conn):
-                yield conn
-        except BaseException:
-            self._touch_conn = None  # (a late SYNC reply, say): the next use opens another
-            raise
-
-    def flush_reads(self, timeout: float | None = None) -> None:
-        """Return once the server has counted every read this client served from the index."""
-        if self._touches is not None:
-            try:
-                self._touches.flush(self._deadline(timeout))
-            except TimeoutError as exc:
-                raise DeadlineExceededError(str(exc)) from exc
-
-    def _usable_index(self) -> tuple[IndexReader, TouchSender] | None:
-        """The index and its TOUCH sender if the index may be used now (else None); raises if
-        the server is known to be gone.
-
-        A dead server's arena and index stay mapped here, frozen: the liveness socket is how its
-        death shows (the kernel hangs it up), and a failed TOUCH says so too.
-        """
-        index, touches, liveness = self._index, self._touches, self._liveness
-        if index is None or touches is None or liveness is None:
-            return None
-        if touches.failure is not None:
-            raise ShmUnavailableError(f"the store's socket failed: {touches.failure}")
-        fd = liveness.fileno()
-        if not index.open or fd < 0:  # the server is closing, or close() ran just now
-            return None
-        hangup = select.poll()  # one per call: a poll object is not for concurrent use
-        hangup.register(fd, _HANGUP)
-        events = hangup.poll(0)
-        if events and events[0][1] & select.POLLNVAL:  # closed between the two lines above
-            return None
-        if events:
-            raise ShmUnavailableError("the store hung up its shared-memory socket")
-        return index, touches
-
-    def close(self) -> None:
-        """Close the sockets (the server releases what they held) and unmap the arena."""
-        if self._touches is not None:
-            self._touches.close(timeout=0.2)  # the reads since the last TOUCH still count
-        with self._lock:
-            self._closed = True
-            idle, self._idle = self._idle, []
-            idle += self._reserving  # a reservation never committed ends with the client
-            self._reserving = []
-        if self._touch_conn is not None:
-            self._touch_conn.sock.close()
-        if self._liveness is not None:
-            self._liveness.close()
-        for conn in idle:
-            conn.sock.close()
-        self._arena = np.empty(0, dtype=np.uint8)
-        if self._index is not None:
-            self._index.close()
-            self._index = None
-        with contextlib.suppress(BufferError):  # a caller still holds a view: unmapped at exit
-            self._mapping.close()

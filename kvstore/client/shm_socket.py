@@ -1,8 +1,9 @@
 """One UNIX socket of the shared-memory data plane's client: connect, greet, call, fail cleanly.
 
-:class:`ShmDataPlane` (:mod:`kvstore.client.shm`) keeps a small pool of these; each carries one
-request at a time in the frame format of :mod:`kvstore.protocol.shm_frames`, and whatever goes
-wrong mid-request closes it (:func:`closed_on_failure`), since its stream position is then unknown.
+:class:`~kvstore.client.shm_attach.ShmAttachment` (what :class:`~kvstore.client.shm.ShmDataPlane`
+stands on) keeps a small pool of these; each carries one request at a time in the frame format of
+:mod:`kvstore.protocol.shm_frames`, and whatever goes wrong mid-request closes it
+(:func:`closed_on_failure`), since its stream position is then unknown.
 """
 
 from __future__ import annotations

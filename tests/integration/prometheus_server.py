@@ -24,6 +24,7 @@ from types import TracebackType
 from typing import Any
 
 import yaml
+from stop_process import stop_process
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -146,12 +147,7 @@ class PrometheusServer:
         """SIGTERM, then SIGKILL after a few seconds."""
         if self._process is None:
             return
-        self._process.terminate()
-        try:
-            self._process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self._process.kill()
-            self._process.wait()
+        stop_process(self._process, grace_s=10)
         self._process = None
 
     def __enter__(self) -> PrometheusServer:

@@ -15,6 +15,7 @@ from pathlib import Path
 from types import TracebackType
 
 import redis
+from stop_process import stop_process
 
 __all__ = ["RedisServer", "free_port", "redis_server_binary"]
 
@@ -169,12 +170,7 @@ class RedisServer:
         self.resume()
         if self._process is None:
             return
-        self._process.terminate()
-        try:
-            self._process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self._process.kill()
-            self._process.wait()
+        stop_process(self._process, grace_s=5)
         self._process = None
 
     def __enter__(self) -> RedisServer:
