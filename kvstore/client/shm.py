@@ -9,8 +9,9 @@ later, in a one-way ``TOUCH`` that a background thread sends (:mod:`kvstore.clie
 The remaining keys take the leased path: acquire leases on their pages (which promotes them from
 lower tiers first), copy each block once, release. A write reserves pages, copies each value once
 into them and commits; :meth:`ShmDataPlane.reserve` lets a caller that produces the bytes write
-them into the reserved pages itself (:mod:`kvstore.client.shm_reserve`). The clients in :mod:`kvstore.client` use it by themselves when the server
-is on the same host and fall back to gRPC when it is not.
+them into the reserved pages itself (:mod:`kvstore.client.shm_reserve`). The clients in
+:mod:`kvstore.client` use it by themselves when the server is on the same host and fall back to
+gRPC when it is not.
 
 The sockets, the mapped arena and index and the liveness check under these calls live in
 :class:`~kvstore.client.shm_attach.ShmAttachment`, which :class:`ShmDataPlane` extends;
