@@ -171,7 +171,7 @@ class SaveQueue:
                     logger.warning("kvstore put backlog full; dropping %d chunks", len(job.keys))
                     self._counters.record_save_failed("backlog_full", self._tokens(job.keys))
                 else:
-                    gathered = self._gather_in_place(target, job)
+                    gathered = self._gather_in_place(target, job, nbytes)
                     if gathered is None:
                         buffer = self._gather(target, stream, job, range(len(job.keys)))
                         gathered = _Gathered(job.keys, nbytes, buffer)
@@ -210,7 +210,7 @@ class SaveQueue:
         copied.synchronize()  # this copy only: the forward pass of later steps goes on
         return buffer
 
-    def _gather_in_place(self, target: _Target, job: SaveJob) -> _Gathered | None:
+    def _gather_in_place(self, target: _Target, job: SaveJob, nbytes: int) -> _Gathered | None:
         """CPU over shared memory: gather the job's chunks straight into reserved arena pages;
         ``None`` where that is not possible (CUDA, another data plane, a store down)."""
         reserve = getattr(self._client, "reserve", None)
@@ -254,7 +254,7 @@ class SaveQueue:
             raise
         return _Gathered(
             job.keys,
-            len(job.keys) * target.chunk_nbytes,
+            nbytes,
             spilled,
             buffered,
             held,
