@@ -4,12 +4,17 @@ A read through the published index (:mod:`kvstore.protocol.dram_index`) never re
 yet the server's LRU order and hit counts should see it. Sending a message per read would put a
 system call (and a wake-up of the server) on every read, which costs as much as the index saves
 (0.1 ms per call measured on a cold cache). :class:`TouchSender` instead collects the keys read
-and a background thread sends them as one ``TOUCH`` per short window (a few milliseconds): the
-server learns of every read, a little later, at one message per window however many reads there
-were. While reads keep coming the thread polls once per window; after a quiet spell it blocks
-until the next read wakes it, so an idle client costs nothing and a busy one never pays for a
-wake-up. One TOUCH ages the keys of the calls in its window together, which blurs their order
-within those few milliseconds and nothing more. :meth:`TouchSender.flush` sends what is pending
+and a background thread sends them as one ``TOUCH`` per window (50 ms): the server learns of
+every read, a little later, at one message per window however many reads there were. While
+reads keep coming the thread wakes once per window on its own, and a reader never wakes it;
+after a quiet second it blocks until the next read wakes it, so an idle client costs nothing.
+The window is long on purpose: an engine's forward pass keeps every core busy (vLLM's CPU
+worker spins its OpenMP threads), so any thread that wakes during it preempts one of those
+threads and holds up every barrier they meet. At 2 ms windows (and a reader's wake-up after a
+quiet spell) the sender and the server's handling of each TOUCH took a measurable share of a
+40 ms CPU prefill; at 50 ms there is at most one wake-up per forward pass. One TOUCH ages the
+keys of the calls in its window together, which blurs their order within that window and
+nothing more. :meth:`TouchSender.flush` sends what is pending
 at once and waits until the server has handled it, for callers that read the counters next (a
 client's ``stats()``).
 """
@@ -28,8 +33,8 @@ __all__ = ["TouchSender"]
 #: Keys held for the next TOUCH at most (lookups: MAX_TOUCH_LOOKUPS); past this (a server that
 #: stopped reading), new reads go uncounted rather than piling up in memory.
 MAX_PENDING_KEYS = 1 << 16
-#: Empty windows in a row after which the thread stops polling and blocks until woken.
-IDLE_WINDOWS = 50
+#: Empty windows in a row (one second) after which the thread blocks until a read wakes it.
+IDLE_WINDOWS = 20
 
 
 class TouchSender:
@@ -49,7 +54,7 @@ class TouchSender:
         sync: Callable[[float], None],
         max_keys: int,
         *,
-        window_s: float = 0.002,
+        window_s: float = 0.05,
     ) -> None:
         self._send = send
         self._sync = sync

@@ -2,7 +2,7 @@
 
 A co-located client connects, says which namespace it works in, and receives the arena's memfd
 and the memfd of its published index (``SCM_RIGHTS``); it maps both once. A block it finds in the
-index it copies without asking (a one-way ``TOUCH`` follows within milliseconds, so that the LRU
+index it copies without asking (a one-way ``TOUCH`` follows within 50 ms, so that the LRU
 order and the hit counts see the read); for the others it asks *where* they are: reads lease pages
 (:meth:`TieredStore.acquire`), the client copies out of them and releases; writes reserve pages,
 the client copies in and commits. Payload bytes never cross the socket, except for a block that
