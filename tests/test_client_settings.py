@@ -25,6 +25,13 @@ def test_direct_reads_switch() -> None:
     assert ClientSettings.from_env({"KVSTORE_SHM_DIRECT_READS": "1"}).shm_direct_reads
 
 
+def test_prefault_switch() -> None:
+    assert ClientSettings.from_env({}).shm_prefault
+    assert not ClientSettings.from_env({"KVSTORE_SHM_PREFAULT": "0"}).shm_prefault
+    with pytest.raises(ConfigError, match=r"KVSTORE_SHM_PREFAULT must be 1 or 0.*'off'"):
+        ClientSettings.from_env({"KVSTORE_SHM_PREFAULT": "off"})
+
+
 def test_bad_values_name_the_setting_and_the_allowed_values() -> None:
     with pytest.raises(ConfigError, match=r"KVSTORE_DATA_PLANE.*auto, shm, ucx, grpc.*'tcp'"):
         ClientSettings.from_env({"KVSTORE_DATA_PLANE": "tcp"})

@@ -13,6 +13,10 @@ variable                 values                           meaning
 ``KVSTORE_SHM_DIRECT_    ``1`` (default), ``0``           ``0`` sends every shared-memory read
 READS``                                                   through the server (leases), e.g. to
                                                           rule the published index out
+``KVSTORE_SHM_PREFAULT``  ``1`` (default), ``0``          ``0``: no background fault-in of the
+                                                          arena's resident pages on the first
+                                                          read (see
+                                                          :mod:`kvstore.client.shm_prefault`)
 ``KVSTORE_TOKEN``        a bearer token (default none)    sent on every call, for a server with
                                                           ``server.tokens_file``
 ``KVSTORE_TLS_CA``       a PEM file (default none)        the CA of the server's certificate;
@@ -32,6 +36,7 @@ __all__ = [
     "DATA_PLANES",
     "DATA_PLANE_ENV",
     "DIRECT_READS_ENV",
+    "PREFAULT_ENV",
     "TLS_CA_ENV",
     "TOKEN_ENV",
     "ClientSettings",
@@ -41,6 +46,7 @@ __all__ = [
 DATA_PLANES = ("auto", "shm", "ucx", "grpc")
 DATA_PLANE_ENV = "KVSTORE_DATA_PLANE"
 DIRECT_READS_ENV = "KVSTORE_SHM_DIRECT_READS"
+PREFAULT_ENV = "KVSTORE_SHM_PREFAULT"
 TOKEN_ENV = "KVSTORE_TOKEN"
 TLS_CA_ENV = "KVSTORE_TLS_CA"
 _SWITCH = {"1": True, "0": False}
@@ -54,6 +60,8 @@ class ClientSettings:
     data_plane: str = "auto"
     #: Whether shared-memory reads look in the server's published index first.
     shm_direct_reads: bool = True
+    #: Whether the first shared-memory read starts faulting the arena's resident pages in.
+    shm_prefault: bool = True
     #: Bearer token sent on every call ("" for none); the clients' ``token=`` overrides it.
     token: str = ""
     #: PEM file of the server's CA ("" for a plain channel); the clients' ``tls_ca=`` overrides it.
@@ -75,11 +83,14 @@ class ClientSettings:
         env = os.environ if env is None else env
         data_plane = env.get(DATA_PLANE_ENV) or "auto"
         direct = env.get(DIRECT_READS_ENV) or "1"
-        if direct not in _SWITCH:
-            raise ConfigError(f"{DIRECT_READS_ENV} must be 1 or 0, got {direct!r}")
+        prefault = env.get(PREFAULT_ENV) or "1"
+        for name, value in ((DIRECT_READS_ENV, direct), (PREFAULT_ENV, prefault)):
+            if value not in _SWITCH:
+                raise ConfigError(f"{name} must be 1 or 0, got {value!r}")
         return cls(
             data_plane=data_plane,
             shm_direct_reads=_SWITCH[direct],
+            shm_prefault=_SWITCH[prefault],
             token=env.get(TOKEN_ENV, ""),
             tls_ca=env.get(TLS_CA_ENV, ""),
         )

@@ -175,6 +175,7 @@ class ShmDataPlane(ShmAttachment):
         ``None``.
         """
         deadline = self._deadline(timeout)
+        self._reading()
         usable = self._usable_index()
         if usable is not None:
             direct = self._acquire_direct(*usable, keys)
@@ -259,6 +260,7 @@ class ShmDataPlane(ShmAttachment):
         copy, go through ACQUIRE / RELEASE.
         """
         deadline = self._deadline(timeout)
+        self._reading()
         copied = [False] * len(keys)
         pending = list(range(len(keys)))
         usable = self._usable_index()

@@ -26,6 +26,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from kvstore.client.shm_prefault import ArenaPrefaulter
 from kvstore.client.shm_socket import ShmConnection, ShmUnavailableError, closed_on_failure
 from kvstore.client.shm_touch import TouchSender
 from kvstore.errors import DeadlineExceededError
@@ -60,6 +61,7 @@ class ShmAttachment:
         timeout: float = 5.0,
         direct_reads: bool = True,
         connect_timeout: float | None = None,
+        prefault: bool = True,
     ) -> None:
         """Connect to the socket at ``path`` and map the arena.
 
@@ -69,6 +71,9 @@ class ShmAttachment:
         ``direct_reads``: read blocks found in the published index without asking the server
         where the CPU allows it (the client's settings turn this off with
         ``KVSTORE_SHM_DIRECT_READS=0``).
+        ``prefault``: the first read out of the arena starts faulting its resident pages into
+        this process on a background thread (:mod:`kvstore.client.shm_prefault`;
+        ``KVSTORE_SHM_PREFAULT=0`` turns it off).
         """
         self.path = path
         self.namespace = namespace
@@ -117,6 +122,8 @@ class ShmAttachment:
         self._arena = np.frombuffer(self._mapping, dtype=np.uint8)
         self._idle: list[ShmConnection] = [first]
         self._reserving: list[ShmConnection] = []  # sockets lent to open reservations
+        self._prefault_wanted = prefault
+        self._prefaulter: ArenaPrefaulter | None = None  # started by the first read
 
     @property
     def direct_reads(self) -> bool:
@@ -234,12 +241,23 @@ class ShmAttachment:
             raise ShmUnavailableError("the store hung up its shared-memory socket")
         return index, touches
 
+    def _reading(self) -> None:
+        """Called before every read out of the arena: the first one starts the prefaulter."""
+        if self._prefaulter is not None or not self._prefault_wanted:
+            return
+        with self._lock:
+            if self._prefaulter is None and not self._closed and self._arena.nbytes:
+                self._prefaulter = ArenaPrefaulter(self._arena.ctypes.data, self._arena.nbytes)
+
     def close(self) -> None:
         """Close the sockets (the server releases what they held) and unmap the arena."""
         if self._touches is not None:
             self._touches.close(timeout=0.2)  # the reads since the last TOUCH still count
         with self._lock:
             self._closed = True
+        if self._prefaulter is not None:
+            self._prefaulter.stop()  # it must not touch the mapping once unmapped
+        with self._lock:
             idle, self._idle = self._idle, []
             idle += self._reserving  # a reservation never committed ends with the client
             self._reserving = []

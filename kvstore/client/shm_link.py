@@ -40,6 +40,7 @@ class ShmLink:
     def __init__(self, settings: ClientSettings, namespace: bytes | None, timeout: float) -> None:
         self.mode = settings.data_plane
         self._direct_reads = settings.shm_direct_reads
+        self._prefault = settings.shm_prefault
         self._namespace = namespace
         self._timeout = timeout
         self._plane: ShmDataPlane | None = None
@@ -76,6 +77,7 @@ class ShmLink:
                     self._namespace,
                     timeout=self._timeout,
                     direct_reads=self._direct_reads,
+                    prefault=self._prefault,
                     connect_timeout=timeout,
                 )
                 if plane.instance_id != endpoints.instance_id:

@@ -867,6 +867,29 @@ def test_blocks_in_the_index_are_read_without_leases(
         assert after.get("blocks_read_direct", 0) == before.get("blocks_read_direct", 0)
 
 
+def test_the_first_read_faults_the_arenas_resident_pages_in(
+    server_factory: ServerFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lookups leave the arena alone; the first read starts the prefaulter, which maps the pages
+    the server's blocks sit on (and not the whole 64 MiB arena); KVSTORE_SHM_PREFAULT=0 stops it."""
+    server = server_factory(dram_capacity="64MiB", nvme_capacity="64MiB")
+    keys, values = make_blocks(48, 8, 256 * KiB)
+    with KVStoreClient(server.target, namespace=NS, data_plane="shm") as client:
+        assert client.put(keys, values).stored == 8
+        plane = client._shm.plane
+        assert plane is not None
+        assert client.lookup(keys) == 8
+        assert plane._prefaulter is None
+        assert client.get(keys[:1]) == values[:1]
+        prefaulter = plane._prefaulter
+        assert prefaulter is not None and prefaulter.wait(timeout=30)
+        assert 2 * MiB <= prefaulter.populated < 64 * MiB
+    monkeypatch.setenv("KVSTORE_SHM_PREFAULT", "0")
+    with KVStoreClient(server.target, namespace=NS, data_plane="shm") as client:
+        assert client.get(keys) == values
+        assert client._shm.plane is not None and client._shm.plane._prefaulter is None
+
+
 def test_lookups_answered_from_the_index_match_the_servers(
     server_factory: ServerFactory,
 ) -> None:
