@@ -15,7 +15,6 @@ resident GiB, once, and 2 MiB of page tables per GiB (what reading every block o
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import mmap
 import threading
@@ -33,8 +32,10 @@ SLICE_BYTES = 64 << 20
 
 
 def _libc() -> ctypes.CDLL | None:
+    """The C library's ``mincore`` and ``madvise``, typed; ``None`` where they are missing."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        # The process's own symbols: libc is loaded already (find_library would run ldconfig).
+        libc = ctypes.CDLL(None, use_errno=True)
     except OSError:
         return None
     for name in ("mincore", "madvise"):
