@@ -13,9 +13,9 @@ variable                 values                           meaning
 ``KVSTORE_SHM_DIRECT_    ``1`` (default), ``0``           ``0`` sends every shared-memory read
 READS``                                                   through the server (leases), e.g. to
                                                           rule the published index out
-``KVSTORE_SHM_PREFAULT``  ``1`` (default), ``0``          ``0``: no background fault-in of the
-                                                          arena's resident pages on the first
-                                                          read (see
+``KVSTORE_SHM_PREFAULT`` ``1`` (default), ``0``           ``0``: no background fault-in of the
+                                                          pages of the arena's blocks on the
+                                                          first read (see
                                                           :mod:`kvstore.client.shm_prefault`)
 ``KVSTORE_TOKEN``        a bearer token (default none)    sent on every call, for a server with
                                                           ``server.tokens_file``

@@ -242,12 +242,17 @@ class ShmAttachment:
         return index, touches
 
     def _reading(self) -> None:
-        """Called before every read out of the arena: the first one starts the prefaulter."""
+        """Called before every read out of the arena: the first one starts the prefaulter
+        (which needs the published index: it lists where this namespace's blocks lie)."""
         if self._prefaulter is not None or not self._prefault_wanted:
             return
         with self._lock:
-            if self._prefaulter is None and not self._closed and self._arena.nbytes:
-                self._prefaulter = ArenaPrefaulter(self._arena.ctypes.data, self._arena.nbytes)
+            index = self._index
+            if self._prefaulter is None and not self._closed and index is not None:
+                namespace = self.namespace
+                self._prefaulter = ArenaPrefaulter(
+                    self._mapping, self._arena.ctypes.data, lambda: index.published(namespace)
+                )
 
     def close(self) -> None:
         """Close the sockets (the server releases what they held) and unmap the arena."""
@@ -255,8 +260,11 @@ class ShmAttachment:
             self._touches.close(timeout=0.2)  # the reads since the last TOUCH still count
         with self._lock:
             self._closed = True
-        if self._prefaulter is not None:
-            self._prefaulter.stop()  # it must not touch the mapping once unmapped
+        # The prefaulter reads the index and faults the arena's pages in: neither may go away
+        # under it. One that does not stop in time (never seen) keeps both mapped.
+        keep_mapped = self._prefaulter is not None and not self._prefaulter.stop()
+        if keep_mapped:
+            logger.warning("the arena prefault thread did not stop; leaving the arena mapped")
         with self._lock:
             idle, self._idle = self._idle, []
             idle += self._reserving  # a reservation never committed ends with the client
@@ -268,6 +276,8 @@ class ShmAttachment:
         for conn in idle:
             conn.sock.close()
         self._arena = np.empty(0, dtype=np.uint8)
+        if keep_mapped:
+            return
         if self._index is not None:
             self._index.close()
             self._index = None

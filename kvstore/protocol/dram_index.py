@@ -292,6 +292,19 @@ class IndexReader:
             & ((slot[:, 0] & np.uint64(1)) == 0)  # seq: not mid-update
         )
 
+    def published(self, namespace: bytes) -> np.ndarray[Any, Any]:
+        """``(offset, length)`` rows (``uint64``) of every block published under ``namespace``.
+
+        A snapshot like :meth:`present`'s, for hints only (a client faulting those pages in
+        ahead of its reads): a row can be torn or stale, so bound it by the arena's size.
+        """
+        table = self._table.reshape(-1, _WORDS)
+        ours = np.frombuffer(namespace, dtype="<u8")
+        live = (table[:, 6] != 0) & ((table[:, 0] & np.uint64(1)) == 0)
+        live &= (table[:, 3] == ours[0]) & (table[:, 4] == ours[1])
+        rows: np.ndarray[Any, Any] = table[live][:, 5:7].copy()
+        return rows
+
     def unchanged(self, hit: SlotHit) -> bool:
         """Whether the slot ``hit`` came from has not changed since :meth:`find` read it."""
         slot, seq = hit[0], hit[1]

@@ -867,27 +867,33 @@ def test_blocks_in_the_index_are_read_without_leases(
         assert after.get("blocks_read_direct", 0) == before.get("blocks_read_direct", 0)
 
 
-def test_the_first_read_faults_the_arenas_resident_pages_in(
+def test_the_first_read_faults_the_blocks_pages_in(
     server_factory: ServerFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Lookups leave the arena alone; the first read starts the prefaulter, which maps the pages
-    the server's blocks sit on (and not the whole 64 MiB arena); KVSTORE_SHM_PREFAULT=0 stops it."""
+    """Lookups leave the arena alone; a reader's first read starts the prefaulter, which maps
+    the pages of the namespace's blocks (2 MiB here, not the 64 MiB arena, nor another
+    namespace's blocks); KVSTORE_SHM_PREFAULT=0 turns it off."""
     server = server_factory(dram_capacity="64MiB", nvme_capacity="64MiB")
     keys, values = make_blocks(48, 8, 256 * KiB)
-    with KVStoreClient(server.target, namespace=NS, data_plane="shm") as client:
-        assert client.put(keys, values).stored == 8
-        plane = client._shm.plane
-        assert plane is not None
-        assert client.lookup(keys) == 8
-        assert plane._prefaulter is None
-        assert client.get(keys[:1]) == values[:1]
+    other_keys, other_values = make_blocks(49, 8, 256 * KiB)
+    with KVStoreClient(server.target, namespace=OTHER_NS, data_plane="shm") as writer:
+        assert writer.put(other_keys, other_values).stored == 8
+    with KVStoreClient(server.target, namespace=NS, data_plane="shm") as writer:
+        assert writer.put(keys, values).stored == 8
+    with KVStoreClient(server.target, namespace=NS, data_plane="shm") as reader:
+        assert reader.lookup(keys) == 8
+        plane = reader._shm.plane
+        assert plane is not None and plane._prefaulter is None
+        assert reader.get(keys[:1]) == values[:1]
         prefaulter = plane._prefaulter
         assert prefaulter is not None and prefaulter.wait(timeout=30)
-        assert 2 * MiB <= prefaulter.populated < 64 * MiB
+        assert prefaulter.completed
+        # Each block's bytes (payload and header) rounded out to pages; its arena pages apart.
+        assert 2 * MiB <= prefaulter.populated <= 2 * MiB + 8 * 64 * KiB
     monkeypatch.setenv("KVSTORE_SHM_PREFAULT", "0")
-    with KVStoreClient(server.target, namespace=NS, data_plane="shm") as client:
-        assert client.get(keys) == values
-        assert client._shm.plane is not None and client._shm.plane._prefaulter is None
+    with KVStoreClient(server.target, namespace=NS, data_plane="shm") as reader:
+        assert reader.get(keys) == values
+        assert reader._shm.plane is not None and reader._shm.plane._prefaulter is None
 
 
 def test_lookups_answered_from_the_index_match_the_servers(

@@ -72,6 +72,18 @@ def test_published_blocks_are_found_withdrawn_ones_are_not(
     assert len(writer) == 99
 
 
+def test_published_lists_the_namespaces_blocks_only(
+    index: tuple[IndexWriter, IndexReader],
+) -> None:
+    writer, reader = index
+    for n in range(10):
+        writer.publish(key(n), NS if n % 2 else OTHER_NS, n * PAGE, 1000 + n)
+    writer.withdraw(key(3))
+    rows = reader.published(NS)
+    assert sorted(map(tuple, rows.tolist())) == [(n * PAGE, 1000 + n) for n in (1, 5, 7, 9)]
+    assert len(reader.published(bytes(16))) == 0
+
+
 def test_another_namespace_is_not_found(index: tuple[IndexWriter, IndexReader]) -> None:
     writer, reader = index
     writer.publish(key(1), NS, 0, 10)
