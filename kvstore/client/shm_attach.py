@@ -243,12 +243,14 @@ class ShmAttachment:
 
     def _reading(self) -> None:
         """Called before every read out of the arena: the first one starts the prefaulter
-        (which needs the published index: it lists where this namespace's blocks lie)."""
-        if self._prefaulter is not None or not self._prefault_wanted:
+        (which needs the published index: it lists where this namespace's blocks lie); later
+        ones return at the first test, without the lock."""
+        if not self._prefault_wanted:
             return
         with self._lock:
+            wanted, self._prefault_wanted = self._prefault_wanted, False  # one try only
             index = self._index
-            if self._prefaulter is None and not self._closed and index is not None:
+            if wanted and not self._closed and index is not None:
                 namespace = self.namespace
                 self._prefaulter = ArenaPrefaulter(
                     self._mapping, self._arena.ctypes.data, lambda: index.published(namespace)
