@@ -282,11 +282,19 @@ class IndexReader:
         slot: np.ndarray[Any, Any], wanted: np.ndarray[Any, Any], namespace: bytes
     ) -> np.ndarray[Any, Any]:
         """Whether each key's deciding slot (``(keys, words)``) holds it as find() would."""
-        ours = np.frombuffer(namespace, dtype="<u8")
         return (  # type: ignore[no-any-return]
             (slot[:, 1] == wanted[:, 0])
             & (slot[:, 2] == wanted[:, 1])
-            & (slot[:, 3] == ours[0])
+            & IndexReader._published_in(slot, namespace)
+        )
+
+    @staticmethod
+    def _published_in(slot: np.ndarray[Any, Any], namespace: bytes) -> np.ndarray[Any, Any]:
+        """Whether each slot (``(slots, words)``) holds a block of ``namespace``: not empty,
+        not mid-update."""
+        ours = np.frombuffer(namespace, dtype="<u8")
+        return (  # type: ignore[no-any-return]
+            (slot[:, 3] == ours[0])
             & (slot[:, 4] == ours[1])
             & (slot[:, 6] != 0)  # length
             & ((slot[:, 0] & np.uint64(1)) == 0)  # seq: not mid-update
@@ -299,10 +307,7 @@ class IndexReader:
         ahead of its reads): a row can be torn or stale, so bound it by the arena's size.
         """
         table = self._table.reshape(-1, _WORDS)
-        ours = np.frombuffer(namespace, dtype="<u8")
-        live = (table[:, 6] != 0) & ((table[:, 0] & np.uint64(1)) == 0)
-        live &= (table[:, 3] == ours[0]) & (table[:, 4] == ours[1])
-        rows: np.ndarray[Any, Any] = table[live][:, 5:7].copy()
+        rows: np.ndarray[Any, Any] = table[self._published_in(table, namespace)][:, 5:7].copy()
         return rows
 
     def unchanged(self, hit: SlotHit) -> bool:
