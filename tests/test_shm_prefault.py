@@ -29,11 +29,12 @@ BLOCKS = np.array([[0, 3 * MiB - 100], [20 * MiB, MiB], [20 * MiB + MiB, 10]], d
 
 def populate_supported() -> bool:
     """Whether this kernel knows MADV_POPULATE_READ (tried on one anonymous page)."""
+    madvise = shm_prefault._madvise()  # the prefaulter's own binding
+    if madvise is None:
+        return False
     probe = mmap.mmap(-1, PAGE)
     try:
         address = ctypes.addressof(ctypes.c_char.from_buffer(probe))
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         return bool(madvise(address, PAGE, shm_prefault.MADV_POPULATE_READ) == 0)
     finally:
         probe.close()

@@ -60,7 +60,7 @@ class ClientSettings:
     data_plane: str = "auto"
     #: Whether shared-memory reads look in the server's published index first.
     shm_direct_reads: bool = True
-    #: Whether the first shared-memory read starts faulting the arena's resident pages in.
+    #: Whether the first shared-memory read starts faulting the pages of the arena's blocks in.
     shm_prefault: bool = True
     #: Bearer token sent on every call ("" for none); the clients' ``token=`` overrides it.
     token: str = ""

@@ -71,9 +71,9 @@ class ShmAttachment:
         ``direct_reads``: read blocks found in the published index without asking the server
         where the CPU allows it (the client's settings turn this off with
         ``KVSTORE_SHM_DIRECT_READS=0``).
-        ``prefault``: the first read out of the arena starts faulting its resident pages into
-        this process on a background thread (:mod:`kvstore.client.shm_prefault`;
-        ``KVSTORE_SHM_PREFAULT=0`` turns it off).
+        ``prefault``: the first read out of the arena starts faulting the pages of this
+        namespace's blocks into this process on a background thread
+        (:mod:`kvstore.client.shm_prefault`; ``KVSTORE_SHM_PREFAULT=0`` turns it off).
         """
         self.path = path
         self.namespace = namespace

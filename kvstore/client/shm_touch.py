@@ -14,9 +14,8 @@ threads and holds up every barrier they meet. At 2 ms windows (and a reader's wa
 quiet spell) the sender and the server's handling of each TOUCH took a measurable share of a
 40 ms CPU prefill; at 50 ms there is at most one wake-up per forward pass. One TOUCH ages the
 keys of the calls in its window together, which blurs their order within that window and
-nothing more. :meth:`TouchSender.flush` sends what is pending
-at once and waits until the server has handled it, for callers that read the counters next (a
-client's ``stats()``).
+nothing more. :meth:`TouchSender.flush` sends what is pending at once and waits until the
+server has handled it, for callers that read the counters next (a client's ``stats()``).
 """
 
 from __future__ import annotations
