@@ -192,6 +192,11 @@ class AsyncKVStoreClient(ClientBase):
         """Tier usage and counters (including every read this client made before the call)."""
         return await self._run(self._core.stats(timeout))
 
+    async def open_data_plane(self, *, timeout: float | None = None) -> str:
+        """Connect the fastest data path now rather than on the first data call (which would
+        pay for it); ``"shm"``, ``"ucx"`` or ``"grpc"``: the one data calls will take."""
+        return await self._run(self._core.open_data_plane(timeout))
+
     async def aclose(self) -> None:
         """Close the shared-memory and UCX paths and the channels."""
         await asyncio.to_thread(self._core.close)

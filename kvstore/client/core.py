@@ -20,8 +20,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Generator, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -38,6 +37,7 @@ from kvstore.client.device_fill import (
 from kvstore.client.settings import ClientSettings
 from kvstore.client.shm import ShmDataPlane, ShmLease, ShmReservation, ShmUnavailableError
 from kvstore.client.shm_link import ShmLink
+from kvstore.client.steps import Blocking, Deadline, Plan, Rpc, Sleep, Step, poll_delays
 from kvstore.client.ucx import CONNECT_SHARE, UcxDataClient
 from kvstore.errors import DeadlineExceededError, KVStoreError
 from kvstore.keys import Namespace
@@ -70,55 +70,6 @@ T = TypeVar("T")
 PUT_STREAM_BYTES = 32 * 1024**2
 #: Seconds after which a client whose UCX path is unusable asks the server for it again.
 UCX_RECHECK_S = 30.0
-#: Polling of a prefetch's status starts this often and backs off to :data:`_POLL_MAX_S`.
-_POLL_FIRST_S = 0.001
-_POLL_MAX_S = 0.05
-
-
-class Deadline:
-    """The instant (``time.monotonic``) by which a call must be over."""
-
-    __slots__ = ("at",)
-
-    def __init__(self, timeout: float) -> None:
-        self.at = time.monotonic() + timeout
-
-    def remaining(self) -> float:
-        """Seconds left, never negative (a step given 0 fails with its own deadline error)."""
-        return max(self.at - time.monotonic(), 0.0)
-
-
-@dataclass(frozen=True, slots=True)
-class Rpc:
-    """A gRPC call: ``stub.<method>(request, timeout=timeout)``.
-
-    ``each``, for a server-streaming method, receives every message (the step's result is then
-    ``None``); otherwise the result is the response. Failures come back as ``grpc.RpcError``.
-    """
-
-    method: str
-    request: Any
-    timeout: float
-    each: Callable[[Any], None] | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Blocking:
-    """Work that blocks (copies, socket waits, UCX transfers): ``call()``'s result."""
-
-    call: Callable[[], Any]
-
-
-@dataclass(frozen=True, slots=True)
-class Sleep:
-    """Wait ``seconds``."""
-
-    seconds: float
-
-
-Step = Rpc | Blocking | Sleep
-#: A call's plan: yields steps, is sent each step's result, returns the call's result.
-Plan = Generator[Step, Any, T]
 
 
 class _Fallback:
@@ -126,15 +77,6 @@ class _Fallback:
 
 
 _FALLBACK = _Fallback()
-
-
-def poll_delays(timeout: float) -> Iterator[tuple[float, float]]:
-    """(remaining seconds, then delay before the next poll) until ``timeout`` has passed."""
-    deadline = time.monotonic() + timeout
-    delay = _POLL_FIRST_S
-    while (remaining := deadline - time.monotonic()) > 0:
-        yield remaining, min(delay, remaining)
-        delay = min(2 * delay, _POLL_MAX_S)
 
 
 class ClientCore:
@@ -455,6 +397,14 @@ class ClientCore:
             yield Blocking(lambda: _flush_reads(plane, deadline))
         response = yield from self._rpc("Stats", pb.StatsRequest(), deadline)
         return _wire.stats_dict(response)
+
+    def open_data_plane(self, timeout: float | None) -> Plan[str]:
+        """Connect the data path now (shared memory, else UCX) rather than on the first data
+        call; the one data calls will take: ``"shm"``, ``"ucx"`` or ``"grpc"``."""
+        deadline = self.deadline(timeout)
+        if (yield from self._shm_plane(deadline)) is None:
+            yield from self._ucx_client(deadline)
+        return self.data_plane
 
     def close(self) -> None:
         """Close the shared-memory and UCX paths (blocking: briefly, for the last TOUCH and the

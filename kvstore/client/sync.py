@@ -191,6 +191,11 @@ class KVStoreClient(ClientBase):
         """Tier usage and counters (including every read this client made before the call)."""
         return self._run(self._core.stats(timeout))
 
+    def open_data_plane(self, *, timeout: float | None = None) -> str:
+        """Connect the fastest data path now rather than on the first data call (which would
+        pay for it); ``"shm"``, ``"ucx"`` or ``"grpc"``: the one data calls will take."""
+        return self._run(self._core.open_data_plane(timeout))
+
     def close(self) -> None:
         """Close the shared-memory and UCX paths and the channel."""
         self._core.close()

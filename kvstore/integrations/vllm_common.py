@@ -363,13 +363,16 @@ class Breaker:
 
 
 def warm_up(client: KVStoreClient, breaker: Breaker, timeout: float) -> None:
-    """Open the client's connection with one cheap call; a dead store opens the breaker.
+    """Open the client's connection and its data path; a dead store opens the breaker.
 
     Run it on a background thread at start-up: the first call on a fresh gRPC channel pays for
-    the connection, which would otherwise land on the first request's critical path.
+    the connection, which would otherwise land on the first request's critical path. The data
+    path (shared memory, else UCX) is settled too: the worker's first load picks how to load
+    from it (on CUDA, straight into device memory only over UCX).
     """
     try:
         client.stats(timeout=timeout)
+        client.open_data_plane(timeout=timeout)
     except (StoreUnavailableError, DeadlineExceededError) as exc:
         breaker.trip(exc)
     except KVStoreError as exc:

@@ -33,6 +33,7 @@ from kvstore import KVStoreClient, Namespace
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.errors import InvalidRequestError, NamespaceMismatchError, StoreUnavailableError
+from kvstore.integrations.vllm_common import Breaker, warm_up
 from kvstore.protocol.messages import namespace_bytes
 from kvstore.protocol.ucx import ucx_unavailable_reason
 
@@ -379,6 +380,26 @@ def test_auto_picks_ucx_when_shared_memory_is_off(
         client.put(keys, values)
         assert client.get(keys) == as_bytes(values)
         assert client.data_plane == "shm" and client._ucx is None
+
+
+def test_the_connector_s_warm_up_settles_the_data_path_before_any_load(
+    server_factory: ServerFactory, ucx_server: ServerProcess
+) -> None:
+    """A CUDA worker picks its load path from ``data_plane`` on its first load: unsettled
+    (``"grpc"``) then, it would never receive into device memory on its first load."""
+    server = server_factory(*NO_SHM, *UCX)
+    for target, plane in ((server, "ucx"), (ucx_server, "shm")):
+        with kv_client(target, "auto") as client:
+            assert client.data_plane == "grpc"  # nothing decided before the first data call
+            breaker = Breaker(retry_after_s=5.0)
+            warm_up(client, breaker, timeout=10.0)
+            assert not breaker.is_open()  # the store answered
+            assert client.data_plane == plane
+            assert client.open_data_plane() == plane  # settled once, asked again: the same
+            if plane == "ucx":
+                assert client._ucx is not None and client._ucx.address == ucx_address(server)
+    with kv_client(server_factory(*NO_SHM), "auto") as client:  # no shm, no UCX: gRPC
+        assert client.open_data_plane(timeout=10.0) == "grpc"
 
 
 def test_data_plane_ucx_without_a_ucx_listener_uses_grpc(server_factory: ServerFactory) -> None:
