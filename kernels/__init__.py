@@ -14,6 +14,9 @@ order listed, each block exactly as it sits in the cache (see :mod:`.layout`).
 imports and the caches qualify (:func:`.triton_kernels.supports`), and the torch reference
 otherwise; ``impl="torch"`` / ``impl="triton"`` force one. Both raise the same ``ValueError``s.
 Triton is imported only when a CUDA call first needs it, so this package imports without it.
+Where a Triton kernel cannot be built or launched here (Triton compiles a small C launcher on
+first use, which needs a C compiler and Python's headers), ``"auto"`` logs why once and uses the
+torch reference from then on.
 """
 
 from __future__ import annotations
@@ -46,6 +49,10 @@ Impl = Literal["auto", "torch", "triton"]
 """Implementation choice: ``"auto"`` (Triton on CUDA when possible), ``"torch"``, ``"triton"``."""
 
 
+#: Why the Triton kernels failed here (``"auto"`` then runs the torch reference); None: they work.
+_triton_failed: str | None = None
+
+
 @functools.cache
 def _triton_importable() -> bool:
     try:
@@ -66,7 +73,7 @@ def _use_triton(impl: str, layer_caches: Sequence[torch.Tensor], layout: CacheLa
     if impl != "auto":
         raise ValueError(f"impl must be 'auto', 'torch' or 'triton', got {impl!r}")
     first = check_caches(layer_caches, layout)
-    if first.device.type != "cuda" or not _triton_importable():
+    if first.device.type != "cuda" or _triton_failed is not None or not _triton_importable():
         return False
     from . import triton_kernels
 
@@ -95,7 +102,10 @@ def gather_blocks(
     if _use_triton(impl, layer_caches, layout):
         from . import triton_kernels
 
-        return triton_kernels.gather_blocks(layer_caches, block_ids, layout, out)
+        try:
+            return triton_kernels.gather_blocks(layer_caches, block_ids, layout, out)
+        except Exception as exc:
+            _fall_back_or_raise(impl, exc)
     return reference.gather_blocks(layer_caches, block_ids, layout, out)
 
 
@@ -119,6 +129,25 @@ def scatter_blocks(
     if _use_triton(impl, layer_caches, layout):
         from . import triton_kernels
 
-        triton_kernels.scatter_blocks(buffer, layer_caches, block_ids, layout)
-        return
+        try:
+            triton_kernels.scatter_blocks(buffer, layer_caches, block_ids, layout)
+            return
+        except Exception as exc:
+            _fall_back_or_raise(impl, exc)
     reference.scatter_blocks(buffer, layer_caches, block_ids, layout)
+
+
+def _fall_back_or_raise(impl: str, exc: Exception) -> None:
+    """A Triton kernel failed before touching the caches? ``"auto"``: use the torch reference
+    from now on (and say why, once). Bad arguments (``ValueError``) and a forced ``"triton"``
+    raise; so does a CUDA error, which the reference would meet too."""
+    global _triton_failed
+    if impl != "auto" or isinstance(exc, ValueError) or "CUDA error" in str(exc):
+        raise exc
+    if _triton_failed is None:
+        logger.warning(
+            "Triton gather/scatter kernels cannot run here (%s: %s); using the torch reference",
+            type(exc).__name__,
+            exc,
+        )
+    _triton_failed = f"{type(exc).__name__}: {exc}"

@@ -8,6 +8,7 @@ import sys
 import textwrap
 import typing
 from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 from typing import Any, cast
 
 import kvstore_kernels
@@ -259,6 +260,48 @@ def test_auto_uses_reference_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     assert calls == ["gather", "scatter"]
     for cache in caches:  # and the reference really ran: block 1 was copied onto block 2
         assert same_bytes(block(cache, CUDA_LAYOUT, 2), block(cache, CUDA_LAYOUT, 1))
+
+
+def test_auto_falls_back_once_where_the_triton_kernels_cannot_be_built(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Triton builds a C launcher on first use; without a compiler that raises. "auto" must then
+    use the reference (the store keeps loading and saving), say why once, and not retry. Triton
+    is made to fail here (a stand-in: on CPU caches "auto" would not pick it at all)."""
+    from kvstore_kernels import triton_kernels
+
+    tried: list[str] = []
+
+    def no_compiler(*_: object) -> None:
+        tried.append("triton")
+        raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable")
+
+    # The caches pass for CUDA ones that Triton supports; the rest of the choice is real.
+    on_cuda = SimpleNamespace(device=torch.device("cuda"))
+    monkeypatch.setattr(kvstore_kernels, "check_caches", lambda *_: on_cuda)
+    monkeypatch.setattr(triton_kernels, "supports", lambda *_: True)
+    monkeypatch.setattr(kvstore_kernels, "_triton_failed", None)
+    monkeypatch.setattr(triton_kernels, "gather_blocks", no_compiler)
+    monkeypatch.setattr(triton_kernels, "scatter_blocks", no_compiler)
+    caches = _caches()
+    out = kvstore_kernels.gather_blocks(caches, [1], CUDA_LAYOUT)
+    kvstore_kernels.scatter_blocks(out, caches, [2], CUDA_LAYOUT)
+    for cache in caches:  # the reference ran both
+        assert same_bytes(block(cache, CUDA_LAYOUT, 2), block(cache, CUDA_LAYOUT, 1))
+    assert tried == ["triton"]  # the scatter did not try again
+    assert caplog.text.count("Triton gather/scatter kernels cannot run here") == 1
+    assert "Failed to find C compiler" in (kvstore_kernels._triton_failed or "")
+    # A forced "triton" still says what is wrong; a CUDA error is not a reason to fall back.
+    with pytest.raises(RuntimeError, match="C compiler"):
+        kvstore_kernels.gather_blocks(caches, [1], CUDA_LAYOUT, impl="triton")
+
+    def cuda_error(*_: object) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(kvstore_kernels, "_triton_failed", None)
+    monkeypatch.setattr(triton_kernels, "gather_blocks", cuda_error)
+    with pytest.raises(RuntimeError, match="CUDA error"):
+        kvstore_kernels.gather_blocks(caches, [1], CUDA_LAYOUT)
 
 
 def test_package_imports_and_runs_without_triton() -> None:
