@@ -31,10 +31,12 @@ class _HeldPipeline(LoadPipeline):
     def __init__(self, caches: Sequence[torch.Tensor], held: int) -> None:
         super().__init__(Device(torch.device("cpu")), caches, LAYOUT, CHUNK_SHAPE, 2, 1)
         self.held = held
+        self.entered = threading.Event()  # the loader is inside layer ``held``
         self.release = threading.Event()
 
     def _issue_layer(self, load: StepLoad, layer: int) -> None:
         if layer == self.held:
+            self.entered.set()
             assert self.release.wait(30)
         super()._issue_layer(load, layer)
 
@@ -79,6 +81,25 @@ def test_a_layer_not_ready_in_time_cancels_the_rest_of_the_step() -> None:
     thread.join(30)
     assert caches[2].abs().sum() == 0  # nothing written after the forward gave up
     assert all(ready.is_set() for ready in load.ready)
+
+
+def test_stopping_a_load_waits_for_the_layer_being_written_and_stops_the_rest() -> None:
+    """Once the step's loaded tokens are to be recomputed, nothing the loader does may write
+    into the cache afterwards (it would land on top of vLLM's recompute)."""
+    caches = _caches()
+    pipeline = _HeldPipeline(caches, held=1)
+    load, thread = _start(pipeline)
+    assert pipeline.entered.wait(30)  # layer 1 is being written
+    stopper = threading.Thread(target=pipeline.stop, args=(load,))
+    stopper.start()
+    stopper.join(0.2)
+    assert stopper.is_alive()  # it waits for that layer ...
+    pipeline.release.set()
+    stopper.join(30)
+    assert not stopper.is_alive() and load.cancelled
+    thread.join(30)
+    assert torch.equal(caches[1][5:7], load.host[0, 1])  # ... which was written whole,
+    assert caches[2].abs().sum() == 0  # and no later layer was
 
 
 def test_cpu_streams_and_events_are_stand_ins() -> None:
@@ -192,7 +213,7 @@ def test_a_scatter_that_fails_makes_the_step_recompute(
 
     # The CPU path copies slices itself (on the forward's thread, in merged groups); CUDA goes
     # through the kernels.
-    monkeypatch.setattr(device_pipeline, "_strided_groups", failing)
+    monkeypatch.setattr(device_pipeline, "strided_groups", failing)
     plan = StepPlan(loads=[LoadSpec("r", [b"k"], [5, 6])])
     worker.start_load_kv(plan)
     for i in range(LAYERS):

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import threading
 import time
 import warnings
@@ -56,9 +55,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import kvstore_kernels  # type: ignore[import-not-found, unused-ignore]
-import numpy as np
 import torch
 
+from kvstore.integrations.host_copies import (
+    SAME_WIDTH,
+    arena_chunk,
+    as_torch,
+    copy_slices,
+    copyable,
+    strided_groups,
+    width_of,
+)
 from kvstore.integrations.vllm_common import LoadSpec
 from kvstore.integrations.vllm_plan import (
     CopyRun,
@@ -102,6 +109,16 @@ class Stream:
         if self.raw is not None and event.raw is not None:
             self.raw.wait_event(event.raw)
 
+    def wait_stream(self, other: Stream) -> None:
+        """Make later work on this stream wait for all work issued on ``other`` so far."""
+        if self.raw is not None and other.raw is not None:
+            self.raw.wait_stream(other.raw)
+
+    def synchronize(self) -> None:
+        """Block this thread until the work issued on this stream has finished."""
+        if self.raw is not None:
+            self.raw.synchronize()
+
     def use(self) -> contextlib.AbstractContextManager[Any]:
         """Issue the work of a ``with`` block on this stream."""
         if self.raw is None:
@@ -125,9 +142,12 @@ class Device:
         # torch.cuda.Stream and Event are untyped classes.
         return Stream(torch.cuda.Stream(self.device) if self.is_cuda else None)  # type: ignore[no-untyped-call]
 
-    def new_event(self) -> Event:
-        """An event to record on a stream."""
-        return Event(torch.cuda.Event() if self.is_cuda else None)  # type: ignore[no-untyped-call]
+    def new_event(self, *, blocking: bool = False) -> Event:
+        """An event to record on a stream; ``blocking``: a thread that synchronizes on it sleeps
+        instead of spinning a core (for events the host waits on, not only streams)."""
+        if not self.is_cuda:
+            return Event(None)
+        return Event(torch.cuda.Event(blocking=blocking))  # type: ignore[no-untyped-call]
 
     def host_buffer(
         self, shape: Sequence[int], dtype: torch.dtype, *, zero: bool = True
@@ -168,6 +188,12 @@ class StepLoad:
     host: torch.Tensor  # [chunks, layers, kernel blocks per chunk, *block], page-locked on CUDA
     ready: list[threading.Event]  # layer issued (CUDA) / scattered (CPU)
     events: list[Event]  # one per layer, recorded on the load stream after its scatter
+    # Recorded on the compute stream when the step's load starts: the load stream waits for it
+    # before writing the cache, so no scatter overtakes compute work issued on those blocks.
+    started: Event = field(default_factory=Event)
+    # Held while the loader checks ``cancelled`` and issues a layer: once :meth:`LoadPipeline.stop`
+    # has taken it, the loader writes nothing more.
+    issuing: threading.Lock = field(default_factory=threading.Lock)
     fetched: threading.Event = field(default_factory=threading.Event)
     ok: list[bool] | None = None
     plan: ScatterPlan | None = None
@@ -234,17 +260,20 @@ class LoadPipeline:
         # cache's own storage) where the dtype allows.
         self._cpu_blocks: list[Any] = []
         if not device.is_cuda:
-            self._cpu_blocks = [_copyable(c.movedim(layout.block_dim, 0)) for c in self.caches]
+            self._cpu_blocks = [copyable(c.movedim(layout.block_dim, 0)) for c in self.caches]
 
     def new_load(self, specs: list[LoadSpec], host: torch.Tensor) -> StepLoad:
         """A step's load landing in ``host`` (``[chunks, *chunk_shape]``)."""
         layers = len(self.caches)
-        return StepLoad(
+        load = StepLoad(
             specs,
             host,
             ready=[threading.Event() for _ in range(layers)],
             events=[self.device.new_event() for _ in range(layers)],
+            started=self.device.new_event(),
         )
+        load.started.record(self.device.current_stream())  # called on the forward's thread
+        return load
 
     def run(self, load: StepLoad, fetch: Callable[[StepLoad], list[bool]]) -> None:
         """Fetch the step's chunks, then issue every layer in order (on the loader thread)."""
@@ -266,26 +295,42 @@ class LoadPipeline:
             return
         started = time.perf_counter()
         try:
+            self.stream.wait(load.started)
             with self.stream.use():
                 for layer in range(len(self.caches)):
-                    if load.cancelled or load.crashed:
-                        break
-                    self._issue_layer(load, layer)
-                    load.events[layer].record(self.stream)
+                    with load.issuing:
+                        if load.cancelled or load.crashed:
+                            break
+                        self._issue_layer(load, layer)
+                        load.events[layer].record(self.stream)
                     load.ready[layer].set()
                 # The staging buffers are reused by the next step: its fetch must not overwrite
                 # the host buffer while this step's copies may still read it.
-                issued = self.device.new_event()
+                issued = self.device.new_event(blocking=True)
                 issued.record(self.stream)
             issued.synchronize()
         except Exception:
             logger.exception("kvstore layer-wise load failed; recomputing the step's loads")
             load.crashed = True
+            # Copies already issued may still read the staging and write the cache: let them
+            # end before the next fetch reuses the buffers and vLLM recomputes those blocks.
+            with contextlib.suppress(Exception):
+                self.stream.synchronize()
         finally:
             load.scatter_s = time.perf_counter() - started
             for ready in load.ready:  # never leave the forward waiting
                 ready.set()
             self.finish(load)  # nothing reads the leased blocks any more
+
+    def stop(self, load: StepLoad) -> None:
+        """Let ``load`` write nothing more into the caches: the loader issues no further layer
+        (it may be inside one: this waits for it), and on CUDA the compute stream waits for
+        what was issued, so vLLM's recompute of those blocks lands after it. Called on the
+        forward's thread when the step's loaded tokens are to be recomputed."""
+        load.cancelled = True  # before the lock: the loader may take it again at once
+        with load.issuing:
+            pass  # the layer being issued, if any, is issued now; the loader sees the flag
+        self.device.current_stream().wait_stream(self.stream)
 
     def finish(self, load: StepLoad) -> None:
         """End the step's lease on the store's blocks, if it holds one (idempotent)."""
@@ -313,18 +358,18 @@ class LoadPipeline:
         """CPU: copy ``layer``'s blocks of every loaded chunk straight into its cache."""
         if not load.runs:
             return
-        sources = load.sources if load.sources is not None else _copyable(load.host)
+        sources = load.sources if load.sources is not None else copyable(load.host)
         if threading.current_thread() is threading.main_thread():
             # torch's copy_ runs on the intra-op threads: safe (and faster) on the main thread.
             if load.groups is None:
                 with warnings.catch_warnings():  # the arena views are read-only; only read
                     warnings.simplefilter("ignore", UserWarning)
                     load.groups = [
-                        (_as_torch(src), row, block, n, count)
-                        for src, row, block, n, count in _strided_groups(load.runs, sources)
+                        (as_torch(src), row, block, n, count)
+                        for src, row, block, n, count in strided_groups(load.runs, sources)
                     ]
             cache = self.caches[layer].movedim(self.layout.block_dim, 0)
-            width = _SAME_WIDTH.get(cache.element_size())
+            width = SAME_WIDTH.get(cache.element_size())
             cache = cache if width is None else cache.view(width)
             for src, row, block, n, count in load.groups:
                 dst = cache[block : block + n * count].unflatten(0, (n, count))  # type: ignore[no-untyped-call]
@@ -332,7 +377,7 @@ class LoadPipeline:
             return
         blocks = self._cpu_blocks[layer]
         for chunk, row, block, count in load.runs:
-            _copy(blocks[block : block + count], sources[chunk][layer, row : row + count])
+            copy_slices(blocks[block : block + count], sources[chunk][layer, row : row + count])
 
     def device_landing(self, chunks: int) -> torch.Tensor:
         """``[chunks, *chunk_shape]`` in device memory for a load to receive into (CUDA only),
@@ -423,92 +468,8 @@ class LoadPipeline:
         return True
 
 
-# Integer dtypes of each element width: numpy has no bfloat16 or float8, and a copy moves bits.
-_SAME_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _copyable(tensor: torch.Tensor) -> Any:
-    """A CPU tensor as a numpy view of the same bytes (same strides), else the tensor itself."""
-    width = _SAME_WIDTH.get(tensor.element_size())
-    return tensor if width is None else tensor.view(width).numpy()
-
-
-def _as_torch(array: Any) -> torch.Tensor:
-    """A :func:`_copyable` back as a torch tensor (numpy views share the memory)."""
-    return torch.from_numpy(array) if isinstance(array, np.ndarray) else array
-
-
-def _strided_groups(runs: list[CopyRun], sources: Any) -> list[tuple[Any, int, int, int, int]]:
-    """Runs merged where one strided copy does: ``(source, row, block, n, count)``.
-
-    Runs of the same rows of ``n`` chunks that land back to back in the cache, whose sources
-    lie at equal distances in memory (chunks stored one after the other in the store's arena,
-    or the rows of the staging buffer), become one ``[n, layers, rows, *block]`` view over
-    those chunks: one copy per layer instead of one per chunk and layer (Python's cost per
-    call is a good part of an 8K-token load). Only addresses checked here are read.
-    """
-    groups: list[tuple[Any, int, int, int, int]] = []
-    at = 0
-    while at < len(runs):
-        chunk, row, block, count = runs[at]
-        src, n, step = sources[chunk], 1, 0
-        if isinstance(src, np.ndarray):
-            base = src.ctypes.data
-            while at + n < len(runs):
-                other_chunk, other_row, other_block, other_count = runs[at + n]
-                other = sources[other_chunk]
-                if not (
-                    isinstance(other, np.ndarray)
-                    and (other_row, other_count) == (row, count)
-                    and other_block == block + n * count
-                    and other.shape == src.shape
-                    and other.strides == src.strides
-                ):
-                    break
-                gap = other.ctypes.data - base
-                if n == 1:
-                    if gap <= 0 or gap % src.itemsize:
-                        break
-                    step = gap
-                elif gap != step * n:
-                    break
-                n += 1
-            view = np.lib.stride_tricks.as_strided(
-                src, shape=(n, *src.shape), strides=(step, *src.strides), writeable=False
-            )
-        else:
-            view = src.unsqueeze(0)
-        groups.append((view, row, block, n, count))
-        at += n
-    return groups
-
-
 def in_place(device: Device, dtype: torch.dtype) -> bool:
     """Whether loads can read chunks in place from the store's arena (:func:`arena_chunk`):
     on CPU, for a dtype numpy can view as integers of its width (on CUDA the chunks go
     through page-locked staging, the DMA's source)."""
-    return not device.is_cuda and _width(dtype) is not None
-
-
-def arena_chunk(view: Any, shape: Sequence[int], dtype: torch.dtype) -> Any:
-    """A leased chunk (``uint8`` bytes in the store's arena) as a :func:`_copyable` of
-    ``shape`` holding ``dtype``; ``None`` if it is not that size (a failed chunk)."""
-    width = _width(dtype)
-    assert width is not None, "in_place() said no"
-    if view.nbytes != math.prod(shape) * width.itemsize:
-        return None
-    return view.view(width).reshape(tuple(shape))
-
-
-def _width(dtype: torch.dtype) -> np.dtype[Any] | None:
-    """numpy's integer dtype of ``dtype``'s width, if any."""
-    width = _SAME_WIDTH.get(torch.empty(0, dtype=dtype).element_size())
-    return None if width is None else torch.empty(0, dtype=width).numpy().dtype
-
-
-def _copy(dst: Any, src: Any) -> None:
-    """``dst[...] = src`` for two :func:`_copyable` slices (numpy releases the GIL)."""
-    if isinstance(dst, np.ndarray):
-        np.copyto(dst, src)
-    else:
-        dst.copy_(src)
+    return not device.is_cuda and width_of(dtype) is not None

@@ -205,7 +205,7 @@ class SaveQueue:
             for row, chunk in enumerate(chunks):
                 ids = self._chunk_ids(target, job, chunk)
                 device.gather_to_host(target.caches, ids, target.layout, buffer[row])
-            copied = device.new_event()
+            copied = device.new_event(blocking=True)
             copied.record(stream)
         copied.synchronize()  # this copy only: the forward pass of later steps goes on
         return buffer

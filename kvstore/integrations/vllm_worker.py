@@ -398,7 +398,8 @@ class WorkerSide:
         elif load.crashed:
             skipped = "error"
         if skipped is not None:
-            load.cancelled = True  # the loader writes nothing more
+            if self._pipeline is not None:
+                self._pipeline.stop(load)  # the loader writes nothing more into the caches
             self._fail_loads(load.specs)
         self._account(load, skipped)
         self.last_load_path = load.path or str(getattr(self._client, "data_plane", ""))
