@@ -32,6 +32,7 @@ from kvstore.client.device_fill import (
     copy_to_devices,
     device_byte_views,
     is_device_tensor,
+    settle_queued_writes,
     staging_for,
 )
 from kvstore.client.settings import ClientSettings
@@ -320,6 +321,7 @@ class ClientCore:
         if (plane is None or not plane.usable_for(keys)) and all(map(is_device_tensor, tensors)):
             ucx = yield from self._ucx_client(deadline)
             if ucx is not None and (yield Blocking(ucx.device_transports)):
+                yield Blocking(lambda: settle_queued_writes(tensors))
                 filled = yield Blocking(
                     lambda: ucx.get_into(keys, views, timeout=deadline.remaining())
                 )

@@ -37,6 +37,7 @@ __all__ = [
     "device_byte_views",
     "device_transports_in",
     "is_device_tensor",
+    "settle_queued_writes",
     "staging_for",
 ]
 
@@ -113,6 +114,16 @@ def staging_for(tensors: Sequence[Any]) -> list[Any]:
     return [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in tensors]
 
 
+def settle_queued_writes(tensors: Sequence[Any]) -> None:
+    """Wait until the work already queued on each tensor's device (the calling thread's current
+    stream) is done: a receive straight into device memory (UCX) is ordered by no stream, so a
+    queued kernel writing the same tensors would land on top of the received bytes."""
+    import torch
+
+    for device in {t.device for t in tensors if is_device_tensor(t) and t.device.type == "cuda"}:
+        torch.cuda.current_stream(device).synchronize()
+
+
 def copy_to_devices(staging: Sequence[Any], targets: Sequence[Any], found: Sequence[bool]) -> None:
     """Copy each found block from its host staging buffer into its target, a
     :func:`device_byte_views` view of the device tensor; returns when the copies are complete
@@ -134,6 +145,9 @@ def copy_to_devices(staging: Sequence[Any], targets: Sequence[Any], found: Seque
             target.copy_(source)
         return
     stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+    # After the caller's work already queued on the device (a kernel still writing the targets
+    # would otherwise land on top of the copies).
+    stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         for source, target in pairs:
             target.copy_(source, non_blocking=True)
