@@ -38,6 +38,7 @@ import fcntl
 import logging
 import mmap
 import os
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -420,6 +421,11 @@ def _prefault(mapping: mmap.mmap) -> None:
 _MADV_POPULATE_WRITE = 23
 
 
+#: ``cudaHostRegisterPortable``: page-locked for every CUDA context, not only the current
+#: device's, so an hbm tier on another device copies from the arena at DMA speed too.
+_PORTABLE = 1
+
+
 def _page_lock(arena: np.ndarray[Any, Any], force_cuda_check: bool) -> bool:
     """Page-lock ``arena`` for CUDA DMA where a CUDA device exists; False where it cannot."""
     if arena.nbytes == 0 or not _cuda_present(force_cuda_check):
@@ -430,12 +436,24 @@ def _page_lock(arena: np.ndarray[Any, Any], force_cuda_check: bool) -> bool:
         if not torch.cuda.is_available():
             return False
         cuda: Any = torch.cuda  # cudart() is untyped
-        error = cuda.cudart().cudaHostRegister(arena.ctypes.data, arena.nbytes, 0)
+        cudart = cuda.cudart()
+        errors: list[int] = []
+        # On a thread of its own: a failed call leaves CUDA's last error set on the calling
+        # thread, where torch's next kernel launch would report it as its own failure.
+        register = threading.Thread(
+            target=lambda: errors.append(
+                int(cudart.cudaHostRegister(arena.ctypes.data, arena.nbytes, _PORTABLE))
+            ),
+            name="kvstore-page-lock",
+        )
+        register.start()
+        register.join()
+        error = errors[0] if errors else -1
     except Exception:  # no torch, or a driver problem: an unpinned arena still works
         logger.warning("could not page-lock the dram arena for CUDA", exc_info=True)
         return False
-    if int(error) != 0:
-        logger.warning("cudaHostRegister of the dram arena failed with CUDA error %d", int(error))
+    if error != 0:
+        logger.warning("cudaHostRegister of the dram arena failed with CUDA error %d", error)
         return False
     return True
 

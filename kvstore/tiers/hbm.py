@@ -165,7 +165,7 @@ class HbmTier(PagedTier):
         with torch.cuda.stream(self.stream):
             # Asynchronous where ``source`` is page-locked (the dram arena), a DMA from it.
             self._scatter(source, ranges, non_blocking=True)
-            done: Any = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            done: Any = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
             done.record(self.stream)
         done.synchronize()  # ``source`` must outlive the copy: wait for it here, off the loop
 
@@ -188,7 +188,7 @@ class HbmTier(PagedTier):
                     part = self._pool[offset : offset + size]
                     staging[copied : copied + size].copy_(part, non_blocking=True)
                     copied += size
-                done: Any = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                done: Any = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
                 done.record(self.stream)
             done.synchronize()
         else:

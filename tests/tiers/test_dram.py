@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from collections.abc import AsyncIterator
 
 import numpy as np
@@ -367,4 +368,37 @@ def test_forced_cuda_check_asks_torch_even_without_the_driver_file() -> None:
     """``dram.force_cuda_check``: the answer is torch's, whether /dev/nvidiactl exists or not."""
     tier = DramTier(1024**2, page_size=64 * 1024, force_cuda_check=True)
     assert tier.pinned == torch.cuda.is_available()
+    asyncio.run(tier.close())
+
+
+class _FakeCudart:
+    """Stands in for ``torch.cuda.cudart()`` where no GPU exists (a mock: CUDA cannot run here)."""
+
+    def __init__(self, error: int) -> None:
+        self.error = error
+        self.calls: list[tuple[int, int, str]] = []
+
+    def cudaHostRegister(self, address: int, size: int, flags: int) -> int:
+        self.calls.append((size, flags, threading.current_thread().name))
+        return self.error
+
+    def cudaHostUnregister(self, address: int) -> int:
+        return 0
+
+
+@pytest.mark.parametrize("error", [0, 2])
+def test_page_locking_asks_for_every_context_and_keeps_a_failure_off_the_caller_s_thread(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, error: int
+) -> None:
+    """Portable registration, so an hbm tier on another device DMAs from the arena too; the
+    call runs on a thread of its own, because a failed one leaves CUDA's per-thread last error
+    set, which torch's next kernel launch on that thread would report as its own."""
+    fake = _FakeCudart(error)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    tier = DramTier(1024**2, page_size=64 * 1024, force_cuda_check=True)
+    assert fake.calls == [(1024**2, 1, "kvstore-page-lock")]
+    assert tier.pinned is (error == 0)
+    if error:
+        assert "cudaHostRegister of the dram arena failed with CUDA error 2" in caplog.text
     asyncio.run(tier.close())
