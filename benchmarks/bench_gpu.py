@@ -73,6 +73,7 @@ def arena_to_hbm(torch: Any, nbytes: int, rounds: int) -> dict[str, Any]:
     from kvstore.tiers.dram import DramTier
 
     tier = DramTier(nbytes, force_cuda_check=True)
+    arena = None  # the tensor over the arena's pages, dropped before the tier unmaps them
     try:
         arena = torch.from_numpy(tier.range_view(0, nbytes))
         arena.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
@@ -166,7 +167,7 @@ def layerwise_load(torch: Any, target: str, prefix: int, rounds: int) -> dict[st
     plan = StepPlan(loads=[LoadSpec("r", keys, load_ids)])
     names = list(caches)
 
-    config = LlamaConfig(**LLAMA_1B, torch_dtype=torch.bfloat16)
+    config = LlamaConfig(**LLAMA_1B, dtype=torch.bfloat16)  # transformers 5 names it dtype
     with torch.device("cuda"):
         model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
     params = sum(p.numel() for p in model.parameters())

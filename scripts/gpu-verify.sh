@@ -75,6 +75,11 @@ for name in ("grpcio", "protobuf", "pytest", "triton", "ucxx-cu13", "ucxx-cu12")
     except md.PackageNotFoundError:
         print(f"{name} absent")
 EOF
+# Triton builds a C launcher on first use: without a compiler or Python's headers the kernels
+# fall back to the torch reference (the logs say so), and the figures are the reference's.
+echo "C compiler: $( (cc --version 2>/dev/null || echo absent) | head -n 1);" \
+    "Python.h: $("$PY" -c 'import os, sysconfig; print("present" if os.path.exists(sysconfig.get_paths()["include"] + "/Python.h") else "absent")')" \
+    | tee -a "$SUMMARY"
 if [ "$DEVICE" = cuda ] && ! "$PY" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
     say "no CUDA device here; KVSTORE_GPU_VERIFY_DEVICE=cpu runs the steps as a rehearsal"
     exit 2
