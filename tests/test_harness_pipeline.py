@@ -14,7 +14,7 @@ shared-memory cases run).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -22,6 +22,8 @@ import torch
 from gpu_harness import CASES, UCX_FLAGS, Case, round_trip
 from serve_process import Serve
 
+from kvstore.integrations import vllm_worker
+from kvstore.integrations.device_pipeline import Device, Event, LoadPipeline, Stream
 from kvstore.protocol.ucx import ucx_unavailable_reason
 
 _GPU = [
@@ -91,6 +93,64 @@ def test_a_worker_on_another_host_loads_over_ucx(
         # Straight into device memory where this process's UCX has a CUDA transport; the
         # page-locked staging otherwise. The harness prints which (see its main()).
         assert path in ("ucx-device", "ucx-pinned"), path
+
+
+class _CudaStandIn(Device):
+    """Claims CUDA for CPU tensors: streams and events that do nothing, host buffers that are
+    not page-locked, device buffers full of garbage. A stand-in for the GPU, which cannot run
+    here (the ``gpu`` cases above are the real thing): it runs the worker's CUDA-only branches,
+    the per-layer staging copy, the device landing and the save's gather, on every CI run."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self.is_cuda = True
+
+    def current_stream(self) -> Stream:
+        return Stream(None)
+
+    def new_stream(self) -> Stream:
+        return Stream(None)
+
+    def new_event(self, *, blocking: bool = False) -> Event:
+        return Event(None)
+
+    def host_buffer(
+        self, shape: Sequence[int], dtype: torch.dtype, *, zero: bool = True
+    ) -> torch.Tensor:
+        return (torch.zeros if zero else torch.empty)(tuple(shape), dtype=dtype)
+
+    def device_buffer(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.full(tuple(shape), 7, dtype=dtype)
+
+
+#: (data plane, loads received into the device landing): over UCX the first load lands there.
+STAND_IN_PLANES = [("auto", 0), *([("ucx", 1)] if UCX else [])]
+
+
+@pytest.mark.parametrize(("plane", "landed"), STAND_IN_PLANES)
+@pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
+def test_the_cuda_branches_round_trip_on_the_cpu_with_stand_in_streams(
+    server: Serve,
+    case: Case,
+    plane: str,
+    landed: int,
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("KVSTORE_DATA_PLANE", plane)
+    monkeypatch.setattr(vllm_worker, "Device", _CudaStandIn)
+    landings: list[int] = []
+    real_landing = LoadPipeline.device_landing
+
+    def device_landing(pipeline: LoadPipeline, chunks: int) -> torch.Tensor:
+        landings.append(chunks)
+        return real_landing(pipeline, chunks)
+
+    monkeypatch.setattr(LoadPipeline, "device_landing", device_landing)
+    round_trip(case, "cpu", server.target, f"stand-in-{request.node.name}")
+    # Engine B's one load: into the landing over UCX (the connector's warm-up settled the path
+    # before it), through the staging over shared memory.
+    assert len(landings) == landed
 
 
 def test_the_harness_runs_alone(tmp_path: Path) -> None:
