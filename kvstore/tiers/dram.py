@@ -27,8 +27,11 @@ Resident blocks are also *published* (:mod:`kvstore.protocol.dram_index`): a cli
 block there copies it without asking the server and checks afterwards that the entry did not
 change; a block is withdrawn from that index before its pages can be freed.
 
-Where a CUDA device exists the arena is page-locked (``cudaHostRegister``), so that engines copy
-between it and GPU memory by DMA at full PCIe speed; elsewhere nothing changes.
+Where a CUDA device exists the arena is page-locked (``cudaHostRegister``) in the server's
+process, so that its copies between the arena and GPU memory (the ``hbm`` tier) are DMAs at full
+PCIe speed; elsewhere nothing changes. Registration holds for the registering process only: an
+engine that maps the arena sees pageable memory, which is why CUDA engines load through their own
+page-locked staging and never DMA from the arena in place.
 """
 
 from __future__ import annotations
