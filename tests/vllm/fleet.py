@@ -408,6 +408,12 @@ class Fleet:
         parts: list[str] = []
         try:
             redis = self.redis.client()
+            ours = self.redis._process
+            answering = redis.info("server")["process_id"]
+            parts.append(
+                f"redis-server: ours pid {ours.pid if ours else None} "
+                f"running {ours is not None and ours.poll() is None}, answering pid {answering}"
+            )
             for number, key in enumerate(keys):
                 parts.append(f"redis entry {number}: {redis.hgetall(layout.entry(key))}")
             parts.append(f"redis nodes: {redis.smembers(layout.nodes)}")
