@@ -86,7 +86,8 @@ class ConnectorSettings:
             its answer (the scheduler keeps running other requests meanwhile); after it, the
             request goes ahead as a miss.
         retry_after_s: After the store fails a call, how long to treat it as down (answer
-            misses, skip saves) before trying it again.
+            misses, skip saves) before trying it again; after a lookup outlives
+            ``lookup_timeout_s``, how long lookups answer misses (saves go on).
         hash_algorithm: ``"xxh3_128"`` or ``"sha256"``.
         secret: Key-derivation secret; defaults to the ``KVSTORE_HASH_SECRET`` environment
             variable (:func:`kvstore.config.hash_secret`). Every replica sharing a store must
@@ -340,9 +341,17 @@ class Breaker:
     own connection attempt and every save for its own deadline.
     """
 
-    def __init__(self, retry_after_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        retry_after_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        state: str = "kvstore unavailable (%s); treating it as down for %.1f s",
+    ) -> None:
         self._retry_after_s = retry_after_s
         self._clock = clock
+        #: The warning of an outage's first failure (the error, then ``retry_after_s``).
+        self._state = state
         self._down_until = 0.0
         self._lock = threading.Lock()
 
@@ -354,11 +363,7 @@ class Breaker:
         """Record a failure; the first one of an outage is logged."""
         with self._lock:
             if not self.is_open():
-                logger.warning(
-                    "kvstore unavailable (%s); treating it as down for %.1f s",
-                    error,
-                    self._retry_after_s,
-                )
+                logger.warning(self._state, error, self._retry_after_s)
             self._down_until = self._clock() + self._retry_after_s
 
 
@@ -368,12 +373,16 @@ def warm_up(client: KVStoreClient, breaker: Breaker, timeout: float) -> None:
     Run it on a background thread at start-up: the first call on a fresh gRPC channel pays for
     the connection, which would otherwise land on the first request's critical path. The data
     path (shared memory, else UCX) is settled too: the worker's first load picks how to load
-    from it (on CUDA, straight into device memory only over UCX).
+    from it (on CUDA, straight into device memory only over UCX). A first call that outlives its
+    deadline is a slow start (an engine starting on a loaded host), not an outage: opening the
+    breaker then would drop every save of the next ``retry_after_s``.
     """
     try:
         client.stats(timeout=timeout)
         client.open_data_plane(timeout=timeout)
-    except (StoreUnavailableError, DeadlineExceededError) as exc:
+    except StoreUnavailableError as exc:
         breaker.trip(exc)
+    except DeadlineExceededError as exc:
+        logger.warning("kvstore: the first call outlived its %.1f s deadline (%s)", timeout, exc)
     except KVStoreError as exc:
         logger.warning("kvstore: first call failed: %s", exc)

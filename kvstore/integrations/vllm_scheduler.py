@@ -4,7 +4,9 @@ It never moves KV bytes and never waits on the store for long. A request's first
 :meth:`SchedulerSide.get_num_new_matched_tokens` starts ONE batched ``Lookup`` of all its
 loadable chunk keys on a small thread pool and waits a few milliseconds for it; if the answer is
 not there yet it tells vLLM "not known yet" (``None``), and vLLM asks again on a later step while
-it schedules other requests. A lookup that fails or outlives ``lookup_timeout_s`` is a miss.
+it schedules other requests. A lookup that fails or outlives ``lookup_timeout_s`` is a miss;
+then, for ``retry_after_s``, a store that was unavailable gets neither lookups nor saves, and one
+that was only slow gets no lookups (its saves have deadlines of their own).
 
 Per step, :meth:`SchedulerSide.build_connector_meta` hands the workers the loads recorded by
 ``update_state_after_alloc`` and the saves of every prompt chunk that this step completes and the
@@ -149,6 +151,12 @@ class SchedulerSide:
         self._client = settings.open_client(self._base) if client is None else client
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvstore-lookup")
         self._breaker = Breaker(settings.retry_after_s)
+        # A lookup that outlives its (short) deadline stops lookups only: a loaded store is not
+        # a dead one, and saves, with deadlines of their own, still reach it.
+        self._slow = Breaker(
+            settings.retry_after_s,
+            state="kvstore lookup too slow (%s); not looking up for %.1f s (saves go on)",
+        )
         self._hashers: dict[tuple[str, str], ChunkHasher] = {}
         self._requests: dict[str, _RequestState] = {}
         self._pending_loads: list[LoadSpec] = []
@@ -231,7 +239,7 @@ class SchedulerSide:
         if state.future is None:
             if state.next_lookup and time.monotonic() < state.next_lookup:
                 return None  # a hand-off's next lookup is not due yet
-            if self._breaker.is_open():
+            if self._lookups_off():
                 state.hits = 0
                 self.counters.record_lookup(state.loadable * self._settings.chunk_size, 0, None)
                 return 0
@@ -247,8 +255,11 @@ class SchedulerSide:
             logger.warning("kvstore lookup still pending after its deadline; treating as a miss")
             state.future.cancel()
             hits = 0
-        except (StoreUnavailableError, DeadlineExceededError) as exc:
+        except StoreUnavailableError as exc:
             self._breaker.trip(exc)
+            hits = 0
+        except DeadlineExceededError as exc:
+            self._slow.trip(exc)
             hits = 0
         except KVStoreError as exc:
             logger.warning("kvstore lookup failed, treating as a miss: %s", exc)
@@ -265,7 +276,7 @@ class SchedulerSide:
     def _handoff_pending(self, state: _RequestState, hits: int) -> bool:
         """Whether to look up again: a producer said more chunks are on their way to the store."""
         want = min(state.expect, state.loadable)
-        if hits >= want or self._breaker.is_open():
+        if hits >= want or self._lookups_off():
             return False
         now = time.monotonic()
         if now < state.wait_until:
@@ -279,6 +290,9 @@ class SchedulerSide:
             self._settings.handoff_wait_s,
         )
         return False
+
+    def _lookups_off(self) -> bool:
+        return self._breaker.is_open() or self._slow.is_open()
 
     def _lookup(self, keys: list[bytes], timeout: float) -> int:
         started = time.perf_counter()

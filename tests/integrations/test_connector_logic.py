@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvstore.errors import ConfigError, StoreUnavailableError
+from kvstore.errors import ConfigError, DeadlineExceededError, StoreUnavailableError
 from kvstore.integrations.vllm_common import (
     Breaker,
     ConnectorSettings,
@@ -31,6 +31,7 @@ from kvstore.integrations.vllm_common import (
     base_namespace,
     engine_shape,
     rank_keys,
+    warm_up,
 )
 from kvstore.integrations.vllm_plan import kernel_ids, load_targets, plan_scatter
 from kvstore.integrations.vllm_scheduler import SchedulerSide
@@ -48,12 +49,16 @@ class FakeStore:
     def __init__(self) -> None:
         self.chunks: dict[bytes, torch.Tensor] = {}
         self.down = False
+        #: Answers nothing within a call's deadline (a loaded or stalled store, not a dead one).
+        self.slow = False
         self.lookups = 0
         self.lock = threading.Lock()
 
     def _check(self) -> None:
         if self.down:
             raise StoreUnavailableError("store is down")
+        if self.slow:
+            raise DeadlineExceededError("deadline exceeded before the store answered")
 
     def lookup(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
         self.lookups += 1
@@ -337,6 +342,33 @@ def test_a_dead_store_trips_the_breaker_so_nothing_waits_on_it(
     assert store.lookups == calls  # answered a miss without asking the store
     manager.blocks["a"] = [1, 2, 3, 4, 5]
     assert side.build_connector_meta(_output([("a", 0, len(tokens))])).saves == []
+
+
+def test_a_slow_lookup_skips_lookups_for_a_while_but_saves_go_on(
+    scheduler: tuple[SchedulerSide, _Manager], store: FakeStore
+) -> None:
+    # A lookup's deadline is short (it holds the request); a store that misses it under load is
+    # slow, not gone: its puts have deadlines of their own, so the chunks are still planned.
+    side, manager = scheduler
+    store.slow = True
+    tokens = list(range(2 * CHUNK + 1))
+    assert _answer(side, _request("a", tokens), 0) == 0
+    calls = store.lookups
+    assert _answer(side, _request("b", tokens), 0) == 0
+    assert store.lookups == calls  # answered a miss without asking the store
+    manager.blocks["a"] = [1, 2, 3, 4, 5]
+    plan = side.build_connector_meta(_output([("a", 0, len(tokens))]))
+    assert [(s.req_id, len(s.keys)) for s in plan.saves] == [("a", 2)]
+
+
+@pytest.mark.parametrize("slow", [False, True])
+def test_a_slow_first_call_is_not_an_outage(slow: bool) -> None:
+    # The first call pays for the connection; on a loaded host it may outlive its deadline.
+    store = FakeStore()
+    store.slow, store.down = slow, not slow
+    breaker = Breaker(retry_after_s=5.0)
+    warm_up(store, breaker, 0.5)  # type: ignore[arg-type]
+    assert breaker.is_open() is not slow
 
 
 # -- the worker half ---------------------------------------------------------------------------

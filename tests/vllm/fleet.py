@@ -21,7 +21,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parent / "tiers"))
@@ -33,6 +33,9 @@ from api_server import (  # noqa: E402
 )
 from redis_server import RedisServer  # noqa: E402
 from store_process import free_port  # noqa: E402
+
+if TYPE_CHECKING:
+    from kvstore.cluster import Layout
 
 __all__ = [
     "ApiServer",
@@ -142,6 +145,25 @@ class Node:
 
         with KVStoreClient(self.target, timeout=5.0) as client:
             return client.stats()
+
+    def metrics(self, pattern: str) -> list[str]:
+        """The non-zero samples of the node's ``/metrics`` whose line matches ``pattern``."""
+        found = re.search(r"metrics on (http://\S+)", self.log.read_text(errors="replace"))
+        if not found:
+            return ["(no metrics address in the log)"]
+        url = found.group(1).removeprefix("http://")
+        host, _, rest = url.partition("/")
+        connection = http.client.HTTPConnection(host, timeout=5)
+        try:
+            connection.request("GET", "/" + rest)
+            text = connection.getresponse().read().decode(errors="replace")
+        finally:
+            connection.close()
+        return [
+            line
+            for line in text.splitlines()
+            if not line.startswith("#") and re.search(pattern, line) and not line.endswith(" 0.0")
+        ]
 
     def kill(self) -> None:
         """SIGKILL: no clean stop, so its index entries stay behind (under the old epoch)."""
@@ -377,6 +399,52 @@ class Fleet:
         )
         self.routers.append(router)
         return router
+
+    def diagnose(self, keys: Sequence[bytes], layout: Layout) -> str:
+        """Why the index answers what it does for chunk ``keys`` (under ``layout``), for a
+        failure message: what Redis holds raw (the keys' entries, every node's lease, its TTL
+        and epoch counter), each node's block count, store metrics and log tail, and each
+        replica's kvstore connector lines."""
+        parts: list[str] = []
+        try:
+            redis = self.redis.client()
+            ours = self.redis._process
+            answering = redis.info("server")["process_id"]
+            parts.append(
+                f"redis-server: ours pid {ours.pid if ours else None} "
+                f"running {ours is not None and ours.poll() is None}, answering pid {answering}"
+            )
+            for number, key in enumerate(keys):
+                parts.append(f"redis entry {number}: {redis.hgetall(layout.entry(key))}")
+            parts.append(f"redis nodes: {redis.smembers(layout.nodes)}")
+            for node in self.nodes:
+                name, lease = node.node_id, layout.lease(node.node_id)
+                parts.append(
+                    f"redis {name}: lease {redis.get(lease)!r} pttl {redis.pttl(lease)} "
+                    f"epoch counter {redis.get(layout.epoch(name))!r} "
+                    f"node {redis.hgetall(layout.node(name))}"
+                )
+        except Exception as exc:  # a diagnosis never hides the failure it explains
+            parts.append(f"redis: {exc!r}")
+        for node in self.nodes:
+            try:
+                alive = node.proc is not None and node.proc.poll() is None
+                parts.append(f"{node.node_id} (boot {node.boots}, running {alive}):")
+                if alive:
+                    parts.append(f"  blocks {node.stats()['blocks']}")
+                    # Calls per operation, where blocks went, why reads missed.
+                    pattern = r"_count\{|evictions|demotions|resident_blocks|misses|errors|shm_"
+                    parts += ["  " + line for line in node.metrics(pattern)[:30]]
+            except Exception as exc:
+                parts.append(f"  stats: {exc!r}")
+            lines = node.log.read_text(errors="replace").splitlines()
+            parts += ["  | " + line[:300] for line in lines[-25:]]
+        for server in self.servers:
+            lines = server.log.read_text(errors="replace").splitlines()
+            connector = [line for line in lines if "kvstore" in line]
+            parts.append(f"{server.name} ({len(connector)} kvstore lines, the last 25):")
+            parts += ["  | " + line[:300] for line in connector[-25:]]
+        return "\n".join(parts)
 
     def close(self) -> None:
         """Stop everything this fleet started."""

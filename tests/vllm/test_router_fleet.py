@@ -64,9 +64,14 @@ def words(seed: int, count: int) -> list[int]:
     return [rng.randrange(3, 1024) for _ in range(count)]
 
 
+def chunk_keys(fleet: Fleet, prompt: list[int]) -> list[bytes]:
+    """The index keys of ``prompt``'s whole chunks, as the router computes them."""
+    return RouterKeys(parse_namespace(fleet.namespace), CHUNK, hash_secret()).keys(prompt)
+
+
 def held(fleet: Fleet, prompt: list[int]) -> dict[str, int]:
     """Per live node in the index: how many of ``prompt``'s leading chunks it holds."""
-    keys = RouterKeys(parse_namespace(fleet.namespace), CHUNK, hash_secret()).keys(prompt)
+    keys = chunk_keys(fleet, prompt)
 
     async def ask() -> dict[str, int]:
         client = connect(fleet.redis.url, 5.0)
@@ -80,10 +85,15 @@ def held(fleet: Fleet, prompt: list[int]) -> dict[str, int]:
 
 
 def wait_held(fleet: Fleet, prompt: list[int], node: str, chunks: int) -> None:
-    """Until the index says ``node`` holds ``chunks`` leading chunks of ``prompt``."""
+    """Until the index says ``node`` holds ``chunks`` leading chunks of ``prompt``; on time-out
+    the failure says what Redis, the nodes and the connectors show (their logs go with the
+    temporary directory)."""
     deadline = time.monotonic() + 60
     while held(fleet, prompt).get(node, 0) < chunks:
-        assert time.monotonic() < deadline, f"{node}: {held(fleet, prompt)} (want {chunks})"
+        if time.monotonic() > deadline:
+            found = held(fleet, prompt)
+            why = fleet.diagnose(chunk_keys(fleet, prompt), Layout(PREFIX))
+            pytest.fail(f"{node}: {found} (want {chunks})\n{why}")
         time.sleep(0.2)
 
 
@@ -153,7 +163,7 @@ def test_a_restarted_node_is_not_trusted_on_its_old_blocks(
         assert time.monotonic() < deadline, "the restarted node took no new epoch"
         time.sleep(0.1)
     # Its old entries are still in Redis; the index no longer counts them.
-    keys = RouterKeys(parse_namespace(fleet.namespace), CHUNK, hash_secret()).keys(long)
+    keys = chunk_keys(fleet, long)
     assert all(redis.hexists(layout.entry(key), node_x.node_id) for key in keys)
     assert held(fleet, long) == {node_y.node_id: 2}
 
