@@ -140,9 +140,11 @@ def scatter_blocks(
 def _fall_back_or_raise(impl: str, exc: Exception) -> None:
     """A Triton kernel failed before touching the caches? ``"auto"``: use the torch reference
     from now on (and say why, once). Bad arguments (``ValueError``) and a forced ``"triton"``
-    raise; so does a CUDA error, which the reference would meet too."""
+    raise; so do a CUDA error, which the reference would meet too, and running out of device
+    memory, which may pass."""
     global _triton_failed
-    if impl != "auto" or isinstance(exc, ValueError) or "CUDA error" in str(exc):
+    transient = isinstance(exc, torch.cuda.OutOfMemoryError) or "CUDA error" in str(exc)
+    if impl != "auto" or isinstance(exc, ValueError) or transient:
         raise exc
     if _triton_failed is None:
         logger.warning(

@@ -5,7 +5,8 @@
 #   bash scripts/gpu-verify.sh tests harness     # only the steps named
 #
 # Steps, in this order, each under its own time limit so that one hang cannot eat the others'
-# (together 510 s, inside one device call's 600; KVSTORE_GPU_{HARNESS,TESTS,BENCH}_S change them):
+# (510 s together, about 570 s at worst with the install and the kill grace, inside one device
+# call's 600; KVSTORE_GPU_{HARNESS,TESTS,BENCH}_S change them):
 #   harness  tests/gpu_harness.py on every cache layout over shared memory, and over UCX where
 #            ucxx imports (loads into CUDA tensors, bit for bit)
 #   tests    every `gpu`-marked test (pytest -m gpu on the modules that hold them)
@@ -13,9 +14,10 @@
 #
 # Wheels in .whl/ (scripts/gpu-wheels.sh fetches them; KVSTORE_GPU_WHEELS names another folder)
 # are installed first into a directory of their own, put ahead of the machine's packages on
-# PYTHONPATH; the checkout itself is imported from where it lies. Results go to $OUT (the device tool's folder that comes back), else to
-# ./gpu-verify-out: summary.txt (each step's exit status and the machine), harness.log,
-# pytest.log, bench.log, gpu.json and gpu.md. The exit status is 0 only when every step passed.
+# PYTHONPATH; the checkout itself is imported from where it lies. Results go to $OUT (the device
+# tool's folder that comes back), else to ./gpu-verify-out: summary.txt (each step's exit status
+# and the machine), harness.log, pytest.log, bench.log, gpu.json and gpu.md. The exit status is 0
+# only when every step passed.
 #
 # Without a CUDA device it exits 2 before doing anything, unless KVSTORE_GPU_VERIFY_DEVICE=cpu
 # asks for a rehearsal: the same steps on the CPU, where the gpu tests skip and the benchmark
@@ -42,7 +44,8 @@ done
 case "$DEVICE" in
     cuda | cpu) ;;
     *)
-        echo "KVSTORE_GPU_VERIFY_DEVICE='$DEVICE'; allowed: cuda (the default), cpu (a rehearsal)" >&2
+        echo "KVSTORE_GPU_VERIFY_DEVICE='$DEVICE';" \
+            "allowed: cuda (the default), cpu (a rehearsal)" >&2
         exit 2
         ;;
 esac
@@ -77,14 +80,18 @@ for name in ("grpcio", "protobuf", "pytest", "triton", "ucxx-cu13", "ucxx-cu12")
 EOF
 # Triton builds a C launcher on first use: without a compiler or Python's headers the kernels
 # fall back to the torch reference (the logs say so), and the figures are the reference's.
-echo "C compiler: $( (cc --version 2>/dev/null || echo absent) | head -n 1);" \
-    "Python.h: $("$PY" -c 'import os, sysconfig; print("present" if os.path.exists(sysconfig.get_paths()["include"] + "/Python.h") else "absent")')" \
-    | tee -a "$SUMMARY"
-if [ "$DEVICE" = cuda ] && ! "$PY" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
+compiler=$( (cc --version 2>/dev/null || echo absent) | head -n 1)
+headers=$("$PY" -c 'import os, sysconfig
+print("present" if os.path.exists(sysconfig.get_paths()["include"] + "/Python.h") else "absent")')
+say "C compiler: $compiler; Python.h: $headers"
+has_cuda='import sys, torch; sys.exit(not torch.cuda.is_available())'
+if [ "$DEVICE" = cuda ] && ! "$PY" -c "$has_cuda"; then
     say "no CUDA device here; KVSTORE_GPU_VERIFY_DEVICE=cpu runs the steps as a rehearsal"
     exit 2
 fi
-if "$PY" -c 'import sys; from kvstore.protocol.ucx import ucx_unavailable_reason as r; sys.exit(r() is not None)'; then
+has_ucx='import sys; from kvstore.protocol.ucx import ucx_unavailable_reason as r
+sys.exit(r() is not None)'
+if "$PY" -c "$has_ucx"; then
     UCX=1
 else
     UCX=0
@@ -119,9 +126,9 @@ for step in "${STEPS[@]}"; do
             grep -E "^(OK|FAIL) " "$OUT/harness.log" >>"$SUMMARY"
             ;;
         tests)
-            modules=$(grep -rlE "pytest\.mark\.gpu\b" tests --include='test_*.py' | sort)
+            mapfile -t modules < <(grep -rlE "pytest\.mark\.gpu\b" tests --include='test_*.py')
             run "pytest -m gpu" "${KVSTORE_GPU_TESTS_S:-210}" "$OUT/pytest.log" \
-                "$PY" -m pytest -m gpu -rA -p no:cacheprovider $modules
+                "$PY" -m pytest -m gpu -rA -p no:cacheprovider "${modules[@]}"
             tail -n 1 "$OUT/pytest.log" >>"$SUMMARY"
             ;;
         bench)

@@ -9,10 +9,10 @@
 #   bash scripts/gpu-wheels.sh --ucx              # plus ucxx built for CUDA 13 (~54 MB more)
 #   bash scripts/gpu-wheels.sh --ucx --skip grpcio  # leave out a wheel the machine already has
 #
-# The first set is about 9 MB; with --ucx, about 60 MB, within 1 MiB of the limit beside today's
-# working tree. The script checks the sum and says when it is over; then leave out grpcio where
-# the machine's own is 1.85.1 or newer (gpu-verify.sh prints its version in summary.txt).
-# Versions are pinned to those the CPU suite runs.
+# The first set is about 9 MB; with --ucx, about 60 MB, close to the limit beside the working
+# tree. The script checks the sum and says when it is over; then leave out grpcio where the
+# machine's own is 1.85.1 or newer (gpu-verify.sh prints its version in summary.txt). Versions
+# are pinned to those the CPU suite runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -66,11 +66,18 @@ for spec in "${wanted[@]}"; do
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
         --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
         --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
-        --platform manylinux2014_x86_64 -d .whl "$spec" 2>&1 | { grep -v "^WARNING: Location" || true; }
+        --platform manylinux2014_x86_64 -d .whl "$spec" 2>&1 \
+        | { grep -v "^WARNING: Location" || true; }
 done
 
-wheels=$(du -cb .whl/*.whl | tail -1 | cut -f1)
-tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 du -cb 2>/dev/null \
+wheels=0
+if compgen -G ".whl/*.whl" >/dev/null; then
+    wheels=$(du -cb .whl/*.whl | tail -1 | cut -f1)
+fi
+# What travels beside the wheels: tracked and untracked-not-ignored files (a tracked file deleted
+# from disk makes du complain; it does not travel, so it does not count).
+listed() { git ls-files -z --cached --others --exclude-standard; }
+tree=$({ listed | xargs -0 du -cb 2>/dev/null || true; } \
     | awk '$2 == "total" { sum += $1 } END { print sum + 0 }')
 total=$((wheels + tree))
 echo "--- .whl: $((wheels / 1024)) KiB of wheels; with the working tree $((total / 1024)) KiB" \

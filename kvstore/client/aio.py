@@ -193,8 +193,9 @@ class AsyncKVStoreClient(ClientBase):
         return await self._run(self._core.stats(timeout))
 
     async def open_data_plane(self, *, timeout: float | None = None) -> str:
-        """Connect the fastest data path now rather than on the first data call (which would
-        pay for it); ``"shm"``, ``"ucx"`` or ``"grpc"``: the one data calls will take."""
+        """Decide the data path now rather than on the first data call: shared memory is
+        connected; a UCX path found (it connects on its first transfer). Returns ``"shm"``,
+        ``"ucx"`` or ``"grpc"``: the one data calls will take."""
         return await self._run(self._core.open_data_plane(timeout))
 
     async def aclose(self) -> None:

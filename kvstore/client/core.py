@@ -32,6 +32,7 @@ from kvstore.client.device_fill import (
     copy_to_devices,
     device_byte_views,
     is_device_tensor,
+    queued_streams,
     settle_queued_writes,
     staging_for,
 )
@@ -317,11 +318,12 @@ class ClientCore:
             return DeviceFill((yield from self.get_into(keys, tensors, timeout)), "host")
         deadline = self.deadline(timeout)
         views = device_byte_views(tensors)
+        queued = queued_streams(tensors)  # the caller's streams, read on the caller's thread
         plane = yield from self._shm_plane(deadline)
         if (plane is None or not plane.usable_for(keys)) and all(map(is_device_tensor, tensors)):
             ucx = yield from self._ucx_client(deadline)
             if ucx is not None and (yield Blocking(ucx.device_transports)):
-                yield Blocking(lambda: settle_queued_writes(tensors))
+                yield Blocking(lambda: settle_queued_writes(queued))
                 filled = yield Blocking(
                     lambda: ucx.get_into(keys, views, timeout=deadline.remaining())
                 )
@@ -333,7 +335,7 @@ class ClientCore:
             hosts = checked_staging(staging, tensors)
         found = yield from self.get_into(keys, hosts, deadline.remaining())
         path = f"{self.data_plane}-pinned"
-        yield Blocking(lambda: copy_to_devices(hosts, views, found))
+        yield Blocking(lambda: copy_to_devices(hosts, views, found, queued))
         return DeviceFill(found, path)
 
     def lease(self, keys: Sequence[bytes], timeout: float | None) -> Plan[ShmLease | None]:
@@ -401,8 +403,8 @@ class ClientCore:
         return _wire.stats_dict(response)
 
     def open_data_plane(self, timeout: float | None) -> Plan[str]:
-        """Connect the data path now (shared memory, else UCX) rather than on the first data
-        call; the one data calls will take: ``"shm"``, ``"ucx"`` or ``"grpc"``."""
+        """Decide the data path now (shared memory, connected; else UCX, found) rather than on
+        the first data call; the one data calls will take: ``"shm"``, ``"ucx"`` or ``"grpc"``."""
         deadline = self.deadline(timeout)
         if (yield from self._shm_plane(deadline)) is None:
             yield from self._ucx_client(deadline)

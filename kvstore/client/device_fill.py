@@ -23,7 +23,7 @@ deadline. torch is imported only when a call asks for device memory.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +37,7 @@ __all__ = [
     "device_byte_views",
     "device_transports_in",
     "is_device_tensor",
+    "queued_streams",
     "settle_queued_writes",
     "staging_for",
 ]
@@ -114,21 +115,37 @@ def staging_for(tensors: Sequence[Any]) -> list[Any]:
     return [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in tensors]
 
 
-def settle_queued_writes(tensors: Sequence[Any]) -> None:
-    """Wait until the work already queued on each tensor's device (the calling thread's current
-    stream) is done: a receive straight into device memory (UCX) is ordered by no stream, so a
-    queued kernel writing the same tensors would land on top of the received bytes."""
+def queued_streams(tensors: Sequence[Any]) -> dict[Any, Any]:
+    """The calling thread's current stream on each CUDA device among ``tensors``: where its
+    work on them is queued. Read it on the caller's thread: the asyncio client runs blocking
+    steps on a worker thread, whose current streams are others."""
+    devices = {t.device for t in tensors if is_device_tensor(t) and t.device.type == "cuda"}
+    if not devices:
+        return {}
     import torch
 
-    for device in {t.device for t in tensors if is_device_tensor(t) and t.device.type == "cuda"}:
-        torch.cuda.current_stream(device).synchronize()
+    return {device: torch.cuda.current_stream(device) for device in devices}
 
 
-def copy_to_devices(staging: Sequence[Any], targets: Sequence[Any], found: Sequence[bool]) -> None:
+def settle_queued_writes(queued: Mapping[Any, Any]) -> None:
+    """Wait until the work on the :func:`queued_streams` is done: a receive straight into
+    device memory (UCX) is ordered by no stream, so a queued kernel writing the same tensors
+    would land on top of the received bytes."""
+    for stream in queued.values():
+        stream.synchronize()
+
+
+def copy_to_devices(
+    staging: Sequence[Any],
+    targets: Sequence[Any],
+    found: Sequence[bool],
+    queued: Mapping[Any, Any] | None = None,
+) -> None:
     """Copy each found block from its host staging buffer into its target, a
     :func:`device_byte_views` view of the device tensor; returns when the copies are complete
     (they run on a side stream, so other work on the device's current stream is not serialized
-    behind them)."""
+    behind them). They start after the work on the caller's ``queued`` streams
+    (:func:`queued_streams`)."""
     import torch
 
     # Byte views on both sides: a caller's staging buffer need only match its tensor's size.
@@ -147,7 +164,8 @@ def copy_to_devices(staging: Sequence[Any], targets: Sequence[Any], found: Seque
     stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
     # After the caller's work already queued on the device (a kernel still writing the targets
     # would otherwise land on top of the copies).
-    stream.wait_stream(torch.cuda.current_stream(device))
+    if queued and device in queued:
+        stream.wait_stream(queued[device])
     with torch.cuda.stream(stream):
         for source, target in pairs:
             target.copy_(source, non_blocking=True)

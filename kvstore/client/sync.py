@@ -192,8 +192,9 @@ class KVStoreClient(ClientBase):
         return self._run(self._core.stats(timeout))
 
     def open_data_plane(self, *, timeout: float | None = None) -> str:
-        """Connect the fastest data path now rather than on the first data call (which would
-        pay for it); ``"shm"``, ``"ucx"`` or ``"grpc"``: the one data calls will take."""
+        """Decide the data path now rather than on the first data call: shared memory is
+        connected; a UCX path found (it connects on its first transfer). Returns ``"shm"``,
+        ``"ucx"`` or ``"grpc"``: the one data calls will take."""
         return self._run(self._core.open_data_plane(timeout))
 
     def close(self) -> None:

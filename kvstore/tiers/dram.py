@@ -440,18 +440,24 @@ def _page_lock(arena: np.ndarray[Any, Any], force_cuda_check: bool) -> bool:
             return False
         cuda: Any = torch.cuda  # cudart() is untyped
         cudart = cuda.cudart()
-        errors: list[int] = []
+        outcome: list[int | BaseException] = []
+
+        def register() -> None:
+            try:
+                outcome.append(
+                    int(cudart.cudaHostRegister(arena.ctypes.data, arena.nbytes, _PORTABLE))
+                )
+            except Exception as exc:
+                outcome.append(exc)
+
         # On a thread of its own: a failed call leaves CUDA's last error set on the calling
         # thread, where torch's next kernel launch would report it as its own failure.
-        register = threading.Thread(
-            target=lambda: errors.append(
-                int(cudart.cudaHostRegister(arena.ctypes.data, arena.nbytes, _PORTABLE))
-            ),
-            name="kvstore-page-lock",
-        )
-        register.start()
-        register.join()
-        error = errors[0] if errors else -1
+        thread = threading.Thread(target=register, name="kvstore-page-lock")
+        thread.start()
+        thread.join()
+        error = outcome[0]
+        if isinstance(error, BaseException):
+            raise error
     except Exception:  # no torch, or a driver problem: an unpinned arena still works
         logger.warning("could not page-lock the dram arena for CUDA", exc_info=True)
         return False
