@@ -330,27 +330,15 @@ def test_a_chunk_is_planned_once_across_requests_sharing_it(
     assert side.request_finished(second, []) == (False, None)  # nothing of its own to save
 
 
-def test_a_dead_store_trips_the_breaker_so_nothing_waits_on_it(
-    scheduler: tuple[SchedulerSide, _Manager], store: FakeStore
+@pytest.mark.parametrize(("failure", "saved"), [("down", []), ("slow", [("a", 2)])])
+def test_a_failing_store_is_not_asked_for_a_while_and_only_a_dead_one_loses_saves(
+    scheduler: tuple[SchedulerSide, _Manager], store: FakeStore, failure: str, saved: list[Any]
 ) -> None:
+    """A dead store trips the breaker, so nothing waits on it. A lookup's deadline is short (it
+    holds the request): a store that misses it under load is slow, not gone, and its puts have
+    deadlines of their own, so the chunks are still planned."""
     side, manager = scheduler
-    store.down = True
-    tokens = list(range(2 * CHUNK + 1))
-    assert _answer(side, _request("a", tokens), 0) == 0
-    calls = store.lookups
-    assert _answer(side, _request("b", tokens), 0) == 0
-    assert store.lookups == calls  # answered a miss without asking the store
-    manager.blocks["a"] = [1, 2, 3, 4, 5]
-    assert side.build_connector_meta(_output([("a", 0, len(tokens))])).saves == []
-
-
-def test_a_slow_lookup_skips_lookups_for_a_while_but_saves_go_on(
-    scheduler: tuple[SchedulerSide, _Manager], store: FakeStore
-) -> None:
-    # A lookup's deadline is short (it holds the request); a store that misses it under load is
-    # slow, not gone: its puts have deadlines of their own, so the chunks are still planned.
-    side, manager = scheduler
-    store.slow = True
+    setattr(store, failure, True)
     tokens = list(range(2 * CHUNK + 1))
     assert _answer(side, _request("a", tokens), 0) == 0
     calls = store.lookups
@@ -358,7 +346,7 @@ def test_a_slow_lookup_skips_lookups_for_a_while_but_saves_go_on(
     assert store.lookups == calls  # answered a miss without asking the store
     manager.blocks["a"] = [1, 2, 3, 4, 5]
     plan = side.build_connector_meta(_output([("a", 0, len(tokens))]))
-    assert [(s.req_id, len(s.keys)) for s in plan.saves] == [("a", 2)]
+    assert [(s.req_id, len(s.keys)) for s in plan.saves] == saved
 
 
 @pytest.mark.parametrize("slow", [False, True])
