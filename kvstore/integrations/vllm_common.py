@@ -379,9 +379,7 @@ def warm_up(client: KVStoreClient, breaker: Breaker, timeout: float) -> None:
     """
     try:
         client.stats(timeout=timeout)
-        open_data_plane = getattr(client, "open_data_plane", None)  # clients built by tests
-        if open_data_plane is not None:
-            open_data_plane(timeout=timeout)
+        client.open_data_plane(timeout=timeout)
     except StoreUnavailableError as exc:
         breaker.trip(exc)
     except DeadlineExceededError as exc:

@@ -90,6 +90,10 @@ class FakeStore:
         self._check()
         return {}
 
+    def open_data_plane(self, *, timeout: float | None = None) -> str:
+        self._check()
+        return "grpc"
+
     def close(self) -> None:
         pass
 
