@@ -28,7 +28,7 @@ import torch
 from ._checks import BlockIds, check_block_ids, check_buffer, check_caches, output_buffer
 from .layout import CacheLayout, chunk_nbytes
 
-__all__ = ["chunk_nbytes", "gather_blocks", "scatter_blocks"]
+__all__ = ["SAME_WIDTH", "chunk_nbytes", "gather_blocks", "scatter_blocks"]
 
 
 def gather_blocks(
@@ -112,8 +112,9 @@ def scatter_blocks(
         cache.movedim(dim, 0).index_copy_(0, index, buffer[layer])
 
 
-# Integer dtypes of each element width: numpy has no bfloat16 or float8, and a copy moves bits.
-_SAME_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+#: Integer dtypes of each element width: numpy has no bfloat16 or float8, and a copy moves bits
+#: (also the connector's numpy copies, ``kvstore.integrations.host_copies``).
+SAME_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _copy_cpu(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -123,7 +124,7 @@ def _copy_cpu(dst: torch.Tensor, src: torch.Tensor) -> None:
     thread it is numpy's single-threaded ``copyto`` of same-width integer views, which never
     enters an OpenMP region (see the module docstring); it moves memory about half as fast.
     """
-    width = _SAME_WIDTH.get(dst.element_size())
+    width = SAME_WIDTH.get(dst.element_size())
     if threading.current_thread() is threading.main_thread() or width is None:
         dst.copy_(src)
         return

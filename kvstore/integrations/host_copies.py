@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from kvstore_kernels.reference import SAME_WIDTH  # type: ignore[import-not-found, unused-ignore]
 
 from kvstore.integrations.vllm_plan import CopyRun
 
@@ -26,9 +27,6 @@ __all__ = [
     "strided_groups",
     "width_of",
 ]
-
-# Integer dtypes of each element width: numpy has no bfloat16 or float8, and a copy moves bits.
-SAME_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def copyable(tensor: torch.Tensor) -> Any:
