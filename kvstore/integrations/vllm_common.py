@@ -346,12 +346,12 @@ class Breaker:
         retry_after_s: float,
         clock: Callable[[], float] = time.monotonic,
         *,
-        state: str = "kvstore unavailable (%s); treating it as down for %.1f s",
+        warning: str = "kvstore unavailable (%s); treating it as down for %.1f s",
     ) -> None:
         self._retry_after_s = retry_after_s
         self._clock = clock
         #: The warning of an outage's first failure (the error, then ``retry_after_s``).
-        self._state = state
+        self._warning = warning
         self._down_until = 0.0
         self._lock = threading.Lock()
 
@@ -363,7 +363,7 @@ class Breaker:
         """Record a failure; the first one of an outage is logged."""
         with self._lock:
             if not self.is_open():
-                logger.warning(self._state, error, self._retry_after_s)
+                logger.warning(self._warning, error, self._retry_after_s)
             self._down_until = self._clock() + self._retry_after_s
 
 

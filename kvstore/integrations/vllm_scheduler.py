@@ -155,7 +155,7 @@ class SchedulerSide:
         # a dead one, and saves, with deadlines of their own, still reach it.
         self._slow = Breaker(
             settings.retry_after_s,
-            state="kvstore lookup too slow (%s); not looking up for %.1f s (saves go on)",
+            warning="kvstore lookup too slow (%s); not looking up for %.1f s (saves go on)",
         )
         self._hashers: dict[tuple[str, str], ChunkHasher] = {}
         self._requests: dict[str, _RequestState] = {}
