@@ -26,9 +26,12 @@ from typing import Any, TypeVar
 import grpc
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.client.arena_registration import CudaRegistrar, Registrar
+from kvstore.client.cuda_runtime import CudaRuntimeUnavailable
 from kvstore.client.device_fill import (
     DeviceFill,
     checked_staging,
+    copy_from_lease,
     copy_to_devices,
     device_byte_views,
     is_device_tensor,
@@ -319,6 +322,14 @@ class ClientCore:
         deadline = self.deadline(timeout)
         views = device_byte_views(tensors)
         queued = queued_streams(tensors)  # the caller's streams, read on the caller's thread
+        if all(t.device.type == "cuda" for t in tensors):
+            direct = yield from self._over_shm(
+                keys,
+                deadline,
+                lambda plane, t: self._copy_from_arena(plane, keys, views, queued, t),
+            )
+            if isinstance(direct, list):
+                return DeviceFill(direct, "shm-dma")
         plane = yield from self._shm_plane(deadline)
         if (plane is None or not plane.usable_for(keys)) and all(map(is_device_tensor, tensors)):
             ucx = yield from self._ucx_client(deadline)
@@ -337,6 +348,27 @@ class ClientCore:
         path = f"{self.data_plane}-pinned"
         yield Blocking(lambda: copy_to_devices(hosts, views, found, queued))
         return DeviceFill(found, path)
+
+    def _copy_from_arena(
+        self,
+        plane: ShmDataPlane,
+        keys: Sequence[bytes],
+        views: Sequence[Any],
+        queued: dict[Any, Any],
+        timeout: float,
+    ) -> list[bool] | None:
+        """CUDA tensors over shared memory: DMA from the leased blocks where the arena is
+        page-locked here (registering it from the first such call on); ``None`` otherwise."""
+        if not self.shm.register_asked:
+            try:
+                self.shm.register_with(CudaRegistrar())
+            except CudaRuntimeUnavailable as exc:
+                logger.info("no direct arena -> device copies: %s", exc)
+                self.shm.register_with(None)
+        if plane.registration is None:
+            return None
+        with plane.acquire(keys, timeout) as lease:
+            return copy_from_lease(lease, views, queued)
 
     def lease(self, keys: Sequence[bytes], timeout: float | None) -> Plan[ShmLease | None]:
         """The blocks of ``keys`` held in the arena for reading in place; ``None`` where the
@@ -465,6 +497,23 @@ class ClientBase:
     def settings(self) -> ClientSettings:
         """The settings this client was built with."""
         return self._core.settings
+
+    def register_arena_with(self, registrar: Registrar | None = None) -> None:
+        """Page-lock this client's mapping of the store's arena for a device's DMA.
+
+        For engines whose KV caches are on a GPU: the mapping is registered piece by piece on a
+        background thread (now, or once shared memory connects, and again after a reconnect),
+        after which leased blocks (:meth:`lease`) can be copied straight to the device and
+        reserved pages (:meth:`reserve`) straight from it, with no host copy; until then they
+        report what is covered (``ShmLease.registration``). ``registrar`` defaults to the CUDA
+        runtime torch loaded. ``KVSTORE_SHM_CUDA_REGISTER`` bounds the bytes (see
+        :mod:`kvstore.client.arena_registration` for the cost, about 0.2-0.7 s per GiB in each
+        process). Returns at once.
+
+        Raises:
+            CudaRuntimeUnavailable: ``registrar`` is None and this process has no CUDA runtime.
+        """
+        self._core.shm.register_with(registrar if registrar is not None else CudaRegistrar())
 
     # Tests and benchmarks look at the paths themselves.
     @property

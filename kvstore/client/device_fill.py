@@ -6,6 +6,12 @@ bytes take depends on where the client is and on what UCX can do in this process
 
 ``host``
     The destinations are host memory: a plain ``get_into`` (shared memory, UCX or gRPC).
+``shm-dma``
+    The store is on this host, the destinations are CUDA tensors, and the pages of the leased
+    blocks in this client's mapping of the arena are page-locked
+    (:mod:`kvstore.client.arena_registration`, started by the first such call): one DMA per
+    block straight out of the arena, no host copy. Until the registration covers them, the
+    blocks take ``shm-pinned``.
 ``ucx-device``
     The store is on another host (no shared memory), its UCX listener is reachable, and UCX has a
     transport that reaches device memory in this process (``cuda_copy``, ``cuda_ipc``,
@@ -27,12 +33,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvstore.client.cuda_runtime import HOST_TO_DEVICE, cuda_runtime
+from kvstore.client.shm import ShmLease
 from kvstore.errors import InvalidRequestError
 
 __all__ = [
     "DEVICE_TRANSPORTS",
     "DeviceFill",
     "checked_staging",
+    "copy_from_lease",
     "copy_to_devices",
     "device_byte_views",
     "device_transports_in",
@@ -170,3 +179,49 @@ def copy_to_devices(
         for source, target in pairs:
             target.copy_(source, non_blocking=True)
     stream.synchronize()
+
+
+def copy_from_lease(
+    lease: ShmLease, targets: Sequence[Any], queued: Mapping[Any, Any]
+) -> list[bool] | None:
+    """DMA each leased block straight from the arena into its target (a
+    :func:`device_byte_views` view of a CUDA tensor); returns once the copies are complete,
+    with which blocks were copied whole and intact. ``None`` where the lease's pages are not
+    all page-locked yet (they are asked for, so a later call finds them): use the staging path.
+    """
+    registration = lease.registration
+    sources: list[int | None] = []
+    covered = registration is not None
+    for view, target in zip(lease.views, targets, strict=True):
+        if view is None or view.nbytes != int(target.nbytes):
+            sources.append(None)
+            continue
+        address = int(view.ctypes.data)
+        sources.append(address)
+        if registration is not None and not registration.covers(address, view.nbytes):
+            registration.want(address, view.nbytes)
+            covered = False
+    if registration is None or not covered or not registration.enter():
+        return None
+    try:
+        import torch
+
+        runtime = cuda_runtime()
+        device = targets[0].device
+        with torch.cuda.device(device):
+            stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+            if device in queued:  # after the caller's work already queued on the targets
+                stream.wait_stream(queued[device])
+            for source, target in zip(sources, targets, strict=True):
+                if source is None:
+                    continue
+                at = int(target.data_ptr())
+                # Each part inside one registered piece: the driver DMAs it from pinned pages.
+                for address, nbytes, _ in registration.cut(source, int(target.nbytes)):
+                    runtime.copy_async(at, address, nbytes, HOST_TO_DEVICE, stream.cuda_stream)
+                    at += nbytes
+            stream.synchronize()
+    finally:
+        registration.leave()
+    intact = lease.intact()
+    return [source is not None and ok for source, ok in zip(sources, intact, strict=True)]

@@ -17,6 +17,10 @@ READS``                                                   through the server (le
                                                           pages of the arena's blocks on the
                                                           first read (see
                                                           :mod:`kvstore.client.shm_prefault`)
+``KVSTORE_SHM_CUDA_      ``all`` (default), ``off``, or   how much of the arena a CUDA engine's
+REGISTER``               a size such as ``16GiB``         process page-locks for DMA, in the
+                                                          background (see
+                                                          :mod:`kvstore.client.arena_registration`)
 ``KVSTORE_TOKEN``        a bearer token (default none)    sent on every call, for a server with
                                                           ``server.tokens_file``
 ``KVSTORE_TLS_CA``       a PEM file (default none)        the CA of the server's certificate;
@@ -31,8 +35,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvstore.errors import ConfigError
+from kvstore.sizes import parse_size
 
 __all__ = [
+    "CUDA_REGISTER_ENV",
     "DATA_PLANES",
     "DATA_PLANE_ENV",
     "DIRECT_READS_ENV",
@@ -47,6 +53,7 @@ DATA_PLANES = ("auto", "shm", "ucx", "grpc")
 DATA_PLANE_ENV = "KVSTORE_DATA_PLANE"
 DIRECT_READS_ENV = "KVSTORE_SHM_DIRECT_READS"
 PREFAULT_ENV = "KVSTORE_SHM_PREFAULT"
+CUDA_REGISTER_ENV = "KVSTORE_SHM_CUDA_REGISTER"
 TOKEN_ENV = "KVSTORE_TOKEN"
 TLS_CA_ENV = "KVSTORE_TLS_CA"
 _SWITCH = {"1": True, "0": False}
@@ -62,6 +69,8 @@ class ClientSettings:
     shm_direct_reads: bool = True
     #: Whether the first shared-memory read starts faulting the pages of the arena's blocks in.
     shm_prefault: bool = True
+    #: Bytes of the arena a CUDA engine page-locks for DMA: ``None`` all of it, 0 none.
+    shm_cuda_register: int | None = None
     #: Bearer token sent on every call ("" for none); the clients' ``token=`` overrides it.
     token: str = ""
     #: PEM file of the server's CA ("" for a plain channel); the clients' ``tls_ca=`` overrides it.
@@ -91,6 +100,21 @@ class ClientSettings:
             data_plane=data_plane,
             shm_direct_reads=_SWITCH[direct],
             shm_prefault=_SWITCH[prefault],
+            shm_cuda_register=_register_limit(env.get(CUDA_REGISTER_ENV) or "all"),
             token=env.get(TOKEN_ENV, ""),
             tls_ca=env.get(TLS_CA_ENV, ""),
         )
+
+
+def _register_limit(value: str) -> int | None:
+    """``KVSTORE_SHM_CUDA_REGISTER`` as bytes (``None``: the whole arena)."""
+    if value == "all":
+        return None
+    if value == "off":
+        return 0
+    try:
+        return parse_size(value)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(
+            f"{CUDA_REGISTER_ENV} must be all, off or a size such as 16GiB, got {value!r}"
+        ) from exc

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.buffers import byte_view, writable_byte_view
+from kvstore.client.arena_registration import ArenaRegistration
 from kvstore.client.shm_attach import ShmAttachment
 from kvstore.client.shm_reserve import ShmReservation, SlotState
 from kvstore.client.shm_socket import ShmConnection, ShmUnavailableError, closed_on_failure
@@ -49,8 +50,10 @@ class ShmLease:
     """Blocks held in the store's arena for reading in place (:meth:`ShmDataPlane.acquire`).
 
     ``views[i]`` is key ``i``'s block as read-only ``uint8`` (``None``: missing); valid until
-    :meth:`release`, after which the server may reuse the pages under them. Thread-safe
-    release, once; also a context manager.
+    :meth:`release`, after which the server may reuse the pages under them. ``registration``
+    is the client's mapping of the arena as page-locked for DMA so far (``None`` where nobody
+    asked: :meth:`kvstore.KVStoreClient.register_arena_with`). Thread-safe release, once; also
+    a context manager.
     """
 
     def __init__(
@@ -58,8 +61,10 @@ class ShmLease:
         views: list[np.ndarray[Any, Any] | None],
         release: Callable[[], None],
         intact: Callable[[], list[bool]] | None = None,
+        registration: ArenaRegistration | None = None,
     ) -> None:
         self.views = views
+        self.registration = registration
         self._release: Callable[[], None] | None = release
         self._intact = intact
         self._lock = threading.Lock()
@@ -200,7 +205,7 @@ class ShmDataPlane(ShmAttachment):
                     views.append(np.frombuffer(bytes(reply.take(reply.u64())), dtype=np.uint8))
                 else:
                     views.append(None)
-        return ShmLease(views, lambda: self._release(conn, leases))
+        return ShmLease(views, lambda: self._release(conn, leases), None, self.registration)
 
     def _acquire_direct(
         self, index: IndexReader, touches: TouchSender, keys: Sequence[bytes]
@@ -225,7 +230,9 @@ class ShmDataPlane(ShmAttachment):
             touches.add(keys)
         except ConnectionError as exc:
             raise ShmUnavailableError(str(exc)) from exc
-        return ShmLease(views, lambda: None, lambda: [index.unchanged(hit) for hit in hits])
+        return ShmLease(
+            views, lambda: None, lambda: [index.unchanged(hit) for hit in hits], self.registration
+        )
 
     def _release(self, conn: ShmConnection, leases: list[int]) -> None:
         """End an :meth:`acquire`'s leases and give its socket back."""
@@ -396,7 +403,7 @@ class ShmDataPlane(ShmAttachment):
         def finish(commit: list[int], cancel: list[int]) -> PutResult:
             return self._finish_reservation(conn, commit, cancel)
 
-        return ShmReservation(self._arena, states, ids, ranges, finish)
+        return ShmReservation(self._arena, states, ids, ranges, finish, self.registration)
 
     def _finish_reservation(
         self, conn: ShmConnection, commit: list[int], cancel: list[int]

@@ -26,6 +26,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from kvstore.client.arena_registration import ArenaRegistration, Registrar
 from kvstore.client.shm_prefault import ArenaPrefaulter
 from kvstore.client.shm_socket import ShmConnection, ShmUnavailableError, closed_on_failure
 from kvstore.client.shm_touch import TouchSender
@@ -124,6 +125,8 @@ class ShmAttachment:
         self._reserving: list[ShmConnection] = []  # sockets lent to open reservations
         self._prefault_wanted = prefault
         self._prefaulter: ArenaPrefaulter | None = None  # started by the first read
+        #: This mapping page-locked for DMA, once a CUDA caller asked (:meth:`register_with`).
+        self.registration: ArenaRegistration | None = None
 
     @property
     def direct_reads(self) -> bool:
@@ -256,6 +259,21 @@ class ShmAttachment:
                     self._mapping, self._arena.ctypes.data, lambda: index.published(namespace)
                 )
 
+    def register_with(self, registrar: Registrar, limit: int | None) -> ArenaRegistration | None:
+        """Start page-locking this mapping of the arena for DMA in the background, once (see
+        :mod:`kvstore.client.arena_registration`); ``limit`` bytes at most (``None``: all).
+        The registration, or ``None`` once closed or where ``limit`` is 0."""
+        with self._lock:
+            if self._closed or limit == 0 or not len(self._arena):
+                return None
+            if self.registration is None:
+                index, namespace = self._index, self.namespace
+                hints = None if index is None else (lambda: index.published(namespace))
+                self.registration = ArenaRegistration(
+                    self._arena.ctypes.data, len(self._arena), registrar, limit=limit, hints=hints
+                )
+            return self.registration
+
     def close(self) -> None:
         """Close the sockets (the server releases what they held) and unmap the arena."""
         if self._touches is not None:
@@ -267,6 +285,9 @@ class ShmAttachment:
         keep_mapped = self._prefaulter is not None and not self._prefaulter.stop()
         if keep_mapped:
             logger.warning("the arena prefault thread did not stop; leaving the arena mapped")
+        # Pages a DMA may still read or write stay registered, and so mapped.
+        if self.registration is not None and not self.registration.close():
+            keep_mapped = True
         with self._lock:
             idle, self._idle = self._idle, []
             idle += self._reserving  # a reservation never committed ends with the client

@@ -21,6 +21,7 @@ import threading
 import time
 from typing import Any
 
+from kvstore.client.arena_registration import Registrar
 from kvstore.client.settings import DATA_PLANES, ClientSettings
 from kvstore.client.shm import ShmDataPlane, ShmUnavailableError
 from kvstore.errors import StoreUnavailableError
@@ -41,6 +42,10 @@ class ShmLink:
         self.mode = settings.data_plane
         self._direct_reads = settings.shm_direct_reads
         self._prefault = settings.shm_prefault
+        self._register_limit = settings.shm_cuda_register
+        self._registrar: Registrar | None = None  # set by register_with
+        #: Whether :meth:`register_with` was called (with a registrar or without one).
+        self.register_asked = False
         self._namespace = namespace
         self._timeout = timeout
         self._plane: ShmDataPlane | None = None
@@ -90,8 +95,20 @@ class ShmLink:
                 self._give_up(exc)
                 return None
             self._plane = plane
+            if self._registrar is not None:
+                plane.register_with(self._registrar, self._register_limit)
             logger.debug("using the shared-memory data plane at %s", endpoints.shm_socket)
             return plane
+
+    def register_with(self, registrar: Registrar | None) -> None:
+        """Page-lock the mapped arena for DMA with ``registrar`` from now on: the plane of
+        today, and each one a reconnection opens (a restarted server's arena is another);
+        ``None`` records that there is nothing to register with (no CUDA in this process)."""
+        with self._lock:
+            self._registrar, self.register_asked = registrar, True
+            plane = self._plane
+        if plane is not None and registrar is not None:
+            plane.register_with(registrar, self._register_limit)
 
     def failed(self, exc: BaseException) -> None:
         """Forget a path that broke mid-call (the call then goes through gRPC)."""

@@ -21,6 +21,7 @@ from typing import Any, Literal
 import numpy as np
 
 from kvstore.buffers import byte_view
+from kvstore.client.arena_registration import ArenaRegistration
 from kvstore.errors import InvalidRequestError
 from kvstore.types import PutResult
 
@@ -38,6 +39,8 @@ class ShmReservation:
     pages as one writable ``uint8`` array of the requested size where they are contiguous (else
     ``None``: use :meth:`write`). Call :meth:`commit` once, after writing, or :meth:`cancel`;
     leaving a ``with`` block without committing cancels. Thread-safe commit/cancel, once.
+    ``registration``: the client's mapping of the arena as page-locked for DMA so far, if a
+    CUDA caller asked (a device can then copy straight into the views).
     """
 
     def __init__(
@@ -47,8 +50,10 @@ class ShmReservation:
         ids: list[int | None],
         ranges: list[_Ranges],
         finish: Callable[[list[int], list[int]], PutResult],
+        registration: ArenaRegistration | None = None,
     ) -> None:
         self.states = states
+        self.registration = registration
         self._arena = arena
         self._ids = ids
         self._ranges = ranges
