@@ -94,3 +94,16 @@ def output_buffer(
     if not out.is_contiguous():
         raise ValueError("out must be contiguous")
     return out
+
+
+def to_device_async(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor (block ids, cache addresses) on ``device`` without stalling the host.
+
+    A plain ``.to(cuda)`` of pageable memory synchronizes the current stream: a loader thread
+    launching a scatter would then wait for every copy queued before it (the layer's DMA), and
+    could not issue the next layer's copies meanwhile. From page-locked memory the copy is
+    queued like a kernel; torch's host allocator keeps those pages until it has run.
+    """
+    if device.type != "cuda":
+        return values.to(device)
+    return values.pin_memory().to(device, non_blocking=True)

@@ -25,7 +25,14 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from ._checks import BlockIds, check_block_ids, check_buffer, check_caches, output_buffer
+from ._checks import (
+    BlockIds,
+    check_block_ids,
+    check_buffer,
+    check_caches,
+    output_buffer,
+    to_device_async,
+)
 from .layout import CacheLayout, chunk_nbytes
 
 __all__ = ["SAME_WIDTH", "chunk_nbytes", "gather_blocks", "scatter_blocks"]
@@ -64,7 +71,7 @@ def gather_blocks(
             for at, start, count in runs:
                 _copy_cpu(out_layer[at : at + count], blocks[start : start + count])
         return result
-    index = ids.to(first.device)
+    index = to_device_async(ids, first.device)
     for layer, cache in enumerate(layer_caches):
         # Moving the block dim to the front makes the selection land in buffer order, and
         # index_select's out= writes it straight into the buffer without a temporary.
@@ -106,7 +113,7 @@ def scatter_blocks(
             for at, start, count in runs:
                 _copy_cpu(blocks[start : start + count], src[at : at + count])
         return
-    index = ids.to(first.device)
+    index = to_device_async(ids, first.device)
     for layer, cache in enumerate(layer_caches):
         # movedim returns a view, so index_copy_ writes into the cache's own storage.
         cache.movedim(dim, 0).index_copy_(0, index, buffer[layer])

@@ -29,7 +29,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import BlockIds, check_block_ids, check_buffer, check_caches, output_buffer
+from ._checks import (
+    BlockIds,
+    check_block_ids,
+    check_buffer,
+    check_caches,
+    output_buffer,
+    to_device_async,
+)
 from .layout import CacheLayout
 
 __all__ = ["DEFAULT_TILE_BYTES", "gather_blocks", "scatter_blocks", "supports"]
@@ -132,13 +139,15 @@ def _launch(
     # Grid axis 1 is capped at 65535 programs; very long rows get larger tiles instead.
     block = max(block, triton.next_power_of_2(triton.cdiv(row_words, 65535)))
     device = first.device
-    addrs = torch.tensor([c.data_ptr() for c in layer_caches], dtype=torch.int64, device=device)
+    addrs = to_device_async(
+        torch.tensor([c.data_ptr() for c in layer_caches], dtype=torch.int64), device
+    )
     grid = (len(layer_caches) * ids.numel() * rows.shape[0], triton.cdiv(row_words, block))
     guard: Any = torch.cuda.device(device) if device.type == "cuda" else nullcontext()
     with guard:
         _copy_rows_kernel[grid](
             addrs,
-            ids.to(device),
+            to_device_async(ids, device),
             words,
             ids.numel(),
             rows.shape[0],
