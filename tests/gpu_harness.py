@@ -235,7 +235,9 @@ def _block_view(engine: Engine, ids: list[int]) -> list[torch.Tensor]:
 def round_trip(case: Case, device: str, target: str, model: str) -> str:
     """Save a prompt from engine A, load it into engine B; raise AssertionError on a mismatch.
 
-    Returns the path engine B's load took (``WorkerSide.last_load_path``)."""
+    Returns the path engine B's load took (``WorkerSide.last_load_path``). On CUDA over shared
+    memory both engines wait until their arena mapping is page-locked, so the save and the load
+    take the direct path (``shm-dma``)."""
     chunks = 3
     tokens = [(7 * i + 3) % 1000 for i in range(chunks * CHUNK + 5)]
     blocks_needed = len(tokens) // BLOCK + 1
@@ -249,6 +251,7 @@ def round_trip(case: Case, device: str, target: str, model: str) -> str:
         a.manager.blocks["a"] = a_ids
         meta = a.scheduler.build_connector_meta(_output("a", 0, len(tokens)))
         assert meta.saves, "the scheduler planned no save"
+        _wait_registered(a)
         a.step(meta)
         _wait(lambda: a.worker.get_finished({"a"})[0] == {"a"}, "the save never gathered")
         _wait_stored(a, meta, chunks)
@@ -263,6 +266,7 @@ def round_trip(case: Case, device: str, target: str, model: str) -> str:
         b.scheduler.update_state_after_alloc(req_b, _Blocks(b_ids), hit)  # type: ignore[arg-type]
         meta_b = b.scheduler.build_connector_meta(_output("b", hit, len(tokens) - hit))
         assert [len(spec.keys) for spec in meta_b.loads] == [chunks]
+        _wait_registered(b)
         b.step(meta_b)
         if device == "cuda":
             torch.cuda.synchronize()
@@ -302,6 +306,18 @@ def _wait(condition: Any, what: str) -> None:
     while not condition():
         assert time.monotonic() < deadline, what
         time.sleep(0.01)
+
+
+def _wait_registered(engine: Engine) -> None:
+    """Until a CUDA engine's mapping of the store's arena is page-locked (over shared memory),
+    so that its loads and saves take the direct path; a real engine's first seconds go through
+    host staging instead (tests that want that path refuse the registration)."""
+    client = engine.worker._client
+    client.open_data_plane()
+    plane = client._shm.plane
+    registration = None if plane is None else plane.registration
+    if registration is not None:
+        registration.wait_covered(registration.base, registration.size, timeout=30)
 
 
 def _wait_stored(engine: Engine, meta: StepPlan, chunks: int) -> None:

@@ -34,11 +34,11 @@ class _HeldPipeline(LoadPipeline):
         self.entered = threading.Event()  # the loader is inside layer ``held``
         self.release = threading.Event()
 
-    def _issue_layer(self, load: StepLoad, layer: int) -> None:
-        if layer == self.held:
+    def _issue_layers(self, load: StepLoad, layers: range) -> None:
+        if self.held in layers:
             self.entered.set()
             assert self.release.wait(30)
-        super()._issue_layer(load, layer)
+        super()._issue_layers(load, layers)
 
 
 def _caches() -> list[torch.Tensor]:

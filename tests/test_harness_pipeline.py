@@ -14,16 +14,19 @@ shared-memory cases run).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import cuda_stand_in
 import pytest
 import torch
 from gpu_harness import CASES, UCX_FLAGS, Case, round_trip
 from serve_process import Serve
 
-from kvstore.integrations import vllm_worker
-from kvstore.integrations.device_pipeline import Device, Event, LoadPipeline, Stream
+from kvstore.client.shm import ShmLease, ShmReservation
+from kvstore.integrations import device_pipeline, vllm_saves, vllm_worker
+from kvstore.integrations.device_pipeline import LoadPipeline
 from kvstore.protocol.ucx import ucx_unavailable_reason
 
 _GPU = [
@@ -73,8 +76,9 @@ def test_saved_kv_loads_into_another_engine_bit_for_bit(
 ) -> None:
     monkeypatch.setenv("KVSTORE_DATA_PLANE", "auto")
     path = round_trip(case, device, server.target, f"harness-{request.node.name}")
-    # The store is on this host: shared memory, read in place where the CPU allows it.
-    assert path in ("shm-lease", "shm"), path
+    # The store is on this host: shared memory, read in place where the CPU allows it; on
+    # CUDA, DMAed straight out of the arena.
+    assert path in (("shm-lease", "shm") if device == "cpu" else ("shm-dma",)), path
 
 
 @pytest.mark.parametrize(("device", "case"), UCX_RUNS)
@@ -95,36 +99,44 @@ def test_a_worker_on_another_host_loads_over_ucx(
         assert path in ("ucx-device", "ucx-pinned"), path
 
 
-class _CudaStandIn(Device):
-    """Claims CUDA for CPU tensors: streams and events that do nothing, host buffers that are
-    not page-locked, device buffers full of garbage. A stand-in for the GPU, which cannot run
-    here (the ``gpu`` cases above are the real thing): it runs the worker's CUDA-only branches,
-    the per-layer staging copy, the device landing and the save's gather, on every CI run."""
-
-    def __init__(self, device: torch.device) -> None:
-        super().__init__(device)
-        self.is_cuda = True
-
-    def current_stream(self) -> Stream:
-        return Stream(None)
-
-    def new_stream(self) -> Stream:
-        return Stream(None)
-
-    def new_event(self, *, blocking: bool = False) -> Event:
-        return Event(None)
-
-    def host_buffer(
-        self, shape: Sequence[int], dtype: torch.dtype, *, zero: bool = True
-    ) -> torch.Tensor:
-        return (torch.zeros if zero else torch.empty)(tuple(shape), dtype=dtype)
-
-    def device_buffer(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        return torch.full(tuple(shape), 7, dtype=dtype)
-
-
 #: (data plane, loads received into the device landing): over UCX the first load lands there.
 STAND_IN_PLANES = [("auto", 0), *([("ucx", 1)] if UCX else [])]
+
+
+def _logged(method: Any, name: str) -> Any:
+    """``method`` noting in the stand-in's log when it ran (beside the DMAs' entries)."""
+
+    def logged(self: Any, *args: Any, **kwargs: Any) -> Any:
+        cuda_stand_in.log.append((name, 0, 0))
+        return method(self, *args, **kwargs)
+
+    return logged
+
+
+def _after_every(log: list[tuple[str, int, int]], copy: str, end: str) -> bool:
+    """Whether ``copy`` entries ran and every one of them ran before the last ``end`` (the
+    transfer's copies all landed before what ended it)."""
+    kinds = [kind for kind, _, _ in log]
+    if copy not in kinds or end not in kinds:
+        return False
+    last_end = len(kinds) - 1 - kinds[::-1].index(end)
+    return copy not in kinds[last_end:]
+
+
+@pytest.fixture
+def stand_in(monkeypatch: pytest.MonkeyPatch) -> cuda_stand_in.StandInRegistrar:
+    """Workers built from here on see the CUDA stand-in (queued streams, kernels and DMAs; see
+    tests/cuda_stand_in.py); returns the registrar their arena registration uses."""
+    monkeypatch.setattr(vllm_worker, "Device", cuda_stand_in.StandInDevice)
+    cuda_stand_in.log.clear()
+    for cls, name in ((ShmLease, "release"), (ShmReservation, "commit")):
+        monkeypatch.setattr(cls, name, _logged(getattr(cls, name), name))
+    kernels = cuda_stand_in.deferred_kernels()
+    monkeypatch.setattr(device_pipeline, "kvstore_kernels", kernels)
+    monkeypatch.setattr(vllm_saves, "kvstore_kernels", kernels)
+    registrar = cuda_stand_in.StandInRegistrar()
+    monkeypatch.setattr(cuda_stand_in.StandInDevice, "registrar", registrar)
+    return registrar
 
 
 @pytest.mark.parametrize(("plane", "landed"), STAND_IN_PLANES)
@@ -134,11 +146,15 @@ def test_the_cuda_branches_round_trip_on_the_cpu_with_stand_in_streams(
     case: Case,
     plane: str,
     landed: int,
+    stand_in: cuda_stand_in.StandInRegistrar,
     request: pytest.FixtureRequest,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """The CUDA-only branches, on every layout: over shared memory the arena is "page-locked"
+    (by the stand-in registrar), the save DMAs into reserved pages and the load DMAs each layer
+    out of the leased chunks, every one queued until waited for; over UCX the load lands in
+    the device landing."""
     monkeypatch.setenv("KVSTORE_DATA_PLANE", plane)
-    monkeypatch.setattr(vllm_worker, "Device", _CudaStandIn)
     landings: list[int] = []
     real_landing = LoadPipeline.device_landing
 
@@ -147,10 +163,32 @@ def test_the_cuda_branches_round_trip_on_the_cpu_with_stand_in_streams(
         return real_landing(pipeline, chunks)
 
     monkeypatch.setattr(LoadPipeline, "device_landing", device_landing)
-    round_trip(case, "cpu", server.target, f"stand-in-{request.node.name}")
+    path = round_trip(case, "cpu", server.target, f"stand-in-{request.node.name}")
     # Engine B's one load: into the landing over UCX (the connector's warm-up settled the path
-    # before it), through the staging over shared memory.
+    # before it), DMAed out of the arena over shared memory.
     assert len(landings) == landed
+    assert path == ("shm-dma" if plane == "auto" else "host"), path  # CPU tensors: host
+    if plane == "auto":
+        assert stand_in.registered, "the workers never registered their arena mappings"
+        # Engine A's save committed after its device-to-host DMAs had run, engine B's lease
+        # ended after its layers' DMAs had run.
+        assert _after_every(cuda_stand_in.log, "d2h", "commit"), cuda_stand_in.log[-5:]
+        assert _after_every(cuda_stand_in.log, "h2d", "release"), cuda_stand_in.log[-5:]
+
+
+def test_a_refused_registration_loads_and_saves_through_host_staging(
+    server: Serve,
+    stand_in: cuda_stand_in.StandInRegistrar,
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the driver refuses to page-lock the mapping, the bits still round-trip, through the
+    page-locked staging (``shm-staged``): the fallback is a slower path, never a wrong one."""
+    monkeypatch.setenv("KVSTORE_DATA_PLANE", "auto")
+    stand_in.fail = 2  # cudaErrorMemoryAllocation, say
+    path = round_trip(CASES[0], "cpu", server.target, f"refused-{request.node.name}")
+    assert path == "shm-staged", path
+    assert not stand_in.registered
 
 
 def test_the_harness_runs_alone(tmp_path: Path) -> None:

@@ -1,46 +1,42 @@
 """Block moves between the store and the paged KV cache: one code path for CPU and CUDA.
 
-:class:`Device` hides the difference: on CUDA a :class:`Stream` is a ``torch.cuda.Stream``, an
-:class:`Event` a ``torch.cuda.Event`` and host buffers are page-locked (so a host-to-device copy
-is a DMA the copy engine runs while the SMs compute); on CPU the stream and the event are
-stand-ins that do nothing, because there every copy has finished when the call returns.
+The device's streams, events and buffers are :mod:`kvstore.integrations.device`'s (no-ops on
+CPU, where every copy has finished when its call returns).
 
 **Loads are layer-wise** (:class:`LoadPipeline`). A stored chunk holds every layer of its
 ``chunk_size`` tokens (``[layers, blocks, *block]``, the format the store has always held), and
-the store reads whole values, so a load cannot fetch "layer n of every chunk" without reading the
-chunks anyway. The pipeline therefore fetches the step's chunks ONCE -- ``get_into`` straight
-into a host staging buffer that is page-locked on CUDA (over shared memory the store copies each
-block once, from its arena into that buffer; nothing pageable in between) -- and then works
-layer by layer on a background thread: on CUDA, the layer's slice of every chunk is copied into a
-device staging buffer on a dedicated load stream (one contiguous DMA per chunk and layer, the
-layer's device staging being contiguous), scattered into the layer's paged cache by the kernels
-on the same stream, and an event is recorded for the layer; on CPU the layer's slice of each chunk
-is copied straight into the cache's blocks, one slice copy per run of consecutive blocks
-(:func:`~kvstore.integrations.vllm_plan.copy_runs`; usually one per chunk), through numpy: no
-gathered intermediate, and no torch op on the loader thread (a torch ``copy_`` or advanced index
-there enters OpenMP, which vLLM's CPU worker pins to its own threads; see ``kernels/reference.py``).
-Over shared memory on CPU the source is the store's arena itself: the worker leases the chunks
-(``KVStoreClient.lease``) instead of a get, so each block is copied ONCE, arena -> cache, layer by
-layer, and layer 0 waits for the lease and its own copy, not for the whole step's get. The
-connector's worker goes further (``copy_on_wait``): the loader only takes the lease, and each
-layer is copied on the forward pass's own thread when its attention asks for it, with torch's
-parallel ``copy_`` there and chunks at equal distances in memory merged into one strided copy.
-:meth:`LoadPipeline.wait_layer` waits only until the layer's work is
-*issued* and then makes the compute stream wait on the layer's event (CUDA), so layer n+1's copy
-and scatter overlap layer n's attention; on CPU it returns once the layer is scattered, while the
-next layers proceed on the background thread during the forward pass of the earlier ones.
-A CUDA worker whose store is on another host receives over UCX: where UCX reaches device memory
-in the process (``cuda_copy``, ``cuda_ipc``, GPUDirect RDMA) the chunks land straight in a
-device buffer (:meth:`LoadPipeline.device_landing`, through
-:meth:`kvstore.KVStoreClient.get_into_device`) and each layer's scatter reads its slice there,
-with no host copy and no DMA; otherwise they land in the page-locked staging as above.
-Keeping the stored format means nothing changes for stored data or other clients; the price is
-that, where no lease is possible (CUDA, gRPC, UCX), the first layer waits for the whole fetch.
+the store reads whole values. Over shared memory the worker does not read them at all: it
+*leases* the step's chunks (``KVStoreClient.lease``) and works from the store's arena in place.
 
-**Saves** (:meth:`Device.gather_to_host`): after the forward pass an event is recorded on the
-compute stream; the save thread makes a side stream wait for it, gathers the planned blocks on
-the device and copies them into a page-locked host buffer, then waits for that copy only (never
-for the forward pass of the next step). The engine's blocks are free once that copy is done.
+- **CUDA over shared memory** (``shm-dma``): where the worker's mapping of the arena is
+  page-locked (:mod:`kvstore.client.arena_registration`), each layer is ONE strided DMA per run
+  of chunks at equal distances in the arena (:mod:`kvstore.integrations.arena_dma`) into the
+  layer's device staging, on a DMA stream; the layer's scatter into the paged cache runs on the
+  load stream after the layer's DMA event, so layer n+1's DMA runs while layer n scatters and
+  the forward computes layer n-1. The lease is held until the step's last DMA has *completed*.
+  No host copy at all. Until the pages a step needs are registered (the first seconds of an
+  engine), the leased chunks are copied into page-locked host staging (``shm-staged``) and go
+  on as below.
+- **CUDA from host staging** (gRPC, UCX without device transports, ``shm-staged``): the step's
+  chunks are in a page-locked host buffer; each layer's slice of every chunk is DMAed into the
+  device staging (one copy per chunk and layer) on the load stream, scattered there, and an
+  event recorded for the layer.
+- **CUDA over UCX into device memory** (``ucx-device``): the chunks land straight in a device
+  buffer (:meth:`LoadPipeline.device_landing`, through
+  :meth:`kvstore.KVStoreClient.get_into_device`) and each layer's scatter reads its slice there.
+- **CPU**: each layer's slice of each chunk is copied straight into the cache's blocks, one
+  slice copy per run of consecutive blocks (:func:`~kvstore.integrations.vllm_plan.copy_runs`),
+  from the leased arena (or the staging a get filled). The connector's worker copies each layer
+  on the forward's own thread when its attention asks for it (``copy_on_wait``: torch's
+  parallel ``copy_`` there, chunks at equal distances merged into one strided copy); otherwise
+  the loader thread copies through numpy (a torch op there would enter OpenMP, which vLLM's CPU
+  worker pins to its own threads; see ``kernels/reference.py``).
+
+:meth:`LoadPipeline.wait_layer` waits only until the layer's work is *issued* and then makes the
+compute stream wait on the layer's event (CUDA); on CPU it returns once the layer is copied.
+Where no lease is possible (gRPC, UCX) the first layer waits for the whole fetch.
+
+**Saves** are :mod:`kvstore.integrations.vllm_saves`'s.
 """
 
 from __future__ import annotations
@@ -57,6 +53,8 @@ from typing import Any
 import kvstore_kernels  # type: ignore[import-not-found, unused-ignore]
 import torch
 
+from kvstore.integrations.arena_dma import ArenaSource
+from kvstore.integrations.device import Device, Event, Stream
 from kvstore.integrations.host_copies import (
     SAME_WIDTH,
     arena_chunk,
@@ -80,104 +78,9 @@ __all__ = ["Device", "Event", "LoadPipeline", "StepLoad", "Stream", "arena_chunk
 
 logger = logging.getLogger(__name__)
 
-
-class Event:
-    """A point in a stream's work: ``torch.cuda.Event`` on CUDA, a no-op on CPU."""
-
-    def __init__(self, raw: Any = None) -> None:
-        self.raw = raw
-
-    def record(self, stream: Stream) -> None:
-        """Mark the end of the work issued so far on ``stream``."""
-        if self.raw is not None:
-            self.raw.record(stream.raw)
-
-    def synchronize(self) -> None:
-        """Block this thread until the recorded work has finished."""
-        if self.raw is not None:
-            self.raw.synchronize()
-
-
-class Stream:
-    """An ordered queue of device work: ``torch.cuda.Stream`` on CUDA, a no-op on CPU."""
-
-    def __init__(self, raw: Any = None) -> None:
-        self.raw = raw
-
-    def wait(self, event: Event) -> None:
-        """Make later work on this stream wait for ``event`` (without blocking this thread)."""
-        if self.raw is not None and event.raw is not None:
-            self.raw.wait_event(event.raw)
-
-    def wait_stream(self, other: Stream) -> None:
-        """Make later work on this stream wait for all work issued on ``other`` so far."""
-        if self.raw is not None and other.raw is not None:
-            self.raw.wait_stream(other.raw)
-
-    def synchronize(self) -> None:
-        """Block this thread until the work issued on this stream has finished."""
-        if self.raw is not None:
-            self.raw.synchronize()
-
-    def use(self) -> contextlib.AbstractContextManager[Any]:
-        """Issue the work of a ``with`` block on this stream."""
-        if self.raw is None:
-            return contextlib.nullcontext()
-        return torch.cuda.stream(self.raw)
-
-
-class Device:
-    """Streams, events and staging buffers for the device the KV caches live on."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.is_cuda = device.type == "cuda"
-
-    def current_stream(self) -> Stream:
-        """The stream the calling thread issues work on (vLLM's compute stream in the forward)."""
-        return Stream(torch.cuda.current_stream(self.device) if self.is_cuda else None)
-
-    def new_stream(self) -> Stream:
-        """A stream of its own (loads, saves)."""
-        # torch.cuda.Stream and Event are untyped classes.
-        return Stream(torch.cuda.Stream(self.device) if self.is_cuda else None)  # type: ignore[no-untyped-call]
-
-    def new_event(self, *, blocking: bool = False) -> Event:
-        """An event to record on a stream; ``blocking``: a thread that synchronizes on it sleeps
-        instead of spinning a core (for events the host waits on, not only streams)."""
-        if not self.is_cuda:
-            return Event(None)
-        return Event(torch.cuda.Event(blocking=blocking))  # type: ignore[no-untyped-call]
-
-    def host_buffer(
-        self, shape: Sequence[int], dtype: torch.dtype, *, zero: bool = True
-    ) -> torch.Tensor:
-        """A host buffer, page-locked on CUDA; ``zero`` touches every page now, once, rather
-        than inside the store's copy into it (a load's staging buffer is kept across steps)."""
-        make = torch.zeros if zero else torch.empty
-        return make(tuple(shape), dtype=dtype, pin_memory=self.is_cuda)
-
-    def device_buffer(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor | None:
-        """A staging buffer on the device; ``None`` on CPU, where the host buffer serves."""
-        return torch.empty(tuple(shape), dtype=dtype, device=self.device) if self.is_cuda else None
-
-    def gather_to_host(
-        self,
-        caches: Sequence[torch.Tensor],
-        ids: Sequence[int],
-        layout: kvstore_kernels.CacheLayout,
-        out: torch.Tensor,
-    ) -> None:
-        """Gather blocks ``ids`` of every layer into host buffer ``out`` (``[layers, ids, ...]``).
-
-        On CUDA the gather runs on the current stream into device memory and the result is
-        copied into ``out`` without waiting: record an event and synchronize it before reading.
-        """
-        if not self.is_cuda:
-            kvstore_kernels.gather_blocks(caches, ids, layout, out=out)
-            return
-        gathered = kvstore_kernels.gather_blocks(caches, ids, layout)
-        out.copy_(gathered, non_blocking=True)
+#: Bytes of copies per scatter launch on CUDA at least (a whole number of layers): about 0.6 ms
+#: of the PCIe link, more than a launch costs its thread (see LoadPipeline._layer_groups).
+GROUP_BYTES = 32 << 20
 
 
 @dataclass(slots=True)
@@ -212,6 +115,12 @@ class StepLoad:
     # layer's scatter instead of the host staging; ``path`` is how they came
     # (:class:`kvstore.client.device_fill.DeviceFill`).
     landed: torch.Tensor | None = None
+    # CUDA over shared memory: the leased chunks in page-locked arena pages, DMAed from there
+    # layer by layer (``dma_events``: one per layer, recorded on the DMA stream).
+    direct: ArenaSource | None = None
+    dma_events: list[Event] = field(default_factory=list)
+    # Set once the loader is done with the step: every copy complete, the lease ended.
+    settled: threading.Event = field(default_factory=threading.Event)
     path: str = ""
     crashed: bool = False  # the layer work failed: every chunk of the step is recomputed
     cancelled: bool = False  # the forward gave up waiting: write nothing more
@@ -246,12 +155,16 @@ class LoadPipeline:
         self.caches = list(caches)
         self.layout = layout
         self.chunk_shape = chunk_shape  # [layers, kernel blocks per chunk, *block]
+        self.chunk_nbytes = int(torch.Size(chunk_shape).numel()) * caches[0].element_size()
         self.blocks_per_chunk = blocks_per_chunk
         self.ratio = ratio
-        self.stream = device.new_stream()
+        self.stream = device.new_stream()  # scatters (CPU: no-op)
+        # DMAs from the arena, apart from the scatters, so that they overlap them.
+        self.dma_stream = device.new_stream()
         self._dtype = caches[0].dtype
-        # Device staging, kept across steps: [layers, chunks, kernel blocks, *block], so one
-        # layer's blocks of every chunk are contiguous (one scatter source per layer).
+        # Device staging, one flat buffer kept across steps, viewed per step as [layers, chunks,
+        # kernel blocks, *block]: consecutive layers of every chunk are contiguous (one scatter
+        # source per group of layers).
         self._device_staging: torch.Tensor | None = None
         # Device landing for receives straight into device memory, made on first use only:
         # [chunks, layers, kernel blocks, *block], a chunk's bytes contiguous as stored.
@@ -292,20 +205,27 @@ class LoadPipeline:
             # gave up waiting has ended its step already, so end the lease here.
             if load.cancelled:
                 self.finish(load)
+            load.settled.set()
             return
         started = time.perf_counter()
         try:
             self.stream.wait(load.started)
+            if load.direct is not None and (load.plan.whole or load.plan.partial):
+                self._dma_step(load, load.direct)
             with self.stream.use():
-                for layer in range(len(self.caches)):
+                for layers in self._layer_groups(load):
                     with load.issuing:
                         if load.cancelled or load.crashed:
                             break
-                        self._issue_layer(load, layer)
-                        load.events[layer].record(self.stream)
-                    load.ready[layer].set()
+                        self._issue_layers(load, layers)
+                        for layer in layers:
+                            load.events[layer].record(self.stream)
+                    for layer in layers:
+                        load.ready[layer].set()
                 # The staging buffers are reused by the next step: its fetch must not overwrite
-                # the host buffer while this step's copies may still read it.
+                # the host buffer while this step's copies may still read it. The load stream
+                # waited for every DMA issued, so this also means the arena is read no more.
+                self.stream.wait_stream(self.dma_stream)
                 issued = self.device.new_event(blocking=True)
                 issued.record(self.stream)
             issued.synchronize()
@@ -315,12 +235,14 @@ class LoadPipeline:
             # Copies already issued may still read the staging and write the cache: let them
             # end before the next fetch reuses the buffers and vLLM recomputes those blocks.
             with contextlib.suppress(Exception):
+                self.dma_stream.synchronize()
                 self.stream.synchronize()
         finally:
             load.scatter_s = time.perf_counter() - started
             for ready in load.ready:  # never leave the forward waiting
                 ready.set()
             self.finish(load)  # nothing reads the leased blocks any more
+            load.settled.set()
 
     def stop(self, load: StepLoad) -> None:
         """Let ``load`` write nothing more into the caches: the loader issues no further layer
@@ -333,26 +255,53 @@ class LoadPipeline:
         self.device.current_stream().wait_stream(self.stream)
 
     def finish(self, load: StepLoad) -> None:
-        """End the step's lease on the store's blocks, if it holds one (idempotent)."""
+        """End the step's lease on the store's blocks, if it holds one (idempotent). Called
+        once nothing reads them any more: on CUDA, once every DMA out of them has completed."""
         release, load.release = load.release, None
         if release is not None:
             release()
+        direct, load.direct = load.direct, None
+        if direct is not None:
+            direct.registration.leave()
 
-    def _issue_layer(self, load: StepLoad, layer: int) -> None:
+    def _layer_groups(self, load: StepLoad) -> list[range]:
+        """The layers issued together, in order: on CUDA, enough layers per scatter launch that
+        their copies outlast the launch's own cost on this thread (about a third of a ms of
+        Python and Triton), the first layer alone so that the forward starts early; on CPU
+        (and for small steps' first layer) one by one."""
+        layers = len(self.caches)
+        if not self.device.is_cuda:
+            return [range(layer, layer + 1) for layer in range(layers)]
+        layer_bytes = load.host[:, 0].nbytes  # one layer of every chunk of the step
+        size = max(1, -(-GROUP_BYTES // max(1, layer_bytes)))
+        starts = [0, *range(1, layers, size)]
+        return [
+            range(a, min(b, layers)) for a, b in zip(starts, [*starts[1:], layers], strict=True)
+        ]
+
+    def _issue_layers(self, load: StepLoad, layers: range) -> None:
+        """Write ``layers`` of the step's loaded chunks into their caches (one scatter launch
+        per run of whole chunks for all of them; CPU: slice copies layer by layer)."""
         if load.runs is not None:
-            self._copy_layer(load, layer)
+            for layer in layers:
+                self._copy_layer(load, layer)
             return
         plan = load.plan
         if plan is None or (not plan.whole and not plan.partial):
             return
-        src = self._stage(load, layer)  # [chunks, kernel blocks, *block]
-        cache = [self.caches[layer]]
-        if plan.whole:
-            # One call for every whole chunk of the step: [1, chunks * blocks, *block].
-            whole = src[plan.whole].flatten(0, 1).unsqueeze(0)
-            kvstore_kernels.scatter_blocks(whole, cache, plan.whole_ids, self.layout)
+        src = self._stage(load, layers)  # [layers, chunks, kernel blocks, *block]
+        caches = self.caches[layers.start : layers.stop]
+        per_chunk = src.shape[2]
+        at = 0
+        # One call per run of consecutive whole chunks (usually one for the step), from a view
+        # of the staging: [layers, chunks * blocks, *block], no copy of it on the device.
+        for first, count in _consecutive(plan.whole):
+            whole = src[:, first : first + count].flatten(1, 2)
+            ids = plan.whole_ids[at * per_chunk : (at + count) * per_chunk]
+            kvstore_kernels.scatter_blocks(whole, caches, ids, self.layout)
+            at += count
         for chunk, spec, index in plan.partial:
-            self._scatter_partial(src[chunk].unsqueeze(0), cache, spec, index)
+            self._scatter_partial(src[:, chunk], caches, spec, index)
 
     def _copy_layer(self, load: StepLoad, layer: int) -> None:
         """CPU: copy ``layer``'s blocks of every loaded chunk straight into its cache."""
@@ -392,31 +341,65 @@ class LoadPipeline:
             self._landing = landing
         return landing[:chunks]
 
-    def _stage(self, load: StepLoad, layer: int) -> torch.Tensor:
-        """This layer's blocks of every chunk, where the scatter reads them."""
-        if load.landed is not None:
-            return load.landed[:, layer]  # already in device memory, nothing to copy
-        host = load.host[:, layer]
+    def _stage(self, load: StepLoad, layers: range) -> torch.Tensor:
+        """``layers`` of every chunk (``[layers, chunks, kernel blocks, *block]``), where the
+        scatter reads them."""
+        group = slice(layers.start, layers.stop)
+        if load.landed is not None:  # already in device memory, nothing to copy
+            return load.landed[:, group].transpose(0, 1)
         if not self.device.is_cuda:
-            return host
-        chunks = host.shape[0]
-        staging = self._device_staging
-        if staging is None or staging.shape[1] < chunks:
-            shape = (len(self.caches), chunks, *self.chunk_shape[1:])
-            # Allocated on the load stream, so the caching allocator orders its reuse there.
-            staging = self._device_staging = self.device.device_buffer(shape, self._dtype)
-        assert staging is not None
-        dst = staging[layer, :chunks]
+            return load.host[:, group].transpose(0, 1)
+        chunks = load.host.shape[0]
+        staging = self._staging(chunks)
+        if load.direct is not None:
+            # The DMA stream runs in order: the group's last layer done means all of it is.
+            self.stream.wait(load.dma_events[layers.stop - 1])  # queued by _dma_step
+            return staging[group]
         # A chunk's layer slice is contiguous in the host buffer and lands contiguously: a
         # page-locked source makes each copy an asynchronous DMA on the load stream.
-        for chunk in range(chunks):
-            dst[chunk].copy_(host[chunk], non_blocking=True)
-        return dst
+        for layer in layers:
+            for chunk in range(chunks):
+                staging[layer, chunk].copy_(load.host[chunk, layer], non_blocking=True)
+        return staging[group]
+
+    def _staging(self, chunks: int) -> torch.Tensor:
+        """The device staging of a step of ``chunks``: ``[layers, chunks, kernel blocks,
+        *block]``, contiguous (a view of one buffer kept across steps)."""
+        shape = (len(self.caches), chunks, *self.chunk_shape[1:])
+        size = int(torch.Size(shape).numel())
+        staging = self._device_staging
+        if staging is None or staging.numel() < size:
+            with self.stream.use():  # the caching allocator orders its reuse on the load stream
+                staging = self._device_staging = self.device.device_buffer((size,), self._dtype)
+        assert staging is not None
+        return staging[:size].view(shape)
+
+    def _dma_step(self, load: StepLoad, source: ArenaSource) -> None:
+        """Queue every layer's DMA, arena -> device staging, on the DMA stream at once (one
+        strided copy per run of chunks and layer), each layer followed by its event: the copy
+        engine then streams at the link's speed however fast the layers' scatters are issued,
+        and each scatter waits for its own layer only (:meth:`_stage`)."""
+        staging = self._staging(load.host.shape[0])
+        self.dma_stream.wait_stream(self.stream)  # after any earlier use of the staging
+        load.dma_events = [self.device.new_event() for _ in self.caches]
+        for layer, event in enumerate(load.dma_events):
+            base = staging[layer].data_ptr()
+            for copy in source.layer_copies(layer):
+                self.device.copy_rows_to_device(
+                    base + copy.device,
+                    copy.device_pitch,
+                    copy.host,
+                    copy.host_pitch,
+                    copy.width,
+                    copy.height,
+                    self.dma_stream,
+                )
+            event.record(self.dma_stream)
 
     def _scatter_partial(
-        self, src: torch.Tensor, cache: list[torch.Tensor], spec: LoadSpec, index: int
+        self, src: torch.Tensor, caches: list[torch.Tensor], spec: LoadSpec, index: int
     ) -> None:
-        """Write chunk ``index`` of ``spec`` (``src``: ``[1, kernel blocks, *block]``)."""
+        """Write chunk ``index`` of ``spec`` (``src``: ``[layers, kernel blocks, *block]``)."""
         bpc, ratio = self.blocks_per_chunk, self.ratio
         targets = chunk_blocks(spec.block_ids, index, bpc)
         wanted = [j for j, b in enumerate(targets) if b >= 0]
@@ -426,7 +409,11 @@ class LoadPipeline:
         # prefix cache shares with other requests, which must not be written.
         rows = [j * ratio + i for j in wanted for i in range(ratio)]
         ids = kernel_ids([targets[j] for j in wanted], ratio)
-        kvstore_kernels.scatter_blocks(src[:, rows], cache, ids, self.layout)
+        at = 0
+        for first, count in _consecutive(rows):  # views of the source, one call per run
+            part = src[:, first : first + count]
+            kvstore_kernels.scatter_blocks(part, caches, ids[at : at + count], self.layout)
+            at += count
 
     def wait_layer(self, load: StepLoad, layer: int, timeout: float) -> bool:
         """Make ``layer``'s loaded blocks visible to the forward pass; False if it gave up.
@@ -466,6 +453,17 @@ class LoadPipeline:
         if len(load.waited) == len(self.caches):
             self.finish(load)
         return True
+
+
+def _consecutive(values: Sequence[int]) -> list[tuple[int, int]]:
+    """Ascending ``values`` as ``(first, count)`` runs of consecutive integers."""
+    runs: list[tuple[int, int]] = []
+    for value in values:
+        if runs and runs[-1][0] + runs[-1][1] == value:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((value, 1))
+    return runs
 
 
 def in_place(device: Device, dtype: torch.dtype) -> bool:

@@ -24,6 +24,7 @@ __all__ = [
     "as_torch",
     "copy_slices",
     "copyable",
+    "stage_views",
     "strided_groups",
     "width_of",
 ]
@@ -107,3 +108,16 @@ def copy_slices(dst: Any, src: Any) -> None:
         np.copyto(dst, src)
     else:
         dst.copy_(src)
+
+
+def stage_views(views: Sequence[Any], host: torch.Tensor) -> list[bool]:
+    """Copy each leased block (``uint8`` views, ``None``: missing) into row ``i`` of ``host``
+    (``[chunks, ...]``, contiguous); False where missing or not a row's size."""
+    rows = host.view(torch.uint8).reshape(host.shape[0], -1).numpy()
+    copied = []
+    for row, view in zip(rows, views, strict=True):
+        whole = view is not None and view.nbytes == row.nbytes
+        if whole:
+            np.copyto(row, view)
+        copied.append(whole)
+    return copied

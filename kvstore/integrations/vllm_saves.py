@@ -3,19 +3,25 @@
 :meth:`SaveQueue.submit` is called from ``wait_for_save`` with the event that marks the end of
 the step's forward pass (a no-op stand-in on CPU) and returns at once. A gather thread makes a side
 stream wait for that event, copies the planned blocks into page-locked host buffers
-(:meth:`~kvstore.integrations.device_pipeline.Device.gather_to_host`) and waits for that copy only;
+(:meth:`~kvstore.integrations.device.Device.gather_to_host`) and waits for that copy only;
 after it the engine's blocks are no longer needed (requests waiting on that are reported by
 :meth:`SaveQueue.finished`); a put thread sends the buffers to the store. A slow or dead store
 therefore never holds engine blocks, and the put backlog is bounded in bytes.
 
-On CPU over shared memory the gather writes straight into the store's arena: the gather thread
-reserves pages for the chunks (:meth:`kvstore.KVStoreClient.reserve`), gathers each block into
-them, and the put thread commits; chunks the store holds already are not gathered at all. Only
-chunks without contiguous reserved pages (or without room) go through a host buffer and a put.
+Over shared memory the gather writes straight into the store's arena: the gather thread
+reserves pages for the chunks (:meth:`kvstore.KVStoreClient.reserve`), and the put thread
+commits them; chunks the store holds already are not gathered at all. On CPU each block is
+gathered into the reserved pages. On CUDA, where this process's mapping of the arena is
+page-locked there (:mod:`kvstore.client.arena_registration`), the chunks are gathered on the
+device and DMAed straight into the reserved pages, and the commit waits for those DMAs to
+complete: no page-locked bounce buffer and no host copy. Only chunks without contiguous
+reserved pages, whose pages are not page-locked yet, or without room go through a host buffer
+(then written into their pages, or put).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -30,7 +36,8 @@ import torch
 from kvstore.client import KVStoreClient
 from kvstore.client.shm_reserve import ShmReservation
 from kvstore.errors import DeadlineExceededError, KVStoreError, StoreUnavailableError
-from kvstore.integrations.device_pipeline import Device, Event
+from kvstore.integrations.arena_dma import plan_rows, save_rows
+from kvstore.integrations.device import Device, Event, Stream
 from kvstore.integrations.vllm_common import Breaker
 from kvstore.integrations.vllm_stats import ConnectorCounters
 
@@ -84,6 +91,11 @@ class _Target:
     layout: kvstore_kernels.CacheLayout
     chunk_shape: tuple[int, ...]
     chunk_nbytes: int
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The caches' element type."""
+        return self.caches[0].dtype
 
 
 class SaveQueue:
@@ -171,7 +183,7 @@ class SaveQueue:
                     logger.warning("kvstore put backlog full; dropping %d chunks", len(job.keys))
                     self._counters.record_save_failed("backlog_full", self._tokens(job.keys))
                 else:
-                    gathered = self._gather_in_place(target, job, nbytes)
+                    gathered = self._gather_in_place(target, stream, job, nbytes)
                     if gathered is None:
                         buffer = self._gather(target, stream, job, range(len(job.keys)))
                         gathered = _Gathered(job.keys, nbytes, buffer)
@@ -210,11 +222,13 @@ class SaveQueue:
         copied.synchronize()  # this copy only: the forward pass of later steps goes on
         return buffer
 
-    def _gather_in_place(self, target: _Target, job: SaveJob, nbytes: int) -> _Gathered | None:
-        """CPU over shared memory: gather the job's chunks straight into reserved arena pages;
-        ``None`` where that is not possible (CUDA, another data plane, a store down)."""
+    def _gather_in_place(
+        self, target: _Target, stream: Stream, job: SaveJob, nbytes: int
+    ) -> _Gathered | None:
+        """Over shared memory: gather the job's chunks straight into reserved arena pages;
+        ``None`` where that is not possible (another data plane, a store down)."""
         reserve = getattr(self._client, "reserve", None)
-        if target.device.is_cuda or reserve is None or self._breaker.is_open():
+        if reserve is None or self._breaker.is_open():
             return None
         try:
             held: ShmReservation | None = reserve(job.keys, [target.chunk_nbytes] * len(job.keys))
@@ -223,14 +237,19 @@ class SaveQueue:
             return None
         if held is None:
             return None
-        # CPU only: the forward pass that wrote the blocks has returned (no event to wait for).
-        dtype = target.caches[0].dtype
+        # On CPU the forward pass that wrote the blocks has returned (no event to wait for); on
+        # CUDA every gather below waits for its event first.
+        dtype = target.dtype
         written: list[int] = []
         scattered: list[int] = []
         buffered: list[int] = []
         try:
+            if target.device.is_cuda:
+                written = self._dma_in_place(target, stream, job, held)
             for chunk, (state, view) in enumerate(zip(held.states, held.views, strict=True)):
-                if state == "reserved" and view is not None:
+                if chunk in written:
+                    continue
+                if state == "reserved" and view is not None and not target.device.is_cuda:
                     out = torch.from_numpy(view).view(dtype).view(target.chunk_shape)
                     ids = self._chunk_ids(target, job, chunk)
                     target.device.gather_to_host(target.caches, ids, target.layout, out)
@@ -261,6 +280,62 @@ class SaveQueue:
             written,
             held.states.count("present"),
         )
+
+    def _dma_in_place(
+        self, target: _Target, stream: Stream, job: SaveJob, held: ShmReservation
+    ) -> list[int]:
+        """CUDA: gather the reserved chunks whose pages are page-locked here on the device and
+        DMA each straight into its pages; returns those chunks once every DMA has completed (so
+        the commit that follows never publishes pages still being written)."""
+        registration = held.registration
+        if registration is None:
+            return []
+        nbytes = target.chunk_nbytes
+        chosen: list[tuple[int, int]] = []  # (chunk, address of its pages)
+        for chunk, (state, view) in enumerate(zip(held.states, held.views, strict=True)):
+            if state != "reserved" or view is None:
+                continue
+            address = int(view.ctypes.data)
+            if registration.covers(address, nbytes):
+                chosen.append((chunk, address))
+            else:
+                registration.want(address, nbytes)  # pinned for a later save
+        if not chosen or not registration.enter():
+            return []
+        device = target.device
+        layers, per_chunk = target.chunk_shape[0], target.chunk_shape[1]
+        ids = [i for chunk, _ in chosen for i in self._chunk_ids(target, job, chunk)]
+        rows = save_rows([address for _, address in chosen], layers, nbytes // layers)
+        try:
+            with stream.use():
+                stream.wait(job.after)  # the blocks are complete once their forward has run
+                # Every chosen chunk in ONE launch: [layers, chunks * kernel blocks, *block],
+                # then one strided DMA per chunk (its layers are rows of that buffer).
+                shape = (layers, len(chosen) * per_chunk, *target.chunk_shape[2:])
+                gathered = device.device_buffer(shape, target.dtype)
+                assert gathered is not None
+                kvstore_kernels.gather_blocks(target.caches, ids, target.layout, gathered)
+                base = gathered.data_ptr()
+                for copy in plan_rows(rows, nbytes // layers, registration.cut):
+                    device.copy_rows_to_host(
+                        copy.host,
+                        copy.host_pitch,
+                        base + copy.device,
+                        copy.device_pitch,
+                        copy.width,
+                        copy.height,
+                        stream,
+                    )
+                copied = device.new_event(blocking=True)
+                copied.record(stream)
+            copied.synchronize()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                stream.synchronize()  # no DMA may still write the pages handed back
+            raise
+        finally:
+            registration.leave()
+        return [chunk for chunk, _ in chosen]
 
     @staticmethod
     def _chunk_ids(target: _Target, job: SaveJob, chunk: int) -> list[int]:

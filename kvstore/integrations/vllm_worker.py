@@ -2,11 +2,13 @@
 
 Loads (:meth:`WorkerSide.start_load_kv`, :meth:`WorkerSide.wait_for_layer_load`) are layer-wise
 (:mod:`kvstore.integrations.device_pipeline`): the step's chunks are fetched in ONE batched call on
-a background thread while the forward pass starts. On CUDA the same thread then copies and
-scatters them layer by layer on a load stream, with an event per layer; on CPU the call is a
-lease on the chunks in the store's shared-memory arena (a get into staging where shared memory
-is out), and each layer is copied from there into the cache on the forward's own thread when its
-attention asks for it. Each layer's attention waits for its own layer only. A chunk that cannot
+a background thread while the forward pass starts (:mod:`kvstore.integrations.vllm_fetch`: over
+shared memory a lease on the chunks in the store's arena, else a get). On CUDA the same thread
+then queues every layer's DMA (straight out of the leased chunks where this process's mapping of
+the arena is page-locked: :meth:`kvstore.KVStoreClient.register_arena_with`, started here) and
+scatters them layer by layer on a load stream, with an event per layer; on CPU each layer is
+copied from the arena into the cache on the forward's own thread when its attention asks for it.
+Each layer's attention waits for its own layer only. A chunk that cannot
 be fetched (store down, evicted since the lookup, wrong size) leaves its blocks unwritten and
 reported by :meth:`WorkerSide.get_block_ids_with_load_errors`, so vLLM recomputes those tokens.
 
@@ -26,7 +28,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -34,15 +35,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvstore.client import KVStoreClient
-from kvstore.client.shm import ShmLease
-from kvstore.errors import ConfigError, DeadlineExceededError, KVStoreError, StoreUnavailableError
-from kvstore.integrations.device_pipeline import (
-    Device,
-    LoadPipeline,
-    StepLoad,
-    arena_chunk,
-    in_place,
-)
+from kvstore.client.cuda_runtime import CudaRuntimeUnavailable
+from kvstore.errors import ConfigError
+from kvstore.integrations.device import Device
+from kvstore.integrations.device_pipeline import LoadPipeline, StepLoad
 from kvstore.integrations.kv_layout import CacheSpec, detect_layout
 from kvstore.integrations.vllm_common import (
     Breaker,
@@ -55,8 +51,9 @@ from kvstore.integrations.vllm_common import (
     rank_keys,
     warm_up,
 )
+from kvstore.integrations.vllm_fetch import ChunkFetcher
 from kvstore.integrations.vllm_plan import chunk_blocks, kernel_ids
-from kvstore.integrations.vllm_saves import SaveJob, SaveQueue, failure_reason
+from kvstore.integrations.vllm_saves import SaveJob, SaveQueue
 from kvstore.integrations.vllm_stats import ConnectorCounters
 
 if TYPE_CHECKING:
@@ -122,8 +119,7 @@ class WorkerSide:
         # page-locking is slower still).
         self._staging: torch.Tensor | None = None
         self._staging_user: Future[None] | None = None
-        # Whether UCX receives reach device memory (None: not tried yet; see _fetch_into_device).
-        self._device_receives: bool | None = None
+        self._fetcher: ChunkFetcher | None = None  # made by register_kv_caches
         self._saves = SaveQueue(self._client, self._breaker, self.counters, settings.chunk_size)
         # Connect now, off the critical path: the first call on a fresh channel pays for it.
         self._fetch_pool.submit(warm_up, self._client, self._breaker, settings.timeout_s)
@@ -174,6 +170,8 @@ class WorkerSide:
             *layout.kernel.block_shape(first.shape),
         )
         self._device = Device(first.device)
+        if self._device.is_cuda:
+            self._register_arena()
         self._pipeline = LoadPipeline(
             self._device,
             caches,
@@ -187,6 +185,7 @@ class WorkerSide:
             # twice as long as the forward's own parallel copy_ (bench_ttft, 8K: 13-14 ms vs 6).
             copy_on_wait=True,
         )
+        self._fetcher = ChunkFetcher(self._client, self._breaker, self._pipeline)
         self._saves.set_target(self._device, caches, layout.kernel, self._chunk_shape)
         # One request of the longest prompt loads without growing the buffer mid-request.
         longest = self._max_model_len // self._settings.chunk_size + 1
@@ -205,6 +204,14 @@ class WorkerSide:
             self._chunk_shape,
             self._chunk_nbytes() / 2**20,
         )
+
+    def _register_arena(self) -> None:
+        """Start page-locking this process's mapping of the store's arena (in the background),
+        so that loads and saves over shared memory DMA straight from and into it."""
+        try:
+            self._client.register_arena_with(self._device.host_registrar())
+        except CudaRuntimeUnavailable as exc:
+            logger.warning("kvstore: loads and saves go through host staging: %s", exc)
 
     def _chunk_nbytes(self) -> int:
         return (
@@ -234,7 +241,8 @@ class WorkerSide:
             return
         keys = self._keys([key for spec in meta.loads for key in spec.keys])
         load = pipeline.new_load(meta.loads, self._staging_buffer(len(keys)))
-        fetch = functools.partial(self._fetch, keys=keys)
+        assert self._fetcher is not None  # made with the pipeline
+        fetch = functools.partial(self._fetcher.fetch, keys=keys)
         self._staging_user = self._fetch_pool.submit(pipeline.run, load, fetch)
         self._load = load
 
@@ -249,76 +257,6 @@ class WorkerSide:
                 return fresh
             self._staging = staging = fresh
         return staging[:chunks]
-
-    def _fetch(self, load: StepLoad, keys: list[bytes]) -> list[bool]:
-        if self._breaker.is_open():
-            load.reason = "store_down"
-            return [False] * len(keys)
-        started = time.perf_counter()
-        try:
-            lease = getattr(self._client, "lease", None)
-            if lease is not None and in_place(self._device, self._caches[0].dtype):
-                held = lease(keys)
-                if held is not None:
-                    return self._adopt(load, held)
-            if self._receives_into_device():
-                return self._fetch_into_device(load, keys)
-            return self._client.get_into(keys, list(load.host.unbind(0)))
-        except (StoreUnavailableError, DeadlineExceededError) as exc:
-            load.reason = failure_reason(exc)
-            self._breaker.trip(exc)
-        except KVStoreError as exc:
-            load.reason = "error"
-            logger.warning("kvstore get of %d chunks failed: %s", len(keys), exc)
-        finally:
-            load.fetch_s = time.perf_counter() - started
-        return [False] * len(keys)
-
-    def _receives_into_device(self) -> bool:
-        """Whether this step's chunks should go straight into device memory: CUDA caches, a
-        store reached over UCX (another host), and no earlier load found that UCX cannot reach
-        device memory here (then the pinned staging and per-layer DMAs overlap better)."""
-        return (
-            self._device.is_cuda
-            and self._device_receives is not False
-            and getattr(self._client, "data_plane", "") == "ucx"
-            and hasattr(self._client, "get_into_device")
-        )
-
-    def _fetch_into_device(self, load: StepLoad, keys: list[bytes]) -> list[bool]:
-        """Receive the chunks into the pipeline's device landing (UCX into device memory, or
-        through ``load.host`` and one copy each where it cannot); the layers read them there."""
-        assert self._pipeline is not None
-        landing = self._pipeline.device_landing(len(keys))
-        fill = self._client.get_into_device(
-            keys, list(landing.unbind(0)), staging=list(load.host.unbind(0))
-        )
-        load.landed, load.path = landing, fill.path
-        direct = fill.path == "ucx-device"
-        if direct is not self._device_receives:
-            self._device_receives = direct
-            if direct:
-                logger.info("kvstore loads land in device memory over UCX (ucx-device)")
-            else:
-                logger.info(
-                    "kvstore loads: UCX cannot reach device memory here (%s); using page-locked "
-                    "staging and a copy per layer",
-                    fill.path,
-                )
-        return fill.found
-
-    def _adopt(self, load: StepLoad, lease: ShmLease) -> list[bool]:
-        """Read the step's chunks in place from the store's arena (CPU over shared memory):
-        one copy per block, arena -> cache, layer by layer, instead of a get and a scatter."""
-        dtype = self._caches[0].dtype
-        # None: missing, or of another size than a chunk (like get_into, a failed chunk).
-        sources = [
-            None if view is None else arena_chunk(view, self._chunk_shape, dtype)
-            for view in lease.views
-        ]
-        load.sources, load.release, load.intact = sources, lease.release, lease.intact
-        load.path = "shm-lease"
-        return [source is not None for source in sources]
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Make this layer's loaded blocks ready before its attention reads them."""
@@ -385,6 +323,12 @@ class WorkerSide:
             return
         if self._pipeline is not None and self._pipeline.copy_on_wait:
             self._pipeline.finish(load)  # layers never asked for: end the lease all the same
+        if load.path == "shm-dma" and not load.settled.wait(2 * self._settings.timeout_s + 1):
+            # DMAs not complete: whether the chunks stayed intact while read is unknown yet.
+            logger.warning("kvstore: the step's DMAs did not complete in time; recomputing")
+            load.ok = [False] * len(load.ok or ())
+            load.reason, load.reported = "deadline", False
+            self._resolve(load)
         self._check_intact(load)
         missed = set(range(len(self._caches))) - load.waited
         skipped: str | None = None

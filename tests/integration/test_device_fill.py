@@ -142,10 +142,11 @@ def test_copy_to_devices_copies_found_blocks_only_through_byte_views() -> None:
 # -- GPU -------------------------------------------------------------------------------------------
 
 
-# The paths a CUDA fill may take per data plane: over UCX, straight into device memory where UCX
-# reaches it here, else through pinned staging.
+# The paths a CUDA fill may take per data plane: over shared memory, DMA straight from the arena
+# once this client's mapping of it is page-locked (the first call starts that), else pinned
+# staging; over UCX, straight into device memory where UCX reaches it here, else pinned staging.
 EXPECTED_PATHS = {
-    "shm": {"shm-pinned"},
+    "shm": {"shm-pinned", "shm-dma"},
     "ucx": {"ucx-device", "ucx-pinned"},
     "grpc": {"grpc-pinned"},
 }
@@ -182,7 +183,34 @@ def test_ucx_receives_into_device_memory_where_ucx_reaches_it(
 
 @pytest.mark.gpu
 @needs_cuda
-def test_a_caller_s_pinned_staging_is_used(server_factory: ServerFactory) -> None:
+def test_over_shared_memory_cuda_tensors_are_dmaed_straight_from_the_page_locked_arena(
+    server_factory: ServerFactory,
+) -> None:
+    server, plane = _server(server_factory, "shm")
+    keys, chunks = _keys(3), _chunks(3, seed=5)
+    with kv_client(server, plane) as client:
+        client.put(keys, chunks)
+        client.register_arena_with()  # the CUDA runtime's registrar
+        assert client.open_data_plane() == "shm"
+        shm = client._shm.plane
+        registration = None if shm is None else shm.registration
+        assert registration is not None
+        assert registration.wait_covered(registration.base, registration.size, 120), (
+            registration.stats()
+        )
+        tensors = [torch.zeros(CHUNK_SHAPE, dtype=torch.bfloat16, device="cuda") for _ in range(4)]
+        result = client.get_into_device([*keys, os.urandom(16)], tensors)
+    assert result.path == "shm-dma" and result.found == [True, True, True, False]
+    assert all(_same(c, t) for c, t in zip(chunks, tensors, strict=False))
+    assert not tensors[3].any()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_caller_s_pinned_staging_is_used(
+    server_factory: ServerFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVSTORE_SHM_CUDA_REGISTER", "off")  # else a later call takes shm-dma
     server, plane = _server(server_factory, "shm")
     staging = [torch.empty(CHUNK_SHAPE, dtype=torch.bfloat16, pin_memory=True) for _ in range(4)]
     found, taken, chunks, tensors = _fill(server, plane, "cuda", staging=staging)
