@@ -5,12 +5,13 @@
 #   bash scripts/gpu-verify.sh tests harness     # only the steps named
 #
 # Steps, in this order, each under its own time limit so that one hang cannot eat the others'
-# (510 s together, about 570 s at worst with the install and the kill grace, inside one device
-# call's 600; KVSTORE_GPU_{HARNESS,TESTS,BENCH}_S change them):
+# (540 s together at worst, inside one device call's 600; a passing run took about 3 minutes on
+# an H100; KVSTORE_GPU_{HARNESS,TESTS,BENCH}_S change them):
 #   harness  tests/gpu_harness.py on every cache layout over shared memory, and over UCX where
 #            ucxx imports (loads into CUDA tensors, bit for bit)
 #   tests    every `gpu`-marked test (pytest -m gpu on the modules that hold them)
-#   bench    benchmarks/bench_gpu.py (arena -> HBM, layer-wise load vs prefill, hidden fraction)
+#   bench    benchmarks/bench_gpu.py (loads and saves against the link and against prefill, for
+#            two model shapes; its table is appended to summary.txt)
 #
 # Wheels in .whl/ (scripts/gpu-wheels.sh fetches them; KVSTORE_GPU_WHEELS names another folder)
 # are installed first into a directory of their own, put ahead of the machine's packages on
@@ -21,7 +22,8 @@
 #
 # Without a CUDA device it exits 2 before doing anything, unless KVSTORE_GPU_VERIFY_DEVICE=cpu
 # asks for a rehearsal: the same steps on the CPU, where the gpu tests skip and the benchmark
-# exits 2 (tests/test_gpu_verify_script.py runs that rehearsal, so the script cannot rot here).
+# runs its --rehearse (tests/test_gpu_verify_script.py runs that rehearsal, so the script cannot
+# rot here).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -72,6 +74,11 @@ import importlib.metadata as md, platform, torch
 print(f"python {platform.python_version()}, torch {torch.__version__}")
 if torch.cuda.is_available():
     print(f"device {torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}")
+    from kvstore.client.cuda_runtime import CudaRuntimeUnavailable, cuda_runtime
+    try:
+        print(f"CUDA runtime for direct copies: {cuda_runtime().path}")
+    except CudaRuntimeUnavailable as exc:
+        print(f"no direct copies: {exc}")
 for name in ("grpcio", "protobuf", "pytest", "triton", "ucxx-cu13", "ucxx-cu12"):
     try:
         print(f"{name} {md.version(name)}")
@@ -132,8 +139,11 @@ for step in "${STEPS[@]}"; do
             tail -n 1 "$OUT/pytest.log" >>"$SUMMARY"
             ;;
         bench)
-            run "bench_gpu" "${KVSTORE_GPU_BENCH_S:-150}" "$OUT/bench.log" \
-                "$PY" benchmarks/bench_gpu.py --out "$OUT/gpu"
+            rehearse=()
+            [ "$DEVICE" = cpu ] && rehearse=(--rehearse)
+            run "bench_gpu" "${KVSTORE_GPU_BENCH_S:-180}" "$OUT/bench.log" \
+                "$PY" benchmarks/bench_gpu.py --out "$OUT/gpu" "${rehearse[@]+"${rehearse[@]}"}"
+            [ -f "$OUT/gpu.md" ] && cat "$OUT/gpu.md" >>"$SUMMARY"
             ;;
     esac
 done

@@ -1,16 +1,15 @@
 #!/usr/bin/env bash
 # Fetch, on this machine, the wheels that the GPU machine lacks, into .whl/ (ignored by git), for
-# scripts/gpu-verify.sh to install there. That machine (the device tool's nvidia-h200) has Python
-# 3.12 with torch, Triton, transformers, numpy, xxhash, aiofiles, prometheus-client, pytest and
-# pytest-timeout, reaches no package registry, and receives at most 64 MiB: the working tree and
-# these wheels together.
+# scripts/gpu-verify.sh to install there. That machine (the device tool's H100 or H200) has
+# Python 3.12 with torch, Triton, transformers, numpy, xxhash, aiofiles, prometheus-client,
+# protobuf 7.36, pytest and pytest-timeout, grpcio 1.84 (older than the generated code needs),
+# reaches no package registry, and receives at most 64 MiB: the working tree and these wheels.
 #
 #   bash scripts/gpu-wheels.sh                    # what kvstore and its tests need beyond that
-#   bash scripts/gpu-wheels.sh --ucx              # plus ucxx built for CUDA 13 (~54 MB more)
+#   bash scripts/gpu-wheels.sh --ucx              # plus ucxx built for CUDA 13 (~28 MB more)
 #   bash scripts/gpu-wheels.sh --ucx --skip grpcio  # leave out a wheel the machine already has
 #
-# The first set is about 9 MB; with --ucx, about 60 MB, close to the limit beside the working
-# tree. The script checks the sum and says when it is over; then leave out grpcio where the
+# The first set is about 9 MB; with --ucx, about 37 MB (UCX's wheel slimmed to what runs). The script checks the sum and says when it is over; then leave out grpcio where the
 # machine's own is 1.85.1 or newer (gpu-verify.sh prints its version in summary.txt). Versions
 # are pinned to those the CPU suite runs.
 set -euo pipefail
@@ -21,7 +20,6 @@ BASE=(
     "redis==8.1.0"
     "grpcio==1.85.3"
     "grpcio-health-checking==1.85.1"
-    "protobuf==7.36.2"
     "pytest-asyncio==1.5.0"
 )
 # ucxx for CUDA 13 (the machine's CUDA) and what it needs beyond the image (which has cuda-core,
@@ -68,6 +66,14 @@ for spec in "${wanted[@]}"; do
         --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
         --platform manylinux2014_x86_64 -d .whl "$spec" 2>&1 \
         | { grep -v "^WARNING: Location" || true; }
+done
+
+# UCX's own wheel is 40 MB, mostly what kvstore never runs there: static archives, the
+# command-line tools and the perf-test plugins. Dropping them leaves 17 MB and every shared
+# library UCX loads (each under all of its names).
+for wheel in .whl/libucx_cu*.whl; do
+    [ -e "$wheel" ] || continue
+    python3 scripts/slim_wheel.py "$wheel" '\.a$|/bin/|perftest'
 done
 
 wheels=0
