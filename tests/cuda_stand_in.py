@@ -31,6 +31,7 @@ from typing import Any
 import kvstore_kernels  # type: ignore[import-not-found, unused-ignore]
 import torch
 
+from kvstore.integrations.arena_dma import RowCopy
 from kvstore.integrations.device import Device, Event, Stream
 
 __all__ = ["StandInDevice", "StandInRegistrar", "deferred_kernels", "log"]
@@ -179,39 +180,26 @@ class StandInDevice(Device):
     def host_registrar(self) -> StandInRegistrar:
         return type(self).registrar
 
-    def copy_rows_to_device(
-        self,
-        dst: int,
-        dst_pitch: int,
-        src: int,
-        src_pitch: int,
-        width: int,
-        height: int,
-        stream: Stream,
-    ) -> None:
-        def copy() -> None:
-            for row in range(height):
-                log.append(("h2d", src + row * src_pitch, width))
-                ctypes.memmove(dst + row * dst_pitch, src + row * src_pitch, width)
+    def dma_to_device(self, copy: RowCopy, base: int, stream: Stream) -> None:
+        stream.raw.enqueue(_rows("h2d", copy, base + copy.device, copy.device_pitch, to_host=False))
 
-        stream.raw.enqueue(copy)
+    def dma_to_host(self, copy: RowCopy, base: int, stream: Stream) -> None:
+        stream.raw.enqueue(_rows("d2h", copy, base + copy.device, copy.device_pitch, to_host=True))
 
-    def copy_rows_to_host(
-        self,
-        dst: int,
-        dst_pitch: int,
-        src: int,
-        src_pitch: int,
-        width: int,
-        height: int,
-        stream: Stream,
-    ) -> None:
-        def copy() -> None:
-            for row in range(height):
-                log.append(("d2h", dst + row * dst_pitch, width))
-                ctypes.memmove(dst + row * dst_pitch, src + row * src_pitch, width)
 
-        stream.raw.enqueue(copy)
+def _rows(
+    kind: str, copy: RowCopy, device: int, device_pitch: int, *, to_host: bool
+) -> Callable[[], None]:
+    """A queued 2D copy between ``copy``'s host rows and device rows at ``device``, row by row,
+    each logged with its host address."""
+
+    def run() -> None:
+        for row in range(copy.height):
+            host, at = copy.host + row * copy.host_pitch, device + row * device_pitch
+            log.append((kind, host, copy.width))
+            ctypes.memmove(host if to_host else at, at if to_host else host, copy.width)
+
+    return run
 
 
 class _DeferredKernels:

@@ -159,7 +159,7 @@ def test_a_dma_that_fails_makes_the_step_recompute_and_still_ends_the_lease(
     def refuse(*_: Any) -> None:
         raise RuntimeError("cudaMemcpy2DAsync failed with CUDA error 1 (invalid argument)")
 
-    monkeypatch.setattr(pipeline.device, "copy_rows_to_device", refuse)
+    monkeypatch.setattr(pipeline.device, "dma_to_device", refuse)
     load, thread = _start(pipeline, arena)
     assert pipeline.wait_layer(load, 0, timeout=30)  # ready is set even on a crash
     thread.join(30)

@@ -5,7 +5,7 @@
 is a DMA the copy engine runs while the SMs compute); on CPU the stream and the event are
 stand-ins that do nothing, because there every copy has finished when the call returns.
 
-The copies by address (:meth:`Device.copy_rows_to_device`, :meth:`Device.copy_rows_to_host`) are the
+The copies by address (:meth:`Device.dma_to_device`, :meth:`Device.dma_to_host`) are the
 direct path between the store's arena and device memory: page-locked arena pages
 (:mod:`kvstore.client.arena_registration`) in, device buffers out, one DMA for many rows, through
 the CUDA runtime torch loaded (:mod:`kvstore.client.cuda_runtime`). They exist on CUDA only; the
@@ -23,6 +23,7 @@ import torch
 
 from kvstore.client.arena_registration import CudaRegistrar, Registrar
 from kvstore.client.cuda_runtime import DEVICE_TO_HOST, HOST_TO_DEVICE, cuda_runtime
+from kvstore.integrations.arena_dma import RowCopy
 
 __all__ = ["Device", "Event", "Stream"]
 
@@ -135,50 +136,28 @@ class Device:
         """
         return CudaRegistrar()
 
-    def copy_rows_to_device(
+    def dma_to_device(self, copy: RowCopy, base: int, stream: Stream) -> None:
+        """Queue ``copy`` as ONE DMA on ``stream``: its rows from page-locked host memory into
+        the device buffer at address ``base``."""
+        device, host = (base + copy.device, copy.device_pitch), (copy.host, copy.host_pitch)
+        self._dma(device, host, copy, HOST_TO_DEVICE, stream)
+
+    def dma_to_host(self, copy: RowCopy, base: int, stream: Stream) -> None:
+        """Queue ``copy`` as ONE DMA on ``stream``: its rows from the device buffer at address
+        ``base`` into page-locked host memory."""
+        device, host = (base + copy.device, copy.device_pitch), (copy.host, copy.host_pitch)
+        self._dma(host, device, copy, DEVICE_TO_HOST, stream)
+
+    def _dma(
         self,
-        dst: int,
-        dst_pitch: int,
-        src: int,
-        src_pitch: int,
-        width: int,
-        height: int,
+        dst: tuple[int, int],
+        src: tuple[int, int],
+        copy: RowCopy,
+        kind: int,
         stream: Stream,
     ) -> None:
-        """Queue ONE DMA on ``stream``: ``height`` rows of ``width`` bytes, ``src_pitch`` apart
-        in page-locked host memory, to device memory at ``dst``, ``dst_pitch`` apart."""
+        """``cudaMemcpy2DAsync`` of ``copy``'s rows from ``src`` to ``dst`` (address, pitch)."""
         with torch.cuda.device(self.device):  # the runtime issues on the thread's device
             cuda_runtime().copy_2d_async(
-                dst,
-                dst_pitch,
-                src,
-                src_pitch,
-                width,
-                height,
-                HOST_TO_DEVICE,
-                stream.raw.cuda_stream,
-            )
-
-    def copy_rows_to_host(
-        self,
-        dst: int,
-        dst_pitch: int,
-        src: int,
-        src_pitch: int,
-        width: int,
-        height: int,
-        stream: Stream,
-    ) -> None:
-        """Queue ONE DMA on ``stream``: ``height`` rows of ``width`` bytes, ``src_pitch`` apart
-        in device memory, to page-locked host memory at ``dst``, ``dst_pitch`` apart."""
-        with torch.cuda.device(self.device):
-            cuda_runtime().copy_2d_async(
-                dst,
-                dst_pitch,
-                src,
-                src_pitch,
-                width,
-                height,
-                DEVICE_TO_HOST,
-                stream.raw.cuda_stream,
+                *dst, *src, copy.width, copy.height, kind, stream.raw.cuda_stream
             )

@@ -385,15 +385,7 @@ class LoadPipeline:
         for layer, event in enumerate(load.dma_events):
             base = staging[layer].data_ptr()
             for copy in source.layer_copies(layer):
-                self.device.copy_rows_to_device(
-                    base + copy.device,
-                    copy.device_pitch,
-                    copy.host,
-                    copy.host_pitch,
-                    copy.width,
-                    copy.height,
-                    self.dma_stream,
-                )
+                self.device.dma_to_device(copy, base, self.dma_stream)
             event.record(self.dma_stream)
 
     def _scatter_partial(

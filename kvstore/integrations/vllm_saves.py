@@ -317,15 +317,7 @@ class SaveQueue:
                 kvstore_kernels.gather_blocks(target.caches, ids, target.layout, gathered)
                 base = gathered.data_ptr()
                 for copy in plan_rows(rows, nbytes // layers, registration.cut):
-                    device.copy_rows_to_host(
-                        copy.host,
-                        copy.host_pitch,
-                        base + copy.device,
-                        copy.device_pitch,
-                        copy.width,
-                        copy.height,
-                        stream,
-                    )
+                    device.dma_to_host(copy, base, stream)
                 copied = device.new_event(blocking=True)
                 copied.record(stream)
             copied.synchronize()

@@ -124,15 +124,7 @@ def _layers_round_trip(device: Device, registrar: Any, device_name: str) -> None
         staging = torch.zeros((layers, chunks, layer_bytes), dtype=torch.uint8, device=device_name)
         for layer in range(layers):
             for copy in source.layer_copies(layer):
-                device.copy_rows_to_device(
-                    staging[layer].data_ptr() + copy.device,
-                    copy.device_pitch,
-                    copy.host,
-                    copy.host_pitch,
-                    copy.width,
-                    copy.height,
-                    stream,
-                )
+                device.dma_to_device(copy, staging[layer].data_ptr(), stream)
         done = device.new_event(blocking=True)
         done.record(stream)
         done.synchronize()
@@ -147,15 +139,7 @@ def _layers_round_trip(device: Device, registrar: Any, device_name: str) -> None
         for copy in plan_rows(
             save_rows(targets, layers, layer_bytes), layer_bytes, registration.cut
         ):
-            device.copy_rows_to_host(
-                copy.host,
-                copy.host_pitch,
-                base + copy.device,
-                copy.device_pitch,
-                copy.width,
-                copy.height,
-                stream,
-            )
+            device.dma_to_host(copy, base, stream)
         done.record(stream)
         done.synchronize()
         for chunk, offset in enumerate(offsets):
@@ -178,3 +162,31 @@ def test_layers_dma_out_of_arena_pieces_and_back_through_the_cuda_stand_in() -> 
 def test_layers_dma_out_of_a_registered_mapping_and_back_on_cuda() -> None:
     device = Device(torch.device("cuda"))
     _layers_round_trip(device, device.host_registrar(), "cuda")
+
+
+def test_the_device_hands_each_copy_to_the_runtime_as_destination_then_source(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The real :class:`Device`'s call of ``cudaMemcpy2DAsync`` (a recording stand-in for the
+    runtime: no CUDA here): loads write the device side, saves the host side."""
+    import contextlib
+
+    from kvstore.integrations import device as device_module
+
+    calls: list[tuple[int, ...]] = []
+
+    class Runtime:
+        def copy_2d_async(self, *args: int) -> None:
+            calls.append(args)
+
+    monkeypatch.setattr(device_module, "cuda_runtime", Runtime)
+    monkeypatch.setattr(device_module.torch.cuda, "device", lambda _: contextlib.nullcontext())
+    device = Device(torch.device("cuda"))
+    stream = device_module.Stream(type("Raw", (), {"cuda_stream": 99})())
+    copy = RowCopy(host=5000, host_pitch=300, device=40, device_pitch=100, width=100, height=4)
+    device.dma_to_device(copy, 1 << 30, stream)
+    device.dma_to_host(copy, 1 << 30, stream)
+    assert calls == [
+        ((1 << 30) + 40, 100, 5000, 300, 100, 4, 1, 99),  # dst, pitch, src, pitch, w, h, H2D
+        (5000, 300, (1 << 30) + 40, 100, 100, 4, 2, 99),  # D2H
+    ]
