@@ -9,6 +9,8 @@ vLLM's own (``model_name``, ``engine``):
 
 - ``vllm:kvstore_lookup_tokens_total``, ``vllm:kvstore_hit_tokens_total``
 - ``vllm:kvstore_loaded_tokens_total`` (the prompt tokens kvstore saved the engine computing)
+  and ``vllm:kvstore_loaded_tokens_by_path_total{path}`` (the same by the way they came: on a GPU,
+  ``shm-dma`` straight from the arena, ``shm-staged`` through host staging)
 - ``vllm:kvstore_load_failed_tokens_total{reason}``
 - ``vllm:kvstore_saved_tokens_total``, ``vllm:kvstore_save_failed_tokens_total{reason}``
 - ``vllm:kvstore_lookup_seconds``, ``vllm:kvstore_load_seconds`` (histograms)
@@ -47,6 +49,9 @@ _COUNTERS = {
 _BY_REASON = {
     "load_failed_tokens": "Prompt tokens planned for loading from kvstore that failed, by reason.",
     "save_failed_tokens": "Prompt tokens planned for saving to kvstore that never got there.",
+}
+_BY_PATH = {
+    "loaded_tokens_by_path": "Prompt tokens loaded from kvstore, by the path they took.",
 }
 _HISTOGRAMS = {
     "lookup_seconds": "Latency of the kvstore connector's lookups.",
@@ -107,6 +112,12 @@ class KVStorePromMetrics(KVConnectorPromMetrics):  # type: ignore[misc, unused-i
             )
             for name, doc in _BY_REASON.items()
         }
+        self._by_path: dict[str, Any] = {
+            name: self._counter_cls(
+                name=f"vllm:kvstore_{name}", documentation=doc, labelnames=[*labelnames, "path"]
+            )
+            for name, doc in _BY_PATH.items()
+        }
         self._histograms: dict[str, dict[int, Any]] = {
             name: create_metric_per_engine(
                 self._histogram_cls(
@@ -132,7 +143,7 @@ class KVStorePromMetrics(KVConnectorPromMetrics):  # type: ignore[misc, unused-i
             if value := int(transfer_stats_data.get(name, 0)):
                 children[engine_idx].inc(value)
         labels = self.per_engine_labelvalues[engine_idx]
-        for name, counter in self._by_reason.items():
+        for name, counter in (*self._by_reason.items(), *self._by_path.items()):
             for reason, tokens in (transfer_stats_data.get(name) or {}).items():
                 if tokens:
                     counter.labels(*labels, reason).inc(int(tokens))

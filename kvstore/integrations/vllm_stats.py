@@ -17,6 +17,10 @@ A snapshot is a plain dict (vLLM serialises it between processes) of these field
 ``load_failed_tokens``
     ``{reason: tokens}`` planned for loading that could not be, which vLLM recomputes
     (see :data:`LOAD_FAILURES`);
+``loaded_tokens_by_path``
+    ``{path: tokens}``: the loaded tokens by the way they came (``shm-dma``, ``shm-staged``,
+    ``shm-lease``, ``ucx-device``, ...; see :mod:`kvstore.integrations.vllm_fetch`), e.g. how
+    many loads went through host staging while the arena was being page-locked;
 ``saved_tokens``
     prompt tokens this engine stored into kvstore (puts that succeeded);
 ``save_failed_tokens``
@@ -60,7 +64,7 @@ LOAD_FAILURES = (
 SAVE_FAILURES = ("backlog_full", "store_down", "unavailable", "deadline", "error")
 
 _COUNTS = ("lookup_tokens", "hit_tokens", "loaded_tokens", "saved_tokens")
-_BY_REASON = ("load_failed_tokens", "save_failed_tokens")
+_BY_REASON = ("load_failed_tokens", "save_failed_tokens", "loaded_tokens_by_path")
 _LATENCIES = ("lookup_seconds", "load_seconds")
 
 
@@ -111,6 +115,7 @@ def summary(data: dict[str, Any]) -> dict[str, int | float]:
         "kvstore saved tokens": int(data.get("saved_tokens", 0)),
     }
     for name, label in (
+        ("loaded_tokens_by_path", "loaded"),
         ("load_failed_tokens", "load failed"),
         ("save_failed_tokens", "save failed"),
     ):
@@ -144,11 +149,14 @@ class ConnectorCounters:
             self._data["lookup_seconds"].append(seconds)
 
     def record_load(
-        self, loaded_tokens: int, failed: dict[str, int], seconds: float | None
+        self, loaded_tokens: int, failed: dict[str, int], seconds: float | None, path: str = ""
     ) -> None:
-        """A step's loads done: ``loaded_tokens`` written, ``failed`` tokens by reason."""
+        """A step's loads done: ``loaded_tokens`` written (by ``path``, the way they came),
+        ``failed`` tokens by reason."""
         with self._lock:
             self._data["loaded_tokens"] += loaded_tokens
+            if path:
+                _add(self._data["loaded_tokens_by_path"], {path: loaded_tokens})
             _add(self._data["load_failed_tokens"], failed)
             if seconds is not None:
                 self._data["load_seconds"].append(seconds)

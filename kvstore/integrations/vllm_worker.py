@@ -314,7 +314,9 @@ class WorkerSide:
                     failed += tokens
                 chunk += 1
         asked = load.reason != "store_down"
-        self.counters.record_load(loaded, {load.reason: failed}, load.fetch_s if asked else None)
+        path = load.path or str(getattr(self._client, "data_plane", ""))
+        seconds = load.fetch_s if asked else None
+        self.counters.record_load(loaded, {load.reason: failed}, seconds, path)
 
     def _end_load(self) -> None:
         """Close the step's load: anything the forward may have read unwritten is recomputed."""

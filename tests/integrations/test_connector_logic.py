@@ -46,6 +46,9 @@ NUM_BLOCKS = 24
 class FakeStore:
     """Stands in for :class:`kvstore.KVStoreClient`: chunks in a dict, calls counted."""
 
+    #: The path its data calls take (a get, as over gRPC).
+    data_plane = "grpc"
+
     def __init__(self) -> None:
         self.chunks: dict[bytes, torch.Tensor] = {}
         self.down = False

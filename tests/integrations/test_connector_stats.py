@@ -42,7 +42,7 @@ def test_take_returns_what_was_recorded_once_then_nothing() -> None:
     assert counters.take() is None
     counters.record_lookup(512, 256, None)
     counters.record_lookup_latency(0.002)
-    counters.record_load(256, {"missing": 256, "deadline": 0}, 0.01)
+    counters.record_load(256, {"missing": 256, "deadline": 0}, 0.01, "shm-dma")
     counters.record_save(768)
     counters.record_save_failed("backlog_full", 256)
     data = counters.take()
@@ -53,6 +53,7 @@ def test_take_returns_what_was_recorded_once_then_nothing() -> None:
         "saved_tokens": 768,
         "load_failed_tokens": {"missing": 256},
         "save_failed_tokens": {"backlog_full": 256},
+        "loaded_tokens_by_path": {"shm-dma": 256},
         "lookup_seconds": [0.002],
         "load_seconds": [0.01],
     }
@@ -140,6 +141,7 @@ def test_the_worker_counts_loaded_failed_and_saved_tokens(
     data = worker.take_stats()
     assert data is not None
     assert data["loaded_tokens"] == BLOCK + CHUNK
+    assert data["loaded_tokens_by_path"] == {store.data_plane: BLOCK + CHUNK}  # a get
     assert data["load_failed_tokens"] == {"missing": CHUNK}
     assert len(data["load_seconds"]) == 1
 
