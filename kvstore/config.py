@@ -134,7 +134,9 @@ class ServerConfig:
     TLS; ``tls_client_ca`` (PEM) then requires a client certificate signed by it;
     ``tokens_file`` names a file of ``NAME SHA256HEX`` lines (bearer tokens, stored hashed) that
     every call must match; ``allow_unauthenticated`` lets a server without either listen beyond
-    loopback (``listen`` or any ``ucx_listen``)."""
+    loopback (``listen`` or any ``ucx_listen``). ``operators``: comma-separated identities (token
+    names or certificate CNs) whose ``/metrics`` scrapes show every tenant's series; any other
+    caller of a server with tenants sees its own tenant's only."""
 
     listen: str = "127.0.0.1:50051"
     max_block_bytes: int = 64 * 1024**2
@@ -159,6 +161,12 @@ class ServerConfig:
     tls_client_ca: str = ""
     tokens_file: str = ""
     allow_unauthenticated: bool = False
+    operators: str = ""
+
+    @property
+    def operator_identities(self) -> frozenset[str]:
+        """The identities of ``operators``."""
+        return frozenset(part.strip() for part in self.operators.split(",") if part.strip())
 
     def __post_init__(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -381,6 +389,8 @@ _SIZE_SETTINGS = {
 }
 # Permission bits: strings ("0660", "660", "0o660") are octal; ints (TOML's 0o660) pass through.
 _MODE_SETTINGS = {"server.shm_socket_mode"}
+# Lists of names: comma-separated in the environment and on flags, a list or a string in TOML.
+_LIST_SETTINGS = {"server.operators"}
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off", ""})
 # Names from before every variable followed env_var(); any non-empty value meant "on".
@@ -421,6 +431,8 @@ def _convert(setting: str, raw: Any) -> Any:
     if setting in _MODE_SETTINGS:
         # type() and not isinstance(): a TOML bool is an int subclass, not permission bits.
         return raw if type(raw) is int else int(str(raw), 8)
+    if setting in _LIST_SETTINGS and isinstance(raw, list):
+        return ",".join(str(item).strip() for item in raw)
     if kind in ("bool", bool):
         return _boolean(raw)
     if kind in ("int", int):

@@ -8,7 +8,7 @@ import pytest
 
 from kvstore.config import TenantConfig, load_config
 from kvstore.errors import ConfigError
-from kvstore.server.tenancy import tenant_config
+from kvstore.server.tenancy import check_tenants, tenant_config
 
 A = '[tenants.a]\nidentities = ["alice"]\nuids = [1000]\ndram = "64MiB"\nnvme = "1GiB"\n'
 ENV = {"HOME": "/home/someone", "KVSTORE_NVME_PATH": "/data/nvme"}
@@ -76,3 +76,30 @@ def test_a_tenant_gets_its_own_places_and_quotas(tmp_path: Path) -> None:
     # A quarter of its own arena, at least 64 MiB, never above the server-wide bound.
     assert own.server.inflight_bytes == 64 * 1024**2
     assert own.tenants == ()
+
+
+def test_operators_are_a_list_in_toml_and_comma_separated_elsewhere(tmp_path: Path) -> None:
+    path = tmp_path / "kvstore.toml"
+    path.write_text('[server]\noperators = ["ops", " prom "]\n' + A)
+    assert load_config(path, env=ENV).server.operator_identities == {"ops", "prom"}
+    env = {**ENV, "KVSTORE_SERVER_OPERATORS": "ops,prom"}
+    assert load_config(env=env).server.operator_identities == {"ops", "prom"}
+
+
+@pytest.mark.parametrize(
+    ("operators", "message"),
+    [
+        ('["nobody-known"]', r"server.operators names \['nobody-known'\], which are no token"),
+        ('["alice"]', r"in server.operators and in tenants.a.identities"),
+    ],
+    ids=["not-a-token", "also-a-tenant"],
+)
+def test_operators_must_be_token_names_of_no_tenant(
+    tmp_path: Path, operators: str, message: str
+) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"alice {'a' * 64}\nops {'b' * 64}\n")
+    path = tmp_path / "kvstore.toml"
+    path.write_text(f'[server]\ntokens_file = "{tokens}"\noperators = {operators}\n' + A)
+    with pytest.raises(ConfigError, match=message):
+        check_tenants(load_config(path, env=ENV))

@@ -264,7 +264,12 @@ async def _start_metrics(config: Config, tenants: Tenants) -> MetricsServer | No
     """Serve ``/metrics`` on ``server.metrics_listen`` (``None`` where it is off)."""
     if not config.server.metrics_listen:
         return None
-    metrics = MetricsServer(build_registry(tenants), config.server)
+    owners = (
+        {identity: spec.name for spec in config.tenants for identity in spec.identities}
+        if config.tenants
+        else None
+    )
+    metrics = MetricsServer(build_registry(tenants), config.server, owners)
     url = await metrics.start()
     logger.info("metrics on %s", url)
     return metrics

@@ -5,6 +5,11 @@ Nothing here sits on a request's path: the data planes time each request into
 reason, the shared tier, prefetch and shared-memory state) is read from the stores' own counters
 by :class:`StoreCollector` when Prometheus scrapes. The names are a contract with the dashboard
 and alert rules (``deploy/grafana``).
+
+Every series about a tenant carries its ``tenant`` label; :class:`TenantView` is what a tenant's
+own scrape sees (:mod:`kvstore.server.metrics_http` picks it from the caller's credentials): its
+series and the server-wide families of :data:`SERVER_WIDE`, nothing labelled with another tenant
+or with none.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from kvstore.store.counters import MISS_REASONS
 if TYPE_CHECKING:  # tenancy imports the shared-memory server, which records durations
     from kvstore.server.tenancy import Tenant, Tenants
 
-__all__ = ["StoreCollector", "build_registry"]
+__all__ = ["SERVER_WIDE", "StoreCollector", "TenantView", "build_registry"]
 
 _PREFETCH_OUTCOMES = {
     "ready": "prefetch_keys_ready",
@@ -36,6 +41,12 @@ _PREFETCH_OUTCOMES = {
     # Prefetches cancelled (each may have held many keys; the prefetcher counts calls).
     "cancelled": "prefetch_cancelled",
 }
+
+
+#: Families that describe the server, not a tenant: every scrape sees them. Any other series
+#: reaches a tenant's scrape only with that tenant's label (deny by default: a family added later
+#: without a ``tenant`` label stays out of tenants' scrapes until it is listed here).
+SERVER_WIDE = frozenset({"kvstore_build_info"})
 
 
 def _family(kind: Any, name: str, doc: str, labels: list[str]) -> Any:
@@ -193,3 +204,23 @@ def build_registry(tenants: Tenants, version: str | None = None) -> CollectorReg
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StoreCollector(tenants, version))
     return registry
+
+
+class TenantView(Collector):
+    """What tenant ``tenant`` may see of ``source``: its own series and :data:`SERVER_WIDE`."""
+
+    def __init__(self, source: Collector, tenant: str) -> None:
+        self._source = source
+        self._tenant = tenant
+
+    def collect(self) -> Iterable[Metric]:
+        """The source's families with every sample of another tenant (or of none) left out."""
+        for family in self._source.collect():
+            if family.name in SERVER_WIDE:
+                yield family
+                continue
+            samples = [s for s in family.samples if s.labels.get("tenant") == self._tenant]
+            if samples:
+                own = Metric(family.name, family.documentation, family.type, family.unit)
+                own.samples = samples
+                yield own

@@ -7,6 +7,12 @@ changes them (no lock, no torn reads), and it follows the gRPC port's rules: wit
 with ``server.tls_client_ca``, requires a client certificate signed by it); beyond loopback with
 neither, it is refused unless ``server.allow_unauthenticated``
 (:func:`kvstore.server.auth.check_exposure`, the rule of every port).
+
+On a server with tenants a scrape is answered for its caller, identified as on the gRPC port
+(the token's name; without tokens, the client certificate's CN, else SAN): an identity of
+``server.operators`` sees every tenant's series, a tenant's identity sees that tenant's only
+(:class:`~kvstore.server.metrics.TenantView`), and any other identity is refused (403). A server
+without tenants shows everything to every caller it admits.
 """
 
 from __future__ import annotations
@@ -17,13 +23,16 @@ import hashlib
 import hmac
 import logging
 import ssl
+from collections.abc import Mapping
+from typing import Any
 
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
-from prometheus_client.registry import CollectorRegistry
+from prometheus_client.registry import Collector
 
 from kvstore.config import ServerConfig
 from kvstore.errors import ConfigError
 from kvstore.server.auth import load_tokens
+from kvstore.server.metrics import TenantView
 
 __all__ = ["MetricsServer"]
 
@@ -34,13 +43,31 @@ _MAX_REQUEST_BYTES = 16 * 1024
 _REQUEST_TIMEOUT_S = 10.0
 
 
-class MetricsServer:
-    """Serves ``registry`` at ``/metrics`` on ``server.metrics_listen``."""
+_FORBIDDEN = b"these credentials belong to no tenant of this server and to no server.operators\n"
 
-    def __init__(self, registry: CollectorRegistry, config: ServerConfig) -> None:
+
+class MetricsServer:
+    """Serves ``registry`` at ``/metrics`` on ``server.metrics_listen``.
+
+    ``owners`` maps each caller identity to its tenant (``None``: a server without tenants, whose
+    callers all see everything).
+    """
+
+    def __init__(
+        self,
+        registry: Collector,
+        config: ServerConfig,
+        owners: Mapping[str, str] | None = None,
+    ) -> None:
         self._registry = registry
         self._config = config
         self._tokens = load_tokens(config.tokens_file) if config.tokens_file else None
+        self._owners = owners
+        self._operators = config.operator_identities
+        # One view per tenant, made once: a scrape only picks.
+        self._views = {
+            tenant: TenantView(registry, tenant) for tenant in set((owners or {}).values())
+        }
         self._server: asyncio.Server | None = None
         #: ``http(s)://HOST:PORT/metrics`` once started.
         self.url = ""
@@ -118,10 +145,15 @@ class MetricsServer:
             status, body, kind = "405 Method Not Allowed", b"use GET\n", "text/plain"
         elif path.split("?")[0] != "/metrics":
             status, body, kind = "404 Not Found", b"see /metrics\n", "text/plain"
-        elif not self._authorized(headers.get("authorization", "")):
-            status, body, kind = "401 Unauthorized", b"bearer token required\n", "text/plain"
         else:
-            status, body, kind = "200 OK", generate_latest(self._registry), CONTENT_TYPE_LATEST
+            authorized, identity = self._identify(headers.get("authorization", ""), writer)
+            view = self._view(identity) if authorized else None
+            if not authorized:
+                status, body, kind = "401 Unauthorized", b"bearer token required\n", "text/plain"
+            elif view is None:
+                status, body, kind = "403 Forbidden", _FORBIDDEN, "text/plain"
+            else:
+                status, body, kind = "200 OK", generate_latest(view), CONTENT_TYPE_LATEST
         extra = 'WWW-Authenticate: Bearer realm="kvstore"\r\n' if status.startswith("401") else ""
         writer.write(
             (
@@ -132,11 +164,38 @@ class MetricsServer:
         )
         await writer.drain()
 
-    def _authorized(self, header: str) -> bool:
+    def _identify(self, header: str, writer: asyncio.StreamWriter) -> tuple[bool, str | None]:
+        """(admitted, identity): the token's name where tokens are checked (as on the gRPC port),
+        else the client certificate's identity, else ``None``."""
         if self._tokens is None:
-            return True
+            return True, _certificate_identity(writer.get_extra_info("peercert"))
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
-            return False
+            return False, None
         digest = hashlib.sha256(token.strip().encode()).digest()
-        return any(hmac.compare_digest(digest, known) for known in self._tokens)
+        name = None
+        # Compare with every stored digest, in constant time each: no early exit to time.
+        for known, candidate in self._tokens.items():
+            if hmac.compare_digest(digest, known):
+                name = candidate
+        return name is not None, name
+
+    def _view(self, identity: str | None) -> Collector | None:
+        """What ``identity`` may see: everything, its tenant's series, or nothing (``None``)."""
+        if self._owners is None or (identity is not None and identity in self._operators):
+            return self._registry
+        tenant = self._owners.get(identity) if identity is not None else None
+        return self._views[tenant] if tenant is not None else None
+
+
+def _certificate_identity(certificate: Any) -> str | None:
+    """The subject CN of a verified client certificate (``ssl`` getpeercert form), else its
+    first subject alternative name: the identity the gRPC port gives the same certificate."""
+    if not certificate:
+        return None
+    for rdn in certificate.get("subject", ()):
+        for key, value in rdn:
+            if key == "commonName":
+                return str(value)
+    names = certificate.get("subjectAltName", ())
+    return str(names[0][1]) if names else None

@@ -148,16 +148,19 @@ def tenant_socket(setting: str, name: str) -> str:
 
 
 def check_tenants(config: Config) -> None:
-    """Refuse (ConfigError) tenants the server could not tell apart.
+    """Refuse (ConfigError) tenants the server could not tell apart, and operators it could not
+    recognise.
 
     Tenants are told apart by credentials, so a server with tenants must check them (tokens or
-    client certificates); where tokens are the only credentials, every identity a tenant lists
-    must be a token name.
+    client certificates); where tokens are the only credentials, every identity a tenant or
+    ``server.operators`` lists must be a token name. An operator is no tenant's identity: the
+    one sees every tenant's metrics, the other one tenant's blocks.
     """
-    if not config.tenants:
-        return
     server = config.server
-    if not (server.tokens_file or server.tls_client_ca):
+    operators = server.operator_identities
+    if not config.tenants and not operators:
+        return
+    if config.tenants and not (server.tokens_file or server.tls_client_ca):
         raise ConfigError(
             "[tenants] needs credentials to tell callers apart: set server.tokens_file "
             "(bearer tokens) or server.tls_client_ca (client certificates)"
@@ -171,3 +174,15 @@ def check_tenants(config: Config) -> None:
                     f"tenants.{tenant.name}.identities names {unknown}, which are no token "
                     f"names in server.tokens_file ({server.tokens_file})"
                 )
+        if sorted(operators - names):
+            raise ConfigError(
+                f"server.operators names {sorted(operators - names)}, which are no token names "
+                f"in server.tokens_file ({server.tokens_file})"
+            )
+    for tenant in config.tenants:
+        both = sorted(operators & set(tenant.identities))
+        if both:
+            raise ConfigError(
+                f"{both} are in server.operators and in tenants.{tenant.name}.identities: give "
+                "the operator a token (or certificate) of its own"
+            )

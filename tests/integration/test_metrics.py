@@ -238,18 +238,41 @@ def test_beyond_loopback_without_authentication_is_refused(tmp_path: Path) -> No
     assert "server.metrics_listen" in done.stderr and "Traceback" not in done.stderr
 
 
+def scrape_text(
+    url: str, token: str | None = None, context: ssl.SSLContext | None = None
+) -> Samples:
+    """Every sample of /metrics at ``url``, by (name, labels), as ``token`` sees them."""
+    request = urllib.request.Request(url)
+    if token is not None:
+        request.add_header("Authorization", f"Bearer {token}")
+    with urllib.request.urlopen(request, timeout=10, context=context) as response:
+        text = response.read().decode()
+    samples: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, frozenset(sample.labels.items()))] = sample.value
+    return samples
+
+
+def tenants_of(samples: Samples) -> set[str | None]:
+    """The ``tenant`` label of every sample (``None``: a sample without one)."""
+    return {dict(labels).get("tenant") for _, labels in samples}
+
+
 def test_per_tenant_series_and_https_with_the_grpc_certificate(
     server_factory: ServerFactory, tmp_path: Path
 ) -> None:
+    """A tenant's token scrapes its own tenant's series only; ``server.operators`` see all; a
+    token of neither is refused (issue 28: bob read 121 series of tenant a)."""
     pki = make_pki(tmp_path / "pki")
-    tokens = {"alice": "token-of-alice", "bob": "token-of-bob"}
+    tokens = {"alice": "token-of-alice", "bob": "token-of-bob", "ops": "ops", "carol": "carol"}
     tokens_file = tmp_path / "tokens"
     tokens_file.write_text(
         "".join(f"{name} {hashlib.sha256(t.encode()).hexdigest()}\n" for name, t in tokens.items())
     )
     config = tmp_path / "tenants.toml"
     config.write_text(
-        f'[server]\ntokens_file = "{tokens_file}"\n'
+        f'[server]\ntokens_file = "{tokens_file}"\noperators = ["ops"]\n'
         '[tenants.a]\nidentities = ["alice"]\ndram = "16MiB"\nnvme = "16MiB"\n'
         '[tenants.b]\nidentities = ["bob"]\ndram = "16MiB"\nnvme = "16MiB"\n'
     )
@@ -261,19 +284,49 @@ def test_per_tenant_series_and_https_with_the_grpc_certificate(
         server.target, namespace=NS, token=tokens["alice"], tls_ca=str(pki.ca)
     ) as alice:
         assert alice.put(keys, values).stored == 4
-    request = urllib.request.Request(server.metrics_url)
-    request.add_header("Authorization", f"Bearer {tokens['bob']}")
+        assert alice.get(keys) == values
     context = ssl.create_default_context(cafile=str(pki.ca))
-    with urllib.request.urlopen(request, timeout=10, context=context) as response:
-        text = response.read().decode()
-    samples: Samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples[(sample.name, frozenset(sample.labels.items()))] = sample.value
     resident = "kvstore_tier_resident_blocks"
-    assert value(samples, resident, tier="dram", tenant="a") == 4
-    assert value(samples, resident, tier="dram", tenant="b") == 0
-    assert value(samples, "kvstore_tier_capacity_bytes", tier="dram", tenant="b") == 16 * 1024**2
+    bob = scrape_text(server.metrics_url, tokens["bob"], context)
+    # Only b's series, and the server's version: nothing of a's, nor the server-wide counts.
+    assert tenants_of(bob) == {"b", None}
+    assert {name for name, labels in bob if "tenant" not in dict(labels)} == {"kvstore_build_info"}
+    assert value(bob, resident, tier="dram", tenant="b") == 0
+    assert value(bob, "kvstore_tier_capacity_bytes", tier="dram", tenant="b") == 16 * 1024**2
+    alice_sees = scrape_text(server.metrics_url, tokens["alice"], context)
+    assert tenants_of(alice_sees) == {"a", None}
+    assert value(alice_sees, resident, tier="dram", tenant="a") == 4
+    assert any(
+        name == "kvstore_request_duration_seconds_count" and dict(labels)["op"] == "put"
+        for name, labels in alice_sees
+    )
+    ops = scrape_text(server.metrics_url, tokens["ops"], context)
+    assert {"a", "b"} <= tenants_of(ops)
+    assert value(ops, resident, tier="dram", tenant="a") == 4
+    assert value(ops, resident, tier="dram", tenant="b") == 0
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        scrape_text(server.metrics_url, tokens["carol"], context)
+    assert refused.value.code == 403
     # Plain HTTP to the TLS port gets no answer (the handshake fails; no metrics in clear).
     with pytest.raises((urllib.error.URLError, ConnectionError)):
         urllib.request.urlopen(server.metrics_url.replace("https", "http"), timeout=10)
+
+
+def test_a_client_certificate_scrapes_its_own_tenant(
+    server_factory: ServerFactory, tmp_path: Path
+) -> None:
+    """With client certificates and no tokens, the certificate's CN names the scraper's tenant,
+    as it does on the gRPC port."""
+    pki = make_pki(tmp_path / "pki")
+    config = tmp_path / "tenants.toml"
+    config.write_text(
+        '[tenants.a]\nidentities = ["alice"]\ndram = "16MiB"\n'  # make_pki's client: CN alice
+        '[tenants.b]\nidentities = ["bob"]\ndram = "16MiB"\n'
+    )
+    tls = ("--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key))
+    server = server_factory("--config", str(config), *tls, "--tls-client-ca", str(pki.ca))
+    context = ssl.create_default_context(cafile=str(pki.ca))
+    context.load_cert_chain(str(pki.client_cert), str(pki.client_key))
+    samples = scrape_text(server.metrics_url, context=context)
+    assert tenants_of(samples) == {"a", None}
+    assert value(samples, "kvstore_tier_capacity_bytes", tier="dram", tenant="a") == 16 * 1024**2
