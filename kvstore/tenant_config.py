@@ -26,7 +26,11 @@ class TenantConfig:
     shared-memory socket (both empty: whoever the socket's mode admits and learnt its path from an
     authenticated call). ``dram``, ``nvme`` and
     ``hbm``: the bytes this tenant may hold in each tier (its own arena, its own LMDB directory
-    under ``nvme.path``; 0 leaves the tier out for this tenant)."""
+    under ``nvme.path``; 0 leaves the tier out for this tenant). ``shm``: serve the tenant's
+    co-located clients over shared memory; every process admitted to its socket then maps the
+    tenant's whole arena and can read and overwrite any block in it, whatever namespace it works
+    in, so set it only where all the tenant's engines (models, TP ranks) trust each other. Off
+    (the default): nobody maps the tenant's arena, its clients use gRPC or UCX."""
 
     name: str
     identities: tuple[str, ...] = ()
@@ -35,6 +39,7 @@ class TenantConfig:
     dram: int = 0
     nvme: int = 0
     hbm: int = 0
+    shm: bool = False
 
     def __post_init__(self) -> None:
         where = f"tenants.{self.name}"
@@ -55,7 +60,7 @@ class TenantConfig:
                 raise ConfigError(f"{where}.{tier} must be >= 0, got {getattr(self, tier)}")
 
 
-_TENANT_KEYS = {"identities", "uids", "gids", "dram", "nvme", "hbm"}
+_TENANT_KEYS = {"identities", "uids", "gids", "dram", "nvme", "hbm", "shm"}
 
 
 def tenant_tables(document: Any) -> tuple[TenantConfig, ...]:
@@ -77,7 +82,10 @@ def tenant_tables(document: Any) -> tuple[TenantConfig, ...]:
             sizes = {tier: parse_size(table.get(tier, 0)) for tier in ("dram", "nvme", "hbm")}
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"[tenants.{name}]: {exc}") from exc
-        tenant = TenantConfig(str(name), identities, uids, gids, **sizes)
+        shm = table.get("shm", False)
+        if type(shm) is not bool:
+            raise ConfigError(f"tenants.{name}.shm must be true or false, got {shm!r}")
+        tenant = TenantConfig(str(name), identities, uids, gids, **sizes, shm=shm)
         for identity in tenant.identities:
             if identity in owner:
                 raise ConfigError(

@@ -1,5 +1,4 @@
-"""Where a server's integrity secrets come from (:mod:`kvstore.server.integrity`) and where its
-automatic shm socket goes (:func:`kvstore.server.app.shm_socket_path`)."""
+"""Where a server's integrity secrets come from (:mod:`kvstore.server.integrity`)."""
 
 from __future__ import annotations
 
@@ -11,7 +10,6 @@ import pytest
 from kvstore.block import CorruptBlockError, Keyring, decode_value, encode_header
 from kvstore.config import Config, load_config
 from kvstore.errors import ConfigError
-from kvstore.server import app
 from kvstore.server.integrity import load_keyring
 
 KEY, NS, PAYLOAD = bytes(range(16)), bytes(16), b"payload" * 100
@@ -71,23 +69,6 @@ def test_without_nvme_a_random_secret_per_process() -> None:
     one = load_keyring(config(KVSTORE_NVME_PATH=""))
     two = load_keyring(config(KVSTORE_NVME_PATH=""))
     assert not signs_alike(one, two)
-
-
-@pytest.mark.parametrize(("mode", "dir_mode"), [(0o660, 0o710), (0o600, 0o700), (0o666, 0o711)])
-def test_auto_socket_directory_admits_whom_the_socket_admits(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: int, dir_mode: int
-) -> None:
-    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
-    monkeypatch.setattr(app.tempfile, "tempdir", str(tmp_path))
-    path = Path(app.shm_socket_path("auto", mode))
-    assert path.parent.parent == tmp_path and path.name == "shm.sock"
-    assert stat.S_IMODE(path.parent.stat().st_mode) == dir_mode
-    assert app.shm_socket_path("auto", mode) != str(path)  # a fresh directory each time
-    app._remove_private_dir(str(path))
-    assert not path.parent.exists()
-    # A configured path's directory is never removed.
-    app._remove_private_dir(str(tmp_path / "mine.sock"))
-    assert tmp_path.exists()
 
 
 def test_a_tenant_ring_verifies_only_its_own_blocks_and_keeps_rotation() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,7 @@ def test_no_tenants_is_one_shared_store(tmp_path: Path) -> None:
         ('[tenants.a]\nidentities = ["x"]\n', "give dram or nvme a size"),
         ('[tenants.a]\nidentities = ["x"]\nuids = ["root"]\ndram = "1MiB"\n', "tenants.a"),
         ("tenants = 3\n", "one table per tenant"),
+        ('[tenants.a]\nidentities = ["x"]\ndram = "1MiB"\nshm = "yes"\n', "shm must be true or"),
     ],
     ids=[
         "shared-identity",
@@ -55,6 +57,7 @@ def test_no_tenants_is_one_shared_store(tmp_path: Path) -> None:
         "no-quota",
         "bad-uid",
         "not-a-table",
+        "shm-not-a-bool",
     ],
 )
 def test_bad_tenant_tables_name_the_tenant_and_the_rule(
@@ -72,7 +75,10 @@ def test_a_tenant_gets_its_own_places_and_quotas(tmp_path: Path) -> None:
     assert own.dram.capacity == 64 * 1024**2
     assert (own.nvme.path, own.nvme.capacity) == ("/data/nvme/tenants/a", 1024**3)
     assert own.redis.key_prefix == "kvstore:v1:t:a:"
-    assert own.server.shm_socket == "/run/k.sock.a"
+    # No shared memory unless the tenant says its engines trust each other with its arena.
+    assert own.server.shm_socket == ""
+    trusting = dataclasses.replace(config.tenants[0], shm=True)
+    assert tenant_config(config, trusting).server.shm_socket == "/run/k.sock"
     # A quarter of its own arena, at least 64 MiB, never above the server-wide bound.
     assert own.server.inflight_bytes == 64 * 1024**2
     assert own.tenants == ()

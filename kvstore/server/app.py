@@ -11,7 +11,6 @@ import asyncio
 import logging
 import os
 import signal
-import tempfile
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -36,7 +35,8 @@ from kvstore.server.servicer import SERVICE_NAME, KVStoreServicer, add_to_server
 from kvstore.server.sessions import ArenaSessions
 from kvstore.server.shm import ShmServer
 from kvstore.server.shm_limits import ShmLimits
-from kvstore.server.tenancy import Tenant, Tenants, check_tenants, tenant_config, tenant_socket
+from kvstore.server.shm_paths import remove_private_dir, shm_socket_path, tenant_socket_path
+from kvstore.server.tenancy import Tenant, Tenants, check_tenants, tenant_config
 from kvstore.server.ucx import UcxDataServer, UcxScope
 from kvstore.server.ucx_service import add_ucx_to_server
 from kvstore.store import TieredStore
@@ -120,7 +120,15 @@ def _open_tenant(
     store = build_store(config, keyring)
     server = config.server
     prefetcher = Prefetcher(store, max_queued_keys=server.prefetch_queue_keys)
-    return Tenant(name, store, prefetcher, InflightBudget(server.inflight_bytes), uids, gids)
+    return Tenant(
+        name,
+        store,
+        prefetcher,
+        InflightBudget(server.inflight_bytes),
+        uids,
+        gids,
+        socket_setting=server.shm_socket,
+    )
 
 
 @dataclass
@@ -171,7 +179,7 @@ class RunningServer:
         for tenant in self.tenants:
             if tenant.shm is not None:
                 await _step("closing the shared-memory data plane", tenant.shm.close())
-                _remove_private_dir(tenant.shm.path)
+                remove_private_dir(tenant.shm.path)
         for tenant in self.tenants:
             saved = await _step("saving volatile tiers to disk", tenant.store.persist(self.grace_s))
             if saved:
@@ -275,41 +283,6 @@ async def _start_metrics(config: Config, tenants: Tenants) -> MetricsServer | No
     return metrics
 
 
-_AUTO_SOCKET = "shm.sock"
-# Directories this process made for ``auto`` sockets: the only ones it removes again.
-_AUTO_DIRS: set[str] = set()
-
-
-def shm_socket_path(setting: str, mode: int = 0o660) -> str:
-    """The socket path a ``server.shm_socket`` setting names ("" when the data plane is off).
-
-    ``auto`` creates a fresh directory with an unpredictable name (``mkdtemp``) in
-    ``$XDG_RUNTIME_DIR`` (private to the user) when there is one, else the temp directory, and
-    names the socket inside it: nobody else can create that path first. The directory is 0700
-    plus search (x, not list) permission for group and others exactly where the socket's
-    ``mode`` lets them write it, so clients the socket admits can reach it and no one else can.
-    """
-    if setting != "auto":
-        return setting
-    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
-    parent = runtime if runtime and os.path.isdir(runtime) else tempfile.gettempdir()
-    directory = tempfile.mkdtemp(prefix="kvstore-", dir=parent)
-    os.chmod(directory, 0o700 | ((mode & 0o022) >> 1))
-    _AUTO_DIRS.add(directory)
-    return os.path.join(directory, _AUTO_SOCKET)
-
-
-def _remove_private_dir(socket_path: str) -> None:
-    """Remove the directory :func:`shm_socket_path` made for an ``auto`` socket, if empty."""
-    directory = os.path.dirname(socket_path)
-    if directory in _AUTO_DIRS:
-        _AUTO_DIRS.discard(directory)
-        try:
-            os.rmdir(directory)
-        except OSError as exc:
-            logger.warning("cannot remove socket directory %s: %s", directory, exc)
-
-
 async def _start_shm(config: Config, tenant: Tenant) -> ShmServer | None:
     """Serve a tenant's dram arena to its co-located clients, if configured and it has one.
 
@@ -317,38 +290,59 @@ async def _start_shm(config: Config, tenant: Tenant) -> ShmServer | None:
     only this data plane off: the server announces no socket and clients use gRPC.
     """
     store = tenant.store
-    setting = tenant_socket(config.server.shm_socket, tenant.name)
-    if not setting or store.arena is None:
-        return None
     settings = config.server
-    path = shm_socket_path(setting, settings.shm_socket_mode)
+    if not tenant.socket_setting or store.arena is None:
+        if tenant.name and store.arena is not None:
+            logger.info(
+                "tenant %s: no shared-memory data plane (tenants.%s.shm is false); its clients "
+                "use gRPC or UCX",
+                tenant.name,
+                tenant.name,
+            )
+        return None
     limits = ShmLimits(
         max_connections=settings.shm_max_connections,
         max_connections_per_uid=settings.shm_max_connections_per_uid,
         session_bytes=_session_bytes(config, store),
         frame_timeout_s=settings.shm_frame_timeout_s,
     )
-    shm = ShmServer(
-        store,
-        path,
-        os.urandom(16),
-        mode=settings.shm_socket_mode,
-        limits=limits,
-        allowed_uids=tenant.uids,
-        allowed_gids=tenant.gids,
-        tenant=tenant.name,
-    )
+    path = ""
     try:
+        if tenant.name:
+            path = tenant_socket_path(tenant.socket_setting, tenant.name, settings.shm_socket_mode)
+        else:
+            path = shm_socket_path(tenant.socket_setting, settings.shm_socket_mode)
+        shm = ShmServer(
+            store,
+            path,
+            os.urandom(16),
+            mode=settings.shm_socket_mode,
+            limits=limits,
+            allowed_uids=tenant.uids,
+            allowed_gids=tenant.gids,
+            tenant=tenant.name,
+        )
         await shm.start()
     except OSError as exc:
-        _remove_private_dir(path)
+        if path:
+            remove_private_dir(path)
         logger.warning(
             "shared-memory data plane off: cannot create socket %s (%s); "
             "co-located clients will use gRPC",
-            path,
+            path or tenant.socket_setting,
             exc,
         )
         return None
+    if tenant.name and tenant.uids is None and tenant.gids is None:
+        logger.warning(
+            "tenant %s lists no uids or gids: its shared-memory socket admits every local "
+            "process that mode %s lets in and that knows its path (only the path is secret); "
+            "set tenants.%s.uids or tenants.%s.gids to admit the tenant's own users only",
+            tenant.name,
+            oct(settings.shm_socket_mode),
+            tenant.name,
+            tenant.name,
+        )
     return shm
 
 

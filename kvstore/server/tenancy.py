@@ -15,9 +15,12 @@ another tenant's blocks:
   key held by another tenant is simply absent (no "stored under another namespace" oracle);
 - a value copied in Redis or on disk from one tenant's place to another's fails the MAC check
   there (a miss, counted), because each tenant's keyring differs;
-- co-located clients get the socket of their own tenant's arena (``DataPlane`` answers with it)
-  and that socket admits only the tenant's ``uids`` (``SO_PEERCRED``): no process maps the arena
-  of a tenant it does not belong to.
+- co-located clients get the socket of their own tenant's arena (``DataPlane`` answers with it),
+  only where the tenant's ``shm`` says its engines trust each other (whoever maps an arena can
+  read and write all of it, whatever namespace it works in); that socket has a random name in an
+  unlistable directory of its own (:func:`~kvstore.server.shm_paths.tenant_socket_path`), so no
+  tenant derives another's path from its own, and it admits only the tenant's ``uids`` and
+  ``gids`` (``SO_PEERCRED``) where it lists any (a warning at start where it lists none).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from kvstore.server.shm import ShmServer
 from kvstore.store import TieredStore
 from kvstore.store.prefetch import Prefetcher
 
-__all__ = ["Tenant", "Tenants", "check_tenants", "tenant_config", "tenant_socket"]
+__all__ = ["TENANTS_DIR", "Tenant", "Tenants", "check_tenants", "tenant_config"]
 
 #: Where each tenant's LMDB directory lives, under ``nvme.path``.
 TENANTS_DIR = "tenants"
@@ -54,6 +57,8 @@ class Tenant:
     uids: frozenset[int] | None = None
     gids: frozenset[int] | None = None
     shm: ShmServer | None = None
+    #: Its ``server.shm_socket`` setting ("": no shared-memory data plane).
+    socket_setting: str = ""
 
     @property
     def shm_socket(self) -> str:
@@ -110,7 +115,8 @@ class Tenants:
 
 def tenant_config(config: Config, tenant: TenantConfig) -> Config:
     """The configuration of ``tenant``'s own store: the server's, with the tenant's quotas and
-    places (arena size, LMDB directory and size, Redis prefix, in-flight budget)."""
+    places (arena size, LMDB directory and size, Redis prefix, in-flight budget), and its
+    shared-memory socket setting: the server's where the tenant's ``shm`` is on, else off."""
     nvme_path = (
         os.path.join(config.nvme.path, TENANTS_DIR, tenant.name)
         if config.nvme.path and tenant.nvme
@@ -132,19 +138,10 @@ def tenant_config(config: Config, tenant: TenantConfig) -> Config:
             # Each tenant's requests hold at most a quarter of its own arena (at least 64 MiB),
             # and never more than the server-wide setting: one tenant cannot starve another.
             inflight_bytes=min(server.inflight_bytes, default_inflight_bytes(tenant.dram)),
-            shm_socket=tenant_socket(server.shm_socket, tenant.name),
+            shm_socket=server.shm_socket if tenant.shm else "",
         ),
         tenants=(),
     )
-
-
-def tenant_socket(setting: str, name: str) -> str:
-    """The ``server.shm_socket`` setting of tenant ``name`` (name "": the setting itself).
-
-    ``auto`` stays ``auto`` (a private directory each), a path gets ``.NAME`` appended, "" stays
-    off.
-    """
-    return setting if not name or setting in ("", "auto") else f"{setting}.{name}"
 
 
 def check_tenants(config: Config) -> None:

@@ -50,9 +50,16 @@ def blocks(seed: int, count: int = 4) -> tuple[list[bytes], list[bytes]]:
     return keys, [rng.integers(0, 256, BLOCK_BYTES, dtype=np.uint8).tobytes() for _ in keys]
 
 
-def write_config(tmp_path: Path, extra: str = "", b_uids: str = f"[0, {NOBODY}]") -> Path:
-    """Tokens for alice, bob and carol; tenant a is alice (local user root), tenant b is bob
-    (``b_uids``); carol is in no tenant."""
+def write_config(
+    tmp_path: Path,
+    extra: str = "",
+    b_uids: str = f"[0, {NOBODY}]",
+    a_uids: str = "[0]",
+    shm: str = "true",
+) -> Path:
+    """Tokens for alice, bob and carol; tenant a is alice (local users ``a_uids``: root), tenant
+    b is bob (``b_uids``); carol is in no tenant. Both tenants' engines share their arenas over
+    shared memory unless ``shm`` is "false"."""
     tokens = tmp_path / "tokens"
     tokens.write_text(
         "".join(f"{name} {hashlib.sha256(t.encode()).hexdigest()}\n" for name, t in TOKENS.items())
@@ -60,8 +67,10 @@ def write_config(tmp_path: Path, extra: str = "", b_uids: str = f"[0, {NOBODY}]"
     config = tmp_path / "tenants.toml"
     config.write_text(
         f'[server]\ntokens_file = "{tokens}"\nshm_socket_mode = 0o666\n{extra}\n'
-        '[tenants.a]\nidentities = ["alice"]\nuids = [0]\ndram = "16MiB"\nnvme = "16MiB"\n'
+        f'[tenants.a]\nidentities = ["alice"]\nuids = {a_uids}\ndram = "16MiB"\nnvme = "16MiB"\n'
+        f"shm = {shm}\n"
         f'[tenants.b]\nidentities = ["bob"]\nuids = {b_uids}\ndram = "16MiB"\nnvme = "16MiB"\n'
+        f"shm = {shm}\n"
     )
     return config
 
