@@ -80,7 +80,9 @@ def node_id_for(setting: str, nvme_path: str) -> str:
         except FileNotFoundError:
             pass
         made = uuid.uuid4().hex[:16]
-        with open(path, "w", encoding="ascii") as file:
+        # Private like every file of the nvme directory (0600, whatever the umask).
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with open(fd, "w", encoding="ascii") as file:
             file.write(made + "\n")
         return made
     return uuid.uuid4().hex[:16]

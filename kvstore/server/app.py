@@ -13,6 +13,7 @@ import os
 import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
 import grpc
@@ -36,12 +37,13 @@ from kvstore.server.sessions import ArenaSessions
 from kvstore.server.shm import ShmServer
 from kvstore.server.shm_limits import ShmLimits
 from kvstore.server.shm_paths import remove_private_dir, shm_socket_path, tenant_socket_path
-from kvstore.server.tenancy import Tenant, Tenants, check_tenants, tenant_config
+from kvstore.server.tenancy import TENANTS_DIR, Tenant, Tenants, check_tenants, tenant_config
 from kvstore.server.ucx import UcxDataServer, UcxScope
 from kvstore.server.ucx_service import add_ucx_to_server
 from kvstore.store import TieredStore
 from kvstore.store.prefetch import Prefetcher
 from kvstore.tiers import build_tiers
+from kvstore.tiers.nvme import private_directory
 
 __all__ = [
     "SERVICE_NAME",
@@ -88,6 +90,10 @@ async def open_tenants(config: Config) -> Tenants:
     install_keyring(keyring)
     if not config.tenants:
         return Tenants.single(_open_tenant("", config, None))
+    if config.nvme.path and any(spec.nvme for spec in config.tenants):
+        # The tenants' root and its directory of tenant names are ours alone: nobody lists them.
+        private_directory(Path(config.nvme.path))
+        private_directory(Path(config.nvme.path) / TENANTS_DIR)
     opened: list[Tenant] = []
     try:
         for spec in config.tenants:

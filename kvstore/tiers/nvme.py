@@ -54,8 +54,17 @@ _MIN_HEADROOM = 256 * 1024
 
 
 def private_directory(path: Path) -> None:
-    """Create ``path`` (and parents) with mode 0700, or make an existing one of ours 0700."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    """Create ``path`` with mode 0700, and each missing parent with it too (``mkdir -p`` would
+    give parents the umask's mode: a tenants' root listable by all), or make an existing
+    ``path`` 0700. Parents that already exist are left as they are."""
+    missing = []
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        missing.append(probe)
+        probe = probe.parent
+    for directory in reversed(missing):
+        # Another process may make it meanwhile; what matters is the mode it ends up with.
+        directory.mkdir(mode=0o700, exist_ok=True)
     if path.stat().st_mode & 0o077:
         logger.warning("making nvme directory %s private (mode 0700)", path)
         path.chmod(0o700)
