@@ -1,13 +1,19 @@
 """deploy/ and k8s/ work as the README says: the local config serves as a normal user, the node
-config says it is not for local use, the image's build context leaves the environments out, and
-the README's deploy commands name files that exist and render where the tool is installed."""
+config says it is not for local use, the image's build context leaves the environments out, the
+README's deploy commands name files that exist and render where the tool is installed, and a
+server refuses the public credentials an older k8s example shipped."""
 
 from __future__ import annotations
 
 import fnmatch
+import hashlib
+import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 from serve_process import Serve, free_port
 
 from kvstore import KVStoreClient, Namespace
@@ -128,3 +134,39 @@ def test_readme_deploy_commands_name_files_that_exist() -> None:
         assert command in readme, command
     for path in ("deploy/Dockerfile", "deploy/compose.yaml", "k8s/base/kustomization.yaml"):
         assert (ROOT / path).exists()
+
+
+PUBLIC_TOKEN = "example-token-REPLACE-ME"  # what k8s/base/kustomization.yaml shipped
+
+
+@pytest.mark.parametrize(
+    "case", ["public-token", "public-integrity-secret", "placeholder-secret-file"]
+)
+def test_a_server_refuses_public_and_placeholder_credentials(tmp_path: Path, case: str) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"engine {hashlib.sha256(PUBLIC_TOKEN.encode()).hexdigest()}\n")
+    secret_file = tmp_path / "secret"
+    secret_file.write_text("CHANGE_ME\n")
+    secret_file.chmod(0o600)
+    env = {**os.environ, "KVSTORE_NVME_PATH": str(tmp_path / "nvme")}
+    flags = ["--listen", f"127.0.0.1:{free_port()}", "--metrics-listen", ""]
+    if case == "public-token":
+        flags += ["--tokens-file", str(tokens)]
+        setting = f"server.tokens_file {tokens} line 1 (engine)"
+    elif case == "public-integrity-secret":
+        env["KVSTORE_INTEGRITY_SECRETS"] = "example-integrity-secret-REPLACE-ME"
+        setting = "integrity.secrets (KVSTORE_INTEGRITY_SECRETS), secret 1"
+    else:
+        env["KVSTORE_INTEGRITY_SECRET_FILE"] = str(secret_file)
+        setting = f"integrity.secret_file: {secret_file}, secret 1"
+    # A server that accepts them would serve: the timeout is what such a failure looks like.
+    done = subprocess.run(
+        [sys.executable, "-m", "kvstore.cli", "serve", *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert done.returncode != 0
+    assert setting in done.stderr and "Replace it" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr

@@ -1,15 +1,24 @@
 """Every k8s overlay renders with ``kubectl kustomize`` (offline) and every rendered object is valid
 against the Kubernetes schema (``kubernetes-validate --strict``, its bundled schemas), and the
 manifests mean what the README says: only engines reach the store, the engine mounts the store's
-socket directory, the store listens beyond loopback only with tokens from the Secret."""
+socket directory, the store listens beyond loopback only with tokens from the Secret, and those
+credentials are made at deploy time (``k8s/generate-secrets.sh``), never shipped.
+
+The overlays are rendered from a copy of ``k8s/`` in a temporary directory, with credentials that
+the script generated there: the test never writes into the working tree."""
 
 from __future__ import annotations
 
 import base64
 import hashlib
+import os
+import re
 import shutil
+import stat
 import subprocess
+import tempfile
 import tomllib
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -20,9 +29,13 @@ import yaml
 
 from kvstore.config import load_config
 from kvstore.server.auth import check_exposure, load_tokens
+from kvstore.server.integrity import load_keyring
+from kvstore.server.placeholders import PUBLIC_VALUES
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "k8s"
+GENERATE = "generate-secrets.sh"
+SECRETS = ("tokens", "engine-token", "integrity-secrets")
 OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if p.is_dir())
 #: A Kubernetes version kubernetes-validate bundles strict schemas for (that of Debian's kubectl).
 K8S_VERSION = "1.32.0"
@@ -43,16 +56,53 @@ def _kubectl() -> str:
     return kubectl
 
 
-@cache
-def render(path: str) -> tuple[dict[str, Any], ...]:
-    """The objects ``kubectl kustomize K8S/path`` renders."""
-    result = subprocess.run(
-        [_kubectl(), "kustomize", str(K8S / path)],
+def copy_k8s(destination: Path) -> Path:
+    """A copy of ``k8s/`` as git has it: without credentials a developer generated here."""
+
+    def generated(directory: str, names: list[str]) -> set[str]:
+        return (
+            {n for n in names if n != ".gitignore"} if Path(directory).name == "secrets" else set()
+        )
+
+    shutil.copytree(K8S, destination, ignore=generated)
+    return destination
+
+
+def generate(tree: Path, *args: str) -> None:
+    done = subprocess.run(
+        ["bash", str(tree / GENERATE), *args], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+
+
+_TREE: list[Path] = []  # the module's copy, with generated credentials
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _k8s_tree() -> Iterator[None]:
+    tree = copy_k8s(Path(tempfile.mkdtemp(prefix="kvt-k8s-")) / "k8s")
+    generate(tree)
+    _TREE.append(tree)
+    yield
+    _TREE.clear()
+    render.cache_clear()
+    shutil.rmtree(tree.parent, ignore_errors=True)
+
+
+def kustomize(directory: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [_kubectl(), "kustomize", str(directory)],
         capture_output=True,
         text=True,
         timeout=120,
         check=False,
     )
+
+
+@cache
+def render(path: str) -> tuple[dict[str, Any], ...]:
+    """The objects ``kubectl kustomize k8s/path`` renders (from the module's copy)."""
+    result = kustomize(_TREE[0] / path)
     assert result.returncode == 0, f"kubectl kustomize k8s/{path}: {result.stderr}"
     return tuple(doc for doc in yaml.safe_load_all(result.stdout) if doc)
 
@@ -199,12 +249,14 @@ def test_store_listens_beyond_loopback_only_with_tokens(path: str, tmp_path: Pat
     ]
     secret_name = volumes[mount["name"]]["secret"]["secretName"]
     secret = one(objects, "Secret", secret_name)
-    # The example Secret's token matches its hashed line, and says it is an example.
+    # The generated token matches its hashed line, and is nobody's example.
     engine_token = secret["data"]["engine-token"]
     token = base64.b64decode(engine_token).decode()
     tokens = base64.b64decode(secret["data"]["tokens"]).decode()
-    assert "REPLACE-ME" in token
+    assert re.fullmatch(r"[0-9a-f]{64}", token) and token not in PUBLIC_VALUES
     assert hashlib.sha256(token.encode()).hexdigest() in tokens.split()
+    integrity = base64.b64decode(secret["data"]["integrity-secrets"]).decode()
+    assert re.fullmatch(r"[0-9a-f]{64}", integrity) and integrity != token
     # The configuration loads as the container sees it (tokens file in place, env applied).
     (tmp_path / "tokens").write_text(tokens)
     config_file = tmp_path / "kvstore.toml"
@@ -215,11 +267,48 @@ def test_store_listens_beyond_loopback_only_with_tokens(path: str, tmp_path: Pat
     )
     env = {e["name"]: e["value"] for e in _container(daemonset, "kvstore")["env"] if "value" in e}
     env.pop("KVSTORE_SERVER_METRICS_LISTEN")  # a setting of the metrics change (issue 14)
+    env["KVSTORE_INTEGRITY_SECRETS"] = integrity  # from the Secret, as the DaemonSet's env says
     config = load_config(str(config_file), env=env)
     assert not config.server.listen.startswith("127.")
     assert config.server.tokens_file and not config.server.allow_unauthenticated
     check_exposure(config.server)  # would raise beyond loopback without tokens
     assert list(load_tokens(config.server.tokens_file).values()) == ["engine"]
+    load_keyring(config)  # would raise for a public or placeholder secret
+
+
+def test_the_shipped_tree_renders_no_credentials_until_they_are_generated(tmp_path: Path) -> None:
+    """Nothing public works: without the script's files the base does not render at all."""
+    tree = copy_k8s(tmp_path / "k8s")
+    for path in ("base", "overlays/full"):
+        refused = kustomize(tree / path)
+        assert refused.returncode != 0
+        assert "secrets/tokens" in refused.stderr
+    generate(tree)
+    assert kustomize(tree / "base").returncode == 0
+
+
+def test_generated_credentials_are_private_random_and_kept(tmp_path: Path) -> None:
+    tree = copy_k8s(tmp_path / "k8s")
+    generate(tree)
+    secrets_dir = tree / "base" / "secrets"
+    first = {name: (secrets_dir / name).read_text() for name in SECRETS}
+    for name in SECRETS:
+        assert stat.S_IMODE(os.stat(secrets_dir / name).st_mode) == 0o600, name
+    # No newline: the token goes into an environment variable and a header as it is.
+    assert re.fullmatch(r"[0-9a-f]{64}", first["engine-token"])
+    digest = hashlib.sha256(first["engine-token"].encode()).hexdigest()
+    assert first["tokens"] == f"engine {digest}\n"
+    generate(tree)  # run again: the deployed credentials stay
+    assert {name: (secrets_dir / name).read_text() for name in SECRETS} == first
+    generate(tree, "--force")  # rotation: all new
+    again = {name: (secrets_dir / name).read_text() for name in SECRETS}
+    assert all(again[name] != first[name] for name in SECRETS)
+    # git ignores them: only the .gitignore is in the repository.
+    ignored = subprocess.run(
+        ["git", "-C", str(ROOT), "check-ignore", "-q", "k8s/base/secrets/engine-token"],
+        timeout=30,
+    )
+    assert ignored.returncode == 0
 
 
 def test_service_monitor_scrapes_the_metrics_port_with_the_token() -> None:

@@ -35,6 +35,7 @@ import grpc
 
 from kvstore.config import ServerConfig
 from kvstore.errors import ConfigError
+from kvstore.server.placeholders import check_token_digest
 
 __all__ = [
     "HEALTH_PREFIX",
@@ -68,7 +69,8 @@ _MALFORMED = "the authorization metadata must be 'Bearer <token>'"
 
 
 def load_tokens(path: str) -> dict[bytes, str]:
-    """The tokens of ``path``: SHA-256 digest -> NAME. A bad line is a ConfigError naming it."""
+    """The tokens of ``path``: SHA-256 digest -> NAME. A bad line, or the hash of a public token
+    (:mod:`kvstore.server.placeholders`), is a ConfigError naming it."""
     try:
         text = Path(path).read_text()
     except (OSError, UnicodeDecodeError) as exc:
@@ -83,7 +85,9 @@ def load_tokens(path: str) -> dict[bytes, str]:
                 f"server.tokens_file {path} line {number}: expected 'NAME SHA256HEX' (the hex "
                 "SHA-256 of the token, 64 lowercase hex digits; never the token itself)"
             )
-        tokens[bytes.fromhex(words[1])] = words[0]
+        digest = bytes.fromhex(words[1])
+        check_token_digest(digest, f"server.tokens_file {path} line {number} ({words[0]})")
+        tokens[digest] = words[0]
     if not tokens:
         raise ConfigError(f"server.tokens_file {path} holds no token: every call would be refused")
     return tokens

@@ -9,7 +9,8 @@ Where the secrets come from, first match wins:
    start, so that a single node works, warm restarts included, with no configuration;
 4. no nvme tier: a random secret for this process only (a warning when Redis is shared).
 
-Every node sharing a Redis must have the same secrets, or they reject each other's blocks (as
+A public or placeholder secret is refused (:mod:`kvstore.server.placeholders`). Every node
+sharing a Redis must have the same secrets, or they reject each other's blocks (as
 misses, counted in the redis tier's ``corrupt_blocks``).
 """
 
@@ -23,6 +24,7 @@ from pathlib import Path
 from kvstore.block import Keyring
 from kvstore.config import Config
 from kvstore.errors import ConfigError
+from kvstore.server.placeholders import check_secret
 from kvstore.tiers.nvme import private_directory
 
 __all__ = ["DEFAULT_KEY_FILE", "load_keyring"]
@@ -39,7 +41,10 @@ def load_keyring(config: Config) -> Keyring:
     """The :class:`Keyring` ``config`` describes (see the module docstring)."""
     integrity = config.integrity
     if integrity.secrets:
-        return Keyring([part.strip().encode() for part in integrity.secrets.split(",")])
+        parts = [part.strip().encode() for part in integrity.secrets.split(",")]
+        for number, part in enumerate(parts, 1):
+            check_secret(part, f"integrity.secrets (KVSTORE_INTEGRITY_SECRETS), secret {number}")
+        return Keyring(parts)
     if integrity.secret_file:
         return _read(Path(integrity.secret_file), "integrity.secret_file")
     if config.nvme.path:
@@ -82,4 +87,6 @@ def _read(path: Path, what: str) -> Keyring:
     lines = [line.strip() for line in data.splitlines() if line.strip()]
     if not lines:
         raise ConfigError(f"{what}: {path} holds no secret (one per line, the first signs)")
+    for number, line in enumerate(lines, 1):
+        check_secret(line, f"{what}: {path}, secret {number}")
     return Keyring(lines)
