@@ -386,6 +386,7 @@ _SIZE_SETTINGS = {
     "dram.capacity",
     "dram.page_size",
     "nvme.capacity",
+    "router.max_body_bytes",
 }
 # Permission bits: strings ("0660", "660", "0o660") are octal; ints (TOML's 0o660) pass through.
 _MODE_SETTINGS = {"server.shm_socket_mode"}

@@ -11,6 +11,8 @@ __all__ = ["RouterConfig"]
 
 # The same tuple as kvstore.router.scoring.POLICIES (this leaf module imports nothing above it).
 _POLICIES = ("kv", "round_robin", "least_loaded")
+# What router.max_body_bytes may be: from a tiny completion to far past any prompt.
+_MAX_BODY_RANGE = (1024, 1024**3)
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,9 @@ class RouterConfig:
     comma-separated ``URL=NODE_ID`` of the ``kv_producer`` and the ``kv_consumer`` engines.
     ``prefill_timeout_s``: how long a prefill may take before the decode replica computes the
     prompt itself.
+    ``max_body_bytes``: the largest request body the router reads (a size, e.g. ``16MiB``, the
+    default: a 2M-token prompt as ids, or 4 MiB of text with room to spare); a request whose
+    ``Content-Length`` says more is answered 413 before a byte of its body is read.
     """
 
     listen: str = "127.0.0.1:8000"
@@ -43,11 +48,18 @@ class RouterConfig:
     prefill_timeout_s: float = 60.0
     #: ``kv`` (cached prefix against load), ``round_robin`` or ``least_loaded`` (baselines).
     policy: str = "kv"
+    max_body_bytes: int = 16 * 1024**2
 
     def __post_init__(self) -> None:
         if self.policy not in _POLICIES:
             raise ConfigError(
                 f"router.policy: cannot use {self.policy!r}: one of {', '.join(_POLICIES)}"
+            )
+        low, high = _MAX_BODY_RANGE
+        if not low <= self.max_body_bytes <= high:
+            raise ConfigError(
+                f"router.max_body_bytes: cannot use {self.max_body_bytes}: a size from 1KiB "
+                f"({low}) to 1GiB ({high}), e.g. 64MiB"
             )
         if self.chunk_size < 1:
             raise ConfigError(f"router.chunk_size must be >= 1, got {self.chunk_size}")

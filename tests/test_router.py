@@ -20,6 +20,8 @@ from kvstore.integrations.vllm_common import (
     rank_keys,
 )
 from kvstore.router import Provisional, Replica, RouterKeys, Scorer, parse_namespace
+from kvstore.router.body import parse_body
+from kvstore.router.proxy import BadRequest
 from kvstore.router.service import parse_replicas
 from kvstore.router.tokenize import prompt_tokens
 
@@ -88,6 +90,15 @@ def test_replica_setting_errors() -> None:
             parse_replicas(bad)
     with pytest.raises(ConfigError, match=r"router\.provisional_ttl_s"):
         load_config(env={"KVSTORE_ROUTER_PROVISIONAL_TTL_S": "0"})
+
+
+def test_max_body_bytes_setting() -> None:
+    assert load_config(env={}).router.max_body_bytes == 16 * 1024**2
+    setting = {"KVSTORE_ROUTER_MAX_BODY_BYTES": "64MiB"}
+    assert load_config(env=setting).router.max_body_bytes == 64 * 1024**2
+    for bad, allowed in (("2GiB", "from 1KiB"), ("100", "from 1KiB"), ("lots", "a size is")):
+        with pytest.raises(ConfigError, match=rf"router\.max_body_bytes.*{allowed}"):
+            load_config(env={"KVSTORE_ROUTER_MAX_BODY_BYTES": bad})
 
 
 class Clock:
@@ -163,11 +174,22 @@ def test_provisional_entries_keep_a_burst_together_then_expire() -> None:
     assert len(s.provisional._entries) == 1
 
 
+def tokens_of(path: str, body: dict[str, object], tokenizer: object = None) -> list[int] | None:
+    ids = prompt_tokens(path, parse_body(json.dumps(body).encode()), tokenizer)  # type: ignore[arg-type]
+    return None if ids is None else ids.tolist()
+
+
 def test_prompt_tokens_without_a_tokenizer() -> None:
-    assert prompt_tokens("/v1/completions", {"prompt": [1, 2, 3]}, None) == [1, 2, 3]
-    assert prompt_tokens("/v1/completions", {"prompt": [[4, 5]]}, None) == [4, 5]
-    assert prompt_tokens("/v1/completions", {"prompt": "text"}, None) is None
-    assert prompt_tokens("/v1/chat/completions", {"messages": []}, None) is None
+    assert tokens_of("/v1/completions", {"prompt": [1, 2, 3]}) == [1, 2, 3]
+    assert tokens_of("/v1/completions", {"prompt": [[4, 5]]}) == [4, 5]
+    long = list(range(1000, 1100))  # long enough to stay bytes until asked for
+    assert tokens_of("/v1/completions", {"prompt": long}) == long
+    assert tokens_of("/v1/completions", {"prompt": [long]}) == long
+    assert tokens_of("/v1/completions", {"prompt": [long, long]}) is None  # a batch: by load
+    assert tokens_of("/v1/completions", {"prompt": "text"}) is None
+    assert tokens_of("/v1/chat/completions", {"messages": []}) is None
+    with pytest.raises(BadRequest, match=r"prompt\[0\]\[1\] is true"):
+        tokens_of("/v1/completions", {"prompt": [[4, True]]})
 
     class Fake:
         def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -177,9 +199,9 @@ def test_prompt_tokens_without_a_tokenizer() -> None:
             assert kwargs == {"tokenize": True, "add_generation_prompt": True}
             return [7, 8]
 
-    assert prompt_tokens("/v1/completions", {"prompt": "ab"}, Fake()) == [97, 98]
+    assert tokens_of("/v1/completions", {"prompt": "ab"}, Fake()) == [97, 98]
     chat = {"messages": [{"role": "user", "content": "hi"}]}
-    assert prompt_tokens("/v1/chat/completions", chat, Fake()) == [7, 8]
+    assert tokens_of("/v1/chat/completions", chat, Fake()) == [7, 8]
 
 
 @pytest.mark.parametrize(

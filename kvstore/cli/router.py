@@ -20,6 +20,7 @@ ROUTER_FLAGS = {
     "tenant": "router.tenant",
     "index_url": "cluster.url",
     "policy": "router.policy",
+    "max_body_bytes": "router.max_body_bytes",
 }
 
 
@@ -72,6 +73,12 @@ def add_router_parser(commands: Any) -> argparse.ArgumentParser:
     )
     router.add_argument(
         "--index-url", metavar="URL", help="the cluster index's Redis (cluster.url)"
+    )
+    router.add_argument(
+        "--max-body-bytes",
+        metavar="SIZE",
+        help="the largest request body read, e.g. 64MiB (default 16MiB, at most 1GiB); a larger "
+        "one is answered 413 (router.max_body_bytes)",
     )
     router.add_argument(
         "--log-level",

@@ -31,6 +31,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from kvstore.router.body import ParsedBody
 from kvstore.router.proxy import Request, UpstreamError, send_upstream
 from kvstore.router.scoring import Provisional, Replica, Scorer
 
@@ -109,10 +110,11 @@ class PrefillStage:
         )
 
     async def run(
-        self, request: Request, body: dict[str, Any], prompt_tokens: int
+        self, request: Request, parsed: ParsedBody, prompt_tokens: int
     ) -> dict[str, Any] | None:
-        """Prefill ``body`` (parsed from ``request``); the decode body, or ``None`` if it failed."""
-        data = json.dumps(prefill_body(body)).encode()
+        """Prefill ``parsed`` (``request``'s body); the decode body, or ``None`` if it failed."""
+        body = parsed.value
+        data = parsed.encode(prefill_body(body))
         started = time.perf_counter()
         reason, detail = "unreachable", "no prefill replica"
         for replica in self.scorer.choose([], prompt_tokens, {}).ranked:

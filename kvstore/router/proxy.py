@@ -1,8 +1,9 @@
 """A minimal HTTP/1.1 server and streaming pass-through on asyncio streams.
 
-The router's needs are narrow: read a request with a ``Content-Length`` body, send it to one
-upstream, and copy the upstream's response back byte for byte as it arrives (server-sent events
-of a streaming completion included, chunked framing untouched). Both connections are
+The router's needs are narrow: read a request with a ``Content-Length`` body (at most
+``router.max_body_bytes``, checked before a byte of it is read), send it to one upstream, and
+copy the upstream's response back byte for byte as it arrives (server-sent events of a
+streaming completion included, chunked framing untouched). Both connections are
 ``Connection: close``: the end of the upstream's bytes is the end of the response, so no
 framing is parsed or rewritten. (The shared environment has no aiohttp; this needs nothing.)
 """
@@ -17,7 +18,6 @@ from typing import Any
 from urllib.parse import urlsplit
 
 __all__ = [
-    "MAX_BODY",
     "REPLICA_HEADER",
     "Request",
     "UpstreamError",
@@ -29,8 +29,8 @@ __all__ = [
 
 #: Response header naming the replica URL that answered a proxied request.
 REPLICA_HEADER = "x-kvstore-replica"
-#: Largest request body accepted (a 128K-token prompt as JSON ids is ~1 MiB).
-MAX_BODY = 64 * 1024 * 1024
+#: How much of a body one read takes (and at most what one write to an upstream queues).
+_PIECE = 1 << 20
 _HOP = frozenset(
     {
         "connection",
@@ -41,6 +41,7 @@ _HOP = frozenset(
         "proxy-connection",
         "te",
         "upgrade",
+        "expect",  # the router answers 100-continue itself
     }
 )
 _REASONS = {
@@ -61,7 +62,7 @@ class Request:
     method: str
     target: str
     headers: list[tuple[str, str]]
-    body: bytes
+    body: bytes | bytearray
 
     def header(self, name: str) -> str | None:
         """The first value of header ``name`` (case-insensitive)."""
@@ -81,8 +82,15 @@ class UpstreamError(Exception):
     """The upstream could not be reached or closed before answering (nothing was sent back)."""
 
 
-async def read_request(reader: asyncio.StreamReader) -> Request | None:
-    """The next request, ``None`` if the client closed; raises :class:`BadRequest`."""
+async def read_request(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, max_body: int
+) -> Request | None:
+    """The next request, ``None`` if the client closed; raises :class:`BadRequest`.
+
+    A body over ``max_body`` bytes (``router.max_body_bytes``) is refused from its
+    ``Content-Length`` alone; a client that sent ``Expect: 100-continue`` gets the go-ahead only
+    for a body within it.
+    """
     try:
         head = await reader.readuntil(b"\r\n\r\n")
     except asyncio.IncompleteReadError:
@@ -101,15 +109,36 @@ async def read_request(reader: asyncio.StreamReader) -> Request | None:
         headers.append((name.strip(), value.strip()))
     request = Request(parts[0], parts[1], headers, b"")
     if request.header("transfer-encoding"):
-        raise BadRequest(411, "send a Content-Length body")
+        raise BadRequest(411, "send the body with a Content-Length (chunked bodies are not read)")
     length_text = request.header("content-length") or "0"
     if not length_text.isdigit():
-        raise BadRequest(400, "bad Content-Length")
+        raise BadRequest(400, f"Content-Length {length_text[:40]!r} is not a number of bytes")
     length = int(length_text)
-    if length > MAX_BODY:
-        raise BadRequest(413, f"body over {MAX_BODY} bytes")
-    request.body = await reader.readexactly(length)
+    if length > max_body:
+        raise BadRequest(
+            413,
+            f"the body is {length} bytes; router.max_body_bytes allows at most {max_body} "
+            "(a size up to 1GiB)",
+        )
+    if length and (request.header("expect") or "").lower() == "100-continue":
+        writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    request.body = await _read_body(reader, length)
     return request
+
+
+async def _read_body(reader: asyncio.StreamReader, length: int) -> bytearray:
+    """``length`` bytes into one buffer, a piece at a time (``readexactly`` would hold them
+    twice: its buffer grown to the whole body, then a copy)."""
+    body = bytearray(length)
+    with memoryview(body) as view:
+        got = 0
+        while got < length:
+            piece = await reader.read(min(length - got, _PIECE))
+            if not piece:
+                raise asyncio.IncompleteReadError(b"", length)
+            view[got : got + len(piece)] = piece
+            got += len(piece)
+    return body
 
 
 async def respond(
@@ -130,7 +159,7 @@ async def send_upstream(
     method: str,
     target: str,
     headers: Sequence[tuple[str, str]],
-    body: bytes,
+    body: bytes | bytearray,
     connect_timeout_s: float | None = None,
 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, list[str]]:
     """Send one request (``Connection: close``) to the server at ``url``; read its response head.
@@ -152,7 +181,11 @@ async def send_upstream(
         lines = [f"{method} {parts.path.rstrip('/')}{target} HTTP/1.1", f"Host: {host}:{port}"]
         lines += [f"{k}: {v}" for k, v in headers if k.lower() not in _HOP]
         lines += [f"Content-Length: {len(body)}", "Connection: close", "", ""]
-        writer.write("\r\n".join(lines).encode("latin-1") + body)
+        writer.write("\r\n".join(lines).encode("latin-1"))
+        view = memoryview(body)  # a piece at a time: the transport copies what it queues
+        for start in range(0, len(body), _PIECE):
+            writer.write(view[start : start + _PIECE])
+            await writer.drain()
         await writer.drain()
         try:
             head = await reader.readuntil(b"\r\n\r\n")

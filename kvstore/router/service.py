@@ -8,17 +8,23 @@ provisional entries alone, and ``kvstore_router_fallbacks_total`` counts why.
 
 In P/D mode (``router.prefill`` and ``router.decode``) a :class:`~kvstore.router.pd.PrefillStage`
 runs each completion on a prefill replica first; the decision then picks among decode replicas.
+
+Bad input never costs more than its bounds: a body is at most ``router.max_body_bytes``; one of
+more than :data:`INLINE_BODY_BYTES` (or any, with a tokenizer) is parsed and tokenized on one
+worker thread (:mod:`.body`, whose steps hold the interpreter a few ms a MiB at most), so the
+event loop keeps answering ``/health`` and other requests meanwhile; a prompt names at most
+:data:`MAX_CHUNKS` chunks. A malformed request is answered 4xx with what is wrong, logged in one
+line.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.asyncio.cluster import RedisCluster
@@ -27,6 +33,7 @@ from kvstore.cluster import ClusterIndex, Holding, Layout, connect
 from kvstore.cluster.layout import REDIS_ERRORS, Client
 from kvstore.config import Config, hash_secret
 from kvstore.errors import ConfigError
+from kvstore.router.body import ParsedBody, TokenIds, parse_body
 from kvstore.router.keys import RouterKeys, parse_namespace
 from kvstore.router.lookup import ScriptIndex
 from kvstore.router.metrics import RouterMetrics
@@ -40,6 +47,12 @@ __all__ = ["Router", "build_router", "parse_replicas", "pd_replicas", "run_route
 logger = logging.getLogger(__name__)
 
 _ROUTED = ("/v1/completions", "/v1/chat/completions")
+#: A body this small (without a tokenizer) is parsed on the event loop: well under a millisecond.
+INLINE_BODY_BYTES = 64 * 1024
+#: The most chunks of a prompt the router names and asks the index about (1M tokens at the
+#: default chunk_size of 256): a longer prompt is routed by its first MAX_CHUNKS chunks, so the
+#: hashing, the index query and the provisional entries of one request stay bounded.
+MAX_CHUNKS = 4096
 
 #: What the router asks the index (ClusterIndex, or ScriptIndex on a single Redis).
 Index = ClusterIndex | ScriptIndex
@@ -79,6 +92,7 @@ class Router:
         request_cost_tokens: int = 256,
         index_retry_s: float = 1.0,
         policy: str = "kv",
+        max_body_bytes: int = 16 * 1024**2,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.keys = keys  # None (P/D mode without router.namespace): routed by load
@@ -95,8 +109,16 @@ class Router:
             policy,
         )
         self.index_retry_s = index_retry_s
+        self.max_body_bytes = max_body_bytes
         self._clock = clock
         self._index_down_until = 0.0
+        # One thread: one large body's work buffers at a time, and the tokenizer (not safe to
+        # call from two threads at once) only ever called from it.
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvstore-router-body")
+
+    def close(self) -> None:
+        """Stop the body-parsing thread (bodies queued for it are dropped)."""
+        self._reader.shutdown(wait=False, cancel_futures=True)
 
     async def _holdings(self, keys: Sequence[bytes]) -> tuple[Mapping[str, Holding], str]:
         """The index's answer, or nothing and the fallback reason."""
@@ -115,9 +137,10 @@ class Router:
             return {}, "index_error"
 
     async def decide(
-        self, tokens: Sequence[int] | None, cache_salt: str = "", lora_id: str = ""
+        self, tokens: Sequence[int] | TokenIds | None, cache_salt: str = "", lora_id: str = ""
     ) -> tuple[Decision, list[bytes]]:
-        """Choose a replica for a prompt (``None``: token ids unknown) and count why."""
+        """Choose a replica for a prompt (``None``: token ids unknown) and count why; only its
+        first :data:`MAX_CHUNKS` chunks count."""
         started = time.perf_counter()
         keys: list[bytes] = []
         holdings: Mapping[str, Holding] = {}
@@ -127,36 +150,51 @@ class Router:
         elif self.keys is None:
             fallback = "no_namespace"
         else:
-            keys = self.keys.keys(tokens, lora_id, cache_salt)
+            named = tokens[: MAX_CHUNKS * self.keys.chunk_size]
+            keys = self.keys.keys(named, lora_id, cache_salt)
             if keys and self.scorer.policy == "kv":  # the baselines never ask the index
                 holdings, fallback = await self._holdings(keys)
         if fallback:
             self.metrics.fallbacks.labels(fallback).inc()
-        decision = self.scorer.choose(keys, len(tokens or ()), holdings)
+        count = 0 if tokens is None else len(tokens)
+        decision = self.scorer.choose(keys, count, holdings)
         m = self.metrics
         m.decision_seconds.observe(time.perf_counter() - started)
         m.decisions.labels(decision.replica.url, decision.reason).inc()
         m.score.observe(decision.score)
         m.predicted_hit_tokens.observe(decision.predicted_hit_tokens)
-        m.prompt_tokens.observe(len(tokens or ()))
+        m.prompt_tokens.observe(count)
         return decision, keys
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Serve one connection: one request, then close."""
+        request: Request | None = None
         try:
             try:
-                request = await read_request(reader)
-            except BadRequest as exc:
+                request = await read_request(reader, writer, self.max_body_bytes)
+                if request is not None:
+                    await self._serve(request, writer)
+            except BadRequest as exc:  # raised before any byte of an answer went out
+                self._log_refusal(writer, request, exc)
                 await respond(writer, exc.status, {"error": str(exc)})
-                return
-            if request is not None:
-                await self._serve(request, writer)
         except (ConnectionError, asyncio.IncompleteReadError):
             pass  # the client went away
+        except Exception:  # a bug: logged once here, not as asyncio's unhandled exception
+            logger.exception("serving a request failed")
         finally:
             writer.close()
             with contextlib.suppress(ConnectionError):
                 await writer.wait_closed()
+
+    @staticmethod
+    def _log_refusal(
+        writer: asyncio.StreamWriter, request: Request | None, exc: BadRequest
+    ) -> None:
+        """The one line a refused request is logged in."""
+        peer = writer.get_extra_info("peername")
+        client = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else "?"
+        what = f"{request.method} {request.target[:200]}" if request is not None else "a request"
+        logger.info("refused %s from %s: %d %s", what, client, exc.status, exc)
 
     async def _serve(self, request: Request, writer: asyncio.StreamWriter) -> None:
         path = request.target.split("?", 1)[0]
@@ -168,24 +206,41 @@ class Router:
             await self._proxy(request, writer, list(self.scorer.replicas), None, [], 0)
         elif path in _ROUTED and request.method == "POST":
             try:
-                body: Any = json.loads(request.body)
-            except ValueError:
-                await respond(writer, 400, {"error": "the body is not JSON"})
+                body, tokens = await self._read_body(request, path)
+            except BadRequest:
+                raise
+            except Exception:  # a bug: answered, never a dropped connection
+                logger.exception("reading a %s body failed", path)
+                await respond(writer, 500, {"error": "internal error reading the request body"})
                 return
-            if not isinstance(body, dict):
-                await respond(writer, 400, {"error": "the body is not a JSON object"})
-                return
-            tokens = prompt_tokens(path, body, self.tokenizer)
+            count = 0 if tokens is None else len(tokens)
             if self.prefill is not None:
-                decode = await self.prefill.run(request, body, len(tokens or ()))
+                decode = await self.prefill.run(request, body, count)
                 if decode is not None:  # else the decode replica computes the whole prompt
-                    request.body = json.dumps(decode).encode()
-            salt = body.get("cache_salt")
+                    request.body = body.encode(decode)
+            salt = body.value.get("cache_salt")
             decision, keys = await self.decide(tokens, salt if isinstance(salt, str) else "")
-            prefill = len(tokens or ()) - decision.predicted_hit_tokens
+            del tokens  # not held while the response streams
+            prefill = count - decision.predicted_hit_tokens
             await self._proxy(request, writer, list(decision.ranked), decision, keys, prefill)
         else:
             await respond(writer, 404, {"error": f"no route {request.method} {path}"})
+
+    async def _read_body(self, request: Request, path: str) -> tuple[ParsedBody, TokenIds | None]:
+        """The body of a completion and its prompt's token ids; :class:`BadRequest` if the body
+        is not what it should be."""
+        kind = (request.header("content-type") or "application/json").split(";")[0]
+        kind = kind.strip().lower()
+        if kind != "application/json" and not kind.endswith("+json"):
+            raise BadRequest(400, f"Content-Type is {kind[:80]!r}: send application/json")
+
+        def read() -> tuple[ParsedBody, TokenIds | None]:
+            body = parse_body(request.body)
+            return body, prompt_tokens(path, body, self.tokenizer)
+
+        if self.tokenizer is None and len(request.body) <= INLINE_BODY_BYTES:
+            return read()
+        return await asyncio.get_running_loop().run_in_executor(self._reader, read)
 
     async def _proxy(
         self,
@@ -267,6 +322,7 @@ def build_router(config: Config) -> tuple[Router, Client | None]:
         request_cost_tokens=settings.request_cost_tokens,
         index_retry_s=settings.index_retry_s,
         policy=settings.policy,
+        max_body_bytes=settings.max_body_bytes,
     )
     if prefill:
         router.prefill = PrefillStage(
@@ -308,5 +364,6 @@ async def run_router(config: Config, on_ready: Callable[[str], None]) -> None:
         async with server:
             await server.serve_forever()
     finally:
+        router.close()
         if client is not None:
             await client.aclose()

@@ -8,9 +8,10 @@ with a message that says what was wrong).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from typing import Any, TypeVar
 
 import grpc
@@ -187,12 +188,14 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
 
     async def Get(
         self, request: pb.GetRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> AsyncIterator[pb.GetResponse]:
+    ) -> None:
         """Stream results in request order, about :data:`MESSAGE_TARGET_BYTES` a message.
 
         Keys are read a window of about :data:`GET_WINDOW_BYTES` at a time (sized by the lengths
         the index knows), each window charged to the in-flight budget until its messages are
         sent: a request holds at most one window (plus one block) however many keys it names.
+        Messages are written here, not yielded to grpc, so that a client cancelling mid-send ends
+        the call quietly (:func:`_send`).
         """
 
         async def check() -> tuple[Tenant, list[bytes]]:
@@ -204,8 +207,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
 
         with self._timed("get"):
             tenant, keys = await guard(context, check)
-            async for response in self._get(tenant, keys, request.namespace, context):
-                yield response
+            await self._get(tenant, keys, request.namespace, context)
 
     async def _get(
         self,
@@ -213,7 +215,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
         keys: list[bytes],
         namespace: bytes,
         context: grpc.aio.ServicerContext[Any, Any],
-    ) -> AsyncIterator[pb.GetResponse]:
+    ) -> None:
         """:meth:`Get`'s windows; keys not yet answered when the call is cancelled (its deadline,
         or the client gone) count as ``deadline`` misses."""
         store, budget = tenant.store, tenant.budget
@@ -222,9 +224,13 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
         # Reads this call makes on other nodes (peer fetch) end by its deadline.
         REQUEST_DEADLINE.set(None if left is None else time.monotonic() + left)
         try:
-            async for response in self._windows(store, budget, keys, namespace, context):
-                answered = response[0]
-                yield response[1]
+            # Closed at once on cancellation: the open window's budget goes back now, not when
+            # the generator is collected.
+            windows = self._windows(store, budget, keys, namespace, context)
+            async with contextlib.aclosing(windows):
+                async for start, response in windows:
+                    answered = start
+                    await _send(context, response)
         except asyncio.CancelledError:
             store.record_misses("deadline", len(keys) - answered)
             raise
@@ -236,7 +242,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
         keys: list[bytes],
         namespace: bytes,
         context: grpc.aio.ServicerContext[Any, Any],
-    ) -> AsyncIterator[tuple[int, pb.GetResponse]]:
+    ) -> AsyncGenerator[tuple[int, pb.GetResponse], None]:
         for start, stop, estimate in _windows(store.stored_lengths(keys)):
             charged = await budget.take(estimate)
             try:
@@ -366,6 +372,22 @@ async def _within(messages: AsyncIterator[T], seconds: float) -> AsyncIterator[T
             f"the Put stream did not end within {seconds:g}s (server.put_stream_timeout_s); "
             "none of it was stored"
         ) from None
+
+
+async def _send(context: grpc.aio.ServicerContext[Any, Any], response: pb.GetResponse) -> None:
+    """Write one message of a Get stream; a stream its client closed ends as cancelled.
+
+    A client that cancels while a message is being sent fails that send in grpc's core
+    (``ExecuteBatchError``). Raised out of the handler, grpc logs it with a traceback unless it
+    has already seen the cancellation, which arrives separately: a race it loses about once in
+    a few thousand cancelled streams. The call is over either way; ending it as cancelled is what
+    grpc itself does when it sees the cancellation first, and it logs that at debug level.
+    """
+    try:
+        await context.write(response)
+    except grpc.aio.InternalError as exc:  # ExecuteBatchError: the stream closed under the send
+        logger.debug("a Get stream closed while a message was sent: %s", exc)
+        raise asyncio.CancelledError("the client closed the stream") from exc
 
 
 #: The payload bytes one Get reads before sending them: a few messages' worth, so that tiers are

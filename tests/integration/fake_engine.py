@@ -29,12 +29,14 @@ def stream_events(name: str, count: int) -> bytes:
 
 class FakeEngine:
     """One fake replica named ``name`` on 127.0.0.1; ``delay_s`` before each answer (so that a
-    burst is in flight at once)."""
+    burst is in flight at once). With ``raw``, POST bodies are kept as bytes in :attr:`bodies`,
+    not parsed (a test of the router's memory and latency needs none of the engine's)."""
 
-    def __init__(self, name: str, delay_s: float = 0.0) -> None:
+    def __init__(self, name: str, delay_s: float = 0.0, *, raw: bool = False) -> None:
         self.name = name
         self.delay_s = delay_s
         self.requests: list[tuple[str, dict[str, Any]]] = []
+        self.bodies: list[bytes] = []
         engine = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -61,7 +63,12 @@ class FakeEngine:
                     self._send(404, {"error": "no such path"})
 
             def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                data = self.rfile.read(int(self.headers["Content-Length"]))
+                if raw:
+                    engine.bodies.append(data)
+                    self._send(200, {"object": "text_completion", "choices": []})
+                    return
+                body = json.loads(data)
                 engine.requests.append((self.path, body))
                 time.sleep(engine.delay_s)
                 if not body.get("stream"):

@@ -10,11 +10,7 @@ requests still succeed, routed by load, and the fallback metric counts them.
 from __future__ import annotations
 
 import dataclasses
-import http.client
 import json
-import os
-import re
-import subprocess
 import sys
 import threading
 import time
@@ -35,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "tiers"))
 sys.path.insert(0, str(Path(__file__).parent))
 from fake_engine import FakeEngine, stream_events
 from redis_server import RedisServer
+from router_process import RouterProcess
 
 NS = Namespace(model="router-test", num_layers=2, num_kv_heads=2, head_size=64)
 CHUNK = 16
@@ -63,60 +60,6 @@ def cluster_env(url: str, node: str) -> dict[str, str]:
         "KVSTORE_CLUSTER_NODE_ID": node,
         "KVSTORE_CLUSTER_PUBLISH_INTERVAL_S": "0.05",
     }
-
-
-class RouterProcess:
-    """``kvstore router`` in a subprocess; :meth:`call` talks HTTP to it."""
-
-    def __init__(self, tmp: Path, replicas: list[str], index_url: str) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-        # The burst stays on one replica while its hit outweighs the load (see scoring).
-        env["KVSTORE_ROUTER_REQUEST_COST_TOKENS"] = "16"
-        env["KVSTORE_ROUTER_INDEX_TIMEOUT_S"] = "1.0"
-        command = [sys.executable, "-m", "kvstore.cli", "router", "--listen", "127.0.0.1:0"]
-        for replica in replicas:
-            command += ["--replica", replica]
-        command += ["--namespace", namespace_json(), "--chunk-size", str(CHUNK)]
-        command += ["--index-url", index_url]
-        self.log = (tmp / "router.log").open("w+b")
-        self.proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=self.log)
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline().decode()
-        match = re.match(r"kvstore router on http://(\S+):(\d+)", line)
-        assert match, f"router did not start: {line!r} {self.stderr()}"
-        self.host, self.port = match.group(1), int(match.group(2))
-
-    def stderr(self) -> str:
-        self.log.seek(0)
-        return self.log.read().decode(errors="replace")
-
-    def call(self, method: str, path: str, body: Any = None) -> tuple[int, bytes]:
-        connection = http.client.HTTPConnection(self.host, self.port, timeout=30)
-        try:
-            payload = json.dumps(body).encode() if body is not None else None
-            headers = {"Content-Type": "application/json"} if payload else {}
-            connection.request(method, path, payload, headers)
-            response = connection.getresponse()
-            return response.status, response.read()
-        finally:
-            connection.close()
-
-    def complete(self, prompt: list[int], **extra: Any) -> dict[str, Any]:
-        status, body = self.call("POST", "/v1/completions", {"prompt": prompt, **extra})
-        assert status == 200, body
-        answer: dict[str, Any] = json.loads(body)
-        return answer
-
-    def metric(self, name: str, labels: str) -> float:
-        _, text = self.call("GET", "/metrics")
-        series = name + "{" + labels + "}" if labels else name
-        pattern = "^" + re.escape(series) + r" (\S+)$"
-        found = re.search(pattern, text.decode(), re.MULTILINE)
-        return float(found.group(1)) if found else 0.0
-
-    def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
 
 
 def tokens(first: int, chunks: int) -> list[int]:
@@ -154,7 +97,16 @@ def setup(
         b = server_factory(env=cluster_env(redis_server.url, "node-b"))
         engine_a, engine_b = FakeEngine("a", delay_s=0.3), FakeEngine("b", delay_s=0.3)
         router = RouterProcess(
-            tmp_path, [f"{engine_a.url}=node-a", f"{engine_b.url}=node-b"], redis_server.url
+            tmp_path,
+            [f"{engine_a.url}=node-a", f"{engine_b.url}=node-b"],
+            namespace=namespace_json(),
+            chunk_size=CHUNK,
+            index_url=redis_server.url,
+            # The burst stays on one replica while its hit outweighs the load (see scoring).
+            env={
+                "KVSTORE_ROUTER_REQUEST_COST_TOKENS": "16",
+                "KVSTORE_ROUTER_INDEX_TIMEOUT_S": "1.0",
+            },
         )
         try:
             yield redis_server, a, b, engine_a, engine_b, router

@@ -1,0 +1,133 @@
+"""``kvstore router`` as a real subprocess, for the router's integration tests.
+
+:class:`RouterProcess` starts ``python -m kvstore.cli router`` on a free loopback port (its
+settings from flags and ``KVSTORE_ROUTER_*`` variables, every other ``KVSTORE_*`` variable of
+the test's environment left out), waits for its ready line, and talks HTTP to it: JSON calls
+(:meth:`call`), raw requests whose bytes the test chooses (:meth:`send`), metrics, its log and
+its memory (``/proc/PID/status``).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = ["RouterProcess"]
+
+
+class RouterProcess:
+    """``kvstore router`` in a subprocess in front of ``replicas`` (``URL=NODE_ID``)."""
+
+    def __init__(
+        self,
+        tmp: Path,
+        replicas: list[str],
+        *,
+        namespace: str,
+        chunk_size: int,
+        index_url: str = "",
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+        full_env.update(env or {})
+        command = [sys.executable, "-m", "kvstore.cli", "router", "--listen", "127.0.0.1:0"]
+        for replica in replicas:
+            command += ["--replica", replica]
+        command += ["--namespace", namespace, "--chunk-size", str(chunk_size)]
+        if index_url:
+            command += ["--index-url", index_url]
+        self.log = (tmp / "router.log").open("w+b")
+        self.proc = subprocess.Popen(command, env=full_env, stdout=subprocess.PIPE, stderr=self.log)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline().decode()
+        match = re.match(r"kvstore router on http://(\S+):(\d+)", line)
+        assert match, f"router did not start: {line!r} {self.stderr()}"
+        self.host, self.port = match.group(1), int(match.group(2))
+
+    def stderr(self) -> str:
+        """Everything the router logged so far."""
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")
+
+    def call(self, method: str, path: str, body: Any = None) -> tuple[int, bytes]:
+        """One request with ``body`` as JSON; the status and the response body."""
+        connection = http.client.HTTPConnection(self.host, self.port, timeout=30)
+        try:
+            payload = json.dumps(body).encode() if body is not None else None
+            headers = {"Content-Type": "application/json"} if payload else {}
+            connection.request(method, path, payload, headers)
+            response = connection.getresponse()
+            return response.status, response.read()
+        finally:
+            connection.close()
+
+    def complete(self, prompt: Any, **extra: Any) -> dict[str, Any]:
+        """A ``/v1/completions`` of ``prompt`` that must answer 200; its JSON answer."""
+        status, body = self.call("POST", "/v1/completions", {"prompt": prompt, **extra})
+        assert status == 200, body
+        answer: dict[str, Any] = json.loads(body)
+        return answer
+
+    def send(self, head: str, body: bytes = b"", timeout: float = 30.0) -> tuple[int | None, bytes]:
+        """Send ``head`` (request line and headers, without the blank line) and ``body`` as they
+        are; the status (``None``: the router closed without answering) and the response body.
+        """
+        with socket.create_connection((self.host, self.port), timeout=timeout) as sock:
+            sock.sendall(head.encode("latin-1") + b"\r\n\r\n")
+            if body:
+                sock.sendall(body)
+            chunks = []
+            while data := sock.recv(1 << 16):
+                chunks.append(data)
+        response = b"".join(chunks)
+        if not response:
+            return None, b""
+        status_line, _, rest = response.partition(b"\r\n")
+        return int(status_line.split()[1]), rest.partition(b"\r\n\r\n")[2]
+
+    def metric(self, name: str, labels: str) -> float:
+        """The value of one series on ``/metrics`` (0 when absent)."""
+        _, text = self.call("GET", "/metrics")
+        series = name + "{" + labels + "}" if labels else name
+        pattern = "^" + re.escape(series) + r" (\S+)$"
+        found = re.search(pattern, text.decode(), re.MULTILINE)
+        return float(found.group(1)) if found else 0.0
+
+    def memory(self, field: str = "VmRSS") -> int:
+        """A ``/proc/PID/status`` memory figure of the router, in bytes (VmRSS, VmHWM...)."""
+        text = Path(f"/proc/{self.proc.pid}/status").read_text()
+        found = re.search(rf"^{field}:\s+(\d+) kB$", text, re.MULTILINE)
+        assert found, f"no {field} in /proc/{self.proc.pid}/status"
+        return int(found.group(1)) * 1024
+
+    def reset_peak_memory(self) -> None:
+        """Start VmHWM again from the current resident size (``clear_refs`` 5)."""
+        Path(f"/proc/{self.proc.pid}/clear_refs").write_text("5")
+
+    def health_seconds(self, timeout: float = 30.0) -> float:
+        """How long ``/health`` took to answer 200."""
+        started = time.monotonic()
+        connection = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        try:
+            connection.request("GET", "/health")
+            response = connection.getresponse()
+            response.read()
+            assert response.status == 200, response.status
+        finally:
+            connection.close()
+        return time.monotonic() - started
+
+    def stop(self) -> None:
+        """Kill the router."""
+        self.proc.kill()
+        self.proc.wait()
+        self.log.close()
