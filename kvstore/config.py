@@ -17,16 +17,21 @@ from __future__ import annotations
 
 import difflib
 import os
-import pwd
 import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any
 
 from kvstore.cluster_config import SHARED_DATA, ClusterConfig, check_advertise
 from kvstore.errors import ConfigError
+from kvstore.machine_defaults import (
+    available_memory,
+    default_data_dir,
+    default_dram_capacity,
+    default_inflight_bytes,
+    machine_defaults,
+)
 from kvstore.policy import EVICTIONS, NVME_ADMISSIONS, SHARED_WRITES
 from kvstore.router_config import RouterConfig
 from kvstore.sizes import SIZE_HINT, format_size, parse_size
@@ -48,6 +53,10 @@ __all__ = [
     "RouterConfig",
     "ServerConfig",
     "TenantConfig",
+    "available_memory",
+    "default_data_dir",
+    "default_dram_capacity",
+    "default_inflight_bytes",
     "format_size",
     "hash_secret",
     "load_config",
@@ -55,65 +64,6 @@ __all__ = [
     "parse_size",
     "unknown_env_vars",
 ]
-
-_DEFAULT_AVAILABLE = 4 * 1024**3
-
-
-def available_memory(meminfo: str | None = None) -> int:
-    """``MemAvailable`` in bytes from the text of ``/proc/meminfo`` (read when ``None``); 4 GiB
-    when it cannot be read or says nothing about it."""
-    if meminfo is None:
-        try:
-            meminfo = Path("/proc/meminfo").read_text()
-        except OSError:
-            return _DEFAULT_AVAILABLE
-    for line in meminfo.splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return _DEFAULT_AVAILABLE
-
-
-def default_dram_capacity(available: int) -> int:
-    """A quarter of ``available`` bytes, capped at 16 GiB and rounded down to a MiB."""
-    return min(available // 4, 16 * 1024**3) // 1024**2 * 1024**2
-
-
-def default_inflight_bytes(dram_capacity: int) -> int:
-    """A quarter of the dram arena, at least 64 MiB: the bytes requests may hold at once."""
-    return max(dram_capacity // 4, 64 * 1024**2)
-
-
-def default_data_dir(env: Mapping[str, str]) -> str:
-    """``$XDG_DATA_HOME/kvstore`` (``~/.local/share/kvstore``): where embedded nvme data lives.
-
-    The home directory is ``$HOME`` of ``env``, else the user's entry in the password database
-    (what :meth:`Path.home` falls back to), so that nothing here reads the process environment.
-    """
-    base = env.get("XDG_DATA_HOME") or str(_home(env) / ".local" / "share")
-    return str(Path(base) / "kvstore")
-
-
-def _home(env: Mapping[str, str]) -> Path:
-    if env.get("HOME"):
-        return Path(env["HOME"])
-    try:
-        return Path(pwd.getpwuid(os.getuid()).pw_dir)
-    except KeyError:  # a uid without an entry: what expanduser("~") gives then
-        return Path("~")
-
-
-def machine_defaults(env: Mapping[str, str], meminfo: str | None = None) -> dict[str, Any]:
-    """The defaults that depend on the machine, by dotted setting name; the one place they are
-    worked out (the dataclasses below hold plain data).
-
-    ``dram.capacity`` is :func:`default_dram_capacity` of the memory ``meminfo`` (the text of
-    ``/proc/meminfo``, read when ``None``) says is available; ``nvme.path`` is ``nvme`` under
-    :func:`default_data_dir` of ``env``.
-    """
-    return {
-        "dram.capacity": default_dram_capacity(available_memory(meminfo)),
-        "nvme.path": str(Path(default_data_dir(env)) / "nvme"),
-    }
 
 
 @dataclass(frozen=True)

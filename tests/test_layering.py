@@ -39,6 +39,7 @@ LAYERS: dict[str, int] = {
     "kvstore.block": 0,
     "kvstore.config": 0,
     "kvstore.sizes": 0,
+    "kvstore.machine_defaults": 0,
     "kvstore.cluster_config": 0,
     "kvstore.tenant_config": 0,
     "kvstore.router_config": 0,
