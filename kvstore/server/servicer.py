@@ -204,7 +204,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
 
         with self._timed("get"):
             tenant, keys = await guard(context, check)
-            async for response in self._get(tenant, keys, request.namespace, context):
+            async for response in self._get(
+                tenant, keys, request.namespace, context, sealed=request.sealed
+            ):
                 yield response
 
     async def _get(
@@ -213,16 +215,19 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
         keys: list[bytes],
         namespace: bytes,
         context: grpc.aio.ServicerContext[Any, Any],
+        *,
+        sealed: bool = False,
     ) -> AsyncIterator[pb.GetResponse]:
         """:meth:`Get`'s windows; keys not yet answered when the call is cancelled (its deadline,
-        or the client gone) count as ``deadline`` misses."""
+        or the client gone) count as ``deadline`` misses. ``sealed``: hits carry their sealed
+        header (a node reading another's blocks verifies them with it)."""
         store, budget = tenant.store, tenant.budget
         answered = 0
         left = context.time_remaining()
         # Reads this call makes on other nodes (peer fetch) end by its deadline.
         REQUEST_DEADLINE.set(None if left is None else time.monotonic() + left)
         try:
-            async for response in self._windows(store, budget, keys, namespace, context):
+            async for response in self._windows(store, budget, keys, namespace, context, sealed):
                 answered = response[0]
                 yield response[1]
         except asyncio.CancelledError:
@@ -236,6 +241,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
         keys: list[bytes],
         namespace: bytes,
         context: grpc.aio.ServicerContext[Any, Any],
+        sealed: bool,
     ) -> AsyncIterator[tuple[int, pb.GetResponse]]:
         for start, stop, estimate in _windows(store.stored_lengths(keys)):
             charged = await budget.take(estimate)
@@ -245,7 +251,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
                 window = list(dict.fromkeys(keys[start:stop]))
 
                 async def read(window: list[bytes] = window) -> list[GetResult]:
-                    return await store.get(window, namespace)
+                    return await store.get(window, namespace, sealed=sealed)
 
                 read_once = dict(zip(window, await guard(context, read), strict=True))
                 results = [read_once[key] for key in keys[start:stop]]
@@ -396,7 +402,13 @@ def _responses(offset: int, results: list[GetResult]) -> Iterator[pb.GetResponse
             batch.append(pb.GetResult(index=index, found=False))
         else:
             batch.append(
-                pb.GetResult(index=index, found=True, value=bytes(result.payload), tier=result.tier)
+                pb.GetResult(
+                    index=index,
+                    found=True,
+                    value=bytes(result.payload),
+                    tier=result.tier,
+                    header=result.sealed_header or b"",
+                )
             )
             size += len(result.payload)
         if size >= MESSAGE_TARGET_BYTES:
