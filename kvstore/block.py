@@ -19,13 +19,20 @@ A block has two headers, for the two kinds of place it lives in:
   the payload. Without the secret no one can make a header that verifies, so a reader proves that
   the bytes it found are exactly the bytes a node holding the secret stored under that key and
   namespace, and otherwise treats them as a miss.
+* **between nodes** (peer fetch: anyone able to write to the cluster index can pose as a node) a
+  block travels with the same header, packed beside the payload (*sealed*): the node serving it
+  seals it (:meth:`BlockHeader.seal`), the node reading it verifies it
+  (:func:`verify_sealed`) before it installs or serves a byte of it.
 
 The MAC (about 0.7 ms per MiB) is computed lazily: only when a block is encoded for nvme or redis
-(:meth:`BlockHeader.seal`, which first checks the payload against its checksum, so bytes changed
-in the arena are refused rather than signed), and verified on every read from those tiers
-(:func:`decode_value`, which computes the checksum of the block as it comes back into memory).
-Both run off the event loop (the nvme tier's worker thread; a thread for large redis batches). A
-store with only dram never computes a MAC; one with only nvme signs every put, in the worker.
+or sealed for a peer (:meth:`BlockHeader.seal`, which first checks the payload against its
+checksum, so bytes changed in the arena are refused rather than signed), and verified on every
+read from those tiers and from peers (:func:`decode_value`, :func:`verify_sealed`, which compute
+the checksum of the block as it comes back into memory). A header read back that way keeps its
+verified MAC (:attr:`BlockHeader.mac`), so sealing the same bytes again costs only the checksum.
+All of it runs off the event loop (the nvme tier's worker thread; a thread for large redis
+batches and for peer reads). A store with only dram never computes a MAC unless a peer reads
+from it; one with only nvme signs every put, in the worker.
 
 Wire layout (little-endian), version 2::
 
@@ -55,7 +62,7 @@ import hmac
 import os
 import struct
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import xxhash
 
@@ -74,6 +81,7 @@ __all__ = [
     "encode_header",
     "install_keyring",
     "installed_keyring",
+    "verify_sealed",
 ]
 
 MAGIC = b"KVB1"
@@ -233,12 +241,16 @@ class BlockHeader:
 
     ``checksum`` is ``None`` only in headers a persistent tier lists at start-up without reading
     the payload (:meth:`kvstore.tiers.base.Tier.scan`), which serve to index and nothing else.
+    ``mac`` is the block's keyed MAC where it is known already (a block read from nvme or redis,
+    whose MAC was just verified), so that sealing it again costs a checksum, not a MAC.
     """
 
     key: bytes
     namespace: bytes
     length: int
     checksum: int | None
+    #: A cache, not part of what the header says: equal headers may differ in it.
+    mac: bytes | None = field(default=None, compare=False)
 
     @classmethod
     def for_payload(cls, key: bytes, namespace: bytes, payload: Buffer) -> BlockHeader:
@@ -262,9 +274,12 @@ class BlockHeader:
 
         Checks the payload against the checksum first, so that bytes changed since the put (by a
         client writing the shared arena, or rot) are refused (:class:`CorruptBlockError`) rather
-        than signed. Costs a MAC over the payload: call it off the event loop for large blocks.
+        than signed. Costs a MAC over the payload (none where :attr:`mac` is known): call it off
+        the event loop for large blocks.
         """
         self.verify(payload)
+        if self.mac is not None:  # the payload is the one this MAC was verified over
+            return WireHeader(self.key, self.namespace, self.length, self.mac).pack()
         return encode_header(self.key, self.namespace, payload, keyring)
 
 
@@ -305,5 +320,26 @@ def decode_value(
         raise CorruptBlockError(f"value under {key.hex()} names key {wire.key.hex()}")
     payload = view[HEADER_BYTES:]
     wire.verify(payload, keyring)
-    header = BlockHeader(wire.key, wire.namespace, wire.length, checksum_of((payload,)))
+    header = BlockHeader(wire.key, wire.namespace, wire.length, checksum_of((payload,)), wire.mac)
     return header, payload
+
+
+def verify_sealed(
+    key: bytes, namespace: bytes, header: Buffer, payload: Buffer, keyring: Keyring | None = None
+) -> BlockHeader:
+    """Verify a block that travelled as a packed header beside its payload (a peer's answer).
+
+    Returns the in-memory header (checksum computed, MAC kept); raises :class:`CorruptBlockError`
+    unless ``header`` is a version-2 header for exactly ``key`` in ``namespace`` whose MAC, under
+    ``keyring``, covers ``payload``. A missing header (empty) fails like a forged one. Costs a MAC
+    and a checksum over the payload: call it off the event loop for large payloads.
+    """
+    if len(header) != HEADER_BYTES:
+        raise CorruptBlockError(f"a sealed header is {HEADER_BYTES} bytes, got {len(header)}")
+    wire = WireHeader.unpack(header)
+    if wire.key != key:
+        raise CorruptBlockError(f"block for {key.hex()} is sealed for key {wire.key.hex()}")
+    if wire.namespace != namespace:
+        raise CorruptBlockError(f"block for {key.hex()} is sealed for another namespace")
+    wire.verify(payload, keyring)
+    return BlockHeader(key, namespace, wire.length, checksum_of((payload,)), wire.mac)

@@ -9,7 +9,7 @@ TLS); across a network, use TLS (``tls_ca``) so the token is not readable on the
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -104,8 +104,12 @@ def blocking_channel(target: str, security: ChannelSecurity) -> grpc.Channel:
     return grpc.intercept_channel(channel, _BlockingToken(extra))
 
 
-def aio_channel(target: str, security: ChannelSecurity) -> grpc.aio.Channel:
-    """A ``grpc.aio`` channel to ``target`` with ``security`` applied."""
+def aio_channel(
+    target: str, security: ChannelSecurity, options: Sequence[tuple[str, Any]] | None = None
+) -> grpc.aio.Channel:
+    """A ``grpc.aio`` channel to ``target`` with ``security`` applied; ``options``: its channel
+    arguments (default: no message size limit, as a client trusts its server's answers)."""
+    options = _wire.CHANNEL_OPTIONS if options is None else list(options)
     extra = security.metadata()
     interceptors: list[Any] = []
     if extra:
@@ -117,11 +121,9 @@ def aio_channel(target: str, security: ChannelSecurity) -> grpc.aio.Channel:
         ]
     credentials = security.credentials()
     if credentials is None:
-        return grpc.aio.insecure_channel(
-            target, options=_wire.CHANNEL_OPTIONS, interceptors=interceptors or None
-        )
+        return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors or None)
     return grpc.aio.secure_channel(
-        target, credentials, options=_wire.CHANNEL_OPTIONS, interceptors=interceptors or None
+        target, credentials, options=options, interceptors=interceptors or None
     )
 
 

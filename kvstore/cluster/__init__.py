@@ -6,7 +6,10 @@ a router asks :class:`~.index.ClusterIndex` which nodes hold how many leading ch
 request. :mod:`.layout` names the Redis keys; :mod:`.node` starts and stops it all for a server.
 With ``cluster.engine_events`` a node also publishes, as tier ``local``, the chunks the vLLM
 engine beside it holds in its own prefix cache, learnt from the engine's KV events
-(:mod:`.engine_events`, :mod:`.engine_chunks`; their staleness is described there).
+(:mod:`.engine_events`, :mod:`.engine_chunks`; their staleness is described there). With
+``cluster.shared_data = peers | both`` a node reads blocks it lacks from the nodes the index names
+(:mod:`.peers`, over :mod:`.peer_grpc` or :mod:`.peer_ucx`), and an entry proves nothing: every
+block a peer sends is verified against its keyed MAC before it is used (:mod:`.peer_blocks`).
 
 **What counts.** An entry counts only while its node's lease is alive *and* carries the entry's
 boot epoch: a node that crashed stops counting when its lease expires, a restarted node's entries

@@ -115,6 +115,7 @@ async def start_cluster(
                 timeout_s=settings.peer_timeout_s,
                 max_block_bytes=store.max_block_bytes,
                 transport=settings.peer_transport,
+                keyring=store.keyring,
             )
             store.set_remote_source(source)
             peers[tenant] = (store, source)

@@ -4,7 +4,10 @@
 (its gRPC target and advertised UCX address). It speaks the same protocol as the client's UCX data
 path (:mod:`kvstore.client.ucx`): an authenticated ``UcxTransfer.UcxGet`` control call over gRPC
 (carrying ``cluster.peer_token``, so the peer checks it like any client's), then the payloads over
-the UCX endpoint, tagged by transfer id and index.
+the UCX endpoint, tagged by transfer id and index. The call asks for the blocks sealed
+(``UcxGetRequest.sealed``): the answer carries each payload's sealed header, returned with the
+payload for the peer source to verify (:mod:`kvstore.cluster.peer_blocks`); the xxh3 checksums of
+the answer only tell a damaged transfer from a whole one.
 
 **Which loop.** Unlike the blocking client, which runs ucxx on a thread of its own, a link runs on
 the server's event loop, where the peer source runs: ucxx completes its futures on the loop that
@@ -12,9 +15,11 @@ first used it, and in a server that is the loop of its own UCX listener. The ser
 blocked: every step is awaited.
 
 **Failures.** Any failure (no ucxx, no connection, a late or failed transfer, a peer that forgot
-this endpoint twice) raises :class:`~kvstore.protocol.ucx.UcxTransportError` after dropping the
-endpoint (which cancels receives still posted, so nothing lands late); the peer source then reads
-the same keys over gRPC in what is left of the deadline. Request errors of the peer (a refused
+this endpoint twice, an answer not well-formed: a header missing, a block over
+``server.max_block_bytes``, which is never allocated) raises
+:class:`~kvstore.protocol.ucx.UcxTransportError` after dropping the endpoint (which cancels
+receives still posted, so nothing lands late); the peer source then reads the same keys over gRPC
+in what is left of the deadline. Request errors of the peer (a refused
 token, a bad namespace) raise the :class:`~kvstore.errors.KVStoreError` gRPC would.
 """
 
@@ -35,6 +40,7 @@ from kvstore._proto.kvstore.v1 import ucx_pb2_grpc as ucx_pb_grpc
 from kvstore.client.channel import ChannelSecurity, aio_channel
 from kvstore.client.core import client_settings
 from kvstore.client.ucx import CONNECT_SHARE, abort_endpoint, open_endpoint, receive_payloads
+from kvstore.cluster.peer_blocks import SealedBlock
 from kvstore.protocol import messages as _wire
 from kvstore.protocol.ucx import (
     CLIENT_ID_BYTES,
@@ -59,11 +65,15 @@ _TRANSPORT_CODES = {
 
 
 class UcxPeerLink:
-    """Reads blocks from one peer over UCX (``target``: its gRPC address, for the control calls;
-    ``ucx_address``: the ``HOST:PORT`` its listener advertises), presenting ``token``."""
+    """Reads sealed blocks from one peer over UCX (``target``: its gRPC address, for the control
+    calls; ``ucx_address``: the ``HOST:PORT`` its listener advertises), presenting ``token``;
+    a block over ``max_block_bytes`` fails the read."""
 
-    def __init__(self, target: str, ucx_address: str, token: str) -> None:
+    def __init__(
+        self, target: str, ucx_address: str, token: str, max_block_bytes: int = 64 * 1024**2
+    ) -> None:
         self.target = target
+        self.max_block_bytes = max_block_bytes
         self.address = ucx_address
         self._host, self._port = parse_address(ucx_address)
         security = ChannelSecurity.for_client(
@@ -88,10 +98,10 @@ class UcxPeerLink:
         namespace: bytes,
         timeout: float,
         landing: Landing | None = None,
-    ) -> list[bytes | None]:
-        """Each key's payload (``None`` where the peer does not hold it), within ``timeout``;
-        received into ``landing``'s buffers where it offers them (those buffers are then the
-        payloads; on failure they are abandoned to it)."""
+    ) -> list[SealedBlock | None]:
+        """Each key's sealed block, unverified (``None`` where the peer does not hold it), within
+        ``timeout``; received into ``landing``'s buffers where it offers them (those buffers are
+        then the payloads; on failure they are abandoned to it)."""
         deadline = time.monotonic() + timeout
         for attempt in (1, 2):
             endpoint, client_id = await self._connect(deadline)
@@ -101,6 +111,7 @@ class UcxPeerLink:
                 keys=list(keys),
                 client_id=client_id,
                 transfer_id=transfer_id,
+                sealed=True,
             )
             try:
                 response = await self._stub.UcxGet(request, timeout=_remaining(deadline))
@@ -117,8 +128,8 @@ class UcxPeerLink:
                         f"UCX control call failed: {exc.code().name}: {details}"
                     ) from exc
                 raise _wire.map_rpc_error(exc) from exc
-            if len(response.lengths) != len(keys) or len(response.sent) != len(keys):
-                await self.drop()
+            if not _well_formed(response, len(keys), self.max_block_bytes):
+                await self.drop()  # the peer's sends, if any, end with the endpoint
                 raise UcxTransportError("malformed UcxGet answer")
             try:
                 # Bounded too: reserving pages may wait for the store's lock and evict.
@@ -142,11 +153,11 @@ class UcxPeerLink:
                         landing.abandon([keys[index] for index in blocks])
                     await self.drop()
                     raise
-            payloads: list[bytes | None] = [None] * len(keys)
+            sealed: list[SealedBlock | None] = [None] * len(keys)
             for index, block in blocks.items():
                 # bytes-like, and the store only measures, views and copies a served payload.
-                payloads[index] = cast(bytes, block)
-            return payloads
+                sealed[index] = SealedBlock(response.headers[index], cast(bytes, block))
+            return sealed
         raise UcxTransportError("the peer forgot this UCX endpoint twice")  # pragma: no cover
 
     async def _connect(self, deadline: float) -> tuple[Any, bytes]:
@@ -192,6 +203,19 @@ async def _buffers(
         index: bytearray(response.lengths[index]) if buffer is None else buffer
         for index, buffer in zip(sent, offered, strict=True)
     }
+
+
+def _well_formed(response: ucx_pb.UcxGetResponse, count: int, max_block_bytes: int) -> bool:
+    """An answer of ``count`` keys, each block sent with its header and within the size limit
+    (checked before a receive buffer of the stated length is made)."""
+    fields = (response.lengths, response.sent, response.headers)
+    if any(len(field) != count for field in fields):
+        return False
+    return all(
+        0 < length <= max_block_bytes
+        for length, sent in zip(response.lengths, response.sent, strict=True)
+        if sent
+    )
 
 
 def _remaining(deadline: float) -> float:

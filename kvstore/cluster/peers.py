@@ -25,15 +25,27 @@ leaves time (counted in ``peer_retries``).
 refused, unreachable, any error) is marked suspect with its lease's epoch and expiry at that
 moment, and is not asked again until its lease is renewed (its expiry moves later) or its epoch
 changes (it restarted); keys it holds are misses meanwhile (``peer_down``). A dead node's lease
-expires within ``cluster.lease_ttl_s`` and the index stops naming it.
+expires within ``cluster.lease_ttl_s`` and the index stops naming it. A peer that served a block
+failing verification is alive and renews its lease: it is asked again only once its epoch changes
+(restarted, e.g. with the right secret).
 
-**Checks.** A block counts only if the peer says found and its length is within
-``server.max_block_bytes``; the store checksums it as it places it here (like a promotion). For
-a promotion (a shared-memory or UCX reader's acquire), UCX receives straight into reserved pages
-of the host tier (:mod:`kvstore.store.landing`), which become the block in place.
+**Checks.** An index entry proves nothing (anyone able to write to the index Redis can register a
+node), so every block comes *sealed*, over either transport: with its wire header, whose keyed MAC
+covers key, namespace, length and payload under the cluster's integrity secret bound to the
+tenant (the keyring this node's store verifies its nvme and redis blocks with). Each is verified
+(:mod:`kvstore.cluster.peer_blocks`, off the event loop) before it is installed or served; one
+that fails (no header, another key or namespace, a MAC under another secret, a length out of
+``server.max_block_bytes``) is a ``corrupt`` miss, counted in ``peer_corrupt_blocks`` (the
+``tier="peer"`` series of ``kvstore_tier_corrupt_blocks``), its holder is suspect (below) and the
+key goes to the next holder. The store checksums a verified block as it places it here (like a
+promotion). For a promotion (a shared-memory or UCX reader's acquire), UCX receives straight into
+reserved pages of the host tier (:mod:`kvstore.store.landing`), which become the block in place
+once verified; pages of a block refused are abandoned to the landing, never installed.
 
 **Tenants.** One ``cluster.peer_token`` is presented for every tenant, so a peer serves the
-fetch from the tenant that token belongs to there; per-tenant peer tokens are not supported.
+fetch from the tenant that token belongs to there; per-tenant peer tokens are not supported. A
+peer seals with the keyring of the tenant it served from, so a block of another tenant is refused
+here like a forged one.
 """
 
 from __future__ import annotations
@@ -47,10 +59,12 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-from kvstore.client import AsyncKVStoreClient
+from kvstore.block import Keyring, installed_keyring
 from kvstore.cluster.index import ClusterIndex
 from kvstore.cluster.layout import REDIS_ERRORS
 from kvstore.cluster.membership import NodeInfo
+from kvstore.cluster.peer_blocks import SealedBlock, verify_blocks
+from kvstore.cluster.peer_grpc import GrpcPeerLink
 from kvstore.cluster.peer_ucx import UcxPeerLink
 from kvstore.cluster_config import PEER_TRANSPORTS
 from kvstore.errors import ConfigError, DeadlineExceededError
@@ -62,7 +76,7 @@ __all__ = ["PeerSource", "holder_rank"]
 
 logger = logging.getLogger(__name__)
 
-#: Clients kept open (one per peer and namespace; the least recently used is closed).
+#: Links kept open per transport (one per peer; the least recently used is closed).
 MAX_CLIENTS = 64
 #: How long UCX to a peer rests after a failure (its reads go over gRPC meanwhile, under ``auto``).
 UCX_RETRY_S = 30.0
@@ -104,6 +118,8 @@ class _Suspect:
     epoch: bytes | None
     #: ``time.monotonic()`` at which the lease would expire, as seen when marked.
     expires: float
+    #: It served blocks that failed verification: a renewed lease does not clear it.
+    forged: bool = False
 
 
 class PeerSource:
@@ -121,6 +137,7 @@ class PeerSource:
         timeout_s: float = 2.0,
         max_block_bytes: int = 64 * 1024**2,
         transport: str = "auto",
+        keyring: Keyring | None = None,
     ) -> None:
         if transport not in PEER_TRANSPORTS:
             raise ConfigError(
@@ -140,10 +157,13 @@ class PeerSource:
         self.token = token
         self.timeout_s = timeout_s
         self.max_block_bytes = max_block_bytes
+        #: What blocks from peers are verified with (the store's; ``None``: the process's).
+        self.keyring = keyring
         self._nodes: dict[str, NodeInfo] = {}
         self._suspects: dict[str, _Suspect] = {}
-        self._clients: OrderedDict[tuple[str, bytes], AsyncKVStoreClient] = OrderedDict()
+        self._clients: OrderedDict[str, GrpcPeerLink] = OrderedDict()
         self._links: OrderedDict[tuple[str, str], UcxPeerLink] = OrderedDict()
+        counters.add("peer_corrupt_blocks", 0)  # present (at 0) wherever peers are read
 
     async def read(
         self, keys: Sequence[bytes], namespace: bytes, landing: Landing | None = None
@@ -224,7 +244,7 @@ class PeerSource:
             for node, (epoch, pttl) in zip(suspects, await self._leases(suspects), strict=True):
                 mark = self._suspects[node]
                 renewed = time.monotonic() + pttl / 1000 > mark.expires + _RENEWAL_SLACK_S
-                if epoch != mark.epoch or (epoch is not None and renewed):
+                if epoch != mark.epoch or (epoch is not None and renewed and not mark.forged):
                     logger.info("peer fetch: node %s renewed its lease; asking it again", node)
                     del self._suspects[node]
                     if epoch != mark.epoch:
@@ -239,27 +259,31 @@ class PeerSource:
         answers = await pipe.execute()
         return [(answers[i], int(answers[i + 1])) for i in range(0, len(answers), 2)]
 
-    async def _suspect(self, node: str) -> None:
+    async def _suspect(self, node: str, forged: bool = False) -> None:
         try:
             ((epoch, pttl),) = await asyncio.wait_for(self._leases([node]), self.timeout_s)
         except REDIS_ERRORS:
             epoch, pttl = None, 0
-        self._suspects[node] = _Suspect(epoch, time.monotonic() + max(pttl, 0) / 1000)
+        expires = time.monotonic() + max(pttl, 0) / 1000
+        self._suspects[node] = _Suspect(epoch, expires, forged)
         self.counters.add("peer_suspected")
-        logger.warning("peer fetch: node %s did not answer; not asked until its lease renews", node)
+        if forged:
+            logger.warning(
+                "peer fetch: node %s served blocks that fail their MAC (a wrong integrity "
+                "secret, or not a node of this cluster); not asked again until it restarts",
+                node,
+            )
+        else:
+            logger.warning(
+                "peer fetch: node %s did not answer; not asked until its lease renews", node
+            )
 
-    def _client(self, node: str, namespace: bytes) -> AsyncKVStoreClient:
+    def _client(self, node: str) -> GrpcPeerLink:
         target = self._nodes[node].grpc
         return _cached(
             self._clients,
-            (target, namespace),  # a restarted node may listen elsewhere
-            lambda: AsyncKVStoreClient(
-                target,
-                namespace=namespace,
-                timeout=self.timeout_s,
-                data_plane="grpc",
-                token=self.token or None,
-            ),
+            target,  # a restarted node may listen elsewhere
+            lambda: GrpcPeerLink(target, self.token, self.max_block_bytes),
         )
 
     def _link(self, node: str) -> UcxPeerLink | None:
@@ -270,7 +294,7 @@ class PeerSource:
         return _cached(
             self._links,
             (info.grpc, info.ucx),  # a restarted node may listen elsewhere
-            lambda: UcxPeerLink(info.grpc, info.ucx, self.token),
+            lambda: UcxPeerLink(info.grpc, info.ucx, self.token, self.max_block_bytes),
         )
 
     async def _fetch(
@@ -286,7 +310,7 @@ class PeerSource:
         self.counters.add("peer_requests")
         wanted = [keys[position] for position in positions]
         reason, transport = "", "grpc"
-        got: list[bytes | None] = []
+        got: list[SealedBlock | None] = []
         try:
             link = self._link(node)
             if link is not None and (link.usable() or self.transport == "ucx"):
@@ -321,14 +345,30 @@ class PeerSource:
             self.counters.add(f"{reason}s", len(positions))
             await self._suspect(node)
             return
-        for position, payload in zip(positions, got, strict=True):
-            if payload is None or not 0 < len(payload) <= self.max_block_bytes:
+        verdicts = [True] * len(got)
+        if any(block is not None for block in got):
+            keyring = self.keyring or installed_keyring()
+            verdicts = await asyncio.to_thread(
+                verify_blocks, wanted, namespace, got, keyring, self.max_block_bytes
+            )
+        refused: list[bytes] = []
+        for position, block, verified in zip(positions, got, verdicts, strict=True):
+            if block is None:
                 continue  # the peer no longer holds it (evicted since it published): a miss
-            payloads[position] = payload
+            if not verified:  # never installed nor served; the next holder may have it
+                refused.append(keys[position])
+                why[position] = "corrupt"
+                continue
+            payloads[position] = block.payload
             why.pop(position, None)  # an earlier holder's failure, made good
             self.counters.add("peer_hits")
             self.counters.add(f"peer_hits_{transport}")
-            self.counters.add("peer_bytes", len(payload))
+            self.counters.add("peer_bytes", len(block.payload))
+        if refused:
+            if landing is not None:
+                landing.abandon(refused)  # pages they were received into are not reused yet
+            self.counters.add("peer_corrupt_blocks", len(refused))
+            await self._suspect(node, forged=True)
 
     async def _over_ucx(
         self,
@@ -337,7 +377,7 @@ class PeerSource:
         keys: list[bytes],
         namespace: bytes,
         landing: Landing | None,
-    ) -> list[bytes | None]:
+    ) -> list[SealedBlock | None]:
         budget = self._budget()
         if budget <= 0:
             raise DeadlineExceededError("no time left")
@@ -350,15 +390,15 @@ class PeerSource:
 
     async def _over_grpc(
         self, node: str, keys: list[bytes], namespace: bytes
-    ) -> list[bytes | None]:
+    ) -> list[SealedBlock | None]:
         budget = self._budget()
         if budget <= 0:
             raise DeadlineExceededError("no time left")
-        client = self._client(node, namespace)
-        return await asyncio.wait_for(client.get(keys, timeout=budget), budget)
+        link = self._client(node)
+        return await asyncio.wait_for(link.get(keys, namespace, budget), budget)
 
     async def aclose(self) -> None:
-        """Close every client and UCX link."""
+        """Close every gRPC and UCX link."""
         clients, self._clients = list(self._clients.values()), OrderedDict()
         for client in clients:
             await client.aclose()

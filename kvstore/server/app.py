@@ -65,11 +65,8 @@ def build_store(config: Config, keyring: Keyring | None = None) -> TieredStore:
     Its tiers sign and verify blocks with ``keyring``; ``None``: the keyring installed for the
     whole process (:func:`open_tenants` installs the configured one first).
     """
-    tiers = build_tiers(config)
-    for tier in tiers:
-        tier.keyring = keyring
     store = TieredStore(
-        tiers,
+        build_tiers(config),
         max_block_bytes=config.server.max_block_bytes,
         max_keys_per_request=config.server.max_keys_per_request,
         policy=Policy(
@@ -78,6 +75,7 @@ def build_store(config: Config, keyring: Keyring | None = None) -> TieredStore:
             eviction=config.policy.eviction,
             promote_after_reads=config.hbm.promote_after_reads,
         ),
+        keyring=keyring,
     )
     store.load_index()
     return store

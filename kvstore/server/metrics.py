@@ -155,10 +155,12 @@ class StoreCollector(Collector):
                 # Redis evicts by itself and no node knows its size: the store's stand-in
                 # capacity (2**62) would make every fill ratio read 0.
                 f["capacity"].add_metric(labels, entry.get("capacity", 0))
+        values = counters.values
+        if "peer_corrupt_blocks" in values:  # a node reading its peers: blocks they sent refused
+            f["corrupt"].add_metric(["peer", name], values["peer_corrupt_blocks"])
         for reason in MISS_REASONS:
             if reason != "denied":
                 f["misses"].add_metric([reason, name], counters.misses[reason])
-        values = counters.values
         writer = store.shared_writer
         shared = writer.tier
         if shared is not None:

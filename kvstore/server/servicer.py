@@ -207,7 +207,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
 
         with self._timed("get"):
             tenant, keys = await guard(context, check)
-            await self._get(tenant, keys, request.namespace, context)
+            await self._get(tenant, keys, request.namespace, context, sealed=request.sealed)
 
     async def _get(
         self,
@@ -215,9 +215,12 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
         keys: list[bytes],
         namespace: bytes,
         context: grpc.aio.ServicerContext[Any, Any],
+        *,
+        sealed: bool = False,
     ) -> None:
         """:meth:`Get`'s windows; keys not yet answered when the call is cancelled (its deadline,
-        or the client gone) count as ``deadline`` misses."""
+        or the client gone) count as ``deadline`` misses. ``sealed``: hits carry their sealed
+        header (a node reading another's blocks verifies them with it)."""
         store, budget = tenant.store, tenant.budget
         answered = 0
         left = context.time_remaining()
@@ -226,7 +229,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
         try:
             # Closed at once on cancellation: the open window's budget goes back now, not when
             # the generator is collected.
-            windows = self._windows(store, budget, keys, namespace, context)
+            windows = self._windows(store, budget, keys, namespace, context, sealed)
             async with contextlib.aclosing(windows):
                 async for start, response in windows:
                     answered = start
@@ -242,6 +245,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
         keys: list[bytes],
         namespace: bytes,
         context: grpc.aio.ServicerContext[Any, Any],
+        sealed: bool,
     ) -> AsyncGenerator[tuple[int, pb.GetResponse], None]:
         for start, stop, estimate in _windows(store.stored_lengths(keys)):
             charged = await budget.take(estimate)
@@ -251,7 +255,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
                 window = list(dict.fromkeys(keys[start:stop]))
 
                 async def read(window: list[bytes] = window) -> list[GetResult]:
-                    return await store.get(window, namespace)
+                    return await store.get(window, namespace, sealed=sealed)
 
                 read_once = dict(zip(window, await guard(context, read), strict=True))
                 results = [read_once[key] for key in keys[start:stop]]
@@ -418,7 +422,13 @@ def _responses(offset: int, results: list[GetResult]) -> Iterator[pb.GetResponse
             batch.append(pb.GetResult(index=index, found=False))
         else:
             batch.append(
-                pb.GetResult(index=index, found=True, value=bytes(result.payload), tier=result.tier)
+                pb.GetResult(
+                    index=index,
+                    found=True,
+                    value=bytes(result.payload),
+                    tier=result.tier,
+                    header=result.sealed_header or b"",
+                )
             )
             size += len(result.payload)
         if size >= MESSAGE_TARGET_BYTES:

@@ -16,6 +16,10 @@ be receiving into reserved pages until the transfer's operations end.) A block s
 several runs of pages still travels as one message (the client's wire format), so it goes through
 a contiguous copy; a block the arena has no room for is received into a buffer of its own and
 stored like a ``Put``.
+
+A *sealed* get (another node's peer fetch, ``UcxGetRequest.sealed``) sends copies instead, each
+with its packed wire header and keyed MAC (:meth:`TieredStore.get` with ``sealed``): the seal
+covers exactly the bytes that travel, which pages a co-located client can write would not ensure.
 """
 
 from __future__ import annotations
@@ -98,7 +102,7 @@ class UcxDataServer(UcxEndpoints):
         if sizes:
             check_pairs(keys, sizes, "buffer sizes")
         arena = scope.store.arena
-        if arena is None:
+        if arena is None or request.sealed:
             return await self._get_copies(scope, client, request, keys, sizes, context)
         tiers = _tiers_before_acquire(scope.store, arena, keys, request.namespace)
         session = scope.sessions.open()
@@ -152,8 +156,9 @@ class UcxDataServer(UcxEndpoints):
         sizes: list[int],
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> ucx_pb.UcxGetResponse:
-        """The get of a store without a dram arena: send copies of the payloads."""
-        results = await scope.store.get(keys, request.namespace)
+        """The get of a store without a dram arena, or a sealed get: send copies of the payloads
+        (sealed: with their sealed headers)."""
+        results = await scope.store.get(keys, request.namespace, sealed=request.sealed)
         lengths = [0 if r.payload is None else len(r.payload) for r in results]
         sent = [n > 0 and (not sizes or sizes[i] == n) for i, n in enumerate(lengths)]
         payloads = [(i, r.payload) for i, r in enumerate(results) if sent[i]]
@@ -162,7 +167,12 @@ class UcxDataServer(UcxEndpoints):
             # The store's payloads are copies, so nothing needs pinning while they travel.
             self._spawn(self._send(client, request.transfer_id, payloads, self._timeout(context)))
         tiers = [r.tier for r in results]
-        return ucx_pb.UcxGetResponse(lengths=lengths, sent=sent, tiers=tiers, checksums=checksums)
+        headers = []
+        if request.sealed:
+            headers = [(r.sealed_header or b"") if sent[i] else b"" for i, r in enumerate(results)]
+        return ucx_pb.UcxGetResponse(
+            lengths=lengths, sent=sent, tiers=tiers, checksums=checksums, headers=headers
+        )
 
     async def _send(
         self,

@@ -13,8 +13,9 @@ __all__ = ["MISS_REASONS", "StoreCounters"]
 
 #: Why a key asked for was not served (``misses`` in ``Stats``, ``kvstore_misses_total``):
 #: ``absent`` never stored here (as far as this node knows), ``evicted`` it left the store to make
-#: room, ``corrupt`` its copy failed verification, ``tier_down`` the shared tier that may hold it
-#: is down, ``namespace`` it is stored under another namespace; the server adds ``deadline`` (the
+#: room, ``corrupt`` its copy failed verification (in a tier, or as a peer sent it: see
+#: ``peer_corrupt_blocks``), ``tier_down`` the shared tier that may hold it is down, ``namespace``
+#: it is stored under another namespace; the server adds ``deadline`` (the
 #: call ran out of time) and ``denied`` (the caller's credentials were refused); peer fetch adds
 #: ``peer_timeout`` (the peer holding it did not answer in time) and ``peer_down`` (it refused or
 #: failed, or is suspect since it last did).

@@ -10,16 +10,24 @@ asked of it first, and what it does not serve goes on to the shared tier; a bloc
 placed here like a promotion (checksummed anew on the way into the host tier). A promotion lets
 the source receive blocks straight into reserved host-tier pages (:mod:`.landing`), which then
 become blocks where they lie, with no copy.
+
+**Sealed gets.** A get for another node (peer fetch) asks for each block *sealed*: its packed wire
+header with the keyed MAC beside the payload (:meth:`~kvstore.block.BlockHeader.seal`, which
+checks the payload against the checksum recorded at put first, so bytes changed in the arena are
+never signed; a block that fails is a ``corrupt`` miss). The payloads of a get are copies, so the
+seal covers exactly the bytes that are sent.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from kvstore.block import BlockHeader
+from kvstore.block import BlockHeader, CorruptBlockError, Keyring, encode_header
 from kvstore.store.background import BackgroundTasks
 from kvstore.store.counters import StoreCounters
 from kvstore.store.index import BlockIndex, Whereabouts
@@ -27,10 +35,12 @@ from kvstore.store.landing import ArenaLanding
 from kvstore.store.layout import TierStack
 from kvstore.store.mover import BlockMover
 from kvstore.store.remote import RemoteSource
-from kvstore.tiers.base import StoredBlock
+from kvstore.tiers.base import Buffer, StoredBlock
 from kvstore.tiers.dram import DramTier
 
 __all__ = ["BlockReader", "GetResult", "Promotion"]
+
+logger = logging.getLogger(__name__)
 
 Promotion = Literal["ready", "missing", "failed"]
 """What :meth:`TieredStore.promote` did with one key."""
@@ -38,10 +48,12 @@ Promotion = Literal["ready", "missing", "failed"]
 
 @dataclass(frozen=True, slots=True)
 class GetResult:
-    """One key's answer to a get: the payload and the tier it came from, or a miss."""
+    """One key's answer to a get: the payload and the tier it came from, or a miss; for a sealed
+    get, the packed wire header (keyed MAC) that goes with the payload."""
 
     payload: bytes | memoryview | None
     tier: str = ""
+    sealed_header: bytes | None = None
 
     @property
     def found(self) -> bool:
@@ -68,9 +80,13 @@ class BlockReader:
         #: Where keys this node does not index are read first (``None``: nowhere but Redis).
         self.remote: RemoteSource | None = None
 
-    async def get(self, keys: Sequence[bytes], namespace: bytes) -> list[GetResult]:
-        """Each key's payload and the tier that served it (see :meth:`TieredStore.get`)."""
+    async def get(
+        self, keys: Sequence[bytes], namespace: bytes, seal_with: Keyring | None = None
+    ) -> list[GetResult]:
+        """Each key's payload and the tier that served it (see :meth:`TieredStore.get`); with
+        ``seal_with``, each hit sealed under that keyring."""
         results = [GetResult(None)] * len(keys)
+        headers: dict[int, BlockHeader] = {}
         where = self._index.locate(keys, namespace)
         if where.mismatched:
             self._counters.add("namespace_mismatches", where.mismatched)
@@ -87,6 +103,7 @@ class BlockReader:
         async for index, level, block, epoch in self._read_found(keys, namespace, where, reasons):
             tier = self._stack[level].name
             results[index] = GetResult(block.payload, tier)
+            headers[index] = block.header
             counters.tier_hits[tier] += 1
             counters.read_bytes[tier] += block.header.length
             if level != shared_level:
@@ -95,6 +112,8 @@ class BlockReader:
                 self._tasks.spawn(
                     self._mover.promote_hit(block.header, block.payload, level, epoch)
                 )
+        if seal_with is not None:
+            await self._seal(keys, namespace, results, headers, seal_with, reasons)
         self._index.age_chain(
             [key for key, result in zip(keys, results, strict=True) if result.found]
         )
@@ -106,6 +125,34 @@ class BlockReader:
         self._counters.add("hits", found)
         self._counters.add("misses", len(keys) - found)
         return results
+
+    async def _seal(
+        self,
+        keys: Sequence[bytes],
+        namespace: bytes,
+        results: list[GetResult],
+        headers: dict[int, BlockHeader],
+        keyring: Keyring,
+        reasons: dict[int, str],
+    ) -> None:
+        """Seal each hit of ``results`` in place (off the event loop: a MAC per block not read
+        with one); a payload that no longer matches its checksum becomes a ``corrupt`` miss."""
+        found = [index for index, result in enumerate(results) if result.payload is not None]
+        if not found:
+            return
+        items = [(keys[i], headers.get(i), results[i].payload) for i in found]
+        sealed = await asyncio.to_thread(_seal_all, items, namespace, keyring)
+        for index, header in zip(found, sealed, strict=True):
+            result = results[index]
+            if header is not None:
+                results[index] = dataclasses.replace(result, sealed_header=header)
+                continue
+            logger.error("refusing to seal block %s: changed since its put", keys[index].hex())
+            assert result.payload is not None
+            self._counters.tier_hits[result.tier] -= 1
+            self._counters.read_bytes[result.tier] -= len(result.payload)
+            results[index] = GetResult(None)
+            reasons[index] = "corrupt"
 
     async def promote(
         self, keys: Sequence[bytes], namespace: bytes, reasons: dict[int, str] | None = None
@@ -224,6 +271,27 @@ class BlockReader:
                         reasons[index] = "namespace"
                     continue
                 yield index, level, block, epoch
+
+
+def _seal_all(
+    items: Sequence[tuple[bytes, BlockHeader | None, Buffer | None]],
+    namespace: bytes,
+    keyring: Keyring,
+) -> list[bytes | None]:
+    """The sealed header of each ``(key, header, payload)``, ``None`` where the payload fails
+    its header's checksum. A payload without a header (a peer's, verified by its MAC on arrival
+    and never in the arena since) is signed as it is."""
+    sealed: list[bytes | None] = []
+    for key, header, payload in items:
+        assert payload is not None
+        if header is None:
+            sealed.append(encode_header(key, namespace, payload, keyring))
+            continue
+        try:
+            sealed.append(header.seal(payload, keyring))
+        except CorruptBlockError:
+            sealed.append(None)
+    return sealed
 
 
 def _why_missing(local: bool, tier: object, corrupt: bool) -> str | None:

@@ -49,6 +49,7 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
+from kvstore.block import Keyring, installed_keyring
 from kvstore.buffers import byte_view
 from kvstore.policy import Policy
 from kvstore.protocol.checks import check_keys, check_pairs, check_sizes
@@ -81,7 +82,12 @@ class TieredStore:
         max_block_bytes: int = 64 * 1024**2,
         max_keys_per_request: int = 8192,
         policy: Policy | None = None,
+        keyring: Keyring | None = None,
     ) -> None:
+        if keyring is not None:
+            for tier in tiers:
+                tier.keyring = keyring
+        self._keyring = keyring
         self._stack = TierStack(tiers)
         self.tiers = self._stack.tiers
         self.max_block_bytes = max_block_bytes
@@ -110,6 +116,12 @@ class TieredStore:
         found = self._index.load(self.tiers)
         logger.info("index rebuilt: %d block(s) on restartable tiers", found)
         return found
+
+    @property
+    def keyring(self) -> Keyring:
+        """What this store's blocks are signed and verified with (its tiers, sealed gets, blocks
+        read from peers): the keyring it was built with, else the process's installed one."""
+        return self._keyring if self._keyring is not None else installed_keyring()
 
     # -- checks --------------------------------------------------------------------------------
 
@@ -181,10 +193,17 @@ class TieredStore:
         self.check_sizes([len(view) for view in views])
         return await self._writer.put(keys, views, namespace)
 
-    async def get(self, keys: Sequence[bytes], namespace: bytes) -> list[GetResult]:
-        """Each key's payload and the tier that served it; misses where absent or mismatched."""
+    async def get(
+        self, keys: Sequence[bytes], namespace: bytes, *, sealed: bool = False
+    ) -> list[GetResult]:
+        """Each key's payload and the tier that served it; misses where absent or mismatched.
+
+        ``sealed`` (a get for another node): each hit also carries its packed wire header with
+        the keyed MAC under :attr:`keyring` (:attr:`GetResult.sealed_header`), for the reader to
+        verify; a payload changed since its put is a miss instead.
+        """
         self._check_keys(keys, namespace)
-        return await self._reader.get(keys, namespace)
+        return await self._reader.get(keys, namespace, self.keyring if sealed else None)
 
     async def promote(self, keys: Sequence[bytes], namespace: bytes) -> list[Promotion]:
         """Bring each key into the arena tier (``dram``) now, waiting for it.

@@ -6,7 +6,8 @@ cannot be produced with an honest server): the test flips one announced checksum
 before the receiver sees it, which is exactly what a short or corrupted message looks like to it.
 The peer link (what a node uses to read another node's blocks) must then raise before anything is
 installed, and give the landing pages back; the client must fall back to gRPC and still return
-the right bytes.
+the right bytes. What an honest transfer brings the link comes sealed: each payload with a header
+whose MAC verifies under the sender's integrity secret.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import pytest
 import xxhash
 from test_ucx import NAMESPACE, NO_SHM, UCX, kv_client, ucx_address
 
+from kvstore.block import Keyring, verify_sealed
 from kvstore.client.ucx import _shared_loop
+from kvstore.cluster.peer_blocks import SealedBlock
 from kvstore.cluster.peer_ucx import UcxPeerLink
 from kvstore.protocol.messages import namespace_bytes
 from kvstore.protocol.ucx import (
@@ -33,6 +36,7 @@ if TYPE_CHECKING:
     from conftest import ServerFactory, ServerProcess
 
 SIZES = [4096, 1024**2 + 3, 3 * 1024**2]
+SECRET = "ucx-checksums-test-secret"
 
 
 @pytest.fixture(scope="module")
@@ -88,9 +92,16 @@ def _stored(server: ServerProcess) -> tuple[list[bytes], list[bytes]]:
 
 
 def _peer_get(link: UcxPeerLink, keys: list[bytes], landing: _Landing | None = None) -> Any:
-    """Run the link's get on the process's one ucxx event loop, as a node's loop would."""
-    coroutine = link.get(keys, namespace_bytes(NAMESPACE), 10.0, landing)  # type: ignore[arg-type]
-    return _shared_loop().run(coroutine, 15.0)
+    """Run the link's get on the process's one ucxx event loop, as a node's loop would; the
+    payloads, each checked against its sealed header as the reading node does."""
+    namespace = namespace_bytes(NAMESPACE)
+    coroutine = link.get(keys, namespace, 10.0, landing)  # type: ignore[arg-type]
+    blocks: list[SealedBlock | None] = _shared_loop().run(coroutine, 15.0)
+    ring = Keyring([SECRET.encode()])
+    for key, block in zip(keys, blocks, strict=True):
+        if block is not None:
+            verify_sealed(key, namespace, block.header, block.payload, ring)
+    return [None if block is None else bytes(block.payload) for block in blocks]
 
 
 def test_checksums_name_each_sent_payload_and_catch_short_or_damaged_ones() -> None:
@@ -112,7 +123,7 @@ def test_checksums_name_each_sent_payload_and_catch_short_or_damaged_ones() -> N
 def test_a_peer_read_checks_what_arrived_before_anything_is_installed(
     server_factory: ServerFactory,
 ) -> None:
-    server = server_factory(*NO_SHM, *UCX)
+    server = server_factory(*NO_SHM, *UCX, env={"KVSTORE_INTEGRITY_SECRETS": SECRET})
     keys, values = _stored(server)
     address = ucx_address(server)
 

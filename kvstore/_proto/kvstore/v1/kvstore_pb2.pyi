@@ -63,24 +63,28 @@ class PutResponse(_message.Message):
     def __init__(self, stored: _Optional[int] = ..., already_present: _Optional[int] = ..., dropped: _Optional[int] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("namespace", "keys")
+    __slots__ = ("namespace", "keys", "sealed")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    SEALED_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    sealed: bool
+    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., sealed: _Optional[bool] = ...) -> None: ...
 
 class GetResult(_message.Message):
-    __slots__ = ("index", "found", "value", "tier")
+    __slots__ = ("index", "found", "value", "tier", "header")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     FOUND_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
     index: int
     found: bool
     value: bytes
     tier: str
-    def __init__(self, index: _Optional[int] = ..., found: _Optional[bool] = ..., value: _Optional[bytes] = ..., tier: _Optional[str] = ...) -> None: ...
+    header: bytes
+    def __init__(self, index: _Optional[int] = ..., found: _Optional[bool] = ..., value: _Optional[bytes] = ..., tier: _Optional[str] = ..., header: _Optional[bytes] = ...) -> None: ...
 
 class GetResponse(_message.Message):
     __slots__ = ("results",)

@@ -8,30 +8,34 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class UcxGetRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "client_id", "transfer_id", "sizes")
+    __slots__ = ("namespace", "keys", "client_id", "transfer_id", "sizes", "sealed")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
+    SEALED_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     client_id: bytes
     transfer_id: int
     sizes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., client_id: _Optional[bytes] = ..., transfer_id: _Optional[int] = ..., sizes: _Optional[_Iterable[int]] = ...) -> None: ...
+    sealed: bool
+    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., client_id: _Optional[bytes] = ..., transfer_id: _Optional[int] = ..., sizes: _Optional[_Iterable[int]] = ..., sealed: _Optional[bool] = ...) -> None: ...
 
 class UcxGetResponse(_message.Message):
-    __slots__ = ("lengths", "sent", "tiers", "checksums")
+    __slots__ = ("lengths", "sent", "tiers", "checksums", "headers")
     LENGTHS_FIELD_NUMBER: _ClassVar[int]
     SENT_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    HEADERS_FIELD_NUMBER: _ClassVar[int]
     lengths: _containers.RepeatedScalarFieldContainer[int]
     sent: _containers.RepeatedScalarFieldContainer[bool]
     tiers: _containers.RepeatedScalarFieldContainer[str]
     checksums: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, lengths: _Optional[_Iterable[int]] = ..., sent: _Optional[_Iterable[bool]] = ..., tiers: _Optional[_Iterable[str]] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+    headers: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, lengths: _Optional[_Iterable[int]] = ..., sent: _Optional[_Iterable[bool]] = ..., tiers: _Optional[_Iterable[str]] = ..., checksums: _Optional[_Iterable[int]] = ..., headers: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class UcxPutRequest(_message.Message):
     __slots__ = ("namespace", "keys", "lengths", "client_id", "transfer_id")
