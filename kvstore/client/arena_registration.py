@@ -29,7 +29,7 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 from kvstore.client.cuda_runtime import CudaRuntime, cuda_runtime
@@ -164,6 +164,27 @@ class ArenaRegistration:
                     return self.covers(address, nbytes)
                 self._cond.wait(min(left, 0.05))
         return True
+
+    def enter_blocks(self, views: Sequence[Any], sizes: Sequence[int]) -> list[int | None] | None:
+        """Begin a transfer out of or into blocks of this mapping (``uint8`` views, ``None``:
+        missing): each view's address where it is a whole block of ``sizes[i]`` bytes, else
+        ``None``, with the transfer entered (:meth:`enter`; :meth:`leave` once the device is
+        done). ``None`` where some block's pages are not registered yet (they are asked for, so
+        a later transfer finds them) or the registration is closing: use another path."""
+        addresses: list[int | None] = []
+        covered = True
+        for view, size in zip(views, sizes, strict=True):
+            if view is None or view.nbytes != size:
+                addresses.append(None)
+                continue
+            address = int(view.ctypes.data)
+            addresses.append(address)
+            if not self.covers(address, size):
+                self.want(address, size)
+                covered = False
+        if not covered or not self.enter():
+            return None
+        return addresses
 
     def enter(self) -> bool:
         """Mark a transfer from or into registered pieces in flight; False if closing (then

@@ -190,18 +190,11 @@ def copy_from_lease(
     all page-locked yet (they are asked for, so a later call finds them): use the staging path.
     """
     registration = lease.registration
-    sources: list[int | None] = []
-    covered = registration is not None
-    for view, target in zip(lease.views, targets, strict=True):
-        if view is None or view.nbytes != int(target.nbytes):
-            sources.append(None)
-            continue
-        address = int(view.ctypes.data)
-        sources.append(address)
-        if registration is not None and not registration.covers(address, view.nbytes):
-            registration.want(address, view.nbytes)
-            covered = False
-    if registration is None or not covered or not registration.enter():
+    if registration is None:
+        return None
+    sizes = [int(target.nbytes) for target in targets]
+    sources = registration.enter_blocks(lease.views, sizes)
+    if sources is None:
         return None
     try:
         import torch
@@ -212,12 +205,12 @@ def copy_from_lease(
             stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
             if device in queued:  # after the caller's work already queued on the targets
                 stream.wait_stream(queued[device])
-            for source, target in zip(sources, targets, strict=True):
+            for source, target, size in zip(sources, targets, sizes, strict=True):
                 if source is None:
                     continue
                 at = int(target.data_ptr())
                 # Each part inside one registered piece: the driver DMAs it from pinned pages.
-                for address, nbytes, _ in registration.cut(source, int(target.nbytes)):
+                for address, nbytes, _ in registration.cut(source, size):
                     runtime.copy_async(at, address, nbytes, HOST_TO_DEVICE, stream.cuda_stream)
                     at += nbytes
             stream.synchronize()

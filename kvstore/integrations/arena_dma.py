@@ -113,18 +113,8 @@ def arena_source(
     been entered: leave it once the DMAs are complete."""
     if registration is None:
         return None
-    addresses: list[int | None] = []
-    covered = True
-    for view in views:
-        if view is None or view.nbytes != chunk_nbytes:
-            addresses.append(None)
-            continue
-        address = int(view.ctypes.data)
-        addresses.append(address)
-        if not registration.covers(address, chunk_nbytes):
-            registration.want(address, chunk_nbytes)
-            covered = False
-    if not covered or not registration.enter():
+    addresses = registration.enter_blocks(views, [chunk_nbytes] * len(views))
+    if addresses is None:
         return None
     return ArenaSource(addresses, chunk_nbytes // layers, registration)
 

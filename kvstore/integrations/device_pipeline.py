@@ -265,10 +265,10 @@ class LoadPipeline:
             direct.registration.leave()
 
     def _layer_groups(self, load: StepLoad) -> list[range]:
-        """The layers issued together, in order: on CUDA, enough layers per scatter launch that
-        their copies outlast the launch's own cost on this thread (about a third of a ms of
-        Python and Triton), the first layer alone so that the forward starts early; on CPU
-        (and for small steps' first layer) one by one."""
+        """The layers issued together, in order: on CUDA, the first layer alone (so that the
+        forward starts early), then enough layers per scatter launch that their copies outlast
+        the launch's own cost on this thread (about a third of a ms of Python and Triton); on
+        CPU one by one."""
         layers = len(self.caches)
         if not self.device.is_cuda:
             return [range(layer, layer + 1) for layer in range(layers)]

@@ -41,11 +41,6 @@ class ChunkFetcher:
         self._client = client
         self._breaker = breaker
         self._pipeline = pipeline
-        self._device = pipeline.device
-        self._dtype = pipeline.caches[0].dtype
-        self._chunk_shape = pipeline.chunk_shape
-        self._layers = len(pipeline.caches)
-        self._chunk_nbytes = pipeline.chunk_nbytes
         # Whether UCX receives reach device memory (None: not tried yet; see _fetch_into_device).
         self._device_receives: bool | None = None
 
@@ -59,11 +54,12 @@ class ChunkFetcher:
         started = time.perf_counter()
         try:
             lease = getattr(self._client, "lease", None)
-            if lease is not None and in_place(self._device, self._dtype):
+            device = self._pipeline.device
+            if lease is not None and in_place(device, self._pipeline.caches[0].dtype):
                 held = lease(keys)
                 if held is not None:
                     return self._adopt(load, held)
-            if lease is not None and self._device.is_cuda:
+            if lease is not None and device.is_cuda:
                 held = lease(keys)
                 if held is not None:
                     return self._adopt_for_dma(load, held)
@@ -85,7 +81,7 @@ class ChunkFetcher:
         store reached over UCX (another host), and no earlier load found that UCX cannot reach
         device memory here (then the pinned staging and per-layer DMAs overlap better)."""
         return (
-            self._device.is_cuda
+            self._pipeline.device.is_cuda
             and self._device_receives is not False
             and getattr(self._client, "data_plane", "") == "ucx"
             and hasattr(self._client, "get_into_device")
@@ -115,11 +111,10 @@ class ChunkFetcher:
     def _adopt(self, load: StepLoad, lease: ShmLease) -> list[bool]:
         """Read the step's chunks in place from the store's arena (CPU over shared memory):
         one copy per block, arena -> cache, layer by layer, instead of a get and a scatter."""
-        dtype = self._dtype
+        shape, dtype = self._pipeline.chunk_shape, self._pipeline.caches[0].dtype
         # None: missing, or of another size than a chunk (like get_into, a failed chunk).
         sources = [
-            None if view is None else arena_chunk(view, self._chunk_shape, dtype)
-            for view in lease.views
+            None if view is None else arena_chunk(view, shape, dtype) for view in lease.views
         ]
         load.sources, load.release, load.intact = sources, lease.release, lease.intact
         load.path = "shm-lease"
@@ -129,7 +124,10 @@ class ChunkFetcher:
         """CUDA over shared memory: DMA each layer straight out of the leased chunks where this
         process's mapping of the arena is page-locked for them; else copy them into the
         page-locked host staging now (as a get would) and end the lease."""
-        source = arena_source(lease.views, lease.registration, self._chunk_nbytes, self._layers)
+        pipeline = self._pipeline
+        source = arena_source(
+            lease.views, lease.registration, pipeline.chunk_nbytes, len(pipeline.caches)
+        )
         if source is not None:
             load.direct, load.release, load.intact = source, lease.release, lease.intact
             load.path = "shm-dma"
