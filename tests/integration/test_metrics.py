@@ -50,16 +50,7 @@ def blocks(seed: int, count: int) -> tuple[list[bytes], list[bytes]]:
 
 def scrape(server: ServerProcess, token: str | None = None) -> Samples:
     """Every sample of the server's /metrics, by (name, labels)."""
-    request = urllib.request.Request(server.metrics_url)
-    if token is not None:
-        request.add_header("Authorization", f"Bearer {token}")
-    with urllib.request.urlopen(request, timeout=10) as response:
-        text = response.read().decode()
-    samples: Samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples[(sample.name, frozenset(sample.labels.items()))] = sample.value
-    return samples
+    return scrape_text(server.metrics_url, token)
 
 
 def _labels(**labels: str) -> frozenset[tuple[str, str]]:
