@@ -30,6 +30,9 @@ from typing import Any
 import pytest
 from netns_hosts import Host
 
+sys.path.insert(0, str(Path(__file__).parents[1] / "tiers"))
+from redis_server import RedisServer
+
 from kvstore import KVStoreClient, Namespace
 
 READY_LINE = "kvstore serving on "
@@ -262,6 +265,14 @@ def client(server: ServerProcess) -> Iterator[KVStoreClient]:
     """A :class:`KVStoreClient` in :data:`NAMESPACE` on ``server``."""
     with server.client() as kv:
         yield kv
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A real ``redis-server`` of the test's own, on a free loopback port (a module may
+    override it, e.g. to bind it on a network namespace's bridge)."""
+    with RedisServer(tmp_path / "redis") as server:
+        yield server
 
 
 @pytest.fixture

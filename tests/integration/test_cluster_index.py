@@ -74,12 +74,6 @@ def poll(condition: Callable[[], bool], within: float, what: str) -> None:
         time.sleep(0.05)
 
 
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    with RedisServer(tmp_path / "redis") as server:
-        yield server
-
-
 def test_index_follows_blocks_tiers_and_node_lifecycles(
     server_factory: ServerFactory, redis_server: RedisServer
 ) -> None:

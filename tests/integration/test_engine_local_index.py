@@ -20,13 +20,11 @@ import hashlib
 import json
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgpack
 import numpy as np
-import pytest
 import zmq
 from conftest import free_port
 from test_cluster_index import holders, poll
@@ -106,12 +104,6 @@ def removed(prompt: list[int], index: int) -> dict[str, Any]:
 
 def tiers(url: str, keys: list[bytes]) -> list[str]:
     return holders(url, keys).get("n", Holding(0, [""] * len(keys))).tiers
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    with RedisServer(tmp_path / "redis") as server:
-        yield server
 
 
 def test_engine_chunks_are_local_whole_and_withdrawn(

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import signal
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import pytest
 from test_cluster_index import NS, blocks_for, cluster_env, holders, poll
 
 from kvstore import KVStoreClient
@@ -27,12 +25,6 @@ from redis_server import RedisServer
 
 PAYLOAD_PREFIX = "kvstore:v1:"
 TOKEN = "peer-token-for-tests"
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    with RedisServer(tmp_path / "redis") as server:
-        yield server
 
 
 def peer_env(url: str, node: str, shared_data: str) -> dict[str, str]:

@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import sys
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import pytest
 from netns_hosts import Host, Hosts
 from prometheus_client.parser import text_string_to_metric_families
 from test_cluster_index import NS, PREFIX, blocks_for, holders, poll
@@ -34,12 +32,6 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "tiers"))
 from redis_server import RedisServer
 
 ROGUE_SECRET = "not the cluster's secret"
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    with RedisServer(tmp_path / "redis") as server:
-        yield server
 
 
 def start(

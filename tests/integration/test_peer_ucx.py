@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import signal
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import pytest
 from netns_hosts import Host, Hosts
 from test_cluster_index import NS, PREFIX, blocks_for, holders, poll
 from test_peer_fetch import counters, grpc_client, payload_keys, peer_env
@@ -37,12 +35,6 @@ if ucx_unavailable_reason() is not None:  # the ucx extra is part of the test en
 
 # The UCX listener binds every interface: a server without tokens must say it allows that.
 UCX = ("--ucx-listen", "127.0.0.1:0", "--allow-unauthenticated")
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    with RedisServer(tmp_path / "redis") as server:
-        yield server
 
 
 def node(

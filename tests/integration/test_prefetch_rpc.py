@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -50,12 +50,6 @@ def poll(condition: Callable[[], bool], within: float, what: str) -> None:
     while not condition():
         assert time.monotonic() < deadline, f"{what} not within {within} s"
         time.sleep(0.02)
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    with RedisServer(tmp_path / "redis") as server:
-        yield server
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -48,12 +48,6 @@ def poll(condition: Callable[[], bool], within: float, what: str) -> None:
 
 def redis_stats(client: KVStoreClient) -> dict[str, Any]:
     return dict(client.stats()["tiers"]["redis"])
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    with RedisServer(tmp_path / "redis") as server:
-        yield server
 
 
 @pytest.mark.each_plane
