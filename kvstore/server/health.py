@@ -9,21 +9,18 @@ nothing is logged for it: a probe is not a bug of the server.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
 from grpc_health.v1 import _async as health_async
 from grpc_health.v1 import health_pb2
 
-from kvstore.server.rpc import Undecodable, tolerant_parser
+from kvstore.server.rpc import Undecodable, service_handler
 
 __all__ = ["HEALTH_SERVICE", "add_health_to_server"]
 
 HEALTH_SERVICE = "grpc.health.v1.Health"
-
-
-_parse = tolerant_parser(health_pb2.HealthCheckRequest)
 
 
 async def _refuse_undecodable(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
@@ -34,29 +31,18 @@ async def _refuse_undecodable(request: Any, context: grpc.aio.ServicerContext[An
 
 
 def add_health_to_server(health: health_async.HealthServicer, server: grpc.aio.Server) -> None:
-    """Serve ``health`` (Check and Watch) on ``server``, answering garbage INVALID_ARGUMENT."""
+    """Serve every method of ``health`` (Check, Watch, List) on ``server``, answering garbage
+    INVALID_ARGUMENT."""
+    service = health_pb2.DESCRIPTOR.services_by_name["Health"]
+    handlers = {method.name: _tolerant(getattr(health, method.name)) for method in service.methods}
+    server.add_generic_rpc_handlers((service_handler(service, handlers),))
 
-    async def check(
-        request: Any, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> health_pb2.HealthCheckResponse:
+
+def _tolerant(
+    method: Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[Any]],
+) -> Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[Any]]:
+    async def serve(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         await _refuse_undecodable(request, context)
-        return await health.Check(request, context)
+        return await method(request, context)
 
-    async def watch(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
-        await _refuse_undecodable(request, context)
-        await health.Watch(request, context)
-
-    serialize: Callable[[health_pb2.HealthCheckResponse], bytes] = (
-        health_pb2.HealthCheckResponse.SerializeToString
-    )
-    handlers = {
-        "Check": grpc.unary_unary_rpc_method_handler(
-            check, request_deserializer=_parse, response_serializer=serialize
-        ),
-        "Watch": grpc.unary_stream_rpc_method_handler(
-            watch, request_deserializer=_parse, response_serializer=serialize
-        ),
-    }
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(HEALTH_SERVICE, handlers),)
-    )
+    return serve

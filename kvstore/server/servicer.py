@@ -33,7 +33,7 @@ from kvstore.protocol.checks import (
 from kvstore.protocol.messages import MESSAGE_TARGET_BYTES
 from kvstore.server.budget import InflightBudget
 from kvstore.server.durations import DURATIONS, timed
-from kvstore.server.rpc import check_decoded, guard, tolerant_parser
+from kvstore.server.rpc import check_decoded, guard, service_handler
 from kvstore.server.tenancy import Tenant, Tenants
 from kvstore.store import GetResult, TieredStore
 from kvstore.store.prefetch import Prefetcher, PrefetchState
@@ -448,51 +448,6 @@ _PREFETCH_STATE = {
 
 def add_to_server(servicer: KVStoreServicer, server: grpc.aio.Server) -> None:
     """Register ``servicer`` on ``server`` under ``kvstore.v1.KVStore`` with tolerant parsing."""
-    handlers = {
-        "Lookup": grpc.unary_unary_rpc_method_handler(
-            servicer.Lookup,
-            request_deserializer=tolerant_parser(pb.LookupRequest),
-            response_serializer=pb.LookupResponse.SerializeToString,
-        ),
-        "Put": grpc.stream_unary_rpc_method_handler(
-            servicer.Put,
-            request_deserializer=tolerant_parser(pb.PutRequest),
-            response_serializer=pb.PutResponse.SerializeToString,
-        ),
-        "Get": grpc.unary_stream_rpc_method_handler(
-            servicer.Get,
-            request_deserializer=tolerant_parser(pb.GetRequest),
-            response_serializer=pb.GetResponse.SerializeToString,
-        ),
-        "Delete": grpc.unary_unary_rpc_method_handler(
-            servicer.Delete,
-            request_deserializer=tolerant_parser(pb.DeleteRequest),
-            response_serializer=pb.DeleteResponse.SerializeToString,
-        ),
-        "Stats": grpc.unary_unary_rpc_method_handler(
-            servicer.Stats,
-            request_deserializer=tolerant_parser(pb.StatsRequest),
-            response_serializer=pb.StatsResponse.SerializeToString,
-        ),
-        "Prefetch": grpc.unary_unary_rpc_method_handler(
-            servicer.Prefetch,
-            request_deserializer=tolerant_parser(pb.PrefetchRequest),
-            response_serializer=pb.PrefetchResponse.SerializeToString,
-        ),
-        "PrefetchStatus": grpc.unary_unary_rpc_method_handler(
-            servicer.PrefetchStatus,
-            request_deserializer=tolerant_parser(pb.PrefetchStatusRequest),
-            response_serializer=pb.PrefetchStatusResponse.SerializeToString,
-        ),
-        "CancelPrefetch": grpc.unary_unary_rpc_method_handler(
-            servicer.CancelPrefetch,
-            request_deserializer=tolerant_parser(pb.CancelPrefetchRequest),
-            response_serializer=pb.CancelPrefetchResponse.SerializeToString,
-        ),
-        "DataPlane": grpc.unary_unary_rpc_method_handler(
-            servicer.DataPlane,
-            request_deserializer=tolerant_parser(pb.DataPlaneRequest),
-            response_serializer=pb.DataPlaneResponse.SerializeToString,
-        ),
-    }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    service = pb.DESCRIPTOR.services_by_name["KVStore"]
+    handlers = {method.name: getattr(servicer, method.name) for method in service.methods}
+    server.add_generic_rpc_handlers((service_handler(service, handlers),))

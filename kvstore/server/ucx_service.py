@@ -16,7 +16,7 @@ from kvstore._proto.kvstore.v1 import ucx_pb2 as ucx_pb
 from kvstore._proto.kvstore.v1 import ucx_pb2_grpc as ucx_pb_grpc
 from kvstore.protocol.ucx import UcxTransportError
 from kvstore.server.durations import timed
-from kvstore.server.rpc import check_decoded, guard, tolerant_parser
+from kvstore.server.rpc import check_decoded, guard, service_handler
 from kvstore.server.ucx import UcxDataServer, UcxScope
 from kvstore.store import TieredStore
 
@@ -85,20 +85,7 @@ async def add_ucx_to_server(
     )
     await data_server.start()
     servicer = UcxTransferServicer(data_server)
-    # Registered by hand with tolerant parsing: undecodable bytes get INVALID_ARGUMENT and a
-    # message, not UNKNOWN and a traceback in the log (as for kvstore.v1.KVStore).
-    handlers = {
-        "UcxGet": grpc.unary_unary_rpc_method_handler(
-            servicer.UcxGet,
-            request_deserializer=tolerant_parser(ucx_pb.UcxGetRequest),
-            response_serializer=ucx_pb.UcxGetResponse.SerializeToString,
-        ),
-        "UcxPut": grpc.unary_unary_rpc_method_handler(
-            servicer.UcxPut,
-            request_deserializer=tolerant_parser(ucx_pb.UcxPutRequest),
-            response_serializer=pb.PutResponse.SerializeToString,
-        ),
-    }
-    generic = grpc.method_handlers_generic_handler(UCX_SERVICE_NAME, handlers)
-    server.add_generic_rpc_handlers((generic,))
+    service = ucx_pb.DESCRIPTOR.services_by_name["UcxTransfer"]
+    handlers = {method.name: getattr(servicer, method.name) for method in service.methods}
+    server.add_generic_rpc_handlers((service_handler(service, handlers),))
     return data_server
