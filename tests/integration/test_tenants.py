@@ -293,6 +293,9 @@ def test_tenants_that_cannot_be_told_apart_refuse_to_start(
             "serve",
             "--config",
             str(config),
+            # Never the defaults: a user's own `kvstore serve` may hold them.
+            "--listen",
+            "127.0.0.1:0",
             "--metrics-listen",
             "127.0.0.1:0",
         ],
