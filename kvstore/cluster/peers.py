@@ -234,9 +234,13 @@ class PeerSource:
 
     async def _refresh(self, holders: Mapping[str, object]) -> None:
         """Learn the addresses of nodes not seen before; forgive suspects whose lease moved."""
-        epochs = self.index.epochs  # a node restarted since its address was read: read again
+        # A node restarted since its address was read: read again. ``epochs`` is the index's
+        # latest answer, which a concurrent read may have replaced since ours: a holder missing
+        # from it (its lease lapsed meanwhile) counts as moved, never as a KeyError.
+        epochs = self.index.epochs
         if any(
-            node not in self._nodes or self._nodes[node].epoch != epochs[node] for node in holders
+            node not in self._nodes or self._nodes[node].epoch != epochs.get(node)
+            for node in holders
         ):
             self._nodes.update(await self.index.nodes())
         suspects = [node for node in holders if node in self._suspects]

@@ -134,7 +134,9 @@ def test_a_block_crosses_hosts_from_the_peer_holding_it(
         node(server_factory, host, name, url, tokens_file)
         for host, name in zip(hosts, ("one", "two", "three"), strict=True)
     )
-    # Each node names the address it serves on inside its own host.
+    # Each node names the address it serves on inside its own host. A node whose first
+    # registration timed out (a loaded machine) registers from the background: wait for it.
+    poll(lambda: {"one", "two", "three"} <= members(url).keys(), 10.0, "every node registered")
     described = members(url)
     for server, host, name in zip((one, two, three), hosts, ("one", "two", "three"), strict=True):
         assert server.target.startswith(host.address + ":")
@@ -364,6 +366,7 @@ def test_nodes_on_every_interface_publish_the_host_they_advertise(
         server.target = f"{host.address}:{port}"  # where the test, outside, reaches it
         started.append(server)
     one, three = started
+    poll(lambda: "one" in members(url), 10.0, "node one registered")
     assert members(url)["one"].grpc == f"{hosts[0].address}:{port}"
     keys, values = blocks_for(0, 3)
     with client(one) as writer:
