@@ -1034,7 +1034,13 @@ def test_churn_never_hands_back_wrong_bytes(server_factory: ServerFactory) -> No
         threads += [threading.Thread(target=read, args=(client, seed)) for seed in (2, 3)]
         for thread in threads:
             thread.start()
-        time.sleep(4)
+        # 4 s of churn, and on a loaded machine longer, until the readers have both hit and
+        # missed enough (within a deadline) for the race to have been tried.
+        started = time.monotonic()
+        while time.monotonic() - started < 60 and (
+            time.monotonic() - started < 4 or not (read_ok[True] > 100 and read_ok[False] > 0)
+        ):
+            time.sleep(0.1)
         stop.set()
         for thread in threads:
             thread.join(timeout=30)
