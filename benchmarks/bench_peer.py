@@ -55,12 +55,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "tiers"))
 
 import conftest as servers  # the integration tests' ServerProcess: real `kvstore serve`
 from _common import machine_info, markdown_table, percentile
+from harness.redis_server import RedisServer
 from netns_hosts import Hosts
-from redis_server import RedisServer
 
 from kvstore import KVStoreClient
 from kvstore.cluster import ClusterIndex, Layout, connect

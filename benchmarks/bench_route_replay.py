@@ -46,6 +46,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "tests"))  # the tests' harness
 sys.path.insert(0, str(ROOT / "tests" / "vllm"))
 from _common import machine_info, markdown_table, percentile  # noqa: E402
 from fleet import Fleet, Reply, RouterProcess, build_model  # noqa: E402

@@ -14,7 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from integration.conftest import ServerProcess, free_port
+from harness.ports import free_port
+from integration.conftest import ServerProcess
 
 from kvstore import KVStoreClient, Namespace
 

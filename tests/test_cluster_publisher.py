@@ -6,17 +6,14 @@ raises never fails a store operation, and a delete withdraws the key from the in
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from harness.redis_server import RedisServer
 from store_blocks import key, make_store, payload
 
 from kvstore.cluster import ClusterIndex, Layout, Membership, NodeInfo, Publisher, connect
-
-sys.path.insert(0, str(Path(__file__).parent / "tiers"))
-from redis_server import RedisServer
 
 NS = bytes(16)
 PREFIX = "test:cluster:"

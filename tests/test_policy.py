@@ -6,14 +6,11 @@ Chains age suffix first; ``nvme_admission="hit"`` keeps one-hit wonders off the 
 
 from __future__ import annotations
 
-import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent / "tiers"))
-from redis_server import RedisServer
+from harness.redis_server import RedisServer
 from store_blocks import PAGE, key, payload
 
 from kvstore.config import ConfigError, load_config

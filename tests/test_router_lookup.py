@@ -4,15 +4,13 @@ redis-server: live and expired leases, entries of an earlier boot epoch, gaps, t
 from __future__ import annotations
 
 import asyncio
-import sys
 from pathlib import Path
+
+from harness.redis_server import RedisServer
 
 from kvstore.cluster import ClusterIndex, Holding, Layout, connect
 from kvstore.cluster.index import ONE_TRIP_NODES
 from kvstore.router.lookup import ScriptIndex
-
-sys.path.insert(0, str(Path(__file__).parent / "tiers"))
-from redis_server import RedisServer
 
 KEYS = [bytes([i]) * 16 for i in range(6)]
 

@@ -6,7 +6,7 @@ import signal
 import subprocess
 import sys
 
-from stop_process import stop_process
+from harness.stop_process import stop_process
 
 #: A child that says it is ready once its SIGTERM disposition is set (ignored or default).
 _CHILD = """

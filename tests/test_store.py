@@ -8,7 +8,6 @@ restarts on the same NVMe directory and corrupted NVMe blocks.
 from __future__ import annotations
 
 import asyncio
-import sys
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,9 +16,7 @@ import lmdb
 import numpy as np
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent / "tiers"))
-from lmdb_rot import rot_in_file
+from harness.lmdb_rot import rot_in_file
 from store_blocks import MIB, PAGE, key, make_store, payload
 
 from kvstore.block import HEADER_BYTES

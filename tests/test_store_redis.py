@@ -7,15 +7,11 @@ the store never places blocks in (or evicts them from) the shared tier itself.
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent / "tiers"))
-from redis_server import RedisServer
+from harness.redis_server import RedisServer
 from store_blocks import PAGE, key, payload
 
 import kvstore.store.shared_writer as shared_writer_module

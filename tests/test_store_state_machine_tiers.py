@@ -34,7 +34,6 @@ import asyncio
 import logging
 import os
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -44,6 +43,7 @@ from typing import Any
 import numpy as np
 import pytest
 import redis
+from harness.redis_server import RedisServer
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -53,9 +53,6 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
-
-sys.path.insert(0, str(Path(__file__).parent / "tiers"))
-from redis_server import RedisServer
 
 from kvstore.block import decode_value
 from kvstore.errors import NamespaceMismatchError

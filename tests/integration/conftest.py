@@ -18,7 +18,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,10 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from harness.ports import free_port
+from harness.redis_server import RedisServer
 from netns_hosts import Host
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "tiers"))
-from redis_server import RedisServer
 
 from kvstore import KVStoreClient, Namespace
 
@@ -58,13 +56,6 @@ def _server_tmpdir() -> Iterator[None]:
 
 #: The namespace the ``client`` fixture uses.
 NAMESPACE = Namespace(model="integration-test", num_layers=2, num_kv_heads=2, head_size=64)
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class ServerProcess:

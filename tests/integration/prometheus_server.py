@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 import subprocess
 import time
 import urllib.error
@@ -24,7 +23,8 @@ from types import TracebackType
 from typing import Any
 
 import yaml
-from stop_process import stop_process
+from harness.ports import free_port
+from harness.stop_process import stop_process
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -45,13 +45,6 @@ def binary(name: str) -> str:
             f"{name} is not installed: the Prometheus tests need it ({INSTALL_HINT})"
         )
     return found
-
-
-def free_port() -> int:
-    """A loopback TCP port nobody listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class PrometheusServer:

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
+from harness.polling import poll
 
 from kvstore import ChunkHasher, Namespace
 from kvstore.cluster import ClusterIndex, Holding, Layout, connect
@@ -26,9 +25,8 @@ from kvstore.cluster import ClusterIndex, Holding, Layout, connect
 if TYPE_CHECKING:
     from conftest import ServerFactory
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "tiers"))
-from redis_cluster import RedisCluster
-from redis_server import RedisServer
+from harness.redis_cluster import RedisCluster
+from harness.redis_server import RedisServer
 
 NS = Namespace(model="cluster-index", num_layers=2, num_kv_heads=2, head_size=64)
 HASHER = ChunkHasher(chunk_size=16, namespace=NS)
@@ -65,13 +63,6 @@ def holders(url: str, keys: list[bytes]) -> dict[str, Holding]:
             await client.aclose()
 
     return asyncio.run(ask())
-
-
-def poll(condition: Callable[[], bool], within: float, what: str) -> None:
-    deadline = time.monotonic() + within
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} not within {within} s"
-        time.sleep(0.05)
 
 
 def test_index_follows_blocks_tiers_and_node_lifecycles(

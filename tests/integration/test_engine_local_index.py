@@ -20,13 +20,12 @@ import hashlib
 import json
 import signal
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgpack
 import numpy as np
 import zmq
-from conftest import free_port
+from harness.ports import free_port
 from test_cluster_index import holders, poll
 
 from kvstore import ChunkHasher, Namespace
@@ -35,10 +34,8 @@ from kvstore.cluster import Holding
 if TYPE_CHECKING:
     from conftest import ServerFactory
 
-import sys
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "tiers"))
-from redis_server import RedisServer
+from harness.redis_server import RedisServer
 
 NS = Namespace(model="engine-events", num_layers=2, num_kv_heads=2, head_size=64)
 SECRET = "engine-events-secret"

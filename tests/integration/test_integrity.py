@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import stat
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,8 +25,7 @@ from kvstore import ChunkHasher, KVStoreClient, Namespace
 if TYPE_CHECKING:
     from conftest import ServerFactory
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "tiers"))
-from redis_server import RedisServer
+from harness.redis_server import RedisServer
 
 NS = Namespace(model="integrity", num_layers=2, num_kv_heads=2, head_size=64)
 OTHER_NS = Namespace(model="integrity-other", num_layers=2, num_kv_heads=2, head_size=64)

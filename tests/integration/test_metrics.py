@@ -30,8 +30,7 @@ from kvstore import ChunkHasher, KVStoreClient, Namespace
 if TYPE_CHECKING:
     from conftest import ServerFactory, ServerProcess
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "tiers"))
-from redis_server import RedisServer
+from harness.redis_server import RedisServer
 
 NS = Namespace(model="metrics", num_layers=2, num_kv_heads=2, head_size=64)
 HASHER = ChunkHasher(chunk_size=16, namespace=NS)

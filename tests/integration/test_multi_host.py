@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import signal
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -45,8 +44,8 @@ from kvstore.errors import KVStoreError
 if TYPE_CHECKING:
     from conftest import ServerFactory, ServerProcess
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "tiers"))
-from redis_server import RedisServer, free_port
+from harness.ports import free_port
+from harness.redis_server import RedisServer
 
 CLIENT_TOKEN = "client-token-for-tests"
 #: The deadline of each read through node three.

@@ -9,8 +9,6 @@ again until it comes back under a new lease. With ``both``, Redis serves what no
 from __future__ import annotations
 
 import signal
-import sys
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from test_cluster_index import NS, blocks_for, cluster_env, holders, poll
@@ -20,8 +18,7 @@ from kvstore import KVStoreClient
 if TYPE_CHECKING:
     from conftest import ServerFactory, ServerProcess
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "tiers"))
-from redis_server import RedisServer
+from harness.redis_server import RedisServer
 
 PAYLOAD_PREFIX = "kvstore:v1:"
 TOKEN = "peer-token-for-tests"

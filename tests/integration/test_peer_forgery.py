@@ -12,7 +12,6 @@ within the same request. The reading node keeps serving throughout.
 
 from __future__ import annotations
 
-import sys
 import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,8 +27,7 @@ from kvstore.cluster.peers import holder_rank
 if TYPE_CHECKING:
     from conftest import ServerFactory, ServerProcess
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "tiers"))
-from redis_server import RedisServer
+from harness.redis_server import RedisServer
 
 ROGUE_SECRET = "not the cluster's secret"
 

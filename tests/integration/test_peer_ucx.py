@@ -12,7 +12,6 @@ port where nothing listens, so connecting is refused while its gRPC port still a
 from __future__ import annotations
 
 import signal
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,8 +26,7 @@ from kvstore.protocol.ucx import ucx_unavailable_reason
 if TYPE_CHECKING:
     from conftest import ServerFactory, ServerProcess
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "tiers"))
-from redis_server import RedisServer
+from harness.redis_server import RedisServer
 
 if ucx_unavailable_reason() is not None:  # the ucx extra is part of the test environment
     raise ImportError(f"test_peer_ucx needs ucxx: {ucx_unavailable_reason()}")

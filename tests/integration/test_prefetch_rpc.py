@@ -9,10 +9,8 @@ requests INVALID_ARGUMENT (``InvalidRequestError``), through both clients and a 
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
@@ -28,8 +26,7 @@ from kvstore.types import PrefetchProgress, PrefetchState
 if TYPE_CHECKING:
     from conftest import ServerFactory, ServerProcess
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "tiers"))
-from redis_server import RedisServer
+from harness.redis_server import RedisServer
 
 # Every node sharing a Redis needs the same integrity secret (else it rejects the others' blocks).
 CLUSTER_SECRET = {"KVSTORE_INTEGRITY_SECRETS": "two-node test secret"}

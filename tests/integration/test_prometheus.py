@@ -34,7 +34,6 @@ import json
 import math
 import re
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -61,8 +60,7 @@ from kvstore.server.auth import check_exposure
 if TYPE_CHECKING:
     from conftest import ServerFactory, ServerProcess
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "tiers"))
-from redis_server import RedisServer
+from harness.redis_server import RedisServer
 
 NS = Namespace(model="prometheus-test", num_layers=2, num_kv_heads=2, head_size=64)
 HASHER = ChunkHasher(chunk_size=16, namespace=NS)

@@ -7,17 +7,14 @@ its log, without the password.
 
 from __future__ import annotations
 
-import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 from certs import Pki, make_pki
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "tiers"))
-from redis_server import RedisServer
+from harness.polling import poll
+from harness.redis_server import RedisServer
 
 if TYPE_CHECKING:
     from conftest import ServerFactory
@@ -27,13 +24,6 @@ PASSWORD = "redis-pass-of-kvstore"
 CLUSTER_SECRET = {"KVSTORE_INTEGRITY_SECRETS": "redis-auth test secret"}
 KEYS = [bytes([i]) * 16 for i in range(4)]
 VALUES = [bytes([i]) * 8192 for i in range(4)]
-
-
-def poll(condition: Callable[[], bool], within: float, what: str) -> None:
-    deadline = time.monotonic() + within
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} not within {within} s"
-        time.sleep(0.05)
 
 
 @pytest.fixture

@@ -13,13 +13,13 @@ import dataclasses
 import json
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
+from harness.polling import poll
 
 from kvstore import ChunkHasher, Namespace
 from kvstore.cluster import ClusterIndex, Layout, connect
@@ -27,10 +27,9 @@ from kvstore.cluster import ClusterIndex, Layout, connect
 if TYPE_CHECKING:
     from conftest import ServerFactory
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "tiers"))
 sys.path.insert(0, str(Path(__file__).parent))
 from fake_engine import FakeEngine, stream_events
-from redis_server import RedisServer
+from harness.redis_server import RedisServer
 from router_process import RouterProcess
 
 NS = Namespace(model="router-test", num_layers=2, num_kv_heads=2, head_size=64)
@@ -44,13 +43,6 @@ def namespace_json() -> str:
     for name in ("lora_id", "cache_salt", "tp_rank"):
         del fields[name]
     return json.dumps(fields)
-
-
-def poll(condition: Callable[[], bool], within: float, what: str) -> None:
-    deadline = time.monotonic() + within
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} not within {within} s"
-        time.sleep(0.05)
 
 
 def cluster_env(url: str, node: str) -> dict[str, str]:

@@ -33,8 +33,7 @@ from kvstore.protocol.shm_frames import Op, frame
 if TYPE_CHECKING:
     from conftest import ServerFactory, ServerProcess
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "tiers"))
-from redis_server import RedisServer
+from harness.redis_server import RedisServer
 
 NS = Namespace(model="tenants", num_layers=2, num_kv_heads=2, head_size=64)
 OTHER_NS = Namespace(model="tenants-other", num_layers=2, num_kv_heads=2, head_size=64)

@@ -7,10 +7,8 @@ between them again.
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -21,8 +19,7 @@ from kvstore import ChunkHasher, KVStoreClient, Namespace
 if TYPE_CHECKING:
     from conftest import ServerFactory
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "tiers"))
-from redis_server import RedisServer
+from harness.redis_server import RedisServer
 
 # Every node sharing a Redis needs the same integrity secret (else it rejects the others' blocks).
 CLUSTER_SECRET = {"KVSTORE_INTEGRITY_SECRETS": "two-node test secret"}

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import grpc
 import numpy as np
 import pytest
+from harness.ports import free_port
 
 from kvstore import KVStoreClient, Namespace
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
@@ -71,13 +72,6 @@ def data_plane() -> str:
 
 
 # -- helpers ----------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def ucx_address(server: ServerProcess) -> str:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from redis_server import RedisServer
+from harness.redis_server import RedisServer
 
 from kvstore.block import BlockHeader, Buffer, Keyring
 from kvstore.store import TieredStore

@@ -16,7 +16,7 @@ from pathlib import Path
 import lmdb
 import numpy as np
 import pytest
-from lmdb_rot import rot_in_file
+from harness.lmdb_rot import rot_in_file
 
 from kvstore.block import HEADER_BYTES, BlockHeader, WireHeader, encode_header
 from kvstore.tiers.nvme import NvmeTier

@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
+from harness.ports import free_port
+from harness.redis_server import RedisServer
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
-from redis_server import RedisServer, free_port
 
 from kvstore.block import HEADER_BYTES, BlockHeader
 from kvstore.tiers.redis import RedisTier

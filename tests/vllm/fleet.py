@@ -24,15 +24,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE.parent / "tiers"))
 from api_server import (  # noqa: E402
     ApiServerProcess,
     connector_command,
     server_env,
     wait_all_healthy,
 )
-from redis_server import RedisServer  # noqa: E402
-from store_process import free_port  # noqa: E402
+from harness.ports import free_port  # noqa: E402
+from harness.redis_server import RedisServer  # noqa: E402
 
 if TYPE_CHECKING:
     from kvstore.cluster import Layout

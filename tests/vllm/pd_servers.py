@@ -26,7 +26,7 @@ from api_server import (
     server_env,
     wait_all_healthy,
 )
-from store_process import free_port
+from harness.ports import free_port
 
 __all__ = ["ApiServer", "RouterProcess", "post_json", "start_servers"]
 

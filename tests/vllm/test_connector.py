@@ -7,19 +7,15 @@ vLLM's CPU layout. What the engine itself does with the plans is covered by test
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
-
-if os.environ.get("KVSTORE_REQUIRE_VLLM") != "1":
-    pytest.importorskip("vllm", reason="vLLM's CPU build is not installed")
-
 import torch
-from store_process import StoreProcess, free_port
+from harness.ports import free_port
+from store_process import StoreProcess
 
 from kvstore.errors import ConfigError
 from kvstore.integrations.vllm_common import (

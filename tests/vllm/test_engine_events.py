@@ -28,17 +28,13 @@ from typing import IO
 
 import pytest
 from fleet import build_model
-from store_process import free_port
+from harness.ports import free_port
 
 from kvstore import Namespace
 from kvstore.integrations.vllm_common import ConnectorSettings, make_hasher
 
-if os.environ.get("KVSTORE_REQUIRE_VLLM") != "1":
-    pytest.importorskip("vllm", reason="vLLM's CPU build is not installed")
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "tiers"))
 sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
-from redis_server import RedisServer
+from harness.redis_server import RedisServer
 from test_cluster_index import holders  # what a router learns from the index
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]

@@ -13,17 +13,12 @@ two minutes on two cores, mostly the start-up of two API servers.
 
 from __future__ import annotations
 
-import os
 import re
 import urllib.request
 from pathlib import Path
 
 import pytest
 from store_process import StoreProcess
-
-if os.environ.get("KVSTORE_REQUIRE_VLLM") != "1":
-    pytest.importorskip("vllm", reason="vLLM's CPU build is not installed")
-
 from test_openai_server import CHUNK, PROMPT_WORDS, ApiServer, _poll
 from test_openai_server import model as model  # the fixture, shared
 

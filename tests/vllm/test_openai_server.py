@@ -26,12 +26,10 @@ from typing import Any
 import pytest
 from api_server import ApiServerProcess, server_env, wait_all_healthy
 from fleet import build_model
-from store_process import StoreProcess, free_port
+from harness.ports import free_port
+from store_process import StoreProcess
 
 from kvstore.cluster_config import namespace_from_json
-
-if os.environ.get("KVSTORE_REQUIRE_VLLM") != "1":
-    pytest.importorskip("vllm", reason="vLLM's CPU build is not installed")
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

@@ -21,7 +21,6 @@ Needs vLLM's CPU build; about three minutes on two cores, mostly two server star
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,9 +30,6 @@ import pytest
 from fleet import build_model
 from pd_servers import ApiServer, RouterProcess, post_json, start_servers
 from store_process import StoreProcess
-
-if os.environ.get("KVSTORE_REQUIRE_VLLM") != "1":
-    pytest.importorskip("vllm", reason="vLLM's CPU build is not installed")
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

@@ -18,16 +18,11 @@ a minute on two cores (55 s here), mostly the start-up of the two API servers.
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import time
 from collections.abc import Iterator
 
 import pytest
-
-if os.environ.get("KVSTORE_REQUIRE_VLLM") != "1":
-    pytest.importorskip("vllm", reason="vLLM's CPU build is not installed")
-
 from fleet import CHUNK, Fleet, RouterProcess, build_model
 
 from kvstore.cluster import ClusterIndex, Layout, connect

@@ -14,7 +14,6 @@ a half minutes on two cores, mostly the start-up of four engine processes.
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
 import sys
@@ -25,9 +24,6 @@ from typing import Any
 import pytest
 from fleet import build_model
 from store_process import StoreProcess
-
-if os.environ.get("KVSTORE_REQUIRE_VLLM") != "1":
-    pytest.importorskip("vllm", reason="vLLM's CPU build is not installed")
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 

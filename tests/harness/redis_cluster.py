@@ -19,7 +19,9 @@ from pathlib import Path
 from types import TracebackType
 
 import redis
-from redis_server import free_port, redis_server_binary
+
+from harness.ports import free_port
+from harness.redis_server import redis_server_binary
 
 __all__ = ["ClusterNode", "RedisCluster", "cluster_port"]
 

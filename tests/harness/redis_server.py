@@ -8,16 +8,17 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 from types import TracebackType
 
 import redis
-from stop_process import stop_process
 
-__all__ = ["RedisServer", "free_port", "redis_server_binary"]
+from harness.ports import free_port
+from harness.stop_process import stop_process
+
+__all__ = ["RedisServer", "redis_server_binary"]
 
 
 def redis_server_binary() -> str:
@@ -32,13 +33,6 @@ def redis_server_binary() -> str:
             "(scripts/test.sh installs it; on Debian: apt-get install redis-server)"
         )
     return binary
-
-
-def free_port() -> int:
-    """A loopback TCP port nobody listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class RedisServer:

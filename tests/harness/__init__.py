@@ -1,0 +1,7 @@
+"""What the tests share, written once: free loopback ports (:mod:`.ports`), polling a condition
+with a deadline (:mod:`.polling`), real ``redis-server`` processes and a real Redis Cluster
+(:mod:`.redis_server`, :mod:`.redis_cluster`), and the guard of the real-vLLM suite
+(:mod:`.vllm_guard`).
+
+Importable as ``harness`` because ``pyproject.toml`` puts ``tests/`` on pytest's path.
+"""

@@ -1,0 +1,18 @@
+"""Waiting for a condition with a deadline instead of sleeping a fixed time: on an idle machine
+the wait ends as soon as the condition holds, on a loaded one (2 cores at load 10) it still
+passes as long as the deadline is generous."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+__all__ = ["poll"]
+
+
+def poll(condition: Callable[[], object], within: float, what: str, every: float = 0.05) -> None:
+    """Return once ``condition()`` is true; fail the test naming ``what`` after ``within`` s."""
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} not within {within} s"
+        time.sleep(every)
