@@ -5,7 +5,7 @@ Runs where CUDA is present (says so and exits 2 otherwise). Exact command (repos
     python benchmarks/bench_gpu.py --out benchmarks/results/gpu
 
 ``--rehearse`` runs the same code on the CPU with tiny shapes (no figures worth keeping: it is
-how the script is checked where no GPU is at hand; tests/test_gpu_verify_script.py runs it).
+how the script is checked where no GPU is at hand; tests/project/test_gpu_verify_script.py runs it).
 
 Everything against a real ``kvstore serve`` (dram + nvme; its arena page-locked, as ``serve``
 does where CUDA exists), through the connector's worker half (``WorkerSide``) over paged caches

@@ -22,8 +22,8 @@
 #
 # Without a CUDA device it exits 2 before doing anything, unless KVSTORE_GPU_VERIFY_DEVICE=cpu
 # asks for a rehearsal: the same steps on the CPU, where the gpu tests skip and the benchmark
-# runs its --rehearse (tests/test_gpu_verify_script.py runs that rehearsal, so the script cannot
-# rot here).
+# runs its --rehearse (tests/project/test_gpu_verify_script.py runs that rehearsal, so the
+# script cannot rot here).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 

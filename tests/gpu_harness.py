@@ -10,7 +10,8 @@ stand-ins for vLLM's request, block and scheduler-output objects (only the field
 with other block ids, looks the prompt up, loads it layer by layer and must end up with exactly
 A's blocks, bit for bit, and nothing else written.
 
-Used by tests/test_harness_pipeline.py, and runnable alone on a machine without pytest::
+Used by tests/integrations/test_harness_pipeline.py, and runnable alone on a machine without
+pytest::
 
     PYTHONPATH=. python tests/gpu_harness.py --device cuda     # every layout; exit 1 on a mismatch
     PYTHONPATH=. python tests/gpu_harness.py --device cuda --data-plane ucx

@@ -6,7 +6,7 @@ routing decision. On a single Redis (not Redis Cluster, whose keys of one reques
 slots) :class:`ScriptIndex` asks the same question in one ``EVALSHA``: the script reads the
 entries and the leases of the nodes in them and applies the same rule (an entry counts only if
 its node's lease is alive and carries the entry's epoch), answering one short string per node.
-``tests/test_router_lookup.py`` checks that both give the same answers.
+``tests/router/test_router_lookup.py`` checks that both give the same answers.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from kvstore.server.auth import check_exposure, load_tokens
 from kvstore.server.integrity import load_keyring
 from kvstore.server.placeholders import PUBLIC_VALUES
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
 GENERATE = "generate-secrets.sh"
 SECRETS = ("tokens", "engine-token", "integrity-secrets")

@@ -196,7 +196,7 @@ def test_the_harness_runs_alone(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     proc = subprocess.run(
         [sys.executable, str(root / "tests" / "gpu_harness.py"), "--device", "cpu"],
         capture_output=True,

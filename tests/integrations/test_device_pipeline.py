@@ -1,6 +1,7 @@
 """The layer-wise load pipeline on CPU: each layer waits for itself only; failures recompute.
 
-The same code runs on CUDA with real streams and events (tests/test_harness_pipeline.py, ``gpu``).
+The same code runs on CUDA with real streams and events
+(tests/integrations/test_harness_pipeline.py, ``gpu``).
 """
 
 from __future__ import annotations
@@ -235,7 +236,7 @@ def test_bench_gpu_parses_its_arguments_and_refuses_to_run_without_cuda(
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     bench = root / "benchmarks" / "bench_gpu.py"
     helped = subprocess.run(
         [sys.executable, str(bench), "--help"], capture_output=True, text=True, timeout=120

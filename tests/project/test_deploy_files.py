@@ -20,7 +20,7 @@ from serve_process import Serve
 from kvstore import KVStoreClient, Namespace
 from kvstore.config import load_config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LOCAL = ROOT / "deploy" / "kvstore.local.toml"
 NS = Namespace(model="deploy-test", num_layers=1, num_kv_heads=1, head_size=8)
 

@@ -4,7 +4,7 @@ tests/cuda_stand_in.py queues every DMA, gather and scatter until something wait
 tests see what a real device would do with a missing wait: a scatter reading its staging before
 the layer's DMA ran, a lease ended while a DMA still reads the arena. The arena is a plain buffer
 here, "page-locked" by the stand-in registrar; the same code runs on a GPU in the harness
-(tests/test_harness_pipeline.py, ``gpu``).
+(tests/integrations/test_harness_pipeline.py, ``gpu``).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from kvstore.protocol.ucx import ucx_unavailable_reason
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 UCX = ucx_unavailable_reason() is None
 
 
