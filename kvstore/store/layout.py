@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvstore.tiers.base import Tier
-from kvstore.tiers.redis import RedisTier
+from kvstore.tiers.base import SharedTier, Tier
 
 __all__ = ["TierStack"]
 
@@ -24,6 +23,9 @@ class TierStack:
         if not tiers:
             raise ValueError("a TieredStore needs at least one tier")
         self.tiers = list(tiers)
+        odd = [tier.name for tier in self.tiers if tier.shared != isinstance(tier, SharedTier)]
+        if odd:
+            raise ValueError(f"tiers {odd}: a shared tier must be a SharedTier, and only one is")
         shared = [level for level, tier in enumerate(self.tiers) if tier.shared]
         if shared and (len(shared) > 1 or shared[0] != len(self.tiers) - 1 or len(tiers) == 1):
             raise ValueError("a shared tier must be the only one, last, below a local tier")
@@ -49,10 +51,11 @@ class TierStack:
         return self.tiers[: self.local_levels]
 
     @property
-    def shared(self) -> RedisTier | None:
-        """The shared tier, if it has the batch extras beyond ``Tier`` (``exists``,
-        ``write_many``) that lookups and write-through need."""
+    def shared(self) -> SharedTier | None:
+        """The shared tier, if any: the one :class:`SharedTier`, with the batch calls beyond
+        ``Tier`` that lookups and write-through need, whatever its backend."""
         if self.shared_level is None:
             return None
         tier = self.tiers[self.shared_level]
-        return tier if isinstance(tier, RedisTier) else None
+        assert isinstance(tier, SharedTier)  # checked in __init__
+        return tier

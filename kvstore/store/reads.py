@@ -35,7 +35,7 @@ from kvstore.store.landing import ArenaLanding
 from kvstore.store.layout import TierStack
 from kvstore.store.mover import BlockMover
 from kvstore.store.remote import RemoteSource
-from kvstore.tiers.base import Buffer, StoredBlock
+from kvstore.tiers.base import Buffer, StoredBlock, Tier
 from kvstore.tiers.dram import DramTier
 
 __all__ = ["BlockReader", "GetResult", "Promotion"]
@@ -253,9 +253,9 @@ class BlockReader:
             indices = by_level[level]
             epoch = self._mover.delete_epoch
             tier = self._stack[level]
-            corrupt_before = getattr(tier, "corrupt_blocks", 0)
+            corrupt_before = tier.corrupt_blocks
             blocks = await tier.read([keys[index] for index in indices])
-            corrupt = getattr(tier, "corrupt_blocks", 0) - corrupt_before
+            corrupt = tier.corrupt_blocks - corrupt_before
             for index, block in zip(indices, blocks, strict=True):
                 if block is None:
                     if level != shared_level:
@@ -294,11 +294,11 @@ def _seal_all(
     return sealed
 
 
-def _why_missing(local: bool, tier: object, corrupt: bool) -> str | None:
+def _why_missing(local: bool, tier: Tier, corrupt: bool) -> str | None:
     """Why a tier read found nothing; ``None`` (decided by the caller: absent or evicted) for a
     shared tier that is up and simply lacks the key."""
     if corrupt:
         return "corrupt"
     if local:
         return "evicted"  # indexed here, gone from the medium
-    return None if getattr(tier, "up", True) else "tier_down"
+    return None if tier.up else "tier_down"

@@ -15,8 +15,7 @@ from kvstore.block import BlockHeader
 from kvstore.policy import Policy
 from kvstore.store.background import BackgroundTasks
 from kvstore.store.counters import StoreCounters
-from kvstore.tiers.base import Buffer
-from kvstore.tiers.redis import RedisTier
+from kvstore.tiers.base import Buffer, SharedTier
 
 __all__ = ["SharedTierWriter"]
 
@@ -29,7 +28,7 @@ class SharedTierWriter:
 
     def __init__(
         self,
-        tier: RedisTier | None,
+        tier: SharedTier | None,
         policy: Policy,
         tasks: BackgroundTasks,
         counters: StoreCounters,

@@ -60,6 +60,15 @@ class Tier(ABC):
     #: The keyring that signs and verifies this tier's blocks where it signs them (nvme, redis);
     #: ``None`` is the process's installed one. A tenant's tiers carry the tenant's own ring.
     keyring: Keyring | None = None
+    #: Blocks the tier found altered (MAC or checksum mismatch) and refused to serve, so far.
+    #: The store compares it around a read to tell a corrupt block from an absent one.
+    corrupt_blocks: int = 0
+
+    @property
+    def up(self) -> bool:
+        """Whether the medium answers now. A remote tier between an outage and its reconnect is
+        down, and its misses count as ``tier_down`` rather than absent; local tiers always are."""
+        return True
 
     @abstractmethod
     def footprint(self, length: int) -> int:
@@ -103,6 +112,26 @@ class Tier(ABC):
 
     async def close(self) -> None:  # noqa: B027 - optional hook, most tiers need nothing
         """Release resources; the tier is unusable afterwards."""
+
+
+class SharedTier(Tier):
+    """A tier every node of a cluster sees (:attr:`Tier.shared`): besides what every tier does,
+    the batch calls that lookups and write-through need. The store finds its shared tier by this
+    capability, whatever the backend."""
+
+    shared = True
+    #: Blocks written through to it that it dropped (down, or refused), so far.
+    writes_dropped: int = 0
+    #: Times its connection was re-established after an outage.
+    reconnects: int = 0
+
+    @abstractmethod
+    async def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per key, whether the tier holds a block under it (without reading the payload)."""
+
+    @abstractmethod
+    async def write_many(self, items: Sequence[tuple[BlockHeader, Buffer]]) -> list[bool]:
+        """Store several blocks in one round trip; per block whether it was stored."""
 
 
 class SizeLedger:

@@ -65,7 +65,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvstore.block import HEADER_BYTES, BlockHeader, CorruptBlockError, Keyring, decode_value
 from kvstore.buffers import byte_view
-from kvstore.tiers.base import Buffer, SizeLedger, StoredBlock, Tier
+from kvstore.tiers.base import Buffer, SharedTier, SizeLedger, StoredBlock
 
 __all__ = ["RedisTier"]
 
@@ -96,11 +96,10 @@ class _Failed(enum.Enum):
 _FAILED = _Failed.FAILED
 
 
-class RedisTier(Tier):
+class RedisTier(SharedTier):
     """Blocks as authenticated (MAC-carrying) values in a shared Redis or Redis Cluster."""
 
     name = "redis"
-    shared = True
 
     def __init__(
         self,
