@@ -54,7 +54,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from kvstore.block import Keyring
 from kvstore.tiers.base import Tier
@@ -79,6 +79,9 @@ TTL_S = 30.0
 REFRESH_S = 10.0
 #: Most entries of other nodes one join reads (bounded work, whatever Redis holds).
 MAX_ENTRIES = 256
+# What "Redis did not answer (or refused)" looks like; the cluster client's bootstrap errors are
+# not RedisErrors.
+_FAILURES = (RedisError, RedisClusterException, OSError, TimeoutError)
 # Seconds the join at start may take: Redis is asked once, and the refresh tries again later.
 _START_TIMEOUT_S = 2.0
 _TAG = "kvstore-keyring-v1"
@@ -196,7 +199,7 @@ class KeyringRecord:
                 ),
                 timeout_s,
             )
-        except (RedisError, OSError, TimeoutError) as exc:
+        except _FAILURES as exc:
             return Verdict(reached=False, error=f"{type(exc).__name__}: {exc}")
         verdict = self._judge(reply)
         self.joined = self.joined or verdict.joined
@@ -259,11 +262,11 @@ class KeyringRecord:
         try:
             if self.joined:
                 await asyncio.wait_for(client.zrem(self.key, self.entry), _START_TIMEOUT_S)
-        except (RedisError, OSError, TimeoutError) as exc:
+        except _FAILURES as exc:
             logger.debug("removing keyring entry %s failed: %s", self.key, exc)
         try:
             await asyncio.wait_for(client.aclose(), _START_TIMEOUT_S)
-        except (RedisError, OSError, TimeoutError) as exc:
+        except _FAILURES as exc:
             logger.debug("closing the keyring record's redis client failed: %s", exc)
 
     # -- what the log says ---------------------------------------------------------------
