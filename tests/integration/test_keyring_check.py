@@ -11,6 +11,7 @@ same real redis-server.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,7 @@ import redis
 
 from kvstore import ChunkHasher, Namespace
 from kvstore.block import Keyring
+from kvstore.server import keyring_check
 from kvstore.server.keyring_check import KeyringRecord, check_shared_keyring, record_key
 from kvstore.tiers.dram import DramTier
 from kvstore.tiers.redis import RedisTier
@@ -31,6 +33,7 @@ NS = Namespace(model="keyring-check", num_layers=2, num_kv_heads=2, head_size=64
 HASHER = ChunkHasher(chunk_size=16, namespace=NS)
 PREFIX = "kvstore:v1:"  # redis.key_prefix's default
 SETTING = "integrity.secrets"
+TIMEOUT_S = 30.0
 
 
 def blocks(seed: int, count: int) -> tuple[list[bytes], list[bytes]]:
@@ -211,3 +214,33 @@ async def test_a_mismatch_leaves_the_shared_tier_out(redis_server: RedisServer) 
     finally:
         await first.close()
         await dram.close()
+
+
+async def test_a_mismatch_found_after_start_is_one_error_line(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(keyring_check, "REFRESH_S", 0.05)
+    caplog.set_level(logging.INFO, logger=keyring_check.__name__)
+    redis_server.kill()
+    late = KeyringRecord(redis_server.url, PREFIX, ring("late"))
+    assert not (await late.join()).reached
+    late.start()  # what check_shared_keyring does where Redis did not answer
+    try:
+        redis_server.start()
+        first = KeyringRecord(redis_server.url, PREFIX, ring("first"))
+        assert (await first.join()).joined
+        deadline = time.monotonic() + TIMEOUT_S
+        while not [r for r in caplog.records if r.levelname == "ERROR"]:
+            assert time.monotonic() < deadline, "no error line"
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.3)  # several more refreshes: still one line
+        (line,) = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+        assert SETTING in line and "corrupt_blocks" in line and not late.joined
+        await first.close()
+        # The other node left: the next refresh joins, and says so.
+        while not late.joined:
+            assert time.monotonic() < deadline, "never joined"
+            await asyncio.sleep(0.02)
+        assert any("matches the 0 other node(s)" in r.getMessage() for r in caplog.records)
+    finally:
+        await late.close()
