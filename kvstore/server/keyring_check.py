@@ -174,6 +174,11 @@ class KeyringRecord:
         self._client: Redis | RedisCluster | None = None
         self._task: asyncio.Task[None] | None = None
         self.joined = False
+        #: Nodes on the tier whose keyring shares no secret with this one, as last seen
+        #: (``keyring_mismatched_nodes`` in ``Stats``, ``kvstore_shared_keyring_mismatched_nodes``).
+        self.mismatched = 0
+        #: True where the store opened without its shared tier for that reason.
+        self.detached = False
         self._reported: set[tuple[str, ...]] = set()
 
     @property
@@ -203,6 +208,7 @@ class KeyringRecord:
             return Verdict(reached=False, error=f"{type(exc).__name__}: {exc}")
         verdict = self._judge(reply)
         self.joined = self.joined or verdict.joined
+        self.mismatched = len(verdict.mismatched)
         return verdict
 
     def _judge(self, reply: Any) -> Verdict:
@@ -339,8 +345,9 @@ async def check_shared_keyring(
     """Join the keyring record of the shared tier among ``tiers`` (none: nothing to do).
 
     Returns the tiers the store should open, without the shared one where this node shares no
-    secret with the nodes already on it (see the module docstring), and the record to keep
-    alive (``None`` where there is nothing to publish); logs the outcome in one line.
+    secret with the nodes already on it (see the module docstring; the record then says
+    :attr:`~KeyringRecord.detached` and publishes nothing), and the record (``None`` without a
+    shared tier); logs the outcome in one line.
     """
     shared = next((tier for tier in tiers if isinstance(tier, RedisTier)), None)
     if shared is None:
@@ -349,9 +356,10 @@ async def check_shared_keyring(
     verdict = await record.join()
     record.report(verdict)
     if verdict.reached and not verdict.joined:
+        record.detached = True
         await record.close()
         await shared.close()
-        return [tier for tier in tiers if tier is not shared], None
+        return [tier for tier in tiers if tier is not shared], record
     record.start()
     return tiers, record
 

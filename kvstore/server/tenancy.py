@@ -60,7 +60,7 @@ class Tenant:
     shm: ShmServer | None = None
     #: Its ``server.shm_socket`` setting ("": no shared-memory data plane).
     socket_setting: str = ""
-    #: Its entry in its shared tier's keyring record (``None``: no shared tier, or not joined).
+    #: Its entry in its shared tier's keyring record (``None``: no shared tier configured).
     keyring_record: KeyringRecord | None = None
 
     @property

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import urllib.request
 from typing import TYPE_CHECKING
 
 import pytest
@@ -20,6 +21,7 @@ import redis
 
 from kvstore import ChunkHasher, Namespace
 from kvstore.block import Keyring
+from kvstore.cli.stats import format_stats
 from kvstore.server import keyring_check
 from kvstore.server.keyring_check import KeyringRecord, check_shared_keyring, record_key
 from kvstore.tiers.dram import DramTier
@@ -51,6 +53,11 @@ def wait_in_redis(redis_server: RedisServer, keys: list[bytes], timeout: float =
     client.close()
 
 
+def scrape(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return str(response.read().decode())
+
+
 def lines_naming(log: str, what: str) -> list[str]:
     return [line for line in log.splitlines() if what in line]
 
@@ -70,7 +77,12 @@ def test_nodes_with_their_own_generated_keys_say_so_and_promise_nothing(
         assert client.put(keys, values).stored == 6
     wait_in_redis(redis_server, keys)
     with second.client(NS) as client:
-        assert "redis" not in client.stats()["tiers"]
+        stats = client.stats()
+        assert "redis" not in stats["tiers"]
+        assert stats["counters"]["keyring_mismatched_nodes"] == 1
+        assert "shared tier: OFF: integrity keyring shares no secret with 1 node(s)" in "\n".join(
+            format_stats(stats)
+        )
         # No promise of blocks its reads would refuse: not the 6 of 6 it reported before.
         assert client.lookup_tiers(keys).hits == 0
         assert client.get(keys) == [None] * 6
@@ -79,7 +91,12 @@ def test_nodes_with_their_own_generated_keys_say_so_and_promise_nothing(
         assert client.put(own, own_values).stored == 2
     with first.client(NS) as client:
         assert client.get(keys) == values
-        assert client.stats()["tiers"]["redis"]["corrupt_blocks"] == 0
+        stats = client.stats()
+        assert stats["tiers"]["redis"]["corrupt_blocks"] == 0
+        assert stats["counters"]["keyring_mismatched_nodes"] == 0
+    metric = 'kvstore_shared_keyring_mismatched_nodes{tenant=""}'
+    assert f"{metric} 1.0" in scrape(second.metrics_url)
+    assert f"{metric} 0.0" in scrape(first.metrics_url)
     raw = redis_server.client()
     assert raw.exists(*(PREFIX + key.hex() for key in own)) == 0
     # Only the first node is in the record.
@@ -210,7 +227,8 @@ async def test_a_mismatch_leaves_the_shared_tier_out(redis_server: RedisServer) 
     shared = RedisTier(redis_server.url, capacity=1024**2)
     try:
         tiers, record = await check_shared_keyring([dram, shared], ring("two"), "team")
-        assert tiers == [dram] and record is None
+        assert tiers == [dram] and record is not None
+        assert record.detached and record.mismatched == 1 and not record.joined
     finally:
         await first.close()
         await dram.close()
