@@ -163,7 +163,7 @@ class KeyringRecord:
         self.key = record_key(key_prefix)
         self.tenant = tenant
         self._fingerprints = keyring.fingerprints()
-        host = re.sub(r"[^A-Za-z0-9._:-]", "_", f"{socket.gethostname()[:64]}:{os.getpid()}")
+        host = _tame(f"{socket.gethostname()[:64]}:{os.getpid()}")
         #: How log lines name this shared tier (the URL without credentials, the prefix).
         self.where = where or f"{_redacted(url)} (key prefix {key_prefix!r})"
         # SIGN-FINGERPRINT is the first of the ring, listed again so the entry reads alone.
@@ -188,7 +188,7 @@ class KeyringRecord:
 
     async def join(self, timeout_s: float = _START_TIMEOUT_S) -> Verdict:
         """Compare with the nodes already recorded and join where compatible (one round trip,
-        bounded by ``timeout_s``); logs what it found in one line."""
+        bounded by ``timeout_s``); :meth:`report` says what it found."""
         try:
             client = self._client or _client(self.url, timeout_s)
             self._client = client
@@ -223,11 +223,12 @@ class KeyringRecord:
             if match is None:
                 continue
             fingerprints = tuple(match.group(4).split(","))
-            peer = Peer(match.group(2), match.group(3), fingerprints)
+            # Anyone able to write to Redis wrote these: only tame characters reach the log.
+            peer = Peer(_tame(match.group(2)), _tame(match.group(3)), fingerprints)
             verdict.others += 1
             if not mine & set(fingerprints):
                 verdict.mismatched.append(peer)
-            elif peer.signs not in mine or self.fingerprint not in fingerprints:
+            elif match.group(3) not in mine or self.fingerprint not in fingerprints:
                 verdict.partial.append(peer)
         return verdict
 
@@ -362,6 +363,11 @@ async def check_shared_keyring(
         return [tier for tier in tiers if tier is not shared], record
     record.start()
     return tiers, record
+
+
+def _tame(text: str) -> str:
+    """``text`` with anything but letters, digits and ``._:-`` replaced, at most 80 characters."""
+    return re.sub(r"[^A-Za-z0-9._:-]", "_", text[:80])
 
 
 def _redacted(url: str) -> str:

@@ -262,3 +262,20 @@ async def test_a_mismatch_found_after_start_is_one_error_line(
         assert any("matches the 0 other node(s)" in r.getMessage() for r in caplog.records)
     finally:
         await late.close()
+
+
+async def test_what_a_record_entry_says_reaches_the_log_tamed(redis_server: RedisServer) -> None:
+    # Anyone able to write to Redis can add a well-formed entry: it is compared like any other,
+    # and what it names is printed without its control characters.
+    (evil,) = ring("evil").fingerprints()
+    raw = redis.Redis.from_url(redis_server.url)
+    raw.zadd(record_key(PREFIX), {f"kvstore-keyring-v1 id \x1b[2Jhost {evil} {evil}": 10**15})
+    record = KeyringRecord(redis_server.url, PREFIX, ring("good"))
+    try:
+        verdict = await record.join()
+        assert not verdict.joined
+        line = record.mismatch_line(verdict, detached=True)
+        assert "__2Jhost signs " + evil in line and "\x1b" not in line
+    finally:
+        await record.close()
+        raw.close()
