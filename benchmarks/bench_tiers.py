@@ -477,6 +477,10 @@ def main(argv: list[str] | None = None) -> int:
         ("grpcio", "protobuf", "redis", "numpy", "lmdb"),
         {"redis-server": ["redis-server", "--version"]},
     )
+    # A and B share one Redis, so they need the same integrity secrets: with each generating its
+    # own, B reads A's blocks as MAC failures, and since the keyring check at start it runs
+    # without the shared tier at all (the servers inherit this environment).
+    os.environ.setdefault("KVSTORE_INTEGRITY_SECRETS", f"bench-tiers-{os.urandom(8).hex()}")
     with contextlib.ExitStack() as stack:
         rds = stack.enter_context(redis_server())
         shared = ["--redis-url", f"redis://{rds.target}/0"]

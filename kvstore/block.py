@@ -134,6 +134,16 @@ class Keyring:
         label = _TENANT_LABEL + tenant.encode()
         return Keyring([hmac.digest(key, label, "sha256") for key in self._derived])
 
+    def fingerprints(self) -> list[str]:
+        """Per secret, in ring order (the first signs), a keyed fingerprint that names it without
+        revealing it: HMAC of a fixed label under the secret's derived key, 64 bits in hex.
+
+        Nodes publish these (:mod:`kvstore.server.keyring_check`) to find out whether they can
+        read each other's blocks. Anyone who reads a stored block can already test guesses of a
+        weak secret against its MAC, so a fingerprint tells them nothing more.
+        """
+        return [hmac.digest(key, _FINGERPRINT_LABEL, "sha256")[:8].hex() for key in self._derived]
+
     def sign(self, prefix: bytes, parts: Iterable[Buffer]) -> bytes:
         """The MAC of ``prefix`` followed by ``parts`` under the current (first) secret."""
         return _mac(self._keys[0], prefix, parts)
@@ -144,6 +154,7 @@ class Keyring:
 
 
 _TENANT_LABEL = b"kvstore tenant\x00"
+_FINGERPRINT_LABEL = b"kvstore keyring fingerprint v1"
 
 
 def _derive(secret: bytes) -> bytes:

@@ -97,6 +97,13 @@ def _server_lines(stats: dict[str, Any]) -> list[str]:
             f"backlog {format_size(counters.get('shared_write_backlog_bytes', 0))}  "
             f"dropped write-throughs {dropped}  reconnects {shared.get('reconnects', 0)}"
         )
+    mismatched = counters.get("keyring_mismatched_nodes", 0)
+    if mismatched:
+        state = "OFF: " if shared is None else ""
+        lines.append(
+            f"shared tier: {state}integrity keyring shares no secret with {mismatched} node(s) "
+            "on it (set the same integrity.secrets everywhere; see the server's log)"
+        )
     if "prefetch_queued_keys" in counters:
         outcomes = "  ".join(
             f"{name} {counters.get(f'prefetch_keys_{name}', 0)}"

@@ -20,7 +20,7 @@ import grpc
 from grpc_health.v1 import _async as health_async
 from grpc_health.v1 import health_pb2
 
-from kvstore.block import Keyring, install_keyring
+from kvstore.block import Keyring, install_keyring, installed_keyring
 from kvstore.cluster import ClusterNode, start_cluster
 from kvstore.config import Config
 from kvstore.policy import Policy
@@ -30,6 +30,7 @@ from kvstore.server.auth import check_exposure, interceptors, server_credentials
 from kvstore.server.budget import InflightBudget
 from kvstore.server.health import add_health_to_server
 from kvstore.server.integrity import load_keyring
+from kvstore.server.keyring_check import check_shared_keyring
 from kvstore.server.metrics import build_registry
 from kvstore.server.metrics_http import MetricsServer
 from kvstore.server.servicer import SERVICE_NAME, KVStoreServicer, add_to_server
@@ -43,6 +44,7 @@ from kvstore.server.ucx_service import add_ucx_to_server
 from kvstore.store import TieredStore
 from kvstore.store.prefetch import Prefetcher
 from kvstore.tiers import build_tiers
+from kvstore.tiers.base import Tier
 from kvstore.tiers.nvme import private_directory
 
 __all__ = [
@@ -59,14 +61,17 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def build_store(config: Config, keyring: Keyring | None = None) -> TieredStore:
+def build_store(
+    config: Config, keyring: Keyring | None = None, tiers: list[Tier] | None = None
+) -> TieredStore:
     """The :class:`TieredStore` a config describes, its index rebuilt from persistent tiers.
 
-    Its tiers sign and verify blocks with ``keyring``; ``None``: the keyring installed for the
-    whole process (:func:`open_tenants` installs the configured one first).
+    Its tiers (``tiers``, else those the config describes) sign and verify blocks with
+    ``keyring``; ``None``: the keyring installed for the whole process (:func:`open_tenants`
+    installs the configured one first).
     """
     store = TieredStore(
-        build_tiers(config),
+        tiers if tiers is not None else build_tiers(config),
         max_block_bytes=config.server.max_block_bytes,
         max_keys_per_request=config.server.max_keys_per_request,
         policy=Policy(
@@ -87,7 +92,7 @@ async def open_tenants(config: Config) -> Tenants:
     keyring = load_keyring(config)
     install_keyring(keyring)
     if not config.tenants:
-        return Tenants.single(_open_tenant("", config, None))
+        return Tenants.single(await _open_tenant("", config, None))
     if config.nvme.path and any(spec.nvme for spec in config.tenants):
         # The tenants' root and its directory of tenant names are ours alone: nobody lists them.
         private_directory(Path(config.nvme.path))
@@ -96,7 +101,7 @@ async def open_tenants(config: Config) -> Tenants:
     try:
         for spec in config.tenants:
             opened.append(
-                _open_tenant(
+                await _open_tenant(
                     spec.name,
                     tenant_config(config, spec),
                     keyring.for_tenant(spec.name),
@@ -106,13 +111,13 @@ async def open_tenants(config: Config) -> Tenants:
             )
     except BaseException:
         for tenant in opened:
-            await tenant.store.close()
+            await _close_tenant(tenant)
         raise
     owners = {identity: spec.name for spec in config.tenants for identity in spec.identities}
     return Tenants(opened, owners)
 
 
-def _open_tenant(
+async def _open_tenant(
     name: str,
     config: Config,
     keyring: Keyring | None,
@@ -120,8 +125,12 @@ def _open_tenant(
     gids: frozenset[int] | None = None,
 ) -> Tenant:
     """One tenant's store (``config``: the tenant's own, :func:`tenant_config`), its prefetch
-    queue and its in-flight budget."""
-    store = build_store(config, keyring)
+    queue and its in-flight budget; its shared tier only where its keyring matches the other
+    nodes' (:mod:`.keyring_check`)."""
+    tiers, record = await check_shared_keyring(
+        build_tiers(config), keyring or installed_keyring(), name
+    )
+    store = build_store(config, keyring, tiers)
     server = config.server
     prefetcher = Prefetcher(store, max_queued_keys=server.prefetch_queue_keys)
     return Tenant(
@@ -132,7 +141,15 @@ def _open_tenant(
         uids,
         gids,
         socket_setting=server.shm_socket,
+        keyring_record=record,
     )
+
+
+async def _close_tenant(tenant: Tenant) -> None:
+    """Leave the keyring record and close the store of a tenant that never served."""
+    if tenant.keyring_record is not None:
+        await tenant.keyring_record.close()
+    await tenant.store.close()
 
 
 @dataclass
@@ -172,6 +189,9 @@ class RunningServer:
         """
         if self.cluster is not None:  # first: nobody should be routed here any more
             await _step("leaving the cluster index", self.cluster.stop())
+        for tenant in self.tenants:
+            if tenant.keyring_record is not None:
+                await _step("leaving the keyring record", tenant.keyring_record.close())
         await _step("entering graceful shutdown", self.health.enter_graceful_shutdown())
         if self.metrics is not None:
             await _step("closing the metrics endpoint", self.metrics.close())
@@ -239,7 +259,7 @@ async def start_server(config: Config) -> RunningServer:
         metrics = await _start_metrics(config, tenants)
     except OSError:
         for tenant in tenants:  # nothing serves them: leave LMDB closed for the next start
-            await tenant.store.close()
+            await _close_tenant(tenant)
         raise
     for tenant in tenants:
         tenant.shm = await _start_shm(config, tenant)

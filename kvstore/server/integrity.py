@@ -10,8 +10,9 @@ Where the secrets come from, first match wins:
 4. no nvme tier: a random secret for this process only (a warning when Redis is shared).
 
 A public or placeholder secret is refused (:mod:`kvstore.server.placeholders`). Every node
-sharing a Redis must have the same secrets, or they reject each other's blocks (as
-misses, counted in the redis tier's ``corrupt_blocks``).
+sharing a Redis must have the same secrets, or they reject each other's blocks (as misses,
+counted in the redis tier's ``corrupt_blocks``); :mod:`kvstore.server.keyring_check` finds that
+out at start and keeps a node that shares no secret with the others off the shared tier.
 """
 
 from __future__ import annotations

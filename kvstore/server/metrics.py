@@ -107,6 +107,12 @@ class StoreCollector(Collector):
             "up": _family(
                 g, "kvstore_shared_tier_up", "1 while the shared tier answers", ["tenant"]
             ),
+            "mismatched": _family(
+                g,
+                "kvstore_shared_keyring_mismatched_nodes",
+                "Nodes on the shared tier whose integrity keyring shares no secret with this one",
+                ["tenant"],
+            ),
             "backlog": _family(
                 g,
                 "kvstore_shared_write_backlog_bytes",
@@ -161,6 +167,8 @@ class StoreCollector(Collector):
         for reason in MISS_REASONS:
             if reason != "denied":
                 f["misses"].add_metric([reason, name], counters.misses[reason])
+        if tenant.keyring_record is not None:  # with the shared tier it kept off, if it did
+            f["mismatched"].add_metric([name], tenant.keyring_record.mismatched)
         writer = store.shared_writer
         shared = writer.tier
         if shared is not None:

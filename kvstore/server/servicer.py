@@ -52,10 +52,14 @@ T = TypeVar("T")
 
 def _server_counters(tenant: Tenant) -> dict[str, int]:
     """What the server adds to a tenant's store counters in ``Stats`` (the figures ``/metrics``
-    shows too): the prefetch queue, the shared-memory server, the shared tier's backlog."""
+    shows too): the prefetch queue, the shared-memory server, the shared tier's backlog and
+    keyring check."""
     shm = tenant.shm.stats() if tenant.shm is not None else {}
+    record = tenant.keyring_record
     return {
         **tenant.prefetcher.stats(),
+        # Nodes on the shared tier whose integrity keyring this one cannot verify (keyring_check).
+        **({"keyring_mismatched_nodes": record.mismatched} if record is not None else {}),
         **{f"shm_{name}": count for name, count in shm.items()},
         "shared_write_backlog_bytes": tenant.store.shared_writer.backlog_bytes,
         # Calls refused for their credentials belong to no tenant: the server's count.

@@ -34,6 +34,7 @@ from kvstore.config import Config, TenantConfig, default_inflight_bytes
 from kvstore.errors import ConfigError, PermissionDeniedError
 from kvstore.server.auth import caller_identity, load_tokens
 from kvstore.server.budget import InflightBudget
+from kvstore.server.keyring_check import KeyringRecord
 from kvstore.server.shm import ShmServer
 from kvstore.store import TieredStore
 from kvstore.store.prefetch import Prefetcher
@@ -59,6 +60,8 @@ class Tenant:
     shm: ShmServer | None = None
     #: Its ``server.shm_socket`` setting ("": no shared-memory data plane).
     socket_setting: str = ""
+    #: Its entry in its shared tier's keyring record (``None``: no shared tier configured).
+    keyring_record: KeyringRecord | None = None
 
     @property
     def shm_socket(self) -> str:

@@ -79,3 +79,16 @@ def test_a_tenant_ring_verifies_only_its_own_blocks_and_keeps_rotation() -> None
     for other in (old.for_tenant("b"), old, Keyring([b"new"]).for_tenant("a")):
         with pytest.raises(CorruptBlockError):
             decode_value(key, value, other)
+
+
+def test_fingerprints_name_each_secret_without_revealing_it() -> None:
+    old, rotated = Keyring([b"old-secret"]), Keyring([b"new-secret", b"old-secret"])
+    (old_print,) = old.fingerprints()
+    assert rotated.fingerprints()[1] == old_print  # the same secret, the same fingerprint
+    assert rotated.fingerprints()[0] != old_print  # the first signs: listed first
+    assert len(old_print) == 16 and int(old_print, 16) >= 0
+    assert Keyring([b"old-secret"]).fingerprints() == [old_print]  # stable across processes
+    # A tenant's ring is bound to its name: other fingerprints, as other MACs.
+    assert old.for_tenant("a").fingerprints() != [old_print]
+    assert old.for_tenant("a").fingerprints() != old.for_tenant("b").fingerprints()
+    assert b"old-secret".hex() not in old_print
