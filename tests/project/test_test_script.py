@@ -15,7 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SUITES = ROOT / "scripts" / "suites.sh"
 TIMEOUT_S = 60.0
 
