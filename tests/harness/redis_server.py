@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -133,6 +134,21 @@ class RedisServer:
         return redis.Redis.from_url(
             self.url, socket_timeout=timeout, socket_connect_timeout=timeout
         )
+
+    def wait_for_blocks(
+        self, keys: Sequence[bytes], prefix: str = "kvstore:v1:", timeout: float = 30.0
+    ) -> None:
+        """Wait until every key's payload is in Redis (under ``prefix``, ``redis.key_prefix``'s
+        default): write-through runs in the background, so a loaded machine may answer the put
+        before the copy lands."""
+        client = self.client()
+        try:
+            deadline = time.monotonic() + timeout
+            while client.exists(*(prefix + key.hex() for key in keys)) < len(keys):
+                assert time.monotonic() < deadline, "write-through never reached Redis"
+                time.sleep(0.02)
+        finally:
+            client.close()
 
     def kill(self) -> None:
         """SIGKILL the server: a crash, connections reset, data gone."""

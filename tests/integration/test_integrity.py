@@ -85,17 +85,6 @@ def test_blocks_forged_in_redis_are_never_served(
         raw.close()
 
 
-def wait_in_redis(redis_server: RedisServer, keys: list[bytes], timeout: float = 30.0) -> None:
-    """Wait until every key's payload reached Redis: write-through runs in the background, so a
-    loaded machine may answer the put before the copy lands."""
-    client = redis_server.client()
-    deadline = time.monotonic() + timeout
-    while client.exists(*(PREFIX + key.hex() for key in keys)) < len(keys):
-        assert time.monotonic() < deadline, "write-through never reached Redis"
-        time.sleep(0.02)
-    client.close()
-
-
 def test_secret_rotation_and_a_node_without_the_secret(
     server_factory: ServerFactory, tmp_path: Path
 ) -> None:
@@ -106,14 +95,14 @@ def test_secret_rotation_and_a_node_without_the_secret(
         keys, values = blocks(2, 4)
         with old.client(NS) as client:
             assert client.put(keys, values).stored == 4
-        wait_in_redis(redis_server, keys)
+        redis_server.wait_for_blocks(keys)
         with rotated.client(NS) as client:  # old secret still listed: verifies
             assert client.get(keys[:2]) == values[:2]
             assert tier_stats(client, "redis")["corrupt_blocks"] == 0
             # New blocks are signed with the first secret ("new").
             fresh_keys, fresh = blocks(3, 1)
             assert client.put(fresh_keys, fresh).stored == 1
-        wait_in_redis(redis_server, fresh_keys)
+        redis_server.wait_for_blocks(fresh_keys)
         # The last step of the rotation: the node that knew only "old" has gone (a node still
         # there that shares no secret would keep this one off the shared tier at start:
         # test_keyring_check), and a node that dropped the old secret reads its blocks as misses.

@@ -43,16 +43,6 @@ def blocks(seed: int, count: int) -> tuple[list[bytes], list[bytes]]:
     return keys, [bytes([seed + i]) * 4096 for i in range(count)]
 
 
-def wait_in_redis(redis_server: RedisServer, keys: list[bytes], timeout: float = 30.0) -> None:
-    """Write-through is asynchronous: wait until every block reached Redis."""
-    client = redis_server.client()
-    deadline = time.monotonic() + timeout
-    while client.exists(*(PREFIX + key.hex() for key in keys)) < len(keys):
-        assert time.monotonic() < deadline, "write-through never reached Redis"
-        time.sleep(0.02)
-    client.close()
-
-
 def scrape(url: str) -> str:
     with urllib.request.urlopen(url, timeout=10) as response:
         return str(response.read().decode())
@@ -75,7 +65,7 @@ def test_nodes_with_their_own_generated_keys_say_so_and_promise_nothing(
     keys, values = blocks(1, 6)
     with first.client(NS) as client:
         assert client.put(keys, values).stored == 6
-    wait_in_redis(redis_server, keys)
+    redis_server.wait_for_blocks(keys)
     with second.client(NS) as client:
         stats = client.stats()
         assert "redis" not in stats["tiers"]
@@ -122,7 +112,7 @@ def test_nodes_with_the_same_secrets_share_blocks_as_before(
     keys, values = blocks(3, 4)
     with first.client(NS) as client:
         assert client.put(keys, values).stored == 4
-    wait_in_redis(redis_server, keys)
+    redis_server.wait_for_blocks(keys)
     with second.client(NS) as client:
         assert client.lookup_tiers(keys).tiers == ["redis"] * 4
         assert client.get(keys) == values
