@@ -128,7 +128,7 @@ def test_a_peer_read_checks_what_arrived_before_anything_is_installed(
     address = ucx_address(server)
 
     async def open_link() -> UcxPeerLink:  # its aio channel belongs to the ucxx loop
-        return UcxPeerLink(server.target, address, "")
+        return UcxPeerLink(server.target, address, None)
 
     link = _shared_loop().run(open_link(), 10.0)
     try:
