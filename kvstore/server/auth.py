@@ -271,8 +271,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
             caller_identity.set(None)  # a peer read has no caller identity, only its tenant
             try:
                 await check(PEER_METHODS[method], authenticator, request, context)
-            except AuthenticationError as exc:
-                logger.info("refused a peer read (%s): %s", method, exc)
+            except AuthenticationError as exc:  # the check logs it (rate-limited)
                 await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"peer read refused: {exc}")
 
         if inspect.isasyncgenfunction(behavior):

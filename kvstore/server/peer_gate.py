@@ -21,6 +21,8 @@ anything secret); the server keeps serving. A server in no cluster index refuses
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -41,7 +43,12 @@ from kvstore.errors import AuthenticationError
 from kvstore.server.auth import peer_tenant
 from kvstore.server.tenancy import Tenants
 
-__all__ = ["PeerGate"]
+__all__ = ["LOG_EVERY_S", "PeerGate"]
+
+logger = logging.getLogger(__name__)
+
+#: Refused peer reads are logged at most once per this many seconds (with a count).
+LOG_EVERY_S = 10.0
 
 
 class PeerGate:
@@ -59,6 +66,8 @@ class PeerGate:
         self._rings: dict[str, Keyring] = {}
         #: Peer reads admitted and refused.
         self.counters = {"admitted": 0, "refused": 0}
+        self._unlogged = 0
+        self._next_log = 0.0
 
     async def check(
         self,
@@ -73,10 +82,28 @@ class PeerGate:
             ring = self._verify(call, method, request)
         except PeerAuthError as exc:
             self.counters["refused"] += 1
+            self._log_refusal(method, str(exc))
             raise AuthenticationError(str(exc)) from exc
         self.counters["admitted"] += 1
         peer_tenant.set(call.tenant)
         await context.send_initial_metadata(((PROOF_METADATA, answer_proof(ring, call)),))
+
+    def _log_refusal(self, method: str, why: str) -> None:
+        """One line at most every :data:`LOG_EVERY_S` (anyone may send bad authenticators)."""
+        self._unlogged += 1
+        now = time.monotonic()
+        if now < self._next_log:
+            return
+        logger.warning(
+            "refused a peer read (%s): %s%s",
+            method,
+            why,
+            f" ({self._unlogged - 1} more refused since the last line)"
+            if self._unlogged > 1
+            else "",
+        )
+        self._unlogged = 0
+        self._next_log = now + LOG_EVERY_S
 
     def _verify(self, call: PeerCall, method: str, request: Any) -> Keyring:
         if self.identity is None:
