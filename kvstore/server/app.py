@@ -219,7 +219,8 @@ async def start_server(config: Config) -> RunningServer:
             raise AuthenticationError("the server is starting")
         await gate.check(method, authenticator, request, context)
 
-    auth = interceptors(config.server, peer_check)
+    # Only a node of a cluster index admits peer reads (elsewhere an authenticator opens nothing).
+    auth = interceptors(config.server, peer_check if config.cluster.enabled else None)
     tenants = await open_tenants(config)
     gate = PeerGate(tenants)
     # Clients and the Get stream pack messages up to a soft target plus one whole block; leave

@@ -14,7 +14,8 @@ access to its Redis would.
   epoch and tenant under the cluster's secret, sealed, once: every other one is UNAUTHENTICATED,
   naming what failed, over ``KVStore.Get`` and ``UcxTransfer.UcxGet``; the server keeps serving.
 * Two nodes whose gRPC ports require bearer tokens still serve each other peer hits, over UCX and
-  over gRPC, with no peer token configured anywhere.
+  over gRPC, with no peer token configured anywhere; with tenants, each tenant reads its own
+  blocks (the authenticator names the tenant, under that tenant's key).
 """
 
 from __future__ import annotations
@@ -33,7 +34,12 @@ from rogue_peer import RoguePeer
 from test_cluster_index import NS, PREFIX, blocks_for, holders, poll
 from test_peer_fetch import counters, grpc_client, peer_env
 from test_peer_forgery import put, rogue_first
+from test_tenants import NS as TENANT_NS
+from test_tenants import TOKENS as TENANT_TOKENS
+from test_tenants import blocks as tenant_blocks
+from test_tenants import write_config
 
+from kvstore import KVStoreClient
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore._proto.kvstore.v1 import ucx_pb2 as ucx_pb
@@ -289,3 +295,32 @@ def test_a_described_node_is_believed_only_while_its_signature_holds(
             return reader.get(keys) == values
 
         poll(served, 15.0, "node one believed again once re-signed")
+
+
+def test_each_tenant_reads_its_own_blocks_from_peers(
+    server_factory: ServerFactory, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """Per-tenant peer credentials: the same keys hold different blocks for tenants a and b on
+    node one; node three reads each tenant's own from it, with no token between the nodes."""
+    config = str(write_config(tmp_path))
+    url = redis_server.url
+    one, three = (
+        server_factory("--config", config, env=peer_env(url, name, "peers"))
+        for name in ("one", "three")
+    )
+    keys, a_values = tenant_blocks(1)
+    _, b_values = tenant_blocks(2)
+    for who, values in (("alice", a_values), ("bob", b_values)):
+        with tenant_client(one, who) as writer:
+            assert writer.put(keys, values).stored == len(keys)
+    for who, values in (("alice", a_values), ("bob", b_values)):
+        with tenant_client(three, who) as reader:
+            poll(lambda r=reader, v=values: r.get(keys) == v, 10.0, f"{who}'s blocks via three")
+            assert reader.stats()["counters"]["peer_hits"] == len(keys)
+    assert "Traceback" not in one.stderr() + three.stderr()
+
+
+def tenant_client(server: ServerProcess, who: str) -> Any:
+    return KVStoreClient(
+        server.target, namespace=TENANT_NS, token=TENANT_TOKENS[who], data_plane="grpc", timeout=5.0
+    )
