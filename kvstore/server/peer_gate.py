@@ -16,7 +16,8 @@ the call:
    node's proof in the answer's initial metadata.
 
 Any failure ends the call UNAUTHENTICATED with a message that says which check failed (and never
-anything secret); the server keeps serving. A server in no cluster index refuses every peer read.
+anything secret); the server keeps serving. Only a node of a cluster index installs the gate
+(``cluster.enabled``); until it registered (it has no boot epoch yet) it refuses every peer read.
 """
 
 from __future__ import annotations
