@@ -68,12 +68,12 @@ needs_ucx = pytest.mark.skipif(ucx_unavailable_reason() is not None, reason="nee
 
 
 def reader_of(
-    server_factory: ServerFactory, url: str, name: str, steady: bool = False
+    server_factory: ServerFactory, url: str, name: str, steady: bool = False, **extra: str
 ) -> ServerProcess:
     """A node reading its peers; ``steady``: with a lease long enough that it does not
     register again (rewriting its description) while a test changes that description, even on
     a loaded machine."""
-    env = peer_env(url, name, "peers")
+    env = {**peer_env(url, name, "peers"), **extra}
     if steady:
         env["KVSTORE_CLUSTER_LEASE_TTL_S"] = "60"
     return server_factory(env=env)
@@ -130,7 +130,8 @@ def test_a_rogue_with_a_valid_description_learns_nothing_and_serves_nothing(
     with RoguePeer() as rogue:
         info = NodeInfo("rogue", 1, rogue.target)
         plant(redis_server.client(), PREFIX, info, shared + own, CLUSTER_SECRET)
-        three = reader_of(server_factory, url, "three")
+        # A left-over peer token is configured: it must not travel either.
+        three = reader_of(server_factory, url, "three", KVSTORE_CLUSTER_PEER_TOKEN="left-over")
         with grpc_client(three) as reader:
             assert reader.get(shared) == values  # the rogue asked first: nothing of it read
             assert reader.get(own) == [None] * len(own)  # suspect: not asked again
