@@ -16,6 +16,8 @@ the read (:class:`~kvstore.cluster.peer_blocks.PeerAnswerError`).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,6 +39,8 @@ from kvstore.protocol import messages as _wire
 
 __all__ = ["GrpcPeerLink"]
 
+#: How long an answer without a proof may take to show it was a refusal (its status).
+_STATUS_GRACE_S = 0.1
 #: Room in one message beyond its blocks' payloads (per-result fields and headers).
 _MESSAGE_SLACK_BYTES = 1024**2
 
@@ -110,11 +114,16 @@ class GrpcPeerLink:
         assert self.signer is not None
         try:
             self.signer.check(signed, await call.initial_metadata())
-        except PeerAuthError:
-            if call.done():
+            return
+        except PeerAuthError as exc:
+            unproven = exc
+        # A refusal comes as trailers only, whose status may land a moment after the (empty)
+        # initial metadata: give it that moment, so a node refusing us is not taken for a rogue.
+        with contextlib.suppress(TimeoutError):
+            if await asyncio.wait_for(call.code(), _STATUS_GRACE_S) != grpc.StatusCode.OK:
                 async for _ in call:  # raises the call's error, mapped by the caller
                     break
-            raise
+        raise unproven
 
     async def aclose(self) -> None:
         """Close the channel."""
