@@ -146,3 +146,12 @@ def test_node_descriptions_verify_only_signed_unchanged_and_unexpired() -> None:
         NodeInfo.verified("rogue", raw, records, now=1_000.0)
     with pytest.raises(RecordError, match="expired"):
         NodeInfo.verified("one", raw, records, now=2_001.0)
+
+
+def test_derived_keys_are_apart_from_the_block_keys_and_each_other() -> None:
+    message = b"one message"
+    rings = [CLUSTER, CLUSTER.derive(b"peer request"), CLUSTER.derive(b"node record")]
+    for signer in rings:
+        mac = signer.sign(message, ())
+        assert [ring.verify(message, (), mac) for ring in rings].count(True) == 1
+    assert peer_keyring(CLUSTER).verify(message, (), rings[1].sign(message, ()))
