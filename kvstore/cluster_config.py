@@ -71,8 +71,10 @@ class ClusterConfig:
     the nvme directory (random per start without one). ``shared_data`` (:data:`SHARED_DATA`):
     where other nodes' blocks are read from: ``redis`` (the shared tier), ``peers`` (straight
     from the node holding them, :mod:`kvstore.cluster.peers`; Redis then holds only the index),
-    ``both`` (peers first, then Redis). ``peer_token``: the bearer token a node presents to its
-    peers (empty: none); ``peer_timeout_s`` bounds a peer read when its request set no deadline.
+    ``both`` (peers first, then Redis). ``peer_token``: deprecated and ignored (nodes
+    authenticate each request with keys derived from the integrity secrets,
+    :mod:`kvstore.cluster.peer_auth`; a node warns where it is set); ``peer_timeout_s`` bounds
+    a peer read when its request set no deadline.
     ``peer_transport`` (:data:`PEER_TRANSPORTS`): ``auto`` reads over UCX from peers advertising
     a UCX listener and over gRPC otherwise (and after a UCX failure); ``ucx`` only over UCX;
     ``grpc`` only over gRPC.

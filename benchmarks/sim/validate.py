@@ -86,7 +86,6 @@ def _node_env(url: str, node: str, params: dict[str, Any]) -> dict[str, str]:
         "KVSTORE_CLUSTER_LEASE_TTL_S": "30",
         "KVSTORE_CLUSTER_PUBLISH_INTERVAL_S": "0.01",
         "KVSTORE_CLUSTER_SHARED_DATA": "peers",
-        "KVSTORE_CLUSTER_PEER_TOKEN": "sim-validate-peer-token",
         "KVSTORE_INTEGRITY_SECRETS": "sim-validate-secret",
         "KVSTORE_DRAM_PAGE_SIZE": str(int(params["dram_page_size"])),
     }

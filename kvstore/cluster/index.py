@@ -4,17 +4,25 @@
 ``HGETALL`` per chunk key plus ``GET`` of the leases of the nodes seen before. Nodes not seen
 before cost a second round trip (their leases), once. An entry counts only if its node's lease
 is alive and carries the entry's epoch (see :mod:`kvstore.cluster`).
+
+Built with the cluster's integrity ``keyring``, :meth:`ClusterIndex.nodes` believes only node
+descriptions signed under it (:meth:`~kvstore.cluster.membership.NodeInfo.verified`); the others
+are left out and remembered in :attr:`ClusterIndex.refused`, logged once per node.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvstore.block import Keyring
 from kvstore.cluster.layout import Client, Layout
-from kvstore.cluster.membership import NodeInfo
+from kvstore.cluster.membership import NodeInfo, RecordError, record_keyring
 
 __all__ = ["ONE_TRIP_NODES", "ClusterIndex", "Holding"]
+
+logger = logging.getLogger(__name__)
 
 #: Most known nodes whose leases ride along with the entries in one pipeline; past it, only the
 #: leases of nodes an answer names are read, in a second round trip. A lease GET costs about
@@ -33,11 +41,17 @@ class Holding:
 
 
 class ClusterIndex:
-    """The reader of one tenant's view of the index (``layout``)."""
+    """The reader of one tenant's view of the index (``layout``); with ``keyring`` (the
+    cluster's integrity secrets), only signed node descriptions count."""
 
-    def __init__(self, client: Client, layout: Layout) -> None:
+    def __init__(self, client: Client, layout: Layout, keyring: Keyring | None = None) -> None:
         self.client = client
         self.layout = layout
+        self._ring = None if keyring is None else record_keyring(keyring)
+        #: Nodes whose description did not verify at the last :meth:`nodes`, with their epoch.
+        self.refused: dict[str, int] = {}
+        #: How many times a (node, epoch) was found without a valid description.
+        self.refused_count = 0
         self._known: set[str] = set()
         #: The boot epoch of each node with a live lease, as of the last :meth:`holders`
         #: answer (a reader's cached address of a node whose epoch moved is stale).
@@ -97,8 +111,33 @@ class ClusterIndex:
         for node in members:
             pipe.hgetall(layout.node(node))
         infos = await pipe.execute()
-        return {
-            node: NodeInfo.parse(node, raw)
+        live = {
+            node: raw
             for node, raw in zip(members, infos, strict=True)
             if leases[node] is not None and raw and raw.get(b"epoch") == leases[node]
         }
+        if self._ring is None:
+            return {node: NodeInfo.parse(node, raw) for node, raw in live.items()}
+        believed: dict[str, NodeInfo] = {}
+        for node, raw in live.items():
+            try:
+                believed[node] = NodeInfo.verified(node, raw, self._ring)
+            except RecordError as exc:
+                self._refuse(node, leases[node] or b"", str(exc))
+            else:
+                self.refused.pop(node, None)
+        return believed
+
+    def _refuse(self, node: str, lease: bytes, why: str) -> None:
+        epoch = int(lease) if lease.isdigit() else -1
+        if self.refused.get(node) == epoch:
+            return
+        self.refused_count += 1
+        if node not in self.refused:
+            logger.warning(
+                "cluster index: ignoring node %r: %s (not a node of this cluster, or its "
+                "integrity secrets differ)",
+                node,
+                why,
+            )
+        self.refused[node] = epoch

@@ -7,27 +7,59 @@ cut off, or Redis restarted empty) registers again and asks the publisher for a 
 does the first success after Redis was unreachable. Redis being down never stops the node: it
 logs once and keeps trying. :meth:`Membership.stop` deletes the lease, so everything the node
 published stops counting at once.
+
+**Signed descriptions.** Anyone able to write to the index Redis can write a node's description,
+so the node signs it: a MAC (:func:`record_keyring`, a key derived from the cluster's integrity
+secrets, which a rogue without them cannot make) over its id, boot epoch, addresses, capacity and
+an expiry (:data:`RECORD_VALID_S` ahead, re-signed by the renewals once half of it is gone). A
+reader holding the secrets (:meth:`NodeInfo.verified`) ignores a description without a valid MAC,
+one whose fields were changed (an address pointed elsewhere, a record copied to another node id
+or kept from an earlier boot) and one that expired (a record replayed long after). Nodes'
+clocks must agree within a fraction of :data:`RECORD_VALID_S`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
+import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from kvstore.block import Keyring, installed_keyring
 from kvstore.cluster.layout import REDIS_ERRORS, Client, Layout
 
-__all__ = ["NODE_ID_FILE", "Membership", "NodeInfo", "node_id_for"]
+__all__ = [
+    "NODE_ID_FILE",
+    "RECORD_VALID_S",
+    "Membership",
+    "NodeInfo",
+    "RecordError",
+    "node_id_for",
+    "record_keyring",
+]
 
 logger = logging.getLogger(__name__)
 
 #: The file in the nvme directory that keeps a node's generated id across restarts.
 NODE_ID_FILE = "cluster-node-id"
+#: How long a signed description stays valid at least (longer with a long ``lease_ttl_s``).
+RECORD_VALID_S = 120.0
+_RECORD_LABEL = b"kvstore node record v1\x00"
+
+
+def record_keyring(keyring: Keyring) -> Keyring:
+    """The key nodes sign their descriptions with, from the cluster's integrity ``keyring``."""
+    return keyring.derive(b"node record")
+
+
+class RecordError(Exception):
+    """A node description that does not verify (the message says why)."""
 
 
 @dataclass(frozen=True)
@@ -42,9 +74,11 @@ class NodeInfo:
     ucx: str = ""
     #: Bytes per tier name.
     capacity: Mapping[str, int] = field(default_factory=dict)
+    #: Unix time (ms) after which the signed description is no longer believed (0: unsigned).
+    expires_ms: int = 0
 
     def fields(self) -> dict[str, str]:
-        """The hash fields stored under :meth:`Layout.node`."""
+        """The hash fields stored under :meth:`Layout.node` (unsigned)."""
         return {
             "epoch": str(self.epoch),
             "grpc": self.grpc,
@@ -52,9 +86,27 @@ class NodeInfo:
             "capacity": json.dumps(dict(self.capacity)),
         }
 
+    def signed(self, ring: Keyring, expires_ms: int) -> dict[str, str]:
+        """:meth:`fields` valid until ``expires_ms``, with their MAC under ``ring`` (a
+        :func:`record_keyring`)."""
+        info = dataclasses.replace(self, expires_ms=expires_ms)
+        mac = ring.sign(info._message(), ())
+        return {**info.fields(), "expires_ms": str(expires_ms), "mac": mac.hex()}
+
+    def _message(self) -> bytes:
+        described = [
+            self.node_id,
+            self.epoch,
+            self.grpc,
+            self.ucx,
+            sorted(dict(self.capacity).items()),
+            self.expires_ms,
+        ]
+        return _RECORD_LABEL + json.dumps(described, separators=(",", ":")).encode()
+
     @classmethod
     def parse(cls, node_id: str, raw: Mapping[bytes, bytes]) -> NodeInfo:
-        """The inverse of :meth:`fields`."""
+        """The inverse of :meth:`fields` (nothing verified: see :meth:`verified`)."""
         text = {k.decode(): v.decode() for k, v in raw.items()}
         return cls(
             node_id,
@@ -62,7 +114,31 @@ class NodeInfo:
             text.get("grpc", ""),
             text.get("ucx", ""),
             json.loads(text.get("capacity", "{}")),
+            int(text.get("expires_ms", "0")),
         )
+
+    @classmethod
+    def verified(
+        cls, node_id: str, raw: Mapping[bytes, bytes], ring: Keyring, now: float | None = None
+    ) -> NodeInfo:
+        """The description stored under ``node_id`` if a node holding ``ring``'s secret signed
+        exactly it for that id and it has not expired; :class:`RecordError` otherwise."""
+        try:
+            info = cls.parse(node_id, raw)
+            mac = bytes.fromhex(raw.get(b"mac", b"").decode())
+            message = info._message()
+        except (ValueError, TypeError, AttributeError, UnicodeDecodeError) as exc:
+            raise RecordError(f"malformed description ({exc})") from exc
+        if not mac:
+            raise RecordError("unsigned description")
+        if not ring.verify(message, (), mac):
+            raise RecordError(
+                "its MAC does not verify (signed under other integrity secrets, or changed)"
+            )
+        now_ms = (time.time() if now is None else now) * 1000
+        if info.expires_ms <= now_ms:
+            raise RecordError(f"it expired {(now_ms - info.expires_ms) / 1000:.0f}s ago")
+        return info
 
 
 def node_id_for(setting: str, nvme_path: str) -> str:
@@ -90,7 +166,9 @@ def node_id_for(setting: str, nvme_path: str) -> str:
 
 class Membership:
     """Registers one node and keeps its lease alive; ``on_rejoin`` is called (on the loop) each
-    time the node (re)registers, so that its blocks are published again in full."""
+    time the node (re)registers, so that its blocks are published again in full. The node's
+    description is signed with ``keyring`` (the cluster's; ``None``: the process's installed
+    one)."""
 
     def __init__(
         self,
@@ -99,11 +177,17 @@ class Membership:
         describe: Callable[[int], NodeInfo],
         ttl_s: float,
         on_rejoin: Callable[[], None],
+        keyring: Keyring | None = None,
     ) -> None:
         self.client = client
         self.layout = layout
         self.node_id = describe(0).node_id
         self.ttl_s = ttl_s
+        self._ring = record_keyring(keyring or installed_keyring())
+        # Renewals come every third of the TTL: many of them within each validity.
+        self._valid_s = max(RECORD_VALID_S, 6 * ttl_s)
+        #: When the description in Redis stops being believed (unix ms; 0: not written yet).
+        self._expires_ms = 0
         #: The boot epoch, once Redis gave one (``None`` until then: nothing is published).
         self.epoch: int | None = None
         self._describe = describe
@@ -123,14 +207,27 @@ class Membership:
             self.epoch = epoch
         elif epoch < self.epoch:  # Redis lost the counter: keep later boots' epochs new
             await self.client.set(layout.epoch(node), self.epoch)
-        info = self._describe(self.epoch)
         pipe = self.client.pipeline(transaction=False)
-        pipe.hset(layout.node(node), mapping=info.fields())  # type: ignore[arg-type]
+        pipe.hset(layout.node(node), mapping=self._signed())  # type: ignore[arg-type]
         pipe.sadd(layout.nodes, node)
         pipe.set(layout.lease(node), self.epoch, px=self._ttl_ms)
         await pipe.execute()
         logger.info("cluster index: node %s registered, epoch %d", node, self.epoch)
         self._on_rejoin()
+
+    def _signed(self) -> dict[str, str]:
+        """This node's description, signed, valid for the next ``_valid_s``."""
+        assert self.epoch is not None
+        expires_ms = int((time.time() + self._valid_s) * 1000)
+        fields = self._describe(self.epoch).signed(self._ring, expires_ms)
+        self._expires_ms = expires_ms
+        return fields
+
+    async def _resign(self) -> None:
+        """Sign the description again once half its validity is gone."""
+        if time.time() * 1000 < self._expires_ms - self._valid_s * 500:
+            return
+        await self.client.hset(self.layout.node(self.node_id), mapping=self._signed())  # type: ignore[arg-type]
 
     @property
     def _ttl_ms(self) -> int:
@@ -144,7 +241,9 @@ class Membership:
             )
             if not renewed:
                 await self._register()
-            elif self._down:
+            else:
+                await self._resign()
+            if renewed and self._down:
                 self._on_rejoin()  # entries may have missed changes while Redis was away
             if self._down:
                 logger.warning("cluster index: Redis answers again; republishing")

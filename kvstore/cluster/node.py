@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
+from kvstore.block import installed_keyring
 from kvstore.cluster.engine_chunks import EngineChunks, LocalPublisher
 from kvstore.cluster.engine_events import EngineEvents, load_event_modules
 from kvstore.cluster.index import ClusterIndex
@@ -82,12 +83,15 @@ async def start_cluster(
         for publisher in publishers:
             publisher.resync()
 
+    # The cluster's secrets, not a tenant's: node descriptions are the whole node's.
+    keyring = installed_keyring()
     membership = Membership(
         client,
         layout,
         lambda epoch: NodeInfo(node_id, epoch, settings.grpc_target(grpc), ucx, capacity),
         settings.lease_ttl_s,
         rejoined,
+        keyring,
     )
     engine: EngineEvents | None = None
     for tenant, store in stores.items():
@@ -106,12 +110,17 @@ async def start_cluster(
     logger.info("cluster index: node %s publishing to %s", node_id, settings.key_prefix)
     peers: dict[str, tuple[TieredStore, PeerSource]] = {}
     if settings.shared_data in ("peers", "both"):
+        if settings.peer_token:
+            logger.warning(
+                "cluster.peer_token is deprecated and no longer sent to any node: nodes prove "
+                "themselves to each other with keys derived from the integrity secrets; remove it"
+            )
         for tenant, store in stores.items():
             source = PeerSource(
-                ClusterIndex(client, layout.for_tenant(tenant)),
+                ClusterIndex(client, layout.for_tenant(tenant), keyring),
                 node_id,
                 store.counters,
-                token=settings.peer_token,
+                tenant=tenant,
                 timeout_s=settings.peer_timeout_s,
                 max_block_bytes=store.max_block_bytes,
                 transport=settings.peer_transport,

@@ -2,9 +2,11 @@
 
 :class:`UcxPeerLink` is the UCX half of :class:`~kvstore.cluster.peers.PeerSource`: one per peer
 (its gRPC target and advertised UCX address). It speaks the same protocol as the client's UCX data
-path (:mod:`kvstore.client.ucx`): an authenticated ``UcxTransfer.UcxGet`` control call over gRPC
-(carrying ``cluster.peer_token``, so the peer checks it like any client's), then the payloads over
-the UCX endpoint, tagged by transfer id and index. The call asks for the blocks sealed
+path (:mod:`kvstore.client.ucx`): a ``UcxTransfer.UcxGet`` control call over gRPC, then the
+payloads over the UCX endpoint, tagged by transfer id and index. The control call presents no
+credential: it carries an authenticator of exactly that request, naming the endpoint and transfer
+the payloads go to (:mod:`kvstore.cluster.peer_auth`), and no receive is posted before the
+holder's answer proved that it belongs to the cluster too. The call asks for the blocks sealed
 (``UcxGetRequest.sealed``): the answer carries each payload's sealed header, returned with the
 payload for the peer source to verify (:mod:`kvstore.cluster.peer_blocks`); the xxh3 checksums of
 the answer only tell a damaged transfer from a whole one.
@@ -20,7 +22,7 @@ this endpoint twice, an answer not well-formed: a header missing, a block over
 :class:`~kvstore.protocol.ucx.UcxTransportError` after dropping the endpoint (which cancels
 receives still posted, so nothing lands late); the peer source then reads the same keys over gRPC
 in what is left of the deadline. Request errors of the peer (a refused
-token, a bad namespace) raise the :class:`~kvstore.errors.KVStoreError` gRPC would.
+authenticator, a bad namespace) raise the :class:`~kvstore.errors.KVStoreError` gRPC would.
 """
 
 from __future__ import annotations
@@ -40,6 +42,13 @@ from kvstore._proto.kvstore.v1 import ucx_pb2_grpc as ucx_pb_grpc
 from kvstore.client.channel import ChannelSecurity, aio_channel
 from kvstore.client.core import client_settings
 from kvstore.client.ucx import CONNECT_SHARE, abort_endpoint, open_endpoint, receive_payloads
+from kvstore.cluster.peer_auth import (
+    CALL_METADATA,
+    PeerAuthError,
+    PeerCall,
+    PeerSigner,
+    request_digest,
+)
 from kvstore.cluster.peer_blocks import SealedBlock
 from kvstore.protocol import messages as _wire
 from kvstore.protocol.ucx import (
@@ -66,19 +75,24 @@ _TRANSPORT_CODES = {
 
 class UcxPeerLink:
     """Reads sealed blocks from one peer over UCX (``target``: its gRPC address, for the control
-    calls; ``ucx_address``: the ``HOST:PORT`` its listener advertises), presenting ``token``;
-    a block over ``max_block_bytes`` fails the read."""
+    calls; ``ucx_address``: the ``HOST:PORT`` its listener advertises), each control call signed
+    by ``signer`` (``None``: unauthenticated, for a server that asks nothing); a block over
+    ``max_block_bytes`` fails the read."""
 
     def __init__(
-        self, target: str, ucx_address: str, token: str, max_block_bytes: int = 64 * 1024**2
+        self,
+        target: str,
+        ucx_address: str,
+        signer: PeerSigner | None,
+        max_block_bytes: int = 64 * 1024**2,
     ) -> None:
         self.target = target
+        self.signer = signer
         self.max_block_bytes = max_block_bytes
         self.address = ucx_address
         self._host, self._port = parse_address(ucx_address)
-        security = ChannelSecurity.for_client(
-            client_settings(None, "grpc"), token or None, None, None, None
-        )
+        # Token "" (not None, which would take $KVSTORE_TOKEN): nothing secret goes to a peer.
+        security = ChannelSecurity.for_client(client_settings(None, "grpc"), "", None, None, None)
         self._channel = aio_channel(target, security)
         self._stub = ucx_pb_grpc.UcxTransferStub(self._channel)
         self._endpoint: Any = None
@@ -98,10 +112,13 @@ class UcxPeerLink:
         namespace: bytes,
         timeout: float,
         landing: Landing | None = None,
+        holder: tuple[str, int] = ("", 0),
     ) -> list[SealedBlock | None]:
         """Each key's sealed block, unverified (``None`` where the peer does not hold it), within
-        ``timeout``; received into ``landing``'s buffers where it offers them (those buffers are
-        then the payloads; on failure they are abandoned to it)."""
+        ``timeout``, from ``holder`` (its node id and boot epoch, as its signed description in
+        the index says); received into ``landing``'s buffers where it offers them (those buffers
+        are then the payloads; on failure they are abandoned to it). A holder that does not
+        prove itself raises :class:`~kvstore.cluster.peer_auth.PeerAuthError`."""
         deadline = time.monotonic() + timeout
         for attempt in (1, 2):
             endpoint, client_id = await self._connect(deadline)
@@ -113,8 +130,16 @@ class UcxPeerLink:
                 transfer_id=transfer_id,
                 sealed=True,
             )
+            signed = self._sign(request, holder)
+            metadata = None if signed is None else ((CALL_METADATA, signed.metadata()),)
+            call = self._stub.UcxGet(request, timeout=_remaining(deadline), metadata=metadata)
             try:
-                response = await self._stub.UcxGet(request, timeout=_remaining(deadline))
+                response = await call
+                if signed is not None and self.signer is not None:
+                    self.signer.check(signed, await call.initial_metadata())
+            except PeerAuthError:
+                await self.drop()  # whatever it sends ends with the endpoint, never received
+                raise
             except grpc.aio.AioRpcError as exc:
                 details = exc.details() or ""
                 if exc.code() == grpc.StatusCode.ABORTED and "unknown UCX client" in details:
@@ -159,6 +184,15 @@ class UcxPeerLink:
                 sealed[index] = SealedBlock(response.headers[index], cast(bytes, block))
             return sealed
         raise UcxTransportError("the peer forgot this UCX endpoint twice")  # pragma: no cover
+
+    def _sign(self, request: ucx_pb.UcxGetRequest, holder: tuple[str, int]) -> PeerCall | None:
+        """The request's authenticator (``None`` without a signer): over its namespace, keys,
+        and the endpoint and transfer its payloads go to."""
+        if self.signer is None:
+            return None
+        extra = request.client_id + request.transfer_id.to_bytes(8, "little")
+        digest = request_digest(request.namespace, request.keys, extra)
+        return self.signer.sign("UcxGet", *holder, digest)
 
     async def _connect(self, deadline: float) -> tuple[Any, bytes]:
         """The open endpoint, or a new one made in at most a share of the time left (a vanished

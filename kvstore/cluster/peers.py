@@ -3,8 +3,16 @@
 :class:`PeerSource` is the store's remote source (:mod:`kvstore.store.remote`) under
 ``cluster.shared_data = peers | both``. For keys the local tiers miss it asks the cluster index
 (:class:`~kvstore.cluster.index.ClusterIndex`) which live node holds each, and reads them from
-that node, presenting ``cluster.peer_token`` and naming the request's namespace, within what is
-left of the request's deadline (else ``cluster.peer_timeout_s``).
+that node, naming the request's namespace, within what is left of the request's deadline (else
+``cluster.peer_timeout_s``).
+
+**Who is asked.** Only nodes whose description in the index is signed under the cluster's
+integrity secrets (:mod:`kvstore.cluster.membership`); the others are ignored, logged once and
+counted in ``peer_unverified_nodes``. A request carries no credential, only an authenticator of
+itself (:mod:`kvstore.cluster.peer_auth`) under the tenant's peer key; the holder answers with a
+proof that it holds the key too, checked before any byte of the answer is read. A holder that
+sends no valid proof is counted in ``peer_unproven`` and is suspect until it restarts, like one
+serving forged blocks.
 
 **Transports** (``cluster.peer_transport``). ``auto`` (default): over UCX
 (:mod:`kvstore.cluster.peer_ucx`) where the peer advertises a UCX listener in the index and ucxx
@@ -42,10 +50,11 @@ promotion). For a promotion (a shared-memory or UCX reader's acquire), UCX recei
 reserved pages of the host tier (:mod:`kvstore.store.landing`), which become the block in place
 once verified; pages of a block refused are abandoned to the landing, never installed.
 
-**Tenants.** One ``cluster.peer_token`` is presented for every tenant, so a peer serves the
-fetch from the tenant that token belongs to there; per-tenant peer tokens are not supported. A
-peer seals with the keyring of the tenant it served from, so a block of another tenant is refused
-here like a forged one.
+**Tenants.** Each tenant's peer source signs with that tenant's peer key (the cluster secrets
+bound to its name) and names the tenant; the holder serves from the tenant the authenticator
+proves, and seals with that tenant's keyring, so a block of another tenant is refused here like a
+forged one. ``cluster.peer_token`` is no longer presented to anyone (a setting left over is
+warned about at start).
 """
 
 from __future__ import annotations
@@ -63,11 +72,17 @@ from kvstore.block import Keyring, installed_keyring
 from kvstore.cluster.index import ClusterIndex
 from kvstore.cluster.layout import REDIS_ERRORS
 from kvstore.cluster.membership import NodeInfo
+from kvstore.cluster.peer_auth import PeerAuthError, PeerSigner, peer_keyring
 from kvstore.cluster.peer_blocks import SealedBlock, verify_blocks
 from kvstore.cluster.peer_grpc import GrpcPeerLink
 from kvstore.cluster.peer_ucx import UcxPeerLink
 from kvstore.cluster_config import PEER_TRANSPORTS
-from kvstore.errors import ConfigError, DeadlineExceededError
+from kvstore.errors import (
+    AuthenticationError,
+    ConfigError,
+    DeadlineExceededError,
+    PermissionDeniedError,
+)
 from kvstore.protocol.ucx import UcxTransportError, ucx_unavailable_reason
 from kvstore.store.counters import StoreCounters
 from kvstore.store.remote import Landing, remaining_s
@@ -80,6 +95,8 @@ logger = logging.getLogger(__name__)
 MAX_CLIENTS = 64
 #: How long UCX to a peer rests after a failure (its reads go over gRPC meanwhile, under ``auto``).
 UCX_RETRY_S = 30.0
+#: How often descriptions refused before are read again while the index names their nodes.
+REFUSED_RECHECK_S = 10.0
 #: How much later a lease's expiry must be to count as renewed (absorbs clock jitter).
 _RENEWAL_SLACK_S = 0.05
 
@@ -133,7 +150,7 @@ class PeerSource:
         node_id: str,
         counters: StoreCounters,
         *,
-        token: str = "",
+        tenant: str = "",
         timeout_s: float = 2.0,
         max_block_bytes: int = 64 * 1024**2,
         transport: str = "auto",
@@ -154,16 +171,20 @@ class PeerSource:
         self.index = index
         self.node_id = node_id
         self.counters = counters
-        self.token = token
         self.timeout_s = timeout_s
         self.max_block_bytes = max_block_bytes
         #: What blocks from peers are verified with (the store's; ``None``: the process's).
         self.keyring = keyring
+        #: What this node's requests to its peers are signed with (the tenant's peer key).
+        self.signer = PeerSigner(peer_keyring(keyring or installed_keyring()), tenant, node_id)
         self._nodes: dict[str, NodeInfo] = {}
+        self._recheck_at = 0.0
         self._suspects: dict[str, _Suspect] = {}
         self._clients: OrderedDict[str, GrpcPeerLink] = OrderedDict()
         self._links: OrderedDict[tuple[str, str], UcxPeerLink] = OrderedDict()
         counters.add("peer_corrupt_blocks", 0)  # present (at 0) wherever peers are read
+        counters.add("peer_unverified_nodes", 0)
+        counters.add("peer_unproven", 0)
 
     async def read(
         self, keys: Sequence[bytes], namespace: bytes, landing: Landing | None = None
@@ -185,8 +206,13 @@ class PeerSource:
             logger.debug("peer fetch: the cluster index did not answer (%s)", exc)
             return payloads, why
         candidates: dict[int, list[str]] = {}
+        refused = self.index.refused  # unsigned descriptions: never asked, not even a miss reason
         for position in range(len(keys)):
-            names = [node for node, held in holders.items() if held.tiers[position]]
+            names = [
+                node
+                for node, held in holders.items()
+                if held.tiers[position] and node not in refused
+            ]
             if not names:
                 continue
             usable = [node for node in names if node not in self._suspects and node in self._nodes]
@@ -238,11 +264,18 @@ class PeerSource:
         # latest answer, which a concurrent read may have replaced since ours: a holder missing
         # from it (its lease lapsed meanwhile) counts as moved, never as a KeyError.
         epochs = self.index.epochs
-        if any(
-            node not in self._nodes or self._nodes[node].epoch != epochs.get(node)
-            for node in holders
-        ):
-            self._nodes.update(await self.index.nodes())
+        refused = self.index.refused  # not again for a description already refused at its epoch
+        now_ms = time.time() * 1000
+        recheck = time.monotonic() >= self._recheck_at
+
+        def stale(node: str) -> bool:
+            if node in refused:  # a description fixed since (re-signed) counts again
+                return refused[node] != epochs.get(node) or recheck
+            known = self._nodes.get(node)
+            return known is None or known.epoch != epochs.get(node) or known.expires_ms <= now_ms
+
+        if any(stale(node) for node in holders):
+            await self._read_nodes()
         suspects = [node for node in holders if node in self._suspects]
         if suspects:
             for node, (epoch, pttl) in zip(suspects, await self._leases(suspects), strict=True):
@@ -252,7 +285,16 @@ class PeerSource:
                     logger.info("peer fetch: node %s renewed its lease; asking it again", node)
                     del self._suspects[node]
                     if epoch != mark.epoch:
-                        self._nodes.update(await self.index.nodes())
+                        await self._read_nodes()
+
+    async def _read_nodes(self) -> None:
+        """Read the signed descriptions of the live nodes again (keeping those still valid)."""
+        before = self.index.refused_count
+        self._recheck_at = time.monotonic() + REFUSED_RECHECK_S
+        self._nodes.update(await self.index.nodes())
+        now_ms = time.time() * 1000
+        self._nodes = {n: info for n, info in self._nodes.items() if info.expires_ms > now_ms}
+        self.counters.add("peer_unverified_nodes", self.index.refused_count - before)
 
     async def _leases(self, nodes: Sequence[str]) -> list[tuple[bytes | None, int]]:
         layout = self.index.layout
@@ -273,8 +315,9 @@ class PeerSource:
         self.counters.add("peer_suspected")
         if forged:
             logger.warning(
-                "peer fetch: node %s served blocks that fail their MAC (a wrong integrity "
-                "secret, or not a node of this cluster); not asked again until it restarts",
+                "peer fetch: node %s is not trusted (blocks failing their MAC, or no proof that "
+                "it belongs to the cluster: a wrong integrity secret, or not a node of this "
+                "cluster); not asked again until it restarts",
                 node,
             )
         else:
@@ -287,7 +330,7 @@ class PeerSource:
         return _cached(
             self._clients,
             target,  # a restarted node may listen elsewhere
-            lambda: GrpcPeerLink(target, self.token, self.max_block_bytes),
+            lambda: GrpcPeerLink(target, self.signer, self.max_block_bytes),
         )
 
     def _link(self, node: str) -> UcxPeerLink | None:
@@ -298,7 +341,7 @@ class PeerSource:
         return _cached(
             self._links,
             (info.grpc, info.ucx),  # a restarted node may listen elsewhere
-            lambda: UcxPeerLink(info.grpc, info.ucx, self.token, self.max_block_bytes),
+            lambda: UcxPeerLink(info.grpc, info.ucx, self.signer, self.max_block_bytes),
         )
 
     async def _fetch(
@@ -321,7 +364,7 @@ class PeerSource:
                 transport = "ucx"
                 try:
                     got = await self._over_ucx(node, link, wanted, namespace, landing)
-                except (DeadlineExceededError, TimeoutError):
+                except (DeadlineExceededError, TimeoutError, PeerAuthError):
                     raise
                 except Exception as exc:
                     if self.transport == "ucx":
@@ -340,6 +383,18 @@ class PeerSource:
                 got = await self._over_grpc(node, wanted, namespace)
         except (DeadlineExceededError, TimeoutError):
             reason = "peer_timeout"
+        except PeerAuthError as exc:  # not a node of this cluster: asked again once it restarts
+            logger.warning("peer fetch: node %s did not prove itself: %s", node, exc)
+            for position in positions:
+                why[position] = "peer_down"
+            self.counters.add("peer_downs", len(positions))
+            self.counters.add("peer_unproven")
+            await self._suspect(node, forged=True)
+            return
+        except (AuthenticationError, PermissionDeniedError) as exc:
+            # A node of the cluster refusing this one: other secrets, clocks apart, tenants.
+            logger.warning("peer fetch: node %s refused the request: %s", node, exc)
+            reason = "peer_down"
         except Exception as exc:  # whatever a peer does wrong is its miss, never the request's
             logger.debug("peer fetch from %s over %s failed: %s", node, transport, exc)
             reason = "peer_down"
@@ -386,7 +441,7 @@ class PeerSource:
         if budget <= 0:
             raise DeadlineExceededError("no time left")
         try:
-            return await link.get(keys, namespace, budget, landing)
+            return await link.get(keys, namespace, budget, landing, self._holder(node))
         except UcxTransportError as exc:
             if self._budget() <= 0:
                 raise DeadlineExceededError(f"UCX read from node {node}: {exc}") from exc
@@ -399,7 +454,11 @@ class PeerSource:
         if budget <= 0:
             raise DeadlineExceededError("no time left")
         link = self._client(node)
-        return await asyncio.wait_for(link.get(keys, namespace, budget), budget)
+        return await asyncio.wait_for(link.get(keys, namespace, budget, self._holder(node)), budget)
+
+    def _holder(self, node: str) -> tuple[str, int]:
+        """The node id and boot epoch a request to ``node`` names (from its signed description)."""
+        return node, self._nodes[node].epoch
 
     async def aclose(self) -> None:
         """Close every gRPC and UCX link."""

@@ -14,7 +14,7 @@ import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import _async as health_async
@@ -23,6 +23,7 @@ from grpc_health.v1 import health_pb2
 from kvstore.block import Keyring, install_keyring, installed_keyring
 from kvstore.cluster import ClusterNode, start_cluster
 from kvstore.config import Config
+from kvstore.errors import AuthenticationError
 from kvstore.policy import Policy
 from kvstore.protocol.messages import MESSAGE_TARGET_BYTES
 from kvstore.protocol.ucx import UcxTransportError
@@ -33,6 +34,7 @@ from kvstore.server.integrity import load_keyring
 from kvstore.server.keyring_check import check_shared_keyring
 from kvstore.server.metrics import build_registry
 from kvstore.server.metrics_http import MetricsServer
+from kvstore.server.peer_gate import PeerGate
 from kvstore.server.servicer import SERVICE_NAME, KVStoreServicer, add_to_server
 from kvstore.server.sessions import ArenaSessions
 from kvstore.server.shm import ShmServer
@@ -230,8 +232,17 @@ async def start_server(config: Config) -> RunningServer:
     check_exposure(config.server)
     check_tenants(config)
     credentials = server_credentials(config.server)
-    auth = interceptors(config.server)
+    gate: PeerGate | None = None
+
+    async def peer_check(method: str, authenticator: str, request: Any, context: Any) -> None:
+        if gate is None:  # calls are served only once the server started: not reached
+            raise AuthenticationError("the server is starting")
+        await gate.check(method, authenticator, request, context)
+
+    # Only a node of a cluster index admits peer reads (elsewhere an authenticator opens nothing).
+    auth = interceptors(config.server, peer_check if config.cluster.enabled else None)
     tenants = await open_tenants(config)
+    gate = PeerGate(tenants)
     # Clients and the Get stream pack messages up to a soft target plus one whole block; leave
     # room beyond that so an oversized block reaches the store's own check and its clearer message.
     message_limit = 2 * config.server.max_block_bytes + MESSAGE_TARGET_BYTES + 1024**2
@@ -273,12 +284,17 @@ async def start_server(config: Config) -> RunningServer:
         "kvstore serving on %s (%s, %s) with tiers %s%s",
         address,
         "TLS" if credentials is not None else "plaintext",
-        "authenticated" if auth else "unauthenticated",
+        "authenticated"
+        if config.server.tokens_file or config.server.tls_client_ca
+        else "unauthenticated",
         [t.name for t in next(iter(tenants)).store.tiers],
         f" for {len(tenants)} tenants" if config.tenants else "",
     )
     stores = {tenant.name: tenant.store for tenant in tenants}
     cluster = await start_cluster(config, stores, address, servicer.ucx_address)
+    if cluster is not None:  # other nodes' reads are admitted once it has a boot epoch
+        membership = cluster.membership
+        gate.identity = lambda: (membership.node_id, membership.epoch)
     return RunningServer(
         server,
         tenants,

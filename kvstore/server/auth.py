@@ -13,6 +13,11 @@
   :data:`caller_identity` for the call; tenants will be mapped from it.
 * :func:`check_exposure`: a server without tokens or client certificates refuses to listen beyond
   loopback unless ``server.allow_unauthenticated`` says so.
+* Another node's peer read (``KVStore.Get``, ``UcxTransfer.UcxGet``) carrying an authenticator
+  (:mod:`kvstore.cluster.peer_auth`) needs no bearer token: the interceptor hands it to the
+  server's :data:`PeerCheck` instead, which verifies it against the request itself and serves the
+  call from the tenant it proves (:data:`peer_tenant`), or ends it UNAUTHENTICATED. Whatever a
+  call carries, it is one or the other: an authenticator that fails is never excused by a token.
 
 The shared-memory socket is not covered here: it is local, and its peers are identified by their
 uid (SO_PEERCRED) and admitted by the socket's permission bits.
@@ -33,18 +38,21 @@ from typing import Any
 
 import grpc
 
+from kvstore.cluster.peer_auth import CALL_METADATA, MAX_METADATA_CHARS, PEER_METHODS
 from kvstore.config import ServerConfig
-from kvstore.errors import ConfigError
+from kvstore.errors import AuthenticationError, ConfigError
 from kvstore.server.placeholders import check_token_digest
 
 __all__ = [
     "HEALTH_PREFIX",
     "AuthInterceptor",
+    "PeerCheck",
     "caller_identity",
     "check_exposure",
     "interceptors",
     "is_loopback",
     "load_tokens",
+    "peer_tenant",
     "server_credentials",
 ]
 
@@ -57,6 +65,17 @@ HEALTH_PREFIX = "/grpc.health.v1.Health/"
 caller_identity: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "kvstore_caller_identity", default=None
 )
+
+#: The tenant a verified peer read is served from (``None``: the call is no peer read). Set only
+#: by the server's :data:`PeerCheck` once the authenticator verified.
+peer_tenant: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "kvstore_peer_tenant", default=None
+)
+
+#: Verifies a peer read: ``(method, authenticator, request, context)``; raises
+#: :class:`~kvstore.errors.AuthenticationError` (the message says why), else sets
+#: :data:`peer_tenant` and sends the holder's proof in the initial metadata.
+PeerCheck = Callable[[str, str, Any, "grpc.aio.ServicerContext[Any, Any]"], Awaitable[None]]
 
 _HEX = re.compile(r"[0-9a-f]{64}")
 _NAME = re.compile(r"[A-Za-z0-9_.@:/-]{1,128}")
@@ -159,12 +178,19 @@ def server_credentials(server: ServerConfig) -> grpc.ServerCredentials | None:
     )
 
 
-def interceptors(server: ServerConfig) -> list[grpc.aio.ServerInterceptor[Any, Any]]:
-    """The interceptors the server's settings call for (none without tokens or client CA)."""
+def interceptors(
+    server: ServerConfig, peer_check: PeerCheck | None = None
+) -> list[grpc.aio.ServerInterceptor[Any, Any]]:
+    """The interceptors the server's settings call for (none without tokens, client CA or a
+    check of peer reads)."""
     tokens = load_tokens(server.tokens_file) if server.tokens_file else {}
-    if not tokens and not server.tls_client_ca:
+    if not tokens and not server.tls_client_ca and peer_check is None:
         return []
-    return [AuthInterceptor(tokens, client_certificates=bool(server.tls_client_ca))]
+    return [
+        AuthInterceptor(
+            tokens, client_certificates=bool(server.tls_client_ca), peer_check=peer_check
+        )
+    ]
 
 
 def _certificate_identity(context: grpc.aio.ServicerContext[Any, Any]) -> str | None:
@@ -184,9 +210,16 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
     caller when no token does.
     """
 
-    def __init__(self, tokens: dict[bytes, str], *, client_certificates: bool) -> None:
+    def __init__(
+        self,
+        tokens: dict[bytes, str],
+        *,
+        client_certificates: bool,
+        peer_check: PeerCheck | None = None,
+    ) -> None:
         self._tokens = tokens
         self._client_certificates = client_certificates
+        self._peer_check = peer_check
 
     def _check(self, metadata: Sequence[Any] | None) -> tuple[str | None, str | None]:
         """(token name, None) for a good token, (None, why) otherwise."""
@@ -216,6 +249,10 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         method = handler_call_details.method
         if handler is None or method.startswith(HEALTH_PREFIX):
             return handler
+        if self._peer_check is not None and method in PEER_METHODS:
+            authenticator = _metadata_value(handler_call_details.invocation_metadata)
+            if authenticator is not None:
+                return _same_kind(handler, self._peer(handler, method, authenticator))
         name = None
         if self._tokens:
             name, problem = self._check(handler_call_details.invocation_metadata)
@@ -223,6 +260,34 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                 logger.debug("refused %s: %s", method, problem)
                 return _same_kind(handler, _refuse(problem))
         return _same_kind(handler, self._identified(handler, method, name))
+
+    def _peer(self, handler: Any, method: str, authenticator: str) -> Callable[..., Any]:
+        """The handler's behaviour, run once the peer check admitted the call."""
+        behavior = _behavior(handler)
+        check = self._peer_check
+        assert check is not None
+
+        async def admit(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+            caller_identity.set(None)  # a peer read has no caller identity, only its tenant
+            try:
+                await check(PEER_METHODS[method], authenticator, request, context)
+            except AuthenticationError as exc:  # the check logs it (rate-limited)
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"peer read refused: {exc}")
+
+        if inspect.isasyncgenfunction(behavior):
+
+            async def stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+                await admit(request, context)
+                async for message in behavior(request, context):
+                    yield message
+
+            return stream
+
+        async def call(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            await admit(request, context)
+            return await behavior(request, context)
+
+        return call
 
     def _identified(self, handler: Any, method: str, name: str | None) -> Callable[..., Any]:
         """The handler's behaviour, run with :data:`caller_identity` set."""
@@ -250,6 +315,15 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
             return await behavior(request, context)
 
         return call
+
+
+def _metadata_value(metadata: Sequence[Any] | None) -> str | None:
+    """The peer authenticator a call carries (bounded; ``None``: none)."""
+    for key, value in metadata or ():
+        if key == CALL_METADATA:
+            text = value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+            return text[: MAX_METADATA_CHARS + 1]  # longer fails the parse, naming the bound
+    return None
 
 
 def _refuse(message: str) -> Callable[..., Awaitable[None]]:

@@ -88,6 +88,13 @@ class StoreCollector(Collector):
             "corrupt": _family(
                 c, "kvstore_tier_corrupt_blocks", "Blocks that failed verification", tt
             ),
+            "untrusted": _family(
+                c,
+                "kvstore_peer_untrusted",
+                "Peers not trusted: descriptions in the index that do not verify "
+                "(unverified_node), holders that did not prove themselves (unproven)",
+                ["reason", "tenant"],
+            ),
             "dropped": _family(
                 c,
                 "kvstore_shared_writes_dropped",
@@ -164,6 +171,9 @@ class StoreCollector(Collector):
         values = counters.values
         if "peer_corrupt_blocks" in values:  # a node reading its peers: blocks they sent refused
             f["corrupt"].add_metric(["peer", name], values["peer_corrupt_blocks"])
+            for reason in ("unverified_node", "unproven"):
+                key = "peer_unverified_nodes" if reason == "unverified_node" else "peer_unproven"
+                f["untrusted"].add_metric([reason, name], values.get(key, 0))
         for reason in MISS_REASONS:
             if reason != "denied":
                 f["misses"].add_metric([reason, name], counters.misses[reason])

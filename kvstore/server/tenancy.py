@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from kvstore.config import Config, TenantConfig, default_inflight_bytes
 from kvstore.errors import ConfigError, PermissionDeniedError
-from kvstore.server.auth import caller_identity, load_tokens
+from kvstore.server.auth import caller_identity, load_tokens, peer_tenant
 from kvstore.server.budget import InflightBudget
 from kvstore.server.keyring_check import KeyringRecord
 from kvstore.server.shm import ShmServer
@@ -96,7 +96,14 @@ class Tenants:
         return cls([tenant])
 
     def current(self) -> Tenant:
-        """The tenant of the call being served; :class:`PermissionDeniedError` if there is none."""
+        """The tenant of the call being served; :class:`PermissionDeniedError` if there is none.
+        A peer read another node authenticated is served from the tenant it proved."""
+        proved = peer_tenant.get()
+        if proved is not None:
+            tenant = self.named(proved)
+            if tenant is None:  # the peer gate checked it exists: not reached
+                raise PermissionDeniedError(f"tenant {proved!r} is not served here")
+            return tenant
         if self._owners is None:
             return self._tenants[0]
         identity = caller_identity.get()
@@ -108,6 +115,10 @@ class Tenants:
                 "(an operator adds them to a [tenants.NAME] identities list)"
             )
         return tenant
+
+    def named(self, name: str) -> Tenant | None:
+        """The tenant called ``name`` ("" for a server without tenants), else ``None``."""
+        return next((tenant for tenant in self._tenants if tenant.name == name), None)
 
     def __iter__(self) -> Iterator[Tenant]:
         return iter(self._tenants)

@@ -3,8 +3,9 @@
 Each ``kvstore serve`` runs in its own network namespace (:mod:`netns_hosts`), Redis listens on
 the bridge's gateway address and the test's clients sit in the root namespace, so every byte
 between nodes crosses a network path: no shared memory, no loopback shortcut. Nodes beyond
-loopback authenticate their callers: each has a tokens file naming the peer token (presented by
-the other nodes' peer fetch) and the test client's token.
+loopback authenticate their callers: each has a tokens file naming the test client's token; the
+nodes' peer fetch presents no token but a per-request authenticator under keys derived from the
+shared integrity secret (:mod:`kvstore.cluster.peer_auth`), which a server with tokens admits.
 
 * A block put on node one is read bit-identical on node three, from node one (counters say so),
   and Redis holds the index only.
@@ -35,7 +36,7 @@ from typing import TYPE_CHECKING
 import pytest
 from netns_hosts import Host, Hosts
 from test_cluster_index import LEASE_TTL_S, NS, blocks_for, holders, poll
-from test_peer_fetch import PAYLOAD_PREFIX, TOKEN, peer_env
+from test_peer_fetch import PAYLOAD_PREFIX, peer_env
 
 from kvstore import KVStoreClient
 from kvstore.cluster import ClusterIndex, Layout, NodeInfo, connect
@@ -72,7 +73,7 @@ def tokens_file(tmp_path: Path) -> Path:
     path.write_text(
         "".join(
             f"{name} {hashlib.sha256(token.encode()).hexdigest()}\n"
-            for name, token in (("peers", TOKEN), ("tests", CLIENT_TOKEN))
+            for name, token in (("tests", CLIENT_TOKEN),)
         )
     )
     return path

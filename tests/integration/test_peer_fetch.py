@@ -1,9 +1,10 @@
 """Peer fetch (``cluster.shared_data``) with real ``kvstore serve`` nodes and a real redis-server.
 
 With ``peers``, a block put on one node is read on another straight from the node holding it
-(over gRPC, with the peer token) and Redis holds only the index, no payload. A node SIGKILLed
-makes reads of its blocks misses within the caller's deadline; it is marked suspect and not asked
-again until it comes back under a new lease. With ``both``, Redis serves what no peer can.
+(over gRPC, each request authenticated under the shared integrity secret) and Redis holds only
+the index, no payload. A node SIGKILLed makes reads of its blocks misses within the caller's
+deadline; it is marked suspect and not asked again until it comes back under a new lease. With
+``both``, Redis serves what no peer can.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ if TYPE_CHECKING:
 from harness.redis_server import RedisServer
 
 PAYLOAD_PREFIX = "kvstore:v1:"
-TOKEN = "peer-token-for-tests"
 
 
 def peer_env(url: str, node: str, shared_data: str) -> dict[str, str]:
@@ -29,7 +29,6 @@ def peer_env(url: str, node: str, shared_data: str) -> dict[str, str]:
         **cluster_env(url, node),
         "KVSTORE_REDIS_URL": url,
         "KVSTORE_CLUSTER_SHARED_DATA": shared_data,
-        "KVSTORE_CLUSTER_PEER_TOKEN": TOKEN,
         # Nodes sharing a Redis share the secrets its blocks are signed with.
         "KVSTORE_INTEGRITY_SECRETS": "peer-fetch-test-secret",
     }

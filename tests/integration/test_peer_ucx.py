@@ -11,15 +11,16 @@ port where nothing listens, so connecting is refused while its gRPC port still a
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from index_records import CLUSTER_SECRET, described, rewrite
 from netns_hosts import Host, Hosts
 from test_cluster_index import NS, PREFIX, blocks_for, holders, poll
 from test_peer_fetch import counters, grpc_client, payload_keys, peer_env
 
-from kvstore.cluster.layout import Layout
 from kvstore.cluster.peers import holder_rank
 from kvstore.protocol.ucx import ucx_unavailable_reason
 
@@ -51,9 +52,13 @@ def node(
 
 
 def break_ucx(redis_server: RedisServer, name: str) -> None:
-    """Make ``name`` advertise a UCX address where nothing listens (its gRPC port still works)."""
+    """Make ``name`` advertise a UCX address where nothing listens (its gRPC port still works),
+    signed under the cluster's secret as the node itself would (a description changed without
+    it is ignored altogether: tests/integration/test_node_auth.py)."""
+    redis = redis_server.client()
     with socket_port() as port:
-        redis_server.client().hset(Layout(PREFIX).node(name), "ucx", f"127.0.0.1:{port}")
+        info = dataclasses.replace(described(redis, PREFIX, name), ucx=f"127.0.0.1:{port}")
+        rewrite(redis, PREFIX, info, CLUSTER_SECRET)
 
 
 class socket_port:

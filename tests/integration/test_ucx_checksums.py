@@ -7,7 +7,8 @@ before the receiver sees it, which is exactly what a short or corrupted message 
 The peer link (what a node uses to read another node's blocks) must then raise before anything is
 installed, and give the landing pages back; the client must fall back to gRPC and still return
 the right bytes. What an honest transfer brings the link comes sealed: each payload with a header
-whose MAC verifies under the sender's integrity secret.
+whose MAC verifies under the sender's integrity secret. A signed link takes nothing from a holder
+that answers without proving it belongs to the cluster.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from test_ucx import NAMESPACE, NO_SHM, UCX, kv_client, ucx_address
 
 from kvstore.block import Keyring, verify_sealed
 from kvstore.client.ucx import _shared_loop
+from kvstore.cluster.peer_auth import PeerAuthError, PeerSigner, peer_keyring
 from kvstore.cluster.peer_blocks import SealedBlock
 from kvstore.cluster.peer_ucx import UcxPeerLink
 from kvstore.protocol.messages import namespace_bytes
@@ -128,7 +130,7 @@ def test_a_peer_read_checks_what_arrived_before_anything_is_installed(
     address = ucx_address(server)
 
     async def open_link() -> UcxPeerLink:  # its aio channel belongs to the ucxx loop
-        return UcxPeerLink(server.target, address, "")
+        return UcxPeerLink(server.target, address, None)
 
     link = _shared_loop().run(open_link(), 10.0)
     try:
@@ -161,3 +163,35 @@ def test_a_client_falls_back_to_grpc_when_a_ucx_payload_fails_its_check(
         assert [b.tobytes() for b in buffers] == values  # refilled over gRPC
         assert ucx.counters["fallbacks"] == 1
         assert "does not match the checksum" in ucx.last_error
+
+
+def test_a_ucx_peer_read_takes_nothing_from_a_holder_that_does_not_prove_itself(
+    server_factory: ServerFactory,
+) -> None:
+    """A server in no cluster index ignores the authenticator and sends no proof (as a rogue
+    would): the signed link raises before it asks for a single buffer, and drops the endpoint
+    (whatever was sent is never received)."""
+    server = server_factory(*NO_SHM, *UCX, env={"KVSTORE_INTEGRITY_SECRETS": SECRET})
+    keys, _ = _stored(server)
+    address = ucx_address(server)
+    signer = PeerSigner(peer_keyring(Keyring([SECRET.encode()])), "", "tests")
+
+    async def open_link() -> UcxPeerLink:
+        return UcxPeerLink(server.target, address, signer)
+
+    link = _shared_loop().run(open_link(), 10.0)
+    landing = _Landing()
+    asked: list[int] = []
+
+    async def buffers(keys: list[bytes], lengths: list[int]) -> list[Any]:
+        asked.extend(lengths)
+        return [bytearray(length) for length in lengths]
+
+    landing.buffers = buffers  # type: ignore[method-assign]
+    try:
+        with pytest.raises(PeerAuthError, match="no proof"):
+            _peer_get(link, keys, landing)
+        assert asked == [] and landing.abandoned == []
+        assert link._endpoint is None
+    finally:
+        _shared_loop().run(link.aclose(), 10.0)
