@@ -10,10 +10,13 @@ under test) plays the interleaving.
 from __future__ import annotations
 
 import asyncio
+import time
 
 from kvstore.cluster.membership import NodeInfo
 from kvstore.cluster.peers import PeerSource
 from kvstore.store.counters import StoreCounters
+
+_LATER_MS = int((time.time() + 3600) * 1000)  # signed descriptions still valid
 
 
 class _InterleavedIndex:
@@ -21,17 +24,19 @@ class _InterleavedIndex:
 
     def __init__(self) -> None:
         self.epochs: dict[str, int] = {"two": 5}
+        self.refused: dict[str, int] = {}  # no unsigned descriptions met
+        self.refused_count = 0
         self.asked_nodes = 0
 
     async def nodes(self) -> dict[str, NodeInfo]:
         self.asked_nodes += 1
-        return {"two": NodeInfo("two", 5, "10.0.0.2:1")}
+        return {"two": NodeInfo("two", 5, "10.0.0.2:1", expires_ms=_LATER_MS)}
 
 
 def test_a_holder_whose_lease_lapsed_in_a_later_answer_is_refreshed_not_a_key_error() -> None:
     index = _InterleavedIndex()
     source = PeerSource(index, "three", StoreCounters(), transport="grpc")  # type: ignore[arg-type]
-    source._nodes["one"] = NodeInfo("one", 1, "10.0.0.1:1")
+    source._nodes["one"] = NodeInfo("one", 1, "10.0.0.1:1", expires_ms=_LATER_MS)
     asyncio.run(source._refresh({"one": object(), "two": object()}))
     assert index.asked_nodes == 1  # node one counts as moved: addresses read again
     assert source._nodes["two"].grpc == "10.0.0.2:1"

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import pytest
 from netns_hosts import Host, Hosts
 from test_cluster_index import LEASE_TTL_S, NS, blocks_for, holders, poll
-from test_peer_fetch import PAYLOAD_PREFIX, peer_env
+from test_peer_fetch import payload_keys, peer_env
 
 from kvstore import KVStoreClient
 from kvstore.cluster import ClusterIndex, Layout, NodeInfo, connect
@@ -152,7 +152,7 @@ def test_a_block_crosses_hosts_from_the_peer_holding_it(
     assert after["peer_hits"] == 6
     assert after["peer_bytes"] == sum(len(value) for value in values)
     assert counters(two).get("peer_requests", 0) == 0
-    assert list(redis_server.client().scan_iter(match=PAYLOAD_PREFIX + "*")) == []
+    assert payload_keys(redis_server) == []
 
 
 @dataclass

@@ -59,7 +59,7 @@ from kvstore.protocol.ucx import ucx_unavailable_reason
 
 if TYPE_CHECKING:
     from conftest import ServerFactory, ServerProcess
-    from redis_server import RedisServer
+    from harness.redis_server import RedisServer
 
 CLIENT_TOKEN = "node-auth-client-token"
 PEER_RING = peer_keyring(Keyring([CLUSTER_SECRET.encode()]))

@@ -45,7 +45,10 @@ def counters(node: ServerProcess) -> dict[str, int]:
 
 
 def payload_keys(redis_server: RedisServer) -> list[bytes]:
-    return list(redis_server.client().scan_iter(match=PAYLOAD_PREFIX + "*"))
+    """Block payloads in Redis: the prefix and a hex key (not the nodes' keyring record)."""
+    names = redis_server.client().scan_iter(match=PAYLOAD_PREFIX + "*")
+    hex_digits = set(b"0123456789abcdef")
+    return [name for name in names if set(name[len(PAYLOAD_PREFIX) :]) <= hex_digits]
 
 
 def test_peers_serve_blocks_and_a_dead_peer_is_a_bounded_miss(

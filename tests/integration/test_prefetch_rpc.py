@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import grpc
@@ -26,6 +25,7 @@ from kvstore.types import PrefetchProgress, PrefetchState
 if TYPE_CHECKING:
     from conftest import ServerFactory, ServerProcess
 
+from harness.polling import poll
 from harness.redis_server import RedisServer
 
 # Every node sharing a Redis needs the same integrity secret (else it rejects the others' blocks).
@@ -40,13 +40,6 @@ def blocks_for(first_token: int, count: int) -> tuple[list[bytes], list[bytes]]:
     keys = HASHER.keys(list(range(first_token, first_token + 16 * count)))
     rng = np.random.default_rng(first_token)
     return keys, [rng.integers(0, 256, BLOCK_BYTES, dtype=np.uint8).tobytes() for _ in keys]
-
-
-def poll(condition: Callable[[], bool], within: float, what: str) -> None:
-    deadline = time.monotonic() + within
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} not within {within} s"
-        time.sleep(0.02)
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ between them again.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -19,6 +18,7 @@ from kvstore import ChunkHasher, KVStoreClient, Namespace
 if TYPE_CHECKING:
     from conftest import ServerFactory
 
+from harness.polling import poll
 from harness.redis_server import RedisServer
 
 # Every node sharing a Redis needs the same integrity secret (else it rejects the others' blocks).
@@ -33,14 +33,6 @@ def blocks_for(first_token: int, count: int) -> tuple[list[bytes], list[bytes]]:
     keys = HASHER.keys(list(range(first_token, first_token + 16 * count)))
     rng = np.random.default_rng(first_token)
     return keys, [rng.integers(0, 256, BLOCK_BYTES, dtype=np.uint8).tobytes() for _ in keys]
-
-
-def poll(condition: Callable[[], bool], within: float, what: str) -> None:
-    """Wait until ``condition()`` (the write-through and the reconnect are asynchronous)."""
-    deadline = time.monotonic() + within
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} not within {within} s"
-        time.sleep(0.05)
 
 
 def redis_stats(client: KVStoreClient) -> dict[str, Any]:
