@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvstore.cluster.layout import Client, Layout
-from kvstore.cluster.membership import NodeInfo
+
+if TYPE_CHECKING:  # the node agent's record; imported in nodes() so a router never loads it
+    from kvstore.cluster.membership import NodeInfo
 
 __all__ = ["ONE_TRIP_NODES", "ClusterIndex", "Holding"]
 
@@ -87,6 +90,8 @@ class ClusterIndex:
 
     async def nodes(self) -> dict[str, NodeInfo]:
         """Every node with a live lease, as it described itself."""
+        from kvstore.cluster.membership import NodeInfo
+
         layout = self.layout
         raw_members = await self.client.smembers(layout.nodes)
         members = sorted(m.decode() if isinstance(m, bytes) else m for m in raw_members)

@@ -27,7 +27,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from kvstore.cluster import LOCAL, Holding
+from kvstore.cluster.index import Holding
+from kvstore.cluster.layout import LOCAL
 
 __all__ = ["POLICIES", "TIER_WEIGHTS", "Decision", "Load", "Provisional", "Replica", "Scorer"]
 
@@ -37,8 +38,8 @@ __all__ = ["POLICIES", "TIER_WEIGHTS", "Decision", "Load", "Provisional", "Repli
 POLICIES = ("kv", "round_robin", "least_loaded")
 
 #: Weight of a cached chunk per source. "local" is the engine's own cache (as its node publishes
-#: it to the index, :data:`kvstore.cluster.LOCAL`, and provisional entries, which predict it);
-#: the rest are kvstore tier names as the index publishes them.
+#: it to the index, :data:`~kvstore.cluster.layout.LOCAL`, and provisional entries, which
+#: predict it); the rest are kvstore tier names as the index publishes them.
 TIER_WEIGHTS: dict[str, float] = {
     LOCAL: 1.0,
     "hbm": 0.9,

@@ -29,8 +29,8 @@ from concurrent.futures import ThreadPoolExecutor
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.asyncio.cluster import RedisCluster
 
-from kvstore.cluster import ClusterIndex, Holding, Layout, connect
-from kvstore.cluster.layout import REDIS_ERRORS, Client
+from kvstore.cluster.index import ClusterIndex, Holding
+from kvstore.cluster.layout import REDIS_ERRORS, Client, Layout, connect
 from kvstore.config import Config, hash_secret
 from kvstore.errors import ConfigError
 from kvstore.router.body import ParsedBody, TokenIds, parse_body
