@@ -78,7 +78,7 @@ async def run_case(
         start = time.perf_counter()
         decision, _ = await router.decide(tokens)
         decide.append(time.perf_counter() - start)
-        assert decision.reason == "cache"
+        assert decision.reason == "prefix"
         start = time.perf_counter()
         keys.keys(tokens)
         key_only.append(time.perf_counter() - start)

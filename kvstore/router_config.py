@@ -39,7 +39,10 @@ class RouterConfig:
     tokenizer: str = ""
     tenant: str = ""
     provisional_ttl_s: float = 5.0
+    #: The index query's deadline floor; the deadline follows measured latency up to
+    #: ``index_timeout_max_s`` (:mod:`kvstore.router.index_query`).
     index_timeout_s: float = 0.1
+    index_timeout_max_s: float = 1.0
     index_retry_s: float = 1.0
     hit_weight: float = 2.0
     request_cost_tokens: int = 256
@@ -66,12 +69,19 @@ class RouterConfig:
         for name in (
             "provisional_ttl_s",
             "index_timeout_s",
+            "index_timeout_max_s",
             "index_retry_s",
             "hit_weight",
             "prefill_timeout_s",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"router.{name} must be > 0, got {getattr(self, name)}")
+        if self.index_timeout_max_s < self.index_timeout_s:
+            raise ConfigError(
+                f"router.index_timeout_max_s ({self.index_timeout_max_s}) is below "
+                f"router.index_timeout_s ({self.index_timeout_s}): the cap must be at least the "
+                "floor"
+            )
         if self.request_cost_tokens < 0:
             raise ConfigError(
                 f"router.request_cost_tokens must be >= 0, got {self.request_cost_tokens}"
