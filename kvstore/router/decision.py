@@ -71,8 +71,8 @@ class DecisionRecord:
     """One request's decision and what it rested on."""
 
     number: int
+    #: Its reason already the final one (:func:`reason_for`).
     decision: Decision
-    reason: str
     #: Why the index gave no answer ("" if it answered or was not asked).
     fallback: str
     #: Whether the index was asked (not for a prompt shorter than a chunk, nor by a baseline).
@@ -84,7 +84,7 @@ class DecisionRecord:
     def count(self, metrics: RouterMetrics) -> None:
         """Into the router's metrics."""
         d = self.decision
-        metrics.decisions.labels(d.replica.url, self.reason).inc()
+        metrics.decisions.labels(d.replica.url, d.reason).inc()
         if self.fallback:
             metrics.fallbacks.labels(self.fallback).inc()
         metrics.score.observe(d.score)
@@ -107,7 +107,7 @@ class DecisionRecord:
         else:
             index = self.fallback.replace("_", " ")
         return (
-            f"route #{self.number} -> {d.replica.url} {self.reason}: credited {{{credited}}} "
+            f"route #{self.number} -> {d.replica.url} {d.reason}: credited {{{credited}}} "
             f"shared {d.shared_tokens} prompt {self.prompt_tokens}; {index}"
         )
 

@@ -8,14 +8,16 @@ latencies of the last :data:`WINDOW` answered queries and sets the deadline to
 :data:`HEADROOM` times their 99th percentile, clamped to
 ``[router.index_timeout_s, router.index_timeout_max_s]``: ``index_timeout_s`` is the *floor*
 (an idle index is given at least that) and ``index_timeout_max_s`` the *cap* (the most a stalled
-index can add to a request). Queries that time out are not samples (their latency is unknown,
-and counting them at the deadline would ratchet it up to the cap).
+index can add to a request). A query that times out doubles the deadline (within the cap: its
+latency is unknown, only that it was longer; answers alone would never lift a deadline every
+query misses); the next recomputation from the answers brings it back down.
 
 :class:`IndexQuery` asks (``asyncio.timeout``: a timer handle, no task per request) and says why
 it has no answer when it has none: ``no_index`` (none configured), ``index_down`` (within
 ``router.index_retry_s`` of a failure), ``index_timeout`` (past the deadline), ``index_error``.
-An error marks the index down for ``index_retry_s``; so do :data:`TIMEOUTS_DOWN` timeouts in a
-row (one slow answer under load is latency, not an outage: the next request asks again).
+An error marks the index down for ``index_retry_s``; so does a timeout when nothing has been
+answered for longer than the cap (a stalled index, not a slow one: under a burst some queries
+miss the deadline while others are answered, and the next request asks again).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from redis.exceptions import TimeoutError as RedisTimeout
 from kvstore.cluster.index import Holding
 from kvstore.cluster.layout import REDIS_ERRORS
 
-__all__ = ["HEADROOM", "TIMEOUTS_DOWN", "WINDOW", "AdaptiveDeadline", "Index", "IndexQuery"]
+__all__ = ["HEADROOM", "WINDOW", "AdaptiveDeadline", "Index", "IndexQuery"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +44,6 @@ WINDOW = 512
 HEADROOM = 2.0
 #: The deadline is recomputed once per this many samples (a sort of WINDOW floats, ~20 us).
 _EVERY = 32
-#: Timeouts in a row that mark the index down for router.index_retry_s.
-TIMEOUTS_DOWN = 3
 
 
 class Index(Protocol):
@@ -76,6 +76,10 @@ class AdaptiveDeadline:
             p99 = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
             self.seconds = min(max(HEADROOM * p99, self.floor_s), self.cap_s)
 
+    def missed(self) -> None:
+        """A query ran past the deadline: double it (within the cap)."""
+        self.seconds = min(self.seconds * 2, self.cap_s)
+
 
 class IndexQuery:
     """One router's questions to the index: the deadline, the retry window, the reasons."""
@@ -92,7 +96,7 @@ class IndexQuery:
         self.retry_s = retry_s
         self._clock = clock
         self._down_until = 0.0
-        self._timeouts = 0
+        self._answered = clock()  # when the index last answered (or this reader started)
 
     async def holders(self, keys: Sequence[bytes]) -> tuple[Mapping[str, Holding], str, float]:
         """The index's answer, ``""`` and how long it took; or nothing, the fallback reason
@@ -107,16 +111,16 @@ class IndexQuery:
                 found = await self.index.holders(keys)
         except (TimeoutError, RedisTimeout):  # asyncio's deadline, or the socket timeout (cap)
             spent = time.perf_counter() - started
-            self._timeouts += 1
-            if self._timeouts >= TIMEOUTS_DOWN:
-                self._mark_down(f"{self._timeouts} queries in a row past their deadline")
+            self.deadline.missed()
+            silent = self._clock() - self._answered
+            if silent > self.deadline.cap_s:
+                self._mark_down(f"no answer for {silent:.1f} s")
             return {}, "index_timeout", spent
         except REDIS_ERRORS as exc:
-            self._timeouts = 0
             self._mark_down(str(exc) or type(exc).__name__)
             return {}, "index_error", time.perf_counter() - started
         spent = time.perf_counter() - started
-        self._timeouts = 0
+        self._answered = self._clock()
         self.deadline.observe(spent)
         return found, "", spent
 

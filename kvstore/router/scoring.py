@@ -79,7 +79,8 @@ class Decision:
     """The chosen replica and why."""
 
     replica: Replica
-    #: ``prefix``, ``shared_prefix``, ``load`` or ``round_robin`` (see the module docstring).
+    #: ``prefix``, ``shared_prefix``, ``load`` or ``round_robin`` (see the module docstring); the
+    #: router's decision replaces it when the index gave no answer (:mod:`.decision`).
     reason: str
     score: float
     #: Tokens of the prompt the chosen replica is predicted not to compute.

@@ -21,6 +21,7 @@ line.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -180,15 +181,9 @@ class Router:
                 m.index_seconds.observe(index_seconds)
             m.index_deadline.set(self.index.deadline.seconds)
         self._decisions += 1
+        decision = dataclasses.replace(decision, reason=reason_for(decision, fallback))
         record = DecisionRecord(
-            self._decisions,
-            decision,
-            reason_for(decision, fallback),
-            fallback,
-            asked,
-            count,
-            index_seconds,
-            deadline,
+            self._decisions, decision, fallback, asked, count, index_seconds, deadline
         )
         record.count(m)
         record.log()
