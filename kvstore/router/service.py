@@ -21,6 +21,7 @@ line.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -67,6 +68,11 @@ MAX_CHUNKS = 4096
 #: How long a closed connection may take to flush what is left for its client before it is
 #: aborted (a client that stopped reading must not hold a handler forever).
 CLOSE_WAIT_S = 10.0
+#: After refusing a request whose body was not read: how long, and how many bytes of it, are
+#: read and dropped before closing (closing with unread bytes sends a reset, which can destroy
+#: the answer before the client reads it).
+LINGER_S = 1.0
+LINGER_BYTES = 1 << 20
 
 #: What the router asks the index (ClusterIndex, or ScriptIndex on a single Redis).
 Index = ClusterIndex | ScriptIndex
@@ -204,6 +210,7 @@ class Router:
             except BadRequest as exc:  # raised before any byte of an answer went out
                 self._log_refusal(writer, request, exc)
                 await respond(writer, exc.status, {"error": str(exc)})
+                await _linger(reader, writer)
         except (ConnectionError, asyncio.IncompleteReadError):
             pass  # the client went away
         except Exception:  # a bug: logged once here, not as asyncio's unhandled exception
@@ -317,6 +324,18 @@ class Router:
             if done:
                 return
         await respond(writer, 502, {"error": "no replica answered"})
+
+
+async def _linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """End our side (the answer is out), then drop what the client still sends, within bounds."""
+    if not writer.can_write_eof():
+        return
+    writer.write_eof()
+    dropped = 0
+    with contextlib.suppress(TimeoutError, ConnectionError):
+        async with asyncio.timeout(LINGER_S):
+            while dropped < LINGER_BYTES and (data := await reader.read(1 << 16)):
+                dropped += len(data)
 
 
 def build_router(config: Config) -> tuple[Router, Client | None]:
