@@ -137,9 +137,11 @@ class Router:
         for reason in FALLBACK_REASONS:  # every fallback series shows, at 0 until it happens
             self.metrics.fallbacks.labels(reason)
         self._decisions = 0
-        # The connections being served: a handler's task is referenced from here until it ends
-        # (asyncio keeps only a weak reference to a task; one waiting on a connection nothing
-        # else references could be collected mid-request, "Task was destroyed but it is pending").
+        # The connections being served: a handler's task is referenced from here until it ends.
+        # asyncio's loop holds tasks only weakly and the stream protocol drops its reference
+        # once the connection is lost; a handler still awaiting then (the close) is referenced
+        # only by what it awaits, and was seen collected mid-request ("Task was destroyed but
+        # it is pending!" at wait_closed, issue 30). :meth:`drain` ends them at shutdown.
         self._handlers: set[asyncio.Task[None]] = set()
         # One thread: one large body's work buffers at a time, and the tokenizer (not safe to
         # call from two threads at once) only ever called from it.
