@@ -47,9 +47,10 @@ def setup(tmp_path: Path, server_factory: ServerFactory) -> Iterator[Setup]:
             namespace=namespace_json(),
             chunk_size=CHUNK,
             index_url=redis_server.url,
+            # A floor no answer misses at load 10, but for the stalled index's.
             env={
-                "KVSTORE_ROUTER_INDEX_TIMEOUT_S": "0.25",
-                "KVSTORE_ROUTER_INDEX_TIMEOUT_MAX_S": "1.0",
+                "KVSTORE_ROUTER_INDEX_TIMEOUT_S": "1.0",
+                "KVSTORE_ROUTER_INDEX_TIMEOUT_MAX_S": "2.0",
             },
             log_level="DEBUG",
         )
@@ -111,7 +112,7 @@ def test_the_router_says_why_and_counts_every_response(setup: Setup) -> None:
     assert router.metric("kvstore_router_credited_beyond_shared_tokens_sum", "") == 4 * CHUNK
     assert router.metric("kvstore_router_credited_beyond_shared_tokens_count", "") == 4
     assert router.metric("kvstore_router_index_seconds_count", "") == 4
-    assert router.metric("kvstore_router_index_deadline_seconds", "") == pytest.approx(0.25)
+    assert router.metric("kvstore_router_index_deadline_seconds", "") == pytest.approx(1.0)
     assert router.metric("kvstore_router_fallbacks_total", 'reason="index_timeout"') == 0
 
     # One DEBUG line per request, naming the tokens credited per replica.
@@ -136,7 +137,7 @@ def test_the_router_says_why_and_counts_every_response(setup: Setup) -> None:
     try:
         started = time.monotonic()
         router.complete(long_on_a, max_tokens=1)
-        assert time.monotonic() - started < 5.0  # the deadline (0.25 s), not a socket's
+        assert time.monotonic() - started < 10.0  # answered: the deadline (1 s) ended the wait
         assert decisions(router, "index_timeout", engines) == 1
         assert router.metric("kvstore_router_fallbacks_total", 'reason="index_timeout"') == 1
         assert any(
