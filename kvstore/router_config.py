@@ -40,7 +40,9 @@ class RouterConfig:
     tenant: str = ""
     provisional_ttl_s: float = 5.0
     #: The index query's deadline floor; the deadline follows measured latency up to
-    #: ``index_timeout_max_s`` (:mod:`kvstore.router.index_query`).
+    #: ``index_timeout_max_s`` (:mod:`kvstore.router.index_query`); a cap at or below the floor
+    #: fixes the deadline at ``index_timeout_s`` (as before the cap existed: a config that set
+    #: ``index_timeout_s`` above 1 keeps its fixed deadline).
     index_timeout_s: float = 0.1
     index_timeout_max_s: float = 1.0
     index_retry_s: float = 1.0
@@ -76,12 +78,6 @@ class RouterConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"router.{name} must be > 0, got {getattr(self, name)}")
-        if self.index_timeout_max_s < self.index_timeout_s:
-            raise ConfigError(
-                f"router.index_timeout_max_s ({self.index_timeout_max_s}) is below "
-                f"router.index_timeout_s ({self.index_timeout_s}): the cap must be at least the "
-                "floor"
-            )
         if self.request_cost_tokens < 0:
             raise ConfigError(
                 f"router.request_cost_tokens must be >= 0, got {self.request_cost_tokens}"

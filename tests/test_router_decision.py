@@ -122,11 +122,17 @@ def test_the_deadline_follows_measured_latency_within_floor_and_cap() -> None:
     assert AdaptiveDeadline(floor_s=0.5, cap_s=0.1).cap_s == 0.5  # the cap is never below it
 
 
-def test_the_cap_below_the_floor_is_refused_in_one_line() -> None:
-    env = {"KVSTORE_ROUTER_INDEX_TIMEOUT_S": "0.5", "KVSTORE_ROUTER_INDEX_TIMEOUT_MAX_S": "0.2"}
-    with pytest.raises(ConfigError, match=r"router.index_timeout_max_s \(0.2\) is below"):
-        load_config(None, env=env)
+def test_a_cap_at_or_below_the_floor_fixes_the_deadline() -> None:
+    """A config that set only index_timeout_s (above the 1 s cap) keeps its fixed deadline."""
+    config = load_config(None, env={"KVSTORE_ROUTER_INDEX_TIMEOUT_S": "5"}).router
+    deadline = AdaptiveDeadline(config.index_timeout_s, config.index_timeout_max_s)
+    for _ in range(64):
+        deadline.observe(0.001)
+    deadline.missed()
+    assert (deadline.floor_s, deadline.cap_s, deadline.seconds) == (5.0, 5.0, 5.0)
     assert load_config(None, env={}).router.index_timeout_max_s == 1.0
+    with pytest.raises(ConfigError, match=r"router\.index_timeout_max_s must be > 0"):
+        load_config(None, env={"KVSTORE_ROUTER_INDEX_TIMEOUT_MAX_S": "0"})
 
 
 def test_a_stalled_index_times_out_at_its_deadline_then_is_skipped(tmp_path: Path) -> None:
