@@ -365,7 +365,8 @@ def build_router(config: Config) -> tuple[Router, Client | None]:
         )
     url = config.cluster.url or config.redis.url
     # The socket timeout is the cap: the adaptive deadline (index_query) cuts queries off first.
-    client = connect(url, settings.index_timeout_max_s) if url else None
+    cap_s = max(settings.index_timeout_max_s, settings.index_timeout_s)
+    client = connect(url, cap_s) if url else None
     layout = Layout(config.cluster.key_prefix, settings.tenant)
     index: Index | None = None
     if isinstance(client, RedisCluster):
