@@ -124,7 +124,7 @@ def summarize(policy: str, replies: list[Reply], router: RouterProcess) -> dict[
     ttft = [r.ttft_s for r in ok]
     fallbacks = sum(
         router.metric("kvstore_router_fallbacks_total", f'reason="{reason}"')
-        for reason in ("index_error", "index_down", "no_index", "no_tokens")
+        for reason in ("index_timeout", "index_error", "index_down", "no_index", "no_tokens")
     )
     return {
         "policy": policy,

@@ -39,7 +39,12 @@ class RouterConfig:
     tokenizer: str = ""
     tenant: str = ""
     provisional_ttl_s: float = 5.0
+    #: The index query's deadline floor; the deadline follows measured latency up to
+    #: ``index_timeout_max_s`` (:mod:`kvstore.router.index_query`); a cap at or below the floor
+    #: fixes the deadline at ``index_timeout_s`` (as before the cap existed: a config that set
+    #: ``index_timeout_s`` above 1 keeps its fixed deadline).
     index_timeout_s: float = 0.1
+    index_timeout_max_s: float = 1.0
     index_retry_s: float = 1.0
     hit_weight: float = 2.0
     request_cost_tokens: int = 256
@@ -66,6 +71,7 @@ class RouterConfig:
         for name in (
             "provisional_ttl_s",
             "index_timeout_s",
+            "index_timeout_max_s",
             "index_retry_s",
             "hit_weight",
             "prefill_timeout_s",

@@ -1,23 +1,40 @@
-"""The architecture as tests: a client never loads the server side, imports only run downwards,
-and no module grows past what one can hold in one's head.
+"""The architecture as tests: a client never loads the server side, the router loads only the
+index it reads, imports only run downwards, nothing imports in a circle, and no module grows past
+what one can hold in one's head.
 
-(a) Importing the client (the package, its public names, ``kvstore.client``, the vLLM
-    connector's logic) in a fresh process leaves LMDB, Redis, the store, the tiers and the server
-    out of ``sys.modules`` (and the connector's logic leaves out vLLM).
+(a) In a fresh process: importing the client (the package, its public names, ``kvstore.client``,
+    the vLLM connector's logic) leaves LMDB, Redis, the store, the tiers, the cluster index and
+    the server out of ``sys.modules`` (the connector's logic leaves out vLLM too); importing the
+    router or ``kvstore.cluster`` leaves out LMDB, the store, the tiers, the server and the node
+    agent.
 (b) Every ``import`` in ``kvstore/`` (generated ``_proto`` aside), read from the source with
-    :mod:`ast`, including those inside functions and under ``TYPE_CHECKING``: no module imports one
-    of a higher layer of :data:`LAYERS`; the client side imports nothing of the server side nor
-    LMDB or Redis; protocol and tiers import nothing of the client.
+    :mod:`ast`, including those inside functions and under ``TYPE_CHECKING``:
+
+    1. every module lies in one part of :data:`PARTS`;
+    2. no module imports a part of a higher layer;
+    3. two parts of the same layer never import each other, but for the pairs of
+       :data:`SAME_LAYER` (a module imports freely within its own part);
+    4. no part imports what :data:`FORBIDDEN` rules out for it (the client side never the server
+       side, the router never the store or the node agent);
+    5. no cycle: neither among modules nor among parts.
+
+    :data:`EXCEPTIONS` names the few imports these rules let through, each with why.
 (c) No module of ``kvstore/`` (``_proto`` aside) is over :data:`MAX_LINES` lines.
+
+Each rule is shown to catch a planted violation: a copy of the package with one import added
+(``test_each_rule_catches_a_planted_violation``).
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import os
+import shutil
 import subprocess
 import sys
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,47 +42,84 @@ import pytest
 
 import kvstore
 
-#: Layer of each part of kvstore/, lowest first: a module may import modules of its own layer or
-#: of lower ones, never of a higher one. A ``kvstore.X`` key covers ``kvstore.X`` and everything
-#: under it; ``kvstore`` (the package's ``__init__``) covers only itself. A module that no key
-#: covers fails the test: place it in the table.
-LAYERS: dict[str, int] = {
+
+@dataclass(frozen=True)
+class Part:
+    """One part of the package: the modules under ``covers`` (a name covers itself and
+    everything under it; ``kvstore``, the package's ``__init__``, covers only itself), on
+    ``layer``. A module lies in the part of the longest name covering it."""
+
+    layer: int
+    covers: tuple[str, ...]
+
+
+#: The node agent: what ``kvstore serve`` runs to publish its blocks to the cluster index and read
+#: its peers' (it imports the store and the client's channels; a router needs none of it).
+NODE_AGENT = (
+    "kvstore.cluster.node",
+    "kvstore.cluster.membership",
+    "kvstore.cluster.publisher",
+    "kvstore.cluster.engine_events",
+    "kvstore.cluster.engine_chunks",
+    "kvstore.cluster.peers",
+    "kvstore.cluster.peer_blocks",
+    "kvstore.cluster.peer_grpc",
+    "kvstore.cluster.peer_ucx",
+)
+
+#: The parts, lowest layer first. A module imports modules of its own part, or of parts of lower
+#: layers; of another part of its own layer only as :data:`SAME_LAYER` allows.
+PARTS: dict[str, Part] = {
     # 0: leaf modules both sides use; they import nothing of kvstore but each other.
-    "kvstore._proto": 0,  # generated gRPC code
-    "kvstore.errors": 0,
-    "kvstore.keys": 0,
-    "kvstore.types": 0,
-    "kvstore.buffers": 0,
-    "kvstore.block": 0,
-    "kvstore.config": 0,
-    "kvstore.sizes": 0,
-    "kvstore.machine_defaults": 0,
-    "kvstore.cluster_config": 0,
-    "kvstore.tenant_config": 0,
-    "kvstore.router_config": 0,
-    "kvstore.policy": 0,
+    "leaves": Part(
+        0,
+        (
+            "kvstore._proto",  # generated gRPC code
+            "kvstore.errors",
+            "kvstore.keys",
+            "kvstore.types",
+            "kvstore.buffers",
+            "kvstore.block",
+            "kvstore.config",
+            "kvstore.sizes",
+            "kvstore.machine_defaults",
+            "kvstore.cluster_config",
+            "kvstore.tenant_config",
+            "kvstore.router_config",
+            "kvstore.policy",
+        ),
+    ),
     # 1: what both sides agree on: gRPC message conversion, shm frames, the published dram index
     #    format, UCX conventions.
-    "kvstore.protocol": 1,
+    "protocol": Part(1, ("kvstore.protocol",)),
     # 2: the two halves over the protocol, which never import each other: the client, and the
     #    storage tiers.
-    "kvstore.client": 2,
-    "kvstore.tiers": 2,
-    # 3: the tiered store over the tiers.
-    "kvstore.store": 3,
-    # 3: the cluster index beside the store (publishes what a store holds; a router reads it).
-    "kvstore.cluster": 3,
-    # 4: the server over the store: gRPC servicer, shm and UCX servers, the app that builds it.
-    "kvstore.server": 4,
-    # 5: the top: the command line (it starts the server, lazily inside ``serve``), the engine
-    #    integrations (clients of a server), and the package's front door, which re-exports the
-    #    client and, lazily in ``__getattr__``, ``TieredStore`` (that importing it loads none of
-    #    the server side is what (a) checks).
-    "kvstore.cli": 5,
-    "kvstore.integrations": 5,
-    # 5: the KV-aware router: a client of the cluster index and an HTTP proxy (no server side).
-    "kvstore.router": 5,
-    "kvstore": 5,
+    "client": Part(2, ("kvstore.client",)),
+    "tiers": Part(2, ("kvstore.tiers",)),
+    # 3: the tiered store over the tiers, and beside it the cluster index's contract and reader
+    #    (its Redis layout, ClusterIndex: what a router reads), which know nothing of each other.
+    "store": Part(3, ("kvstore.store",)),
+    "index": Part(3, ("kvstore.cluster",)),
+    # 4: the node agent over the store and the index (membership, publishing, engine events,
+    #    peer reads).
+    "node agent": Part(4, NODE_AGENT),
+    # 5: the server over the store and the agent: gRPC servicer, shm and UCX servers, the app.
+    "server": Part(5, ("kvstore.server",)),
+    # 6: the top, three programs that never import each other (but see SAME_LAYER): the command
+    #    line (it starts the server, lazily inside ``serve``), the engine integrations (clients of
+    #    a server) and the KV-aware router (a client of the index and an HTTP proxy); and the
+    #    package's front door, which re-exports the client and, lazily in ``__getattr__``,
+    #    ``TieredStore`` (that importing it loads none of the server side is what (a) checks).
+    "cli": Part(6, ("kvstore.cli",)),
+    "integrations": Part(6, ("kvstore.integrations",)),
+    "router": Part(6, ("kvstore.router",)),
+    "front door": Part(6, ("kvstore",)),
+}
+
+#: (importing part, imported part) of one layer allowed to import, and why.
+SAME_LAYER: dict[tuple[str, str], str] = {
+    ("cli", "router"): "`kvstore router` starts the router (inside the command only)",
+    ("cli", "front door"): "`kvstore --version` names the package's version and place",
 }
 
 #: What a client process must never load: the server side's packages and its dependencies.
@@ -77,105 +131,304 @@ SERVER_SIDE = (
     "lmdb",
     "redis",
 )
+#: What a router must never load: it is a client of the index, nothing more.
+ROUTER_NEVER = ("kvstore.store", "kvstore.tiers", "kvstore.server", "lmdb", *NODE_AGENT)
 
-#: Imports ruled out beyond the layering: nothing in the part on the left imports any of the right.
+#: Imports ruled out beyond the layering: nothing in the part on the left imports any of the right
+#: (kvstore modules and third-party packages, each covering what lies under it).
 FORBIDDEN: dict[str, tuple[str, ...]] = {
     # The client side (what a vLLM worker or scheduler process loads) never the server side.
-    "kvstore.client": SERVER_SIDE,
-    "kvstore.integrations": SERVER_SIDE,
-    # What both sides agree on depends on neither.
-    "kvstore.protocol": ("kvstore.client", "kvstore.tiers", "kvstore.store", "kvstore.server"),
-    # The tiers are the server side's half of layer 2.
-    "kvstore.tiers": ("kvstore.client",),
+    "client": SERVER_SIDE,
+    "integrations": SERVER_SIDE,
+    # The router reads the index (Redis) and proxies HTTP; the server side is another program.
+    "router": ROUTER_NEVER,
 }
 
-#: The longest a module of kvstore/ may be (the issue's "no file over 600 lines").
+#: (module, imported module) that every rule lets through, and why; each must still exist.
+EXCEPTIONS: dict[tuple[str, str], str] = {
+    ("kvstore.cluster.index", "kvstore.cluster.membership"): (
+        "ClusterIndex.nodes() parses the node records with NodeInfo, which lives in the node "
+        "agent until the split of cluster/ (issue 29 item 1) moves it into the contract; it is "
+        "imported inside nodes() (and under TYPE_CHECKING), so a router never loads it"
+    ),
+}
+
+#: The longest a module of kvstore/ may be (client/core.py and config.py are over 500 today).
 MAX_LINES = 600
 
 PACKAGE = Path(kvstore.__file__).parent
 
 
-def in_part(module: str, part: str) -> bool:
-    """Whether ``module`` is ``part`` or lies under it."""
-    return module == part or module.startswith(part + ".")
+def in_part(module: str, name: str) -> bool:
+    """Whether ``module`` is ``name`` or lies under it."""
+    return module == name or module.startswith(name + ".")
 
 
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-#: Every module of the package, generated code included (imports of it are resolved too).
-MODULES = {_module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
-#: The modules the checks read: all but the generated code.
-CHECKED = {name: path for name, path in MODULES.items() if not in_part(name, "kvstore._proto")}
+def part_of(module: str) -> str | None:
+    """The part a kvstore module lies in (``None``: in none)."""
+    best, length = None, -1
+    for name, part in PARTS.items():
+        for cover in part.covers:
+            covered = module == cover or (cover != "kvstore" and in_part(module, cover))
+            if covered and len(cover) > length:
+                best, length = name, len(cover)
+    return best
 
 
 def layer_of(module: str) -> int:
-    """The layer of a kvstore module: the value of the longest key of :data:`LAYERS` covering it."""
-    keys = [key for key in LAYERS if module == key or (key != "kvstore" and in_part(module, key))]
-    assert keys, f"{module} is in no layer: add it to LAYERS in {Path(__file__).name}"
-    return LAYERS[max(keys, key=len)]
+    """The layer of a kvstore module that lies in a part."""
+    name = part_of(module)
+    assert name is not None, f"{module} is in no part: add it to PARTS in {Path(__file__).name}"
+    return PARTS[name].layer
 
 
 @dataclass(frozen=True)
 class Edge:
-    """One import: ``source`` (a kvstore module) imports ``target`` at ``line``."""
+    """One import: ``source`` (a kvstore module, in file ``where``) imports ``target`` at
+    ``line``."""
 
     source: str
     target: str  # a kvstore module, or the top-level name of a third-party one
     line: int
+    where: str
 
     def __str__(self) -> str:
-        where = MODULES[self.source].relative_to(PACKAGE.parent)
-        return f"{where}:{self.line} imports {self.target}"
+        return f"{self.where}:{self.line} imports {self.target}"
 
 
-def _imports(module: str) -> list[Edge]:
-    """Every import of ``module``, wherever it sits in the file."""
-    path = MODULES[module]
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+@dataclass(frozen=True)
+class Graph:
+    """The modules of a copy of the package (by name: their files) and its imports."""
+
+    modules: dict[str, Path]
+    edges: list[Edge]
+
+    def internal(self, exceptions: bool = False) -> list[Edge]:
+        """The imports of kvstore modules, :data:`EXCEPTIONS` left out unless ``exceptions``."""
+        return [
+            e
+            for e in self.edges
+            if in_part(e.target, "kvstore")
+            and (exceptions or (e.source, e.target) not in EXCEPTIONS)
+        ]
+
+
+@functools.cache
+def _imports_in(text: str) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement of a module's source (kept: a copy of the package parses again
+    only the files a test changed)."""
+    return [n for n in ast.walk(ast.parse(text)) if isinstance(n, ast.Import | ast.ImportFrom)]
+
+
+def read_graph(package: Path) -> Graph:
+    """Every module of the package at ``package`` and every import of those the checks read
+    (all but the generated ``_proto``)."""
+    root = package.parent
+
+    def name_of(path: Path) -> str:
+        parts = path.relative_to(root).with_suffix("").parts
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+    modules = {name_of(path): path for path in sorted(package.rglob("*.py"))}
     edges = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            edges += [Edge(module, _resolve(alias.name), node.lineno) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:  # relative: from the package, one level up per extra dot
-                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join([*anchor, *([base] if base else [])])
-            for alias in node.names:
+    for module, path in modules.items():
+        if in_part(module, "kvstore._proto"):
+            continue
+        package_name = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        where = str(path.relative_to(root))
+        for node in _imports_in(path.read_text()):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                base = node.module or ""
+                if node.level:  # relative: from the package, one level up per extra dot
+                    pieces = package_name.split(".")
+                    anchor = pieces[: len(pieces) - node.level + 1]
+                    base = ".".join([*anchor, *([base] if base else [])])
                 # "from kvstore.client import shm" imports the module kvstore.client.shm.
-                name = f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base
-                edges.append(Edge(module, _resolve(name), node.lineno))
-    return edges
+                names = [
+                    f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                    for alias in node.names
+                ]
+            for name in names:
+                target = name if in_part(name, "kvstore") else name.split(".")[0]
+                edges.append(Edge(module, target, node.lineno, where))
+    return Graph(modules, edges)
 
 
-def _resolve(name: str) -> str:
-    """A kvstore module as named, a third-party one by its top-level name."""
-    return name if in_part(name, "kvstore") else name.split(".")[0]
+# -- the rules: each returns what breaks it, one line each ---------------------------------------
 
 
-EDGES = [edge for module in CHECKED for edge in _imports(module)]
+def unplaced(graph: Graph) -> list[str]:
+    """Modules in no part."""
+    return [m for m in graph.modules if part_of(m) is None]
 
 
-# -- (a) the client in a fresh process ---------------------------------------------------------
+def upward(graph: Graph) -> list[str]:
+    """Imports of a higher layer."""
+    return [
+        f"{e} (layer {layer_of(e.source)} -> {layer_of(e.target)})"
+        for e in graph.internal()
+        if part_of(e.source) is not None
+        and part_of(e.target) is not None
+        and layer_of(e.target) > layer_of(e.source)
+    ]
+
+
+def same_layer(graph: Graph) -> list[str]:
+    """Imports between two parts of one layer that :data:`SAME_LAYER` does not allow."""
+    found = []
+    for e in graph.internal():
+        source, target = part_of(e.source), part_of(e.target)
+        if source is None or target is None or source == target:
+            continue
+        if PARTS[source].layer == PARTS[target].layer and (source, target) not in SAME_LAYER:
+            found.append(f"{e} ({source} -> {target}, both layer {PARTS[source].layer})")
+    return found
+
+
+def forbidden(graph: Graph) -> list[str]:
+    """Imports :data:`FORBIDDEN` rules out."""
+    return [
+        f"{e} ({part} must not import {ruled})"
+        for e in graph.edges
+        if (e.source, e.target) not in EXCEPTIONS
+        for part, ruled_out in FORBIDDEN.items()
+        if part_of(e.source) == part
+        for ruled in ruled_out
+        if in_part(e.target, ruled)
+    ]
+
+
+def circles(nodes: Iterable[str], arrows: Iterable[tuple[str, str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node, or with an arrow to itself
+    (Tarjan's algorithm, iterative), each sorted."""
+    following: dict[str, set[str]] = {node: set() for node in nodes}
+    for source, target in arrows:
+        following.setdefault(source, set()).add(target)
+        following.setdefault(target, set())
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for start in sorted(following):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(following[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, rest = work[-1]
+            step = next(rest, None)
+            if step is not None:
+                if step not in index:
+                    index[step] = low[step] = len(index)
+                    stack.append(step)
+                    on_stack.add(step)
+                    work.append((step, iter(sorted(following[step]))))
+                elif step in on_stack:
+                    low[node] = min(low[node], index[step])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1 or node in following[node]:
+                    found.append(sorted(component))
+    return found
+
+
+def module_cycles(graph: Graph) -> list[str]:
+    """Modules that import each other, directly or through others (``TYPE_CHECKING`` and
+    function-level imports included: a cycle is a tangle even where it cannot deadlock; so are
+    :data:`EXCEPTIONS`, which are let through the layering, not through this)."""
+    arrows = [(e.source, e.target) for e in graph.internal(True) if e.target in graph.modules]
+    return [" <-> ".join(c) for c in circles(graph.modules, arrows)]
+
+
+def part_cycles(graph: Graph) -> list[str]:
+    """Parts that import each other, directly or through others (only :data:`SAME_LAYER` pairs
+    can make such a circle: every other one breaks the layering first). :data:`EXCEPTIONS` are
+    left out: the one there makes a known circle, index <-> node agent, until NodeInfo moves."""
+    arrows = {
+        (source, target)
+        for e in graph.internal()
+        if (source := part_of(e.source)) is not None
+        and (target := part_of(e.target)) is not None
+        and source != target
+    }
+    return [" <-> ".join(c) for c in circles(PARTS, arrows)]
+
+
+def too_long(graph: Graph) -> list[str]:
+    """Modules over :data:`MAX_LINES` lines (``_proto`` aside)."""
+    return [
+        f"{path.name}: {n} lines"
+        for module, path in graph.modules.items()
+        if not in_part(module, "kvstore._proto")
+        and (n := len(path.read_text().splitlines())) > MAX_LINES
+    ]
+
+
+RULES: dict[str, Callable[[Graph], list[str]]] = {
+    "unplaced": unplaced,
+    "upward": upward,
+    "same_layer": same_layer,
+    "forbidden": forbidden,
+    "module_cycles": module_cycles,
+    "part_cycles": part_cycles,
+    "too_long": too_long,
+}
+
+GRAPH = read_graph(PACKAGE)
+
+
+# -- (a) the client and the router in a fresh process ------------------------------------------
+
+
+#: (statement, a module it must load, what it must not load)
+FRESH_PROCESS: list[tuple[str, str, tuple[str, ...]]] = [
+    ("import kvstore", "kvstore.client", SERVER_SIDE),
+    (
+        "from kvstore import KVStoreClient, AsyncKVStoreClient, ChunkHasher, Namespace",
+        "kvstore.client",
+        SERVER_SIDE,
+    ),
+    ("import kvstore.client", "kvstore.client", SERVER_SIDE),
+    # The connector's logic (scheduler and worker halves) without vLLM itself.
+    ("import kvstore.integrations.vllm_common", "kvstore.client", (*SERVER_SIDE, "vllm")),
+    (
+        "import kvstore.integrations.vllm_scheduler, kvstore.integrations.vllm_worker",
+        "kvstore.client",
+        (*SERVER_SIDE, "vllm"),
+    ),
+    # ... and its figures (vLLM's side of them is kvstore.integrations.vllm_metrics).
+    (
+        "import kvstore.integrations.vllm_common, kvstore.integrations.vllm_stats",
+        "kvstore.client",
+        (*SERVER_SIDE, "vllm"),
+    ),
+    # The router: the index's reader and an HTTP proxy (issue 29's done-when).
+    ("import kvstore.router", "kvstore.cluster.index", ROUTER_NEVER),
+    ("from kvstore.cluster import ClusterIndex, Layout", "kvstore.cluster.index", ROUTER_NEVER),
+]
 
 
 @pytest.mark.parametrize(
-    "statement",
-    [
-        "import kvstore",
-        "from kvstore import KVStoreClient, AsyncKVStoreClient, ChunkHasher, Namespace",
-        "import kvstore.client",
-        # The connector's logic (scheduler and worker halves) without vLLM itself.
-        "import kvstore.integrations.vllm_common",
-        "import kvstore.integrations.vllm_scheduler, kvstore.integrations.vllm_worker",
-        # ... and its figures (vLLM's side of them is kvstore.integrations.vllm_metrics).
-        "import kvstore.integrations.vllm_common, kvstore.integrations.vllm_stats",
-    ],
+    ("statement", "loads", "never"), FRESH_PROCESS, ids=[case[0] for case in FRESH_PROCESS]
 )
-def test_importing_the_client_loads_nothing_of_the_server_side(statement: str) -> None:
+def test_a_fresh_process_loads_only_its_side(
+    statement: str, loads: str, never: tuple[str, ...]
+) -> None:
     script = f"import json, sys\n{statement}\nprint(json.dumps(sorted(sys.modules)))"
     # The kvstore under test, also in the child (pytest's own sys.path does not reach it).
     path = os.pathsep.join(filter(None, [str(PACKAGE.parent), os.environ.get("PYTHONPATH")]))
@@ -189,43 +442,98 @@ def test_importing_the_client_loads_nothing_of_the_server_side(statement: str) -
     )
     assert done.returncode == 0, done.stderr
     loaded = json.loads(done.stdout.splitlines()[-1])
-    assert "kvstore.client" in loaded  # the statement really loaded the client
-    assert sorted(m for m in loaded if any(in_part(m, part) for part in SERVER_SIDE)) == []
-    if "integrations" in statement:
-        assert [m for m in loaded if in_part(m, "vllm")] == []
+    assert loads in loaded  # the statement really loaded what it is about
+    assert sorted(m for m in loaded if any(in_part(m, name) for name in never)) == []
 
 
-# -- (b) the import graph ----------------------------------------------------------------------
+def test_the_cluster_package_still_offers_the_node_agents_names() -> None:
+    """Loaded on first use (the server, tests and benchmarks import them from here)."""
+    import kvstore.cluster
+    from kvstore.cluster.membership import NodeInfo
 
-
-def test_every_module_has_a_layer() -> None:
-    assert len(CHECKED) > 30  # the walk found the package
-    for module in CHECKED:
-        layer_of(module)
-
-
-def test_no_module_imports_a_higher_layer() -> None:
-    upward = [
-        f"{edge} (layer {layer_of(edge.source)} -> {layer_of(edge.target)})"
-        for edge in EDGES
-        if in_part(edge.target, "kvstore") and layer_of(edge.target) > layer_of(edge.source)
-    ]
-    assert upward == []
-
-
-@pytest.mark.parametrize(("part", "forbidden"), FORBIDDEN.items(), ids=list(FORBIDDEN))
-def test_forbidden_imports(part: str, forbidden: tuple[str, ...]) -> None:
-    edges = [edge for edge in EDGES if in_part(edge.source, part)]
-    assert edges  # the part was read
-    assert [str(edge) for edge in edges if any(in_part(edge.target, f) for f in forbidden)] == []
-
-
-# -- (c) module size -----------------------------------------------------------------------------
-
-
-def test_no_module_is_over_the_line_limit() -> None:
-    lengths = {
-        str(path.relative_to(PACKAGE.parent)): len(path.read_text().splitlines())
-        for path in CHECKED.values()
+    assert kvstore.cluster.NodeInfo is NodeInfo
+    assert set(kvstore.cluster.__all__) <= set(dir(kvstore.cluster)) | {
+        "ClusterNode",
+        "EngineChunks",
+        "LocalPublisher",
+        "Membership",
+        "Publisher",
+        "start_cluster",
     }
-    assert {name: n for name, n in lengths.items() if n > MAX_LINES} == {}
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        _ = kvstore.cluster.Nope  # type: ignore[attr-defined]
+
+
+# -- (b), (c) the rules on the package --------------------------------------------------------
+
+
+def test_the_walk_found_the_package() -> None:
+    assert len(GRAPH.modules) > 30
+    assert any(e.source == "kvstore.router.service" for e in GRAPH.edges)
+    # every part covers at least one module (a stale name in PARTS is an error too)
+    for name, part in PARTS.items():
+        assert any(part_of(m) == name for m in GRAPH.modules), f"part {name} covers nothing"
+        for cover in part.covers:
+            assert any(in_part(m, cover) for m in GRAPH.modules), f"{cover} is not a module"
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_the_package_keeps_the_rule(rule: str) -> None:
+    assert RULES[rule](GRAPH) == []
+
+
+def test_every_exception_is_still_needed() -> None:
+    edges = {(e.source, e.target) for e in GRAPH.edges}
+    assert [pair for pair in EXCEPTIONS if pair not in edges] == []
+
+
+# -- each rule catches a planted violation ------------------------------------------------------
+
+#: rule -> (file of the package, what is added to it, what the rule's report names)
+PLANTED: dict[str, tuple[str, str, str]] = {
+    "unplaced": ("newpart/__init__.py", "", "kvstore.newpart"),
+    "upward": ("store/tiered.py", "import kvstore.server.app", "kvstore.server.app"),
+    # client and tiers, store and index: two halves of one layer.
+    "same_layer": ("client/core.py", "import kvstore.tiers.dram", "client -> tiers"),
+    "same_layer/store-index": (
+        "store/tiered.py",
+        "from kvstore.cluster.index import ClusterIndex",
+        "store -> index",
+    ),
+    # the router may not load the server side though it lies above it.
+    "forbidden": ("router/scoring.py", "import kvstore.server.app", "router must not import"),
+    "forbidden/router-agent": (
+        "router/service.py",
+        "from kvstore.cluster.peers import PeerSource",
+        "kvstore.cluster.peers",
+    ),
+    "forbidden/client-lmdb": ("client/sync.py", "import lmdb", "client must not import lmdb"),
+    "module_cycles": ("store/layout.py", "import kvstore.store.tiered", "kvstore.store.tiered"),
+    # cli -> router is allowed (SAME_LAYER); router -> cli as well (allowed for the test) closes
+    # a circle of parts.
+    "part_cycles": ("router/pd.py", "import kvstore.cli.checks", "cli <-> router"),
+    "too_long": ("errors.py", "\n" * (MAX_LINES + 1), "errors.py"),
+}
+
+
+@pytest.mark.parametrize("planted", PLANTED)
+def test_each_rule_catches_a_planted_violation(
+    planted: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rule = planted.partition("/")[0]
+    if rule == "part_cycles":  # a circle needs both ways allowed, or the layering catches it
+        monkeypatch.setitem(SAME_LAYER, ("router", "cli"), "planted")
+    where, text, named = PLANTED[planted]
+    copy = tmp_path / "kvstore"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    target = copy / where
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with target.open("a") as file:
+        file.write("\n" + text + "\n")
+    planted_graph = read_graph(copy)
+    report = RULES[rule](planted_graph)
+    assert len(report) >= 1 and any(named in line for line in report), report
+    # ... and the planted import is what broke it: the untouched package keeps the rule.
+    assert RULES[rule](GRAPH) == []
+    if rule == "part_cycles":  # and, allowed both ways or not, the module graph has no circle
+        assert module_cycles(planted_graph) == []

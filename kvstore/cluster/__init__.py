@@ -23,14 +23,34 @@ sent at once). A node that dies without stopping keeps counting for at most
 the node republishes everything it holds (a full resync) and its view is again current within one
 publish interval. The index claims only exact chunk keys a node holds: a key that was evicted
 after the router's query is a miss there, as with any cache.
+
+**Two sides.** The index contract and its reader (:mod:`.layout`, :mod:`.index`) are all a router
+needs, and all that importing this package loads. The node agent (:mod:`.node`,
+:mod:`.membership`, :mod:`.publisher`, :mod:`.engine_events`, :mod:`.engine_chunks`, :mod:`.peers`
+and the ``peer_*`` modules) runs inside ``kvstore serve`` beside the store; its names below are
+loaded on first use (:func:`__getattr__`), so ``import kvstore.router`` loads neither the agent nor
+the store, the tiers or LMDB (``tests/test_layering.py`` checks it in a fresh interpreter).
 """
 
-from kvstore.cluster.engine_chunks import LOCAL, EngineChunks, LocalPublisher
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from kvstore.cluster.index import ClusterIndex, Holding
-from kvstore.cluster.layout import Layout, connect
-from kvstore.cluster.membership import Membership, NodeInfo
-from kvstore.cluster.node import ClusterNode, start_cluster
-from kvstore.cluster.publisher import Publisher
+from kvstore.cluster.layout import LOCAL, Layout, connect
+
+#: The node agent's names this package still offers, and the module each one is loaded from on
+#: first use (the agent imports the store: only a server should pay for it).
+_AGENT = {
+    "EngineChunks": "kvstore.cluster.engine_chunks",
+    "LocalPublisher": "kvstore.cluster.engine_chunks",
+    "Membership": "kvstore.cluster.membership",
+    "NodeInfo": "kvstore.cluster.membership",
+    "ClusterNode": "kvstore.cluster.node",
+    "start_cluster": "kvstore.cluster.node",
+    "Publisher": "kvstore.cluster.publisher",
+}
 
 __all__ = [
     "LOCAL",
@@ -46,3 +66,13 @@ __all__ = [
     "connect",
     "start_cluster",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """A node agent name of :data:`_AGENT`, imported now (PEP 562)."""
+    module = _AGENT.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups find it without this call
+    return value

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvstore.cluster.layout import Client, Layout
+from kvstore.cluster.layout import LOCAL, Client, Layout
 from kvstore.cluster.membership import Membership
 from kvstore.cluster.publisher import Publisher
 from kvstore.keys import ChunkHasher, HashAlgorithm, Namespace
@@ -47,9 +47,6 @@ from kvstore.store import TieredStore
 __all__ = ["LOCAL", "EngineChunks", "LocalPublisher", "StoredBlocks"]
 
 logger = logging.getLogger(__name__)
-
-#: The tier name of chunks an engine holds in its own prefix cache.
-LOCAL = "local"
 
 #: A vLLM block hash as its events carry it: bytes, or an int with
 #: ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``.

@@ -15,10 +15,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvstore.block import Keyring
 from kvstore.cluster.layout import Client, Layout
-from kvstore.cluster.membership import NodeInfo, RecordError, record_keyring
+
+if TYPE_CHECKING:  # the node agent's record; imported in nodes() so a router never loads it
+    from kvstore.cluster.membership import NodeInfo
 
 __all__ = ["ONE_TRIP_NODES", "ClusterIndex", "Holding"]
 
@@ -47,7 +50,11 @@ class ClusterIndex:
     def __init__(self, client: Client, layout: Layout, keyring: Keyring | None = None) -> None:
         self.client = client
         self.layout = layout
-        self._ring = None if keyring is None else record_keyring(keyring)
+        self._ring: Keyring | None = None
+        if keyring is not None:  # a node's reader (a router reads unsigned, without the agent)
+            from kvstore.cluster.membership import record_keyring
+
+            self._ring = record_keyring(keyring)
         #: Nodes whose description did not verify at the last :meth:`nodes`, with their epoch.
         self.refused: dict[str, int] = {}
         #: How many times a (node, epoch) was found without a valid description.
@@ -101,6 +108,8 @@ class ClusterIndex:
 
     async def nodes(self) -> dict[str, NodeInfo]:
         """Every node with a live lease, as it described itself."""
+        from kvstore.cluster.membership import NodeInfo, RecordError
+
         layout = self.layout
         raw_members = await self.client.smembers(layout.nodes)
         members = sorted(m.decode() if isinstance(m, bytes) else m for m in raw_members)

@@ -7,7 +7,8 @@ server without tenants):
 * ``P lease:NODE``: the node's current epoch, with a ``PX`` TTL the node renews;
 * ``P node:NODE``: a hash of the node's addresses and capacity (:class:`~.membership.NodeInfo`);
 * ``P nodes``: the set of node ids that ever registered (for listing members);
-* ``P T k:KEY``: one hash per chunk key (the raw key bytes), field ``NODE`` → ``EPOCH:TIER``.
+* ``P T k:KEY``: one hash per chunk key (the raw key bytes), field ``NODE`` → ``EPOCH:TIER``
+  (``TIER``: a kvstore tier's name, or :data:`LOCAL` for the engine's own prefix cache).
 
 One hash per chunk key makes a router's question ("which nodes hold these keys") one pipeline
 of ``HGETALL``, whatever the number of nodes; with Redis Cluster the keys spread over slots and
@@ -22,9 +23,13 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisClusterException, RedisError
 
-__all__ = ["REDIS_ERRORS", "Client", "Layout", "connect"]
+__all__ = ["LOCAL", "REDIS_ERRORS", "Client", "Layout", "connect"]
 
 Client = Redis | RedisCluster
+
+#: The tier name of chunks an engine holds in its own prefix cache (its node publishes them,
+#: :mod:`.engine_chunks`; a router weighs them above every kvstore tier).
+LOCAL = "local"
 
 #: What an unreachable, stalled or reshaping Redis raises.
 REDIS_ERRORS: tuple[type[BaseException], ...] = (

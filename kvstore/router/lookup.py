@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvstore.cluster import Holding, Layout
-from kvstore.cluster.layout import Client
+from kvstore.cluster.index import Holding
+from kvstore.cluster.layout import Client, Layout
 
 __all__ = ["ScriptIndex"]
 

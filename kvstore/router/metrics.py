@@ -17,20 +17,40 @@ class RouterMetrics:
         r = self.registry
         self.decisions = Counter(
             "kvstore_router_decisions",
-            "Routing decisions by chosen replica and reason (cache: a reusable prefix won; "
-            "load: no replica reuses any, or the index was not asked)",
+            "Routing decisions by chosen replica and reason (prefix: it reuses more of the prompt "
+            "than every replica would; shared_prefix: all would reuse the same, load decided; "
+            "load: none reuses any, or load outweighed it; index_timeout, index_unavailable, "
+            "no_tokens: routed without the index; round_robin)",
             ["replica", "reason"],
             registry=r,
         )
         self.fallbacks = Counter(
             "kvstore_router_fallbacks",
-            "Requests routed without the index, by why (index_error, index_down, no_index, "
-            "no_tokens, no_namespace)",
+            "Requests routed without the index, by why (index_timeout, index_error, index_down, "
+            "no_index, no_tokens, no_namespace)",
             ["reason"],
             registry=r,
         )
         self.index_errors = Counter(
             "kvstore_router_index_errors", "Index queries that failed or timed out", registry=r
+        )
+        self.index_seconds = Histogram(
+            "kvstore_router_index_seconds",
+            "Time the index took to answer (answered queries; they size the deadline)",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
+            registry=r,
+        )
+        self.index_deadline = Gauge(
+            "kvstore_router_index_deadline_seconds",
+            "The index query's current deadline (2 x p99 of recent answers, within "
+            "router.index_timeout_s and router.index_timeout_max_s)",
+            registry=r,
+        )
+        self.beyond_shared = Histogram(
+            "kvstore_router_credited_beyond_shared_tokens",
+            "Prompt tokens the chosen replica reuses beyond the prefix every replica would reuse",
+            buckets=_TOKENS,
+            registry=r,
         )
         self.score = Histogram(
             "kvstore_router_score",
@@ -58,7 +78,8 @@ class RouterMetrics:
         )
         self.responses = Counter(
             "kvstore_router_responses",
-            "Proxied requests by replica and outcome (ok, upstream_error)",
+            "Proxied requests by replica and outcome (ok: the whole response relayed; "
+            "client_gone: the client closed first; upstream_error)",
             ["replica", "outcome"],
             registry=r,
         )

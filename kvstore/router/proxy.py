@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 
 __all__ = [
     "REPLICA_HEADER",
+    "ClientGone",
     "Request",
     "UpstreamError",
     "forward",
@@ -80,6 +81,10 @@ class BadRequest(Exception):
 
 class UpstreamError(Exception):
     """The upstream could not be reached or closed before answering (nothing was sent back)."""
+
+
+class ClientGone(ConnectionError):
+    """The client's connection failed while its response was being relayed."""
 
 
 async def read_request(
@@ -221,7 +226,7 @@ async def forward(
         ]
         # Which replica answered, for clients and tests (the decision metrics count the same).
         kept.append(f"{REPLICA_HEADER}: {url}")
-        writer.write(("\r\n".join([*kept, "Connection: close", "", ""])).encode("latin-1"))
+        await _relay(writer, ("\r\n".join([*kept, "Connection: close", "", ""])).encode("latin-1"))
         first = True
         while True:
             data = await reader.read(1 << 16)
@@ -230,9 +235,17 @@ async def forward(
             if first:
                 on_first_byte()
                 first = False
-            writer.write(data)
-            await writer.drain()
+            await _relay(writer, data)
         if first:
             on_first_byte()
     finally:
         upstream.close()
+
+
+async def _relay(writer: asyncio.StreamWriter, data: bytes) -> None:
+    """``data`` to the client; :class:`ClientGone` if its connection failed."""
+    try:
+        writer.write(data)
+        await writer.drain()
+    except (ConnectionError, OSError) as exc:
+        raise ClientGone(f"the client went away: {exc}") from exc

@@ -19,15 +19,25 @@ with fewer requests in flight, then round robin.
 A *provisional entry* (the chosen replica, for each of the request's chunks, for
 ``provisional_ttl_s``) lets a burst of one new prefix follow the first request before the
 engine's blocks reach the index.
+
+**Why** (:attr:`Decision.reason`): the tokens *credited* to each replica are its reusable prefix
+(capped at the prompt); the *shared* tokens are the fewest credited to any replica (the prefix
+every replica would reuse: a system prompt they all cache). ``prefix``: the chosen replica is
+credited more than the shared tokens: it was chosen for a prefix the others lack.
+``shared_prefix``: every replica is credited the same, more than nothing: a prefix all of them
+hold decided nothing, load did. ``load``: nothing is credited anywhere, or a replica credited
+more lost to load. (``round_robin`` for that baseline; the router replaces the reason when it
+had no index answer, :mod:`kvstore.router.decision`.)
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from kvstore.cluster import LOCAL, Holding
+from kvstore.cluster.index import Holding
+from kvstore.cluster.layout import LOCAL
 
 __all__ = ["POLICIES", "TIER_WEIGHTS", "Decision", "Load", "Provisional", "Replica", "Scorer"]
 
@@ -37,8 +47,8 @@ __all__ = ["POLICIES", "TIER_WEIGHTS", "Decision", "Load", "Provisional", "Repli
 POLICIES = ("kv", "round_robin", "least_loaded")
 
 #: Weight of a cached chunk per source. "local" is the engine's own cache (as its node publishes
-#: it to the index, :data:`kvstore.cluster.LOCAL`, and provisional entries, which predict it);
-#: the rest are kvstore tier names as the index publishes them.
+#: it to the index, :data:`~kvstore.cluster.layout.LOCAL`, and provisional entries, which
+#: predict it); the rest are kvstore tier names as the index publishes them.
 TIER_WEIGHTS: dict[str, float] = {
     LOCAL: 1.0,
     "hbm": 0.9,
@@ -69,13 +79,18 @@ class Decision:
     """The chosen replica and why."""
 
     replica: Replica
-    #: "cache" (the chosen replica reuses a prefix) or "load" (none does, or the index is out).
+    #: ``prefix``, ``shared_prefix``, ``load`` or ``round_robin`` (see the module docstring); the
+    #: router's decision replaces it when the index gave no answer (:mod:`.decision`).
     reason: str
     score: float
     #: Tokens of the prompt the chosen replica is predicted not to compute.
     predicted_hit_tokens: int
     #: Every replica in order of preference (the first is ``replica``), for retries.
     ranked: tuple[Replica, ...]
+    #: Per replica url, the prompt tokens its reusable prefix covers.
+    credited: Mapping[str, int] = field(default_factory=dict)
+    #: The fewest tokens credited to any replica: the prefix all of them would reuse.
+    shared_tokens: int = 0
 
 
 class Provisional:
@@ -176,8 +191,10 @@ class Scorer:
         turn, self._turn = self._turn, self._turn + 1
         count = len(keys)
         rows = []
+        credited: dict[str, int] = {}
         for position, replica in enumerate(self.replicas):
             chunks, weighted = self.hit_chunks(replica, count, holdings, provisional)
+            credited[replica.url] = min(chunks * self.chunk_size, prompt_tokens)
             load = self.load[replica.url]
             cost = load.queued_prefill_tokens + self.request_cost_tokens * load.in_flight
             score = self.hit_weight * weighted - cost
@@ -186,16 +203,26 @@ class Scorer:
                 score, in_flight = 0.0, 0
             else:
                 in_flight = load.in_flight
-            rows.append((-score, in_flight, order, replica, chunks))
+            rows.append((-score, in_flight, order, replica))
         rows.sort(key=lambda row: row[:3])
-        _, _, _, best, chunks = rows[0]
-        hit_tokens = min(chunks * self.chunk_size, prompt_tokens)
+        best = rows[0][3]
+        hit_tokens, shared = credited[best.url], min(credited.values())
+        if self.policy == "round_robin":
+            reason = "round_robin"
+        elif hit_tokens > shared:
+            reason = "prefix"
+        elif shared and max(credited.values()) == shared:
+            reason = "shared_prefix"
+        else:
+            reason = "load"
         return Decision(
             replica=best,
-            reason="round_robin" if self.policy == "round_robin" else "cache" if chunks else "load",
+            reason=reason,
             score=-rows[0][0],
             predicted_hit_tokens=hit_tokens,
             ranked=tuple(row[3] for row in rows),
+            credited=credited,
+            shared_tokens=shared,
         )
 
     def dispatched(self, replica: Replica, keys: Sequence[bytes], prefill: int) -> None:

@@ -2,9 +2,10 @@
 
 :meth:`Router.decide` is the decision (chunk keys, one index query, scoring), what the
 benchmark times; :meth:`Router.handle` serves one HTTP connection. The index is optional and
-never fails a request: without ``cluster.url``/``redis.url``, after a failed or slow query (for
-``router.index_retry_s`` after it) or without token ids, requests are routed by load and the
-provisional entries alone, and ``kvstore_router_fallbacks_total`` counts why.
+never fails a request: without ``cluster.url``/``redis.url``, after a failed or slow query (its
+deadline sized from measured latency: :mod:`.index_query`) or without token ids, requests are
+routed by load and the provisional entries alone. Every decision's reason is counted and, at
+DEBUG, logged (:mod:`.decision`).
 
 In P/D mode (``router.prefill`` and ``router.decode``) a :class:`~kvstore.router.pd.PrefillStage`
 runs each completion on a prefill replica first; the decision then picks among decode replicas.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -29,16 +31,26 @@ from concurrent.futures import ThreadPoolExecutor
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.asyncio.cluster import RedisCluster
 
-from kvstore.cluster import ClusterIndex, Holding, Layout, connect
-from kvstore.cluster.layout import REDIS_ERRORS, Client
+from kvstore.cluster.index import ClusterIndex, Holding
+from kvstore.cluster.layout import Client, Layout, connect
 from kvstore.config import Config, hash_secret
 from kvstore.errors import ConfigError
 from kvstore.router.body import ParsedBody, TokenIds, parse_body
+from kvstore.router.decision import FALLBACK_REASONS, DecisionRecord, reason_for
+from kvstore.router.index_query import AdaptiveDeadline, IndexQuery
 from kvstore.router.keys import RouterKeys, parse_namespace
 from kvstore.router.lookup import ScriptIndex
 from kvstore.router.metrics import RouterMetrics
 from kvstore.router.pd import PrefillStage
-from kvstore.router.proxy import BadRequest, Request, UpstreamError, forward, read_request, respond
+from kvstore.router.proxy import (
+    BadRequest,
+    ClientGone,
+    Request,
+    UpstreamError,
+    forward,
+    read_request,
+    respond,
+)
 from kvstore.router.scoring import Decision, Provisional, Replica, Scorer
 from kvstore.router.tokenize import Tokenizer, load_tokenizer, prompt_tokens
 
@@ -53,6 +65,14 @@ INLINE_BODY_BYTES = 64 * 1024
 #: default chunk_size of 256): a longer prompt is routed by its first MAX_CHUNKS chunks, so the
 #: hashing, the index query and the provisional entries of one request stay bounded.
 MAX_CHUNKS = 4096
+#: How long a closed connection may take to flush what is left for its client before it is
+#: aborted (a client that stopped reading must not hold a handler forever).
+CLOSE_WAIT_S = 10.0
+#: After refusing a request whose body was not read: how long, and how many bytes of it, are
+#: read and dropped before closing (closing with unread bytes sends a reset, which can destroy
+#: the answer before the client reads it).
+LINGER_S = 1.0
+LINGER_BYTES = 1 << 20
 
 #: What the router asks the index (ClusterIndex, or ScriptIndex on a single Redis).
 Index = ClusterIndex | ScriptIndex
@@ -91,12 +111,16 @@ class Router:
         hit_weight: float = 2.0,
         request_cost_tokens: int = 256,
         index_retry_s: float = 1.0,
+        index_timeout_s: float = 0.1,
+        index_timeout_max_s: float = 1.0,
         policy: str = "kv",
         max_body_bytes: int = 16 * 1024**2,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.keys = keys  # None (P/D mode without router.namespace): routed by load
-        self.index = index
+        self.index = IndexQuery(
+            index, AdaptiveDeadline(index_timeout_s, index_timeout_max_s), index_retry_s, clock
+        )
         self.prefill = prefill
         self.tokenizer = tokenizer
         self.metrics = RouterMetrics()
@@ -108,10 +132,18 @@ class Router:
             Provisional(provisional_ttl_s, clock),
             policy,
         )
-        self.index_retry_s = index_retry_s
         self.max_body_bytes = max_body_bytes
-        self._clock = clock
-        self._index_down_until = 0.0
+        self.metrics.index_deadline.set(self.index.deadline.seconds)
+        for reason in FALLBACK_REASONS:  # every fallback series shows, at 0 until it happens
+            self.metrics.fallbacks.labels(reason)
+        self._decisions = 0
+        # The connections being served: a handler's task is referenced from here until it ends.
+        # asyncio's loop holds tasks only weakly and the stream protocol drops its reference
+        # once the client's connection is lost; a handler of a client that hung up, still
+        # connecting to its upstream, was collected mid-request ("Task was destroyed but it is
+        # pending!", naming wait_closed: where its finally was when the collector closed it;
+        # ~50 in 800 hang-ups, issue 30). :meth:`drain` ends them at shutdown.
+        self._handlers: set[asyncio.Task[None]] = set()
         # One thread: one large body's work buffers at a time, and the tokenizer (not safe to
         # call from two threads at once) only ever called from it.
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvstore-router-body")
@@ -120,21 +152,12 @@ class Router:
         """Stop the body-parsing thread (bodies queued for it are dropped)."""
         self._reader.shutdown(wait=False, cancel_futures=True)
 
-    async def _holdings(self, keys: Sequence[bytes]) -> tuple[Mapping[str, Holding], str]:
-        """The index's answer, or nothing and the fallback reason."""
-        if self.index is None:
-            return {}, "no_index"
-        if self._clock() < self._index_down_until:
-            return {}, "index_down"
-        try:
-            # The client's socket timeout is router.index_timeout_s: no wait_for task per request.
-            return await self.index.holders(keys), ""
-        except REDIS_ERRORS as exc:  # TimeoutError (a slow query) is one of them
-            self.metrics.index_errors.inc()
-            if self._index_down_until == 0.0 or self._clock() >= self._index_down_until + 1:
-                logger.warning("cluster index query failed (%s); routing by load", exc)
-            self._index_down_until = self._clock() + self.index_retry_s
-            return {}, "index_error"
+    async def drain(self) -> None:
+        """Cancel the connections still being served and wait for them to end."""
+        handlers = list(self._handlers)
+        for task in handlers:
+            task.cancel()
+        await asyncio.gather(*handlers, return_exceptions=True)
 
     async def decide(
         self, tokens: Sequence[int] | TokenIds | None, cache_salt: str = "", lora_id: str = ""
@@ -144,7 +167,8 @@ class Router:
         started = time.perf_counter()
         keys: list[bytes] = []
         holdings: Mapping[str, Holding] = {}
-        fallback = ""
+        fallback, asked, index_seconds = "", False, 0.0
+        deadline = self.index.deadline.seconds
         if tokens is None:
             fallback = "no_tokens"
         elif self.keys is None:
@@ -153,21 +177,33 @@ class Router:
             named = tokens[: MAX_CHUNKS * self.keys.chunk_size]
             keys = self.keys.keys(named, lora_id, cache_salt)
             if keys and self.scorer.policy == "kv":  # the baselines never ask the index
-                holdings, fallback = await self._holdings(keys)
-        if fallback:
-            self.metrics.fallbacks.labels(fallback).inc()
+                asked = True
+                holdings, fallback, index_seconds = await self.index.holders(keys)
         count = 0 if tokens is None else len(tokens)
         decision = self.scorer.choose(keys, count, holdings)
         m = self.metrics
         m.decision_seconds.observe(time.perf_counter() - started)
-        m.decisions.labels(decision.replica.url, decision.reason).inc()
-        m.score.observe(decision.score)
-        m.predicted_hit_tokens.observe(decision.predicted_hit_tokens)
-        m.prompt_tokens.observe(count)
+        if asked:
+            if fallback in ("index_timeout", "index_error"):
+                m.index_errors.inc()
+            elif not fallback:
+                m.index_seconds.observe(index_seconds)
+            m.index_deadline.set(self.index.deadline.seconds)
+        self._decisions += 1
+        decision = dataclasses.replace(decision, reason=reason_for(decision, fallback))
+        record = DecisionRecord(
+            self._decisions, decision, fallback, asked, count, index_seconds, deadline
+        )
+        record.count(m)
+        record.log()
         return decision, keys
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Serve one connection: one request, then close."""
+        task = asyncio.current_task()
+        if task is not None:
+            self._handlers.add(task)
+            task.add_done_callback(self._handlers.discard)
         request: Request | None = None
         try:
             try:
@@ -177,14 +213,20 @@ class Router:
             except BadRequest as exc:  # raised before any byte of an answer went out
                 self._log_refusal(writer, request, exc)
                 await respond(writer, exc.status, {"error": str(exc)})
+                await _linger(reader, writer)
         except (ConnectionError, asyncio.IncompleteReadError):
             pass  # the client went away
         except Exception:  # a bug: logged once here, not as asyncio's unhandled exception
             logger.exception("serving a request failed")
         finally:
             writer.close()
-            with contextlib.suppress(ConnectionError):
-                await writer.wait_closed()
+            try:
+                async with asyncio.timeout(CLOSE_WAIT_S):
+                    await writer.wait_closed()
+            except TimeoutError:  # the client stopped reading: drop what it did not take
+                writer.transport.abort()
+            except OSError:
+                pass  # the connection failed as it closed: nothing left to do
 
     @staticmethod
     def _log_refusal(
@@ -267,6 +309,12 @@ class Router:
                 await forward(replica.url, request, writer, first_byte)
                 m.responses.labels(replica.url, "ok").inc()
                 done = True
+            except ClientGone:  # its response had begun: no other replica is tried
+                m.responses.labels(replica.url, "client_gone").inc()
+                raise
+            except (ConnectionError, OSError):  # the upstream broke after its head went out
+                m.responses.labels(replica.url, "upstream_error").inc()
+                raise
             except UpstreamError as exc:
                 logger.warning("replica %s: %s; trying the next", replica.url, exc)
                 m.responses.labels(replica.url, "upstream_error").inc()
@@ -279,6 +327,18 @@ class Router:
             if done:
                 return
         await respond(writer, 502, {"error": "no replica answered"})
+
+
+async def _linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """End our side (the answer is out), then drop what the client still sends, within bounds."""
+    if not writer.can_write_eof():
+        return
+    writer.write_eof()
+    dropped = 0
+    with contextlib.suppress(TimeoutError, ConnectionError):
+        async with asyncio.timeout(LINGER_S):
+            while dropped < LINGER_BYTES and (data := await reader.read(1 << 16)):
+                dropped += len(data)
 
 
 def build_router(config: Config) -> tuple[Router, Client | None]:
@@ -305,7 +365,9 @@ def build_router(config: Config) -> tuple[Router, Client | None]:
             "sha256" if settings.hash_algorithm == "sha256" else "xxh3_128",
         )
     url = config.cluster.url or config.redis.url
-    client = connect(url, settings.index_timeout_s) if url else None
+    # The socket timeout is the cap: the adaptive deadline (index_query) cuts queries off first.
+    cap_s = max(settings.index_timeout_max_s, settings.index_timeout_s)
+    client = connect(url, cap_s) if url else None
     layout = Layout(config.cluster.key_prefix, settings.tenant)
     index: Index | None = None
     if isinstance(client, RedisCluster):
@@ -321,6 +383,8 @@ def build_router(config: Config) -> tuple[Router, Client | None]:
         hit_weight=settings.hit_weight,
         request_cost_tokens=settings.request_cost_tokens,
         index_retry_s=settings.index_retry_s,
+        index_timeout_s=settings.index_timeout_s,
+        index_timeout_max_s=settings.index_timeout_max_s,
         policy=settings.policy,
         max_body_bytes=settings.max_body_bytes,
     )
@@ -364,6 +428,7 @@ async def run_router(config: Config, on_ready: Callable[[str], None]) -> None:
         async with server:
             await server.serve_forever()
     finally:
+        await router.drain()
         router.close()
         if client is not None:
             await client.aclose()

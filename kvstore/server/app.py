@@ -21,7 +21,7 @@ from grpc_health.v1 import _async as health_async
 from grpc_health.v1 import health_pb2
 
 from kvstore.block import Keyring, install_keyring, installed_keyring
-from kvstore.cluster import ClusterNode, start_cluster
+from kvstore.cluster.node import ClusterNode, start_cluster
 from kvstore.config import Config
 from kvstore.errors import AuthenticationError
 from kvstore.policy import Policy

@@ -36,10 +36,12 @@ class RouterProcess:
         chunk_size: int,
         index_url: str = "",
         env: Mapping[str, str] | None = None,
+        log_level: str = "INFO",
     ) -> None:
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
         full_env.update(env or {})
         command = [sys.executable, "-m", "kvstore.cli", "router", "--listen", "127.0.0.1:0"]
+        command += ["--log-level", log_level]
         for replica in replicas:
             command += ["--replica", replica]
         command += ["--namespace", namespace, "--chunk-size", str(chunk_size)]

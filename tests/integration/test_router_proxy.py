@@ -126,7 +126,7 @@ def test_router_follows_the_index_keeps_bursts_streams_and_survives_redis(
     assert engine_a.prompts() == [on_a] * 3
     assert engine_b.prompts() == [on_b] * 2
     assert (
-        router.metric("kvstore_router_decisions_total", f'reason="cache",replica="{engine_a.url}"')
+        router.metric("kvstore_router_decisions_total", f'reason="prefix",replica="{engine_a.url}"')
         == 3
     )
 
@@ -153,7 +153,7 @@ def test_router_follows_the_index_keeps_bursts_streams_and_survives_redis(
     assert len(engine_a.requests) + len(engine_b.requests) == before + 4
     fallbacks = sum(
         router.metric("kvstore_router_fallbacks_total", f'reason="{reason}"')
-        for reason in ("index_error", "index_down")
+        for reason in ("index_timeout", "index_error", "index_down")
     )
     assert fallbacks == 4
     assert router.metric("kvstore_router_index_errors_total", "") >= 1

@@ -121,7 +121,7 @@ def test_index_holding_wins_and_faster_tier_beats_longer_slow_run() -> None:
     s = scorer(Clock())
     held = {"node-b": Holding(4, ["nvme"] * 4 + [""] * 4)}
     decision = s.choose(KEYS, 128, held)
-    assert (decision.replica, decision.reason, decision.predicted_hit_tokens) == (B, "cache", 64)
+    assert (decision.replica, decision.reason, decision.predicted_hit_tokens) == (B, "prefix", 64)
     # dram on a beats a longer nvme run on b only when it weighs more: 5 dram (64) < 8 nvme (64)?
     held = {"node-a": Holding(6, ["dram"] * 6 + [""] * 2), "node-b": Holding(8, ["nvme"] * 8)}
     assert s.choose(KEYS, 128, held).replica == A  # 6*16*0.8 = 76.8 > 8*16*0.5 = 64

@@ -103,7 +103,7 @@ def test_conversations_go_back_to_the_replica_that_holds_them(
     prompts = [words(100 + c, 2 * CHUNK + 40) for c in range(CONVERSATIONS)]
     owner: dict[int, str] = {}
     cache_before = sum(
-        router.metric("kvstore_router_decisions_total", f'reason="cache",replica="{s.url}"')
+        router.metric("kvstore_router_decisions_total", f'reason="prefix",replica="{s.url}"')
         for s in fleet.servers
     )
     for turn in range(TURNS):
@@ -129,7 +129,7 @@ def test_conversations_go_back_to_the_replica_that_holds_them(
     # New conversations spread over both replicas (idle ties rotate); later turns follow the index.
     assert set(owner.values()) == {s.url for s in fleet.servers}
     cache_after = sum(
-        router.metric("kvstore_router_decisions_total", f'reason="cache",replica="{s.url}"')
+        router.metric("kvstore_router_decisions_total", f'reason="prefix",replica="{s.url}"')
         for s in fleet.servers
     )
     assert cache_after - cache_before == CONVERSATIONS * (TURNS - 1)
@@ -163,14 +163,14 @@ def test_a_restarted_node_is_not_trusted_on_its_old_blocks(
     assert held(fleet, long) == {node_y.node_id: 2}
 
     before = router.metric(
-        "kvstore_router_decisions_total", f'reason="cache",replica="{server_y.url}"'
+        "kvstore_router_decisions_total", f'reason="prefix",replica="{server_y.url}"'
     )
     reply = router.complete(model, long + words(8, TURN_TOKENS))
     assert reply.status == 200, reply.raw
     assert reply.replica == server_y.url
     assert reply.cached_tokens >= 2 * CHUNK
     after = router.metric(
-        "kvstore_router_decisions_total", f'reason="cache",replica="{server_y.url}"'
+        "kvstore_router_decisions_total", f'reason="prefix",replica="{server_y.url}"'
     )
     assert after == before + 1
 
@@ -183,13 +183,14 @@ def test_with_redis_stopped_requests_are_routed_by_load(
     def fallbacks() -> float:
         return sum(
             router.metric("kvstore_router_fallbacks_total", f'reason="{reason}"')
-            for reason in ("index_error", "index_down")
+            for reason in ("index_timeout", "index_error", "index_down")
         )
 
-    def by_load() -> float:
+    def by_load() -> float:  # routed without the index: by load and provisional entries
         return sum(
-            router.metric("kvstore_router_decisions_total", f'reason="load",replica="{s.url}"')
+            router.metric("kvstore_router_decisions_total", f'reason="{reason}",replica="{s.url}"')
             for s in fleet.servers
+            for reason in ("index_unavailable", "index_timeout")
         )
 
     before, load_before = fallbacks(), by_load()
