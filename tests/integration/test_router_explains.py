@@ -24,10 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "tiers"))
 sys.path.insert(0, str(Path(__file__).parent))
 from fake_engine import FakeEngine
-from redis_server import RedisServer
+from harness.redis_server import RedisServer
 from router_process import RouterProcess
 from test_router_proxy import CHUNK, cluster_env, index_leading, namespace_json, poll, store, tokens
 

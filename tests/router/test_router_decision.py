@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from harness.redis_server import RedisServer
 
 from kvstore.cluster.index import Holding
 from kvstore.cluster.layout import Layout, connect
@@ -24,9 +24,6 @@ from kvstore.router.index_query import (
     IndexQuery,
 )
 from kvstore.router.lookup import ScriptIndex
-
-sys.path.insert(0, str(Path(__file__).parent / "tiers"))
-from redis_server import RedisServer
 
 A, B, C = Replica("http://a", "na"), Replica("http://b", "nb"), Replica("http://c", "nc")
 KEYS = [bytes([i]) * 16 for i in range(8)]
