@@ -59,11 +59,16 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def build_store(config: Config, keyring: Keyring | None = None) -> TieredStore:
+def build_store(
+    config: Config,
+    keyring: Keyring | None = None,
+    retention_setting: str = "policy.max_retention_s",
+) -> TieredStore:
     """The :class:`TieredStore` a config describes, its index rebuilt from persistent tiers.
 
     Its tiers sign and verify blocks with ``keyring``; ``None``: the keyring installed for the
     whole process (:func:`open_tenants` installs the configured one first).
+    ``retention_setting`` names where ``policy.max_retention_s`` came from, in refusals.
     """
     store = TieredStore(
         build_tiers(config),
@@ -74,6 +79,8 @@ def build_store(config: Config, keyring: Keyring | None = None) -> TieredStore:
             nvme_admission=config.policy.nvme_admission,
             eviction=config.policy.eviction,
             promote_after_reads=config.hbm.promote_after_reads,
+            max_retention_s=config.policy.max_retention_s,
+            max_retention_setting=retention_setting,
         ),
         keyring=keyring,
     )
@@ -121,7 +128,12 @@ def _open_tenant(
 ) -> Tenant:
     """One tenant's store (``config``: the tenant's own, :func:`tenant_config`), its prefetch
     queue and its in-flight budget."""
-    store = build_store(config, keyring)
+    setting = (
+        f"tenants.{name}.max_retention_s, else policy.max_retention_s"
+        if name
+        else "policy.max_retention_s"
+    )
+    store = build_store(config, keyring, setting)
     server = config.server
     prefetcher = Prefetcher(store, max_queued_keys=server.prefetch_queue_keys)
     return Tenant(
