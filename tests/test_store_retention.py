@@ -15,6 +15,8 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import CollectorRegistry
 
 sys.path.insert(0, str(Path(__file__).parent / "tiers"))
 from redis_server import RedisServer
@@ -24,7 +26,12 @@ from kvstore.errors import InvalidRequestError
 from kvstore.keys import Namespace
 from kvstore.policy import Policy
 from kvstore.retention import KEEP, Retention
+from kvstore.server.budget import InflightBudget
+from kvstore.server.durations import Durations
+from kvstore.server.metrics import StoreCollector
+from kvstore.server.tenancy import Tenant, Tenants
 from kvstore.store import TieredStore
+from kvstore.store.prefetch import Prefetcher
 from kvstore.tiers.dram import DramTier
 from kvstore.tiers.hbm import HbmTier
 from kvstore.tiers.nvme import NvmeTier
@@ -244,3 +251,16 @@ async def test_fast_only_and_not_stored_never_reach_redis(
     client = redis_server.client()
     assert client.exists(redis_name(1)) == 0 and client.exists(redis_name(2)) == 0
     assert tier_of(shared, 1) == "dram"
+
+
+async def test_metrics_export_retained_blocks_and_early_evictions(store: TieredStore) -> None:
+    await put(store, range(1, 5), Retention(100))
+    await put(store, [6], Retention(200))  # evicts block 1 early
+    tenants = Tenants.single(Tenant("", store, Prefetcher(store), InflightBudget(1 << 20)))
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StoreCollector(tenants, "9.9", Durations()))
+    text = generate_latest(registry).decode()
+    assert 'kvstore_tier_retained_blocks{tenant="",tier="dram"} 4.0' in text
+    assert f'kvstore_tier_retained_bytes{{tenant="",tier="dram"}} {4.0 * PAGE}' in text
+    assert 'kvstore_tier_retained_evicted_early_total{tenant="",tier="dram"} 1.0' in text
+    assert 'kvstore_tier_retained_blocks{tenant="",tier="nvme"} 1.0' in text
