@@ -7,6 +7,7 @@ The public surface::
     TieredStore                     the store core, for embedding (loaded on first use: a
                                     client process never pays for LMDB or Redis)
     LookupResult, PutResult         results of client and store calls
+    Retention                       what a put asks: keep N seconds, memory only, not at all
     Config, load_config             configuration
     KVStoreError and subclasses     the one exception tree (see :mod:`kvstore.errors`)
 """
@@ -28,6 +29,7 @@ from kvstore.errors import (
     UnknownPrefetchError,
 )
 from kvstore.keys import BlockKey, ChunkHasher, Namespace
+from kvstore.retention import Retention
 from kvstore.types import LookupResult, PutResult
 
 if TYPE_CHECKING:
@@ -62,6 +64,7 @@ __all__ = [
     "Namespace",
     "NamespaceMismatchError",
     "PutResult",
+    "Retention",
     "StoreUnavailableError",
     "TieredStore",
     "UnknownPrefetchError",

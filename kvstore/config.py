@@ -33,6 +33,7 @@ from kvstore.machine_defaults import (
     machine_defaults,
 )
 from kvstore.policy import EVICTIONS, NVME_ADMISSIONS, SHARED_WRITES
+from kvstore.retention import DEFAULT_MAX_RETENTION_S
 from kvstore.router_config import RouterConfig
 from kvstore.sizes import SIZE_HINT, format_size, parse_size
 from kvstore.tenant_config import TenantConfig, tenant_tables
@@ -262,13 +263,20 @@ class IntegrityConfig:
 @dataclass(frozen=True)
 class PolicyConfig:
     """Write and admission rules (see :mod:`kvstore.policy`): ``shared_write`` is ``through``
-    or ``back``, ``nvme_admission`` is ``all`` or ``hit``."""
+    or ``back``, ``nvme_admission`` is ``all`` or ``hit``; ``max_retention_s`` is the longest
+    retention a put may ask for (:mod:`kvstore.retention`; a tenant's own replaces it)."""
 
     shared_write: str = "through"
     nvme_admission: str = "all"
     eviction: str = "lru"
+    max_retention_s: float = DEFAULT_MAX_RETENTION_S
 
     def __post_init__(self) -> None:
+        if not 0 <= self.max_retention_s < float("inf"):
+            raise ConfigError(
+                f"policy.max_retention_s must be a number of seconds >= 0, "
+                f"got {self.max_retention_s!r}"
+            )
         if self.shared_write not in SHARED_WRITES:
             raise ConfigError(
                 f"policy.shared_write must be one of {list(SHARED_WRITES)}, "

@@ -25,12 +25,17 @@
   host-to-device copy and evicting a block that was really hot. Reads are counted in the block's
   index entry, so the counters cost nothing beyond the index and go with the block. Host tiers
   (dram) still take a block read from below on its first read.
+* **How long may a request ask to keep its blocks?** ``max_retention_s`` (default one hour; a
+  tenant's own ``max_retention_s`` replaces it for that tenant's store): see
+  :mod:`kvstore.retention`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from kvstore.retention import DEFAULT_MAX_RETENTION_S
 
 __all__ = ["EVICTIONS", "NVME_ADMISSIONS", "SHARED_WRITES", "Policy"]
 
@@ -50,8 +55,13 @@ class Policy:
     nvme_admission: str = "all"
     eviction: str = "lru"
     promote_after_reads: int = 2
+    max_retention_s: float = DEFAULT_MAX_RETENTION_S
+    #: The setting ``max_retention_s`` came from, named in a refusal.
+    max_retention_setting: str = "policy.max_retention_s"
 
     def __post_init__(self) -> None:
+        if not self.max_retention_s >= 0:
+            raise ValueError(f"max_retention_s must be >= 0: {self.max_retention_s!r}")
         if self.promote_after_reads < 1:
             raise ValueError(f"promote_after_reads must be >= 1: {self.promote_after_reads!r}")
         if self.shared_write not in SHARED_WRITES:

@@ -30,7 +30,10 @@ class TenantConfig:
     co-located clients over shared memory; every process admitted to its socket then maps the
     tenant's whole arena and can read and overwrite any block in it, whatever namespace it works
     in, so set it only where all the tenant's engines (models, TP ranks) trust each other. Off
-    (the default): nobody maps the tenant's arena, its clients use gRPC or UCX."""
+    (the default): nobody maps the tenant's arena, its clients use gRPC or UCX.
+    ``max_retention_s``: the longest retention this tenant's puts may ask for
+    (:mod:`kvstore.retention`); ``None``: the server's ``policy.max_retention_s``. Retained
+    blocks count against the tenant's tier sizes like any other."""
 
     name: str
     identities: tuple[str, ...] = ()
@@ -40,6 +43,7 @@ class TenantConfig:
     nvme: int = 0
     hbm: int = 0
     shm: bool = False
+    max_retention_s: float | None = None
 
     def __post_init__(self) -> None:
         where = f"tenants.{self.name}"
@@ -55,12 +59,17 @@ class TenantConfig:
             )
         if not (self.dram or self.nvme):
             raise ConfigError(f"{where}: give dram or nvme a size (both are 0)")
+        if self.max_retention_s is not None and not 0 <= self.max_retention_s < float("inf"):
+            raise ConfigError(
+                f"{where}.max_retention_s must be a number of seconds >= 0, "
+                f"got {self.max_retention_s!r}"
+            )
         for tier in ("dram", "nvme", "hbm"):
             if getattr(self, tier) < 0:
                 raise ConfigError(f"{where}.{tier} must be >= 0, got {getattr(self, tier)}")
 
 
-_TENANT_KEYS = {"identities", "uids", "gids", "dram", "nvme", "hbm", "shm"}
+_TENANT_KEYS = {"identities", "uids", "gids", "dram", "nvme", "hbm", "shm", "max_retention_s"}
 
 
 def tenant_tables(document: Any) -> tuple[TenantConfig, ...]:
@@ -85,7 +94,22 @@ def tenant_tables(document: Any) -> tuple[TenantConfig, ...]:
         shm = table.get("shm", False)
         if type(shm) is not bool:
             raise ConfigError(f"tenants.{name}.shm must be true or false, got {shm!r}")
-        tenant = TenantConfig(str(name), identities, uids, gids, **sizes, shm=shm)
+        retention = table.get("max_retention_s")
+        if retention is not None and (
+            type(retention) not in (int, float) or isinstance(retention, bool)
+        ):
+            raise ConfigError(
+                f"tenants.{name}.max_retention_s must be a number of seconds, got {retention!r}"
+            )
+        tenant = TenantConfig(
+            str(name),
+            identities,
+            uids,
+            gids,
+            **sizes,
+            shm=shm,
+            max_retention_s=None if retention is None else float(retention),
+        )
         for identity in tenant.identities:
             if identity in owner:
                 raise ConfigError(

@@ -87,6 +87,7 @@ PARTS: dict[str, Part] = {
             "kvstore.tenant_config",
             "kvstore.router_config",
             "kvstore.policy",
+            "kvstore.retention",
         ),
     ),
     # 1: what both sides agree on: gRPC message conversion, shm frames, the published dram index

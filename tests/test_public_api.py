@@ -22,6 +22,7 @@ EXPECTED = {
     "Namespace",
     "NamespaceMismatchError",
     "PutResult",
+    "Retention",
     "StoreUnavailableError",
     "TieredStore",
     "UnknownPrefetchError",

@@ -49,6 +49,7 @@ from kvstore.keys import Namespace
 from kvstore.protocol import messages as _wire
 from kvstore.protocol.checks import check_keys, check_pairs
 from kvstore.protocol.ucx import ucx_unavailable_reason
+from kvstore.retention import KEEP, Retention
 from kvstore.types import LookupResult, PrefetchProgress, PutResult
 
 __all__ = [
@@ -236,30 +237,44 @@ class ClientCore:
         return _wire.lookup_result((yield from self._rpc("Lookup", request, deadline)))
 
     def put(
-        self, keys: Sequence[bytes], values: Sequence[Any], timeout: float | None
+        self,
+        keys: Sequence[bytes],
+        values: Sequence[Any],
+        timeout: float | None,
+        retention: Retention = KEEP,
     ) -> Plan[PutResult]:
-        """Store ``values`` under ``keys``; what the arena has no room for goes over gRPC."""
+        """Store ``values`` under ``keys`` with ``retention``; what the arena has no room for
+        goes over gRPC. Nothing is sent for ``tiers="none"``; UCX carries no retention, so a
+        put asking for one goes over shared memory or gRPC."""
+        if not retention.stores:
+            check_pairs(keys, values, "values")
+            return PutResult()
         deadline = self.deadline(timeout)
         fast = yield from self._over_shm(
-            keys, deadline, lambda plane, t: plane.put(keys, values, t)
+            keys, deadline, lambda plane, t: plane.put(keys, values, t, retention)
         )
         if isinstance(fast, _Fallback):
-            remote = yield from self._over_ucx(
-                deadline, lambda ucx, t: ucx.put(keys, values, timeout=t)
-            )
-            if remote is not None:
-                return remote
-            return (yield from self._put_grpc(keys, values, deadline))
+            if retention.is_default:
+                remote = yield from self._over_ucx(
+                    deadline, lambda ucx, t: ucx.put(keys, values, timeout=t)
+                )
+                if remote is not None:
+                    return remote
+            return (yield from self._put_grpc(keys, values, deadline, retention))
         result, no_room = fast
         if not no_room:
             return result
         rest = yield from self._put_grpc(
-            [keys[i] for i in no_room], [values[i] for i in no_room], deadline
+            [keys[i] for i in no_room], [values[i] for i in no_room], deadline, retention
         )
         return _wire.combine_put_results(result, rest)
 
     def _put_grpc(
-        self, keys: Sequence[bytes], values: Sequence[Any], deadline: Deadline
+        self,
+        keys: Sequence[bytes],
+        values: Sequence[Any],
+        deadline: Deadline,
+        retention: Retention = KEEP,
     ) -> Plan[PutResult]:
         namespace = _wire.namespace_bytes(self.namespace)
         check_pairs(keys, values, "values")
@@ -269,7 +284,7 @@ class ClientCore:
             check_keys(keys, namespace, len(keys))
         result = PutResult()
         for batch in batches:
-            requests = list(_wire.put_requests(namespace, keys[batch], values[batch]))
+            requests = list(_wire.put_requests(namespace, keys[batch], values[batch], retention))
             response = yield from self._rpc("Put", iter(requests), deadline)
             result = _wire.combine_put_results(result, _wire.put_result(response))
         return result
@@ -378,13 +393,20 @@ class ClientCore:
         return None if isinstance(held, _Fallback) else held
 
     def reserve(
-        self, keys: Sequence[bytes], sizes: Sequence[int], timeout: float | None
+        self,
+        keys: Sequence[bytes],
+        sizes: Sequence[int],
+        timeout: float | None,
+        retention: Retention = KEEP,
     ) -> Plan[ShmReservation | None]:
-        """Arena pages for blocks the caller writes in place and commits; ``None`` where the
-        shared-memory path is not in use (see :meth:`ShmDataPlane.reserve`)."""
+        """Arena pages for blocks the caller writes in place and commits with ``retention``;
+        ``None`` where the shared-memory path is not in use or nothing is to be stored (see
+        :meth:`ShmDataPlane.reserve`)."""
+        if not retention.stores:
+            return None
         deadline = self.deadline(timeout)
         held = yield from self._over_shm(
-            keys, deadline, lambda plane, t: plane.reserve(keys, sizes, t)
+            keys, deadline, lambda plane, t: plane.reserve(keys, sizes, t, retention)
         )
         return None if isinstance(held, _Fallback) else held
 

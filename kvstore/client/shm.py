@@ -38,7 +38,8 @@ from kvstore.errors import DeadlineExceededError, InvalidRequestError
 from kvstore.keys import KEY_BYTES
 from kvstore.protocol.checks import check_pairs
 from kvstore.protocol.dram_index import IndexReader
-from kvstore.protocol.shm_frames import Cursor, Op, Slot, pack_ids, pack_keys
+from kvstore.protocol.shm_frames import Cursor, Op, Slot, pack_ids, pack_keys, pack_retention
+from kvstore.retention import KEEP, Retention
 from kvstore.types import LookupResult, PutResult
 
 __all__ = ["ShmDataPlane", "ShmLease", "ShmReservation", "ShmUnavailableError"]
@@ -329,9 +330,13 @@ class ShmDataPlane(ShmAttachment):
         return pending
 
     def put(
-        self, keys: Sequence[bytes], values: Sequence[Any], timeout: float | None = None
+        self,
+        keys: Sequence[bytes],
+        values: Sequence[Any],
+        timeout: float | None = None,
+        retention: Retention = KEEP,
     ) -> tuple[PutResult, list[int]]:
-        """Write blocks through the arena.
+        """Write blocks through the arena, stored with ``retention``.
 
         Returns the result and the indices of values the arena had no room for, which the caller
         sends another way.
@@ -343,7 +348,8 @@ class ShmDataPlane(ShmAttachment):
         no_room: list[int] = []
         deadline = self._deadline(timeout)
         with self._connection(deadline) as conn:
-            reply = Cursor(conn.call(Op.RESERVE, pack_keys(keys) + lengths, deadline))
+            asked = pack_keys(keys) + lengths + pack_retention(retention)
+            reply = Cursor(conn.call(Op.RESERVE, asked, deadline))
             reserved: list[int] = []
             try:
                 for index, view in enumerate(views):
@@ -364,16 +370,21 @@ class ShmDataPlane(ShmAttachment):
             if time.monotonic() > deadline:
                 conn.send(Op.CANCEL, pack_ids(reserved))
                 raise DeadlineExceededError("deadline exceeded while writing blocks")
-            counts = Cursor(conn.call(Op.COMMIT, pack_ids(reserved), deadline)).unpack("III")
+            body = pack_ids(reserved) + pack_retention(retention)
+            counts = Cursor(conn.call(Op.COMMIT, body, deadline)).unpack("III")
         stored, already, dropped = counts
         return PutResult(stored, present + already, dropped), no_room
 
     def reserve(
-        self, keys: Sequence[bytes], sizes: Sequence[int], timeout: float | None = None
+        self,
+        keys: Sequence[bytes],
+        sizes: Sequence[int],
+        timeout: float | None = None,
+        retention: Retention = KEEP,
     ) -> ShmReservation:
         """Reserve arena pages for blocks of ``sizes`` bytes that the caller writes in place and
-        then commits (:class:`~kvstore.client.shm_reserve.ShmReservation`); the socket stays
-        with the reservation until then."""
+        then commits (:class:`~kvstore.client.shm_reserve.ShmReservation`), stored with
+        ``retention``; the socket stays with the reservation until then."""
         if len(sizes) != len(keys):
             raise InvalidRequestError(f"got {len(sizes)} sizes for {len(keys)} keys")
         if any(size < 0 for size in sizes):
@@ -386,7 +397,8 @@ class ShmDataPlane(ShmAttachment):
         # A failure closes the socket, and the server then gives back whatever it reserved.
         with closed_on_failure(conn):
             lengths = struct.pack(f"<{len(sizes)}Q", *sizes)
-            reply = Cursor(conn.call(Op.RESERVE, pack_keys(keys) + lengths, deadline))
+            asked = pack_keys(keys) + lengths + pack_retention(retention)
+            reply = Cursor(conn.call(Op.RESERVE, asked, deadline))
             for _ in keys:
                 kind = reply.u8()
                 if kind == Slot.RESERVED:
@@ -401,12 +413,12 @@ class ShmDataPlane(ShmAttachment):
             self._reserving.append(conn)
 
         def finish(commit: list[int], cancel: list[int]) -> PutResult:
-            return self._finish_reservation(conn, commit, cancel)
+            return self._finish_reservation(conn, commit, cancel, retention)
 
         return ShmReservation(self._arena, states, ids, ranges, finish, self.registration)
 
     def _finish_reservation(
-        self, conn: ShmConnection, commit: list[int], cancel: list[int]
+        self, conn: ShmConnection, commit: list[int], cancel: list[int], retention: Retention
     ) -> PutResult:
         """Commit and cancel a :meth:`reserve`'s slots, then give its socket back."""
         result = PutResult()
@@ -417,7 +429,8 @@ class ShmDataPlane(ShmAttachment):
             if cancel:
                 conn.send(Op.CANCEL, pack_ids(cancel))
             if commit:
-                reply = conn.call(Op.COMMIT, pack_ids(commit), self._deadline(None))
+                body = pack_ids(commit) + pack_retention(retention)
+                reply = conn.call(Op.COMMIT, body, self._deadline(None))
                 result = PutResult(*Cursor(reply).unpack("III"))
         self._give_back(conn)
         return result

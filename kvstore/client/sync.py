@@ -31,6 +31,7 @@ from kvstore.client.device_fill import DeviceFill
 from kvstore.client.settings import ClientSettings
 from kvstore.client.shm import ShmLease, ShmReservation
 from kvstore.keys import Namespace
+from kvstore.retention import KEEP, Retention
 from kvstore.types import LookupResult, PrefetchProgress, PutResult
 
 __all__ = ["KVStoreClient"]
@@ -108,10 +109,19 @@ class KVStoreClient(ClientBase):
         return self._run(self._core.lookup_tiers(keys, timeout))
 
     def put(
-        self, keys: Sequence[bytes], values: Sequence[Any], *, timeout: float | None = None
+        self,
+        keys: Sequence[bytes],
+        values: Sequence[Any],
+        *,
+        timeout: float | None = None,
+        retention: Retention = KEEP,
     ) -> PutResult:
-        """Store ``values`` under ``keys`` (one round trip, or one streamed call, per batch)."""
-        return self._run(self._core.put(keys, values, timeout))
+        """Store ``values`` under ``keys`` (one round trip, or one streamed call, per batch).
+
+        ``retention``: keep them at least ``Retention(seconds)``, in memory tiers only
+        (``tiers="fast"``) or not at all (``tiers="none"``); see :mod:`kvstore.retention`.
+        """
+        return self._run(self._core.put(keys, values, timeout, retention))
 
     def get(self, keys: Sequence[bytes], *, timeout: float | None = None) -> list[bytes | None]:
         """The payload of each key, ``None`` where missing."""
@@ -153,16 +163,22 @@ class KVStoreClient(ClientBase):
         return self._run(self._core.lease(keys, timeout))
 
     def reserve(
-        self, keys: Sequence[bytes], sizes: Sequence[int], *, timeout: float | None = None
+        self,
+        keys: Sequence[bytes],
+        sizes: Sequence[int],
+        *,
+        timeout: float | None = None,
+        retention: Retention = KEEP,
     ) -> ShmReservation | None:
         """Reserve arena pages for blocks of ``sizes`` bytes, written in place, then committed.
 
         Returns ``None`` when the client does not reach the store over shared memory (then use
         :meth:`put`). Fill each ``"reserved"`` key's ``views[i]`` (or ``write(i, value)``), then
         ``commit()``; keys ``"present"`` are stored already, keys with ``"no_room"`` go by
-        :meth:`put`. See :mod:`kvstore.client.shm_reserve`.
+        :meth:`put` (with the same ``retention``). See :mod:`kvstore.client.shm_reserve`.
+        ``retention`` as for :meth:`put` (``tiers="none"``: ``None``, nothing reserved).
         """
-        return self._run(self._core.reserve(keys, sizes, timeout))
+        return self._run(self._core.reserve(keys, sizes, timeout, retention))
 
     def delete(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
         """Remove ``keys`` from every tier; returns how many were present."""

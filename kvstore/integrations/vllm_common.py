@@ -32,6 +32,7 @@ from kvstore.errors import (
     StoreUnavailableError,
 )
 from kvstore.keys import ChunkHasher, HashAlgorithm, Namespace
+from kvstore.retention import KEEP, Retention
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -318,11 +319,13 @@ class LoadSpec:
 
 @dataclass(slots=True)
 class SaveSpec:
-    """Store chunks ``keys`` of one request, read from ``block_ids`` (all blocks of each chunk)."""
+    """Store chunks ``keys`` of one request, read from ``block_ids`` (all blocks of each chunk),
+    with the request's ``retention``."""
 
     req_id: str
     keys: list[bytes]
     block_ids: list[int]
+    retention: Retention = KEEP
 
 
 @dataclass

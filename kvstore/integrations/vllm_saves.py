@@ -40,6 +40,7 @@ from kvstore.integrations.arena_dma import plan_rows, save_rows
 from kvstore.integrations.device import Device, Event, Stream
 from kvstore.integrations.vllm_common import Breaker
 from kvstore.integrations.vllm_stats import ConnectorCounters
+from kvstore.retention import KEEP, Retention
 
 __all__ = ["SaveJob", "SaveQueue", "failure_reason"]
 
@@ -59,12 +60,14 @@ def failure_reason(exc: KVStoreError) -> str:
 
 @dataclass(slots=True)
 class SaveJob:
-    """Chunks ``keys`` of request ``req_id``, read from ``kernel_ids`` after ``after``."""
+    """Chunks ``keys`` of request ``req_id``, read from ``kernel_ids`` after ``after``, stored
+    with the request's ``retention``."""
 
     req_id: str
     keys: list[bytes]
     kernel_ids: list[int]
     after: Event
+    retention: Retention = KEEP
 
 
 @dataclass(slots=True)
@@ -80,6 +83,7 @@ class _Gathered:
     reservation: ShmReservation | None = None
     written: list[int] | None = None
     present: int = 0
+    retention: Retention = KEEP
 
 
 @dataclass(slots=True)
@@ -186,7 +190,7 @@ class SaveQueue:
                     gathered = self._gather_in_place(target, stream, job, nbytes)
                     if gathered is None:
                         buffer = self._gather(target, stream, job, range(len(job.keys)))
-                        gathered = _Gathered(job.keys, nbytes, buffer)
+                        gathered = _Gathered(job.keys, nbytes, buffer, retention=job.retention)
             except Exception:
                 logger.exception("kvstore gather failed; not saving %d chunks", len(job.keys))
                 self._counters.record_save_failed("error", self._tokens(job.keys))
@@ -231,7 +235,9 @@ class SaveQueue:
         if reserve is None or self._breaker.is_open():
             return None
         try:
-            held: ShmReservation | None = reserve(job.keys, [target.chunk_nbytes] * len(job.keys))
+            held: ShmReservation | None = reserve(
+                job.keys, [target.chunk_nbytes] * len(job.keys), retention=job.retention
+            )
         except KVStoreError as exc:
             logger.debug("kvstore: no arena pages for a save (%s); putting it", exc)
             return None
@@ -279,6 +285,7 @@ class SaveQueue:
             held,
             written,
             held.states.count("present"),
+            job.retention,
         )
 
     def _dma_in_place(
@@ -366,7 +373,7 @@ class SaveQueue:
             keys = item.keys
             if item.buffered is not None:
                 keys = [keys[chunk] for chunk in item.buffered]
-            self._client.put(keys, list(item.buffer.unbind(0)))
+            self._client.put(keys, list(item.buffer.unbind(0)), retention=item.retention)
 
     def _tokens(self, keys: list[bytes]) -> int:
         return len(keys) * self._tokens_per_chunk

@@ -55,8 +55,10 @@ from kvstore.integrations.vllm_common import (
     warm_up,
 )
 from kvstore.integrations.vllm_plan import load_targets
+from kvstore.integrations.vllm_retention import request_retention
 from kvstore.integrations.vllm_stats import ConnectorCounters
 from kvstore.keys import ChunkHasher
+from kvstore.retention import KEEP, Retention
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -123,6 +125,7 @@ class _RequestState:
     has_saves: bool = False
     prompt_len: int = 0
     expect: int = 0  # leading chunks a producer reported stored (hand-off), else 0
+    retention: Retention = KEEP  # what its kv_transfer_params ask (vllm_retention)
     wait_until: float = 0.0  # until when lookups are repeated for them
     next_lookup: float = 0.0  # no new lookup before this
 
@@ -208,6 +211,9 @@ class SchedulerSide:
                 loadable=min(len(keys), max(prompt_len - 1, 0) // chunk),
                 prompt_len=prompt_len,
                 expect=_handoff_chunks(request) if self._loads else 0,
+                retention=request_retention(
+                    getattr(request, "kv_transfer_params", None), request.request_id
+                ),
             )
             if state.expect:
                 state.wait_until = time.monotonic() + self._settings.handoff_wait_s
@@ -348,7 +354,7 @@ class SchedulerSide:
     def _plan_save(self, meta: StepPlan, req_id: str, computed: int, now: float) -> None:
         """Plan saving the prompt chunks that are complete once this step has run."""
         state = self._requests.get(req_id)
-        if state is None or self._kv_cache_manager is None:
+        if state is None or self._kv_cache_manager is None or not state.retention.stores:
             return
         ready = min(computed, state.prompt_len) // self._settings.chunk_size
         ready = min(ready, len(state.keys))
@@ -362,14 +368,16 @@ class SchedulerSide:
         bpc = self._blocks_per_chunk
         for index in range(state.saved, ready):
             key = state.keys[index]
-            if now - self._recent_saves.get(key, -math.inf) < _RECENT_SAVE_S:
+            # A retained request puts again what another just saved: the store retains it then.
+            recent = now - self._recent_saves.get(key, -math.inf) < _RECENT_SAVE_S
+            if recent and state.retention.is_default:
                 continue
             self._remember_save(key, now)
             keys.append(key)
             ids.extend(block_ids[index * bpc : (index + 1) * bpc])
         state.saved = ready
         if keys:
-            meta.saves.append(SaveSpec(req_id, keys, ids))
+            meta.saves.append(SaveSpec(req_id, keys, ids, state.retention))
             state.has_saves = True
 
     def _remember_save(self, key: bytes, now: float) -> None:

@@ -402,7 +402,9 @@ class WorkerSide:
             forward_done.record(self._device.current_stream())
             for spec in meta.saves:
                 ids = self._kernel_ids(spec.block_ids)
-                self._saves.submit(SaveJob(spec.req_id, self._keys(spec.keys), ids, forward_done))
+                self._saves.submit(
+                    SaveJob(spec.req_id, self._keys(spec.keys), ids, forward_done, spec.retention)
+                )
         self._end_load()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:

@@ -18,6 +18,7 @@ from kvstore.errors import (
 )
 from kvstore.keys import Namespace
 from kvstore.protocol.checks import check_pairs
+from kvstore.retention import KEEP, Retention
 from kvstore.types import LookupResult, PrefetchProgress, PrefetchState, PutResult
 
 #: Soft size of one streamed Put or Get message; a single larger block still goes out whole.
@@ -58,22 +59,42 @@ def lookup_result(response: pb.LookupResponse) -> LookupResult:
 
 
 def put_requests(
-    namespace: bytes, keys: Sequence[bytes], values: Sequence[Any]
+    namespace: bytes,
+    keys: Sequence[bytes],
+    values: Sequence[Any],
+    retention: Retention = KEEP,
 ) -> Iterator[pb.PutRequest]:
-    """The messages of one Put stream, about :data:`MESSAGE_TARGET_BYTES` each."""
+    """The messages of one Put stream, about :data:`MESSAGE_TARGET_BYTES` each; the first one
+    carries the namespace and the retention."""
     check_pairs(keys, values, "values")
     views = [byte_view(value) for value in values]  # check every value before sending any
     blocks: list[pb.Block] = []
     size = 0
     first = True
+
+    def message() -> pb.PutRequest:
+        if not first:
+            return pb.PutRequest(blocks=blocks)
+        return pb.PutRequest(
+            namespace=namespace,
+            blocks=blocks,
+            retention_s=retention.seconds,
+            retention_tiers="" if retention.tiers == "all" else retention.tiers,
+        )
+
     for key, view in zip(keys, views, strict=True):
         blocks.append(pb.Block(key=key, value=bytes(view)))
         size += len(view)
         if size >= MESSAGE_TARGET_BYTES:
-            yield pb.PutRequest(namespace=namespace if first else b"", blocks=blocks)
+            yield message()
             blocks, size, first = [], 0, False
     if blocks or first:
-        yield pb.PutRequest(namespace=namespace if first else b"", blocks=blocks)
+        yield message()
+
+
+def put_retention(message: pb.PutRequest) -> Retention:
+    """The retention the first message of a Put stream asks for (InvalidRequestError if bad)."""
+    return Retention(message.retention_s, message.retention_tiers or "all")
 
 
 def put_batches(values: Sequence[Any], limit: int) -> list[slice]:

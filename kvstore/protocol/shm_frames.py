@@ -15,8 +15,10 @@ body. All integers are little-endian. Bodies (``keys`` = ``n:u32`` then ``n`` 16
     LOOKUP   keys                     -> hits:u32, then per key: tier index:u8 (255 absent)
     ACQUIRE  keys                     -> per key: MISS | LEASE id:u64 ranges | BYTES n:u64 data
     RELEASE  n:u32 ids:u64*n             (no reply)
-    RESERVE  keys, then lengths:u64*n -> per key: NO_ROOM | PRESENT | RESERVED id:u64 ranges
-    COMMIT   n:u32 ids:u64*n          -> stored:u32 already_present:u32 dropped:u32
+    RESERVE  keys, then lengths:u64*n, retention
+                                      -> per key: NO_ROOM | PRESENT | RESERVED id:u64 ranges
+    COMMIT   n:u32 ids:u64*n, retention
+                                      -> stored:u32 already_present:u32 dropped:u32
     CANCEL   n:u32 ids:u64*n             (no reply)
     TOUCH    calls:u32 lookups:u32 keys  (no reply; blocks read through the index by ``calls``
                                          client calls, calls <= keys, and lookups answered
@@ -24,7 +26,10 @@ body. All integers are little-endian. Bodies (``keys`` = ``n:u32`` then ``n`` 16
     SYNC     (empty)                  -> (empty), once every earlier request was handled
 
 ``ranges`` is ``count:u16`` then ``count`` pairs ``offset:u64 length:u64`` into the arena; ``tiers``
-is the tier names joined by newlines. ``index_size`` is 0 when no index fd came along.
+is the tier names joined by newlines; ``retention`` is ``seconds:f64 tiers:u8`` (an index into
+:data:`~kvstore.retention.RETENTION_TIERS`; :mod:`kvstore.retention`), optional (absent: a plain
+put): RESERVE applies it to keys already present, COMMIT to the blocks it stores.
+``index_size`` is 0 when no index fd came along.
 ``version`` is :data:`PROTOCOL_VERSION`; a client refuses any other (and falls back to gRPC).
 """
 
@@ -37,6 +42,7 @@ from dataclasses import dataclass
 
 from kvstore.errors import InvalidRequestError
 from kvstore.keys import KEY_BYTES
+from kvstore.retention import KEEP, RETENTION_TIERS, Retention
 
 __all__ = [
     "ABSENT_TIER",
@@ -53,11 +59,12 @@ __all__ = [
     "pack_ids",
     "pack_keys",
     "pack_ranges",
+    "pack_retention",
     "unpack_hello",
 ]
 
 #: Bumped whenever a frame's layout changes.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 #: The most lookups one TOUCH may report (a client holds no more between two TOUCHes).
 MAX_TOUCH_LOOKUPS = 1 << 16
@@ -72,6 +79,7 @@ _LENGTH = struct.Struct("<I")
 # Parsed formats, by format string: building a Struct per field would dominate small replies.
 _STRUCTS: dict[str, struct.Struct] = {}
 _HEAD = struct.Struct("<IB")
+_RETENTION = struct.Struct("<dB")
 
 
 class Op:
@@ -113,9 +121,9 @@ def max_frame_length(op: int | None, max_keys: int) -> int:
         Op.HELLO: _MAX_HELLO_BODY,
         Op.LOOKUP: keys,
         Op.ACQUIRE: keys,
-        Op.RESERVE: keys + 8 * max_keys,
+        Op.RESERVE: keys + 8 * max_keys + _RETENTION.size,
         Op.RELEASE: ids,
-        Op.COMMIT: ids,
+        Op.COMMIT: ids + _RETENTION.size,
         Op.CANCEL: ids,
         Op.TOUCH: 8 + keys,
         Op.SYNC: 0,
@@ -158,6 +166,11 @@ def pack_keys(keys: Sequence[bytes]) -> bytes:
 def pack_ids(ids: Sequence[int]) -> bytes:
     """``n:u32`` then ``n`` u64 ids."""
     return struct.pack(f"<I{len(ids)}Q", len(ids), *ids)
+
+
+def pack_retention(retention: Retention) -> bytes:
+    """``seconds:f64 tiers:u8``."""
+    return _RETENTION.pack(retention.seconds, RETENTION_TIERS.index(retention.tiers))
 
 
 def pack_ranges(ranges: Sequence[tuple[int, int]]) -> bytes:
@@ -240,6 +253,18 @@ class Cursor:
         count = self.unpack("H")[0]
         flat = self.u64s(2 * count)
         return [(flat[2 * i], flat[2 * i + 1]) for i in range(count)]
+
+    def retention(self) -> Retention:
+        """A ``pack_retention`` value, or the plain put's where the frame ends here (the
+        trailer is optional); InvalidRequestError if it asks for something unknown."""
+        if self._at == len(self._body):
+            return KEEP
+        seconds, tiers = self.unpack("dB")
+        if tiers >= len(RETENTION_TIERS):
+            raise ProtocolError(
+                f"retention tiers {tiers} is not one of 0-{len(RETENTION_TIERS) - 1}"
+            )
+        return Retention(float(seconds), RETENTION_TIERS[tiers])
 
     def done(self) -> None:
         """Fail if bytes are left over (a frame longer than its contents)."""

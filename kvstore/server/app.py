@@ -64,13 +64,17 @@ T = TypeVar("T")
 
 
 def build_store(
-    config: Config, keyring: Keyring | None = None, tiers: list[Tier] | None = None
+    config: Config,
+    keyring: Keyring | None = None,
+    tiers: list[Tier] | None = None,
+    retention_setting: str = "policy.max_retention_s",
 ) -> TieredStore:
     """The :class:`TieredStore` a config describes, its index rebuilt from persistent tiers.
 
     Its tiers (``tiers``, else those the config describes) sign and verify blocks with
     ``keyring``; ``None``: the keyring installed for the whole process (:func:`open_tenants`
-    installs the configured one first).
+    installs the configured one first). ``retention_setting`` names where
+    ``policy.max_retention_s`` came from, in refusals.
     """
     store = TieredStore(
         tiers if tiers is not None else build_tiers(config),
@@ -81,6 +85,8 @@ def build_store(
             nvme_admission=config.policy.nvme_admission,
             eviction=config.policy.eviction,
             promote_after_reads=config.hbm.promote_after_reads,
+            max_retention_s=config.policy.max_retention_s,
+            max_retention_setting=retention_setting,
         ),
         keyring=keyring,
     )
@@ -132,7 +138,12 @@ async def _open_tenant(
     tiers, record = await check_shared_keyring(
         build_tiers(config), keyring or installed_keyring(), name
     )
-    store = build_store(config, keyring, tiers)
+    setting = (
+        f"tenants.{name}.max_retention_s, else policy.max_retention_s"
+        if name
+        else "policy.max_retention_s"
+    )
+    store = build_store(config, keyring, tiers, setting)
     server = config.server
     prefetcher = Prefetcher(store, max_queued_keys=server.prefetch_queue_keys)
     return Tenant(

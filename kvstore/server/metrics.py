@@ -108,7 +108,19 @@ class StoreCollector(Collector):
                 c, "kvstore_prefetch_keys", "Prefetched keys by outcome", ["outcome", "tenant"]
             ),
             "lookups": _family(c, "kvstore_lookups", "Lookup calls", ["plane", "tenant"]),
+            "early": _family(
+                c,
+                "kvstore_tier_retained_evicted_early",
+                "Retained blocks evicted before their time (the tier was full of retained ones)",
+                tt,
+            ),
             "blocks": _family(g, "kvstore_tier_resident_blocks", "Blocks the tier holds", tt),
+            "retained_blocks": _family(
+                g, "kvstore_tier_retained_blocks", "Blocks held whose retention is not up", tt
+            ),
+            "retained_bytes": _family(
+                g, "kvstore_tier_retained_bytes", "Bytes of blocks whose retention is not up", tt
+            ),
             "bytes": _family(g, "kvstore_tier_resident_bytes", "Bytes the tier holds", tt),
             "capacity": _family(g, "kvstore_tier_capacity_bytes", "The tier's capacity", tt),
             "up": _family(
@@ -163,6 +175,9 @@ class StoreCollector(Collector):
             f["write_errors"].add_metric(labels, entry.get("write_errors", 0))
             f["corrupt"].add_metric(labels, entry.get("corrupt_blocks", 0))
             f["blocks"].add_metric(labels, entry.get("blocks", 0))
+            f["early"].add_metric(labels, counters.evicted_early[tier_name])
+            f["retained_blocks"].add_metric(labels, entry.get("retained_blocks", 0))
+            f["retained_bytes"].add_metric(labels, entry.get("retained_bytes", 0))
             f["bytes"].add_metric(labels, entry.get("used", 0))
             if not (shared_tier is not None and tier_name == shared_tier.name):
                 # Redis evicts by itself and no node knows its size: the store's stand-in

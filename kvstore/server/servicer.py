@@ -30,7 +30,8 @@ from kvstore.protocol.checks import (
     check_streamed_block,
     check_streamed_keys,
 )
-from kvstore.protocol.messages import MESSAGE_TARGET_BYTES
+from kvstore.protocol.messages import MESSAGE_TARGET_BYTES, put_retention
+from kvstore.retention import KEEP
 from kvstore.server.budget import InflightBudget
 from kvstore.server.durations import DURATIONS, timed
 from kvstore.server.rpc import check_decoded, guard, service_handler
@@ -149,6 +150,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
             tenant = self.tenants.current()
             store, budget = tenant.store, tenant.budget
             namespace: bytes | None = None
+            retention = KEEP
             keys: list[bytes] = []
             values: list[bytes] = []
             total = 0
@@ -156,6 +158,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
                 self._decoded(message)
                 if namespace is None:
                     namespace = message.namespace
+                    # Checked before any block is taken in: a refusal costs the caller nothing.
+                    retention = put_retention(message)
+                    store.check_retention(retention)
                 elif message.namespace and message.namespace != namespace:
                     raise InvalidRequestError("one Put stream named two namespaces")
                 check_streamed_keys(len(keys) + len(message.blocks), store.max_keys_per_request)
@@ -178,7 +183,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
                     charged += len(value)
                     keys.append(block.key)
                     values.append(value)
-            result = await store.put(keys, values, namespace or b"")
+            result = await store.put(keys, values, namespace or b"", retention)
             return pb.PutResponse(
                 stored=result.stored, already_present=result.already_present, dropped=result.dropped
             )

@@ -31,6 +31,7 @@ import numpy as np
 
 from kvstore.errors import CapacityError, InvalidRequestError
 from kvstore.protocol.checks import check_keys, check_pairs
+from kvstore.retention import KEEP, Retention
 from kvstore.store import TieredStore
 from kvstore.tiers.dram import DramLease, DramTier, Reservation
 from kvstore.types import PutResult
@@ -125,7 +126,11 @@ class ArenaSession:
         self.store.release(leases)
 
     async def reserve(
-        self, keys: Sequence[bytes], lengths: Sequence[int], namespace: bytes
+        self,
+        keys: Sequence[bytes],
+        lengths: Sequence[int],
+        namespace: bytes,
+        retention: Retention = KEEP,
     ) -> list[Reserved | Literal["present"] | None]:
         """:meth:`TieredStore.reserve` pages for the keys; they stay open here until committed
         or cancelled.
@@ -142,6 +147,7 @@ class ArenaSession:
         check_keys(keys, namespace, self.store.max_keys_per_request)
         check_pairs(keys, lengths, "lengths")
         self.store.check_sizes(lengths)
+        self.store.check_retention(retention)
         asked = list(range(len(keys)))
         if self.max_bytes is not None:
             if self.held_bytes and self.held_bytes + sum(lengths) > self.max_bytes:
@@ -153,7 +159,7 @@ class ArenaSession:
                     asked.append(index)
         got = (
             await self.store.reserve(
-                [keys[i] for i in asked], [lengths[i] for i in asked], namespace
+                [keys[i] for i in asked], [lengths[i] for i in asked], namespace, retention
             )
             if asked
             else []
@@ -172,7 +178,9 @@ class ArenaSession:
                 answers.append(item)
         return answers
 
-    async def commit(self, ids: Sequence[int], namespace: bytes) -> PutResult:
+    async def commit(
+        self, ids: Sequence[int], namespace: bytes, retention: Retention = KEEP
+    ) -> PutResult:
         """:meth:`TieredStore.commit` the written reservations named by ``ids``.
 
         Every id must name an open reservation of this session, once; otherwise nothing is
@@ -187,7 +195,7 @@ class ArenaSession:
         written = [self.reservations.pop(i) for i in ids]
         self.held_bytes -= sum(_bytes_of(reservation.ranges) for _, reservation in written)
         try:
-            return await self.store.commit(written, namespace)
+            return await self.store.commit(written, namespace, retention)
         except BaseException:
             self.store.cancel([reservation for _, reservation in written])  # idempotent
             raise

@@ -348,8 +348,9 @@ class ShmServer:
     async def _reserve(self, session: _Session, cursor: Cursor) -> bytes:
         keys = cursor.keys(self.store.max_keys_per_request)
         lengths = cursor.u64s(len(keys))
+        retention = cursor.retention()
         cursor.done()
-        reserved = await session.reserve(keys, lengths, self._namespace(session))
+        reserved = await session.reserve(keys, lengths, self._namespace(session), retention)
         parts: list[bytes] = []
         for item in reserved:
             if item is None:
@@ -363,8 +364,9 @@ class ShmServer:
 
     async def _commit(self, session: _Session, cursor: Cursor) -> bytes:
         ids = cursor.ids()
+        retention = cursor.retention()
         cursor.done()
-        result = await session.commit(ids, self._namespace(session))
+        result = await session.commit(ids, self._namespace(session), retention)
         return struct.pack("<III", result.stored, result.already_present, result.dropped)
 
     def _touch(self, session: _Session, cursor: Cursor) -> bytes:

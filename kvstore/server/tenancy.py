@@ -129,7 +129,8 @@ class Tenants:
 
 def tenant_config(config: Config, tenant: TenantConfig) -> Config:
     """The configuration of ``tenant``'s own store: the server's, with the tenant's quotas and
-    places (arena size, LMDB directory and size, Redis prefix, in-flight budget), and its
+    places (arena size, LMDB directory and size, Redis prefix, in-flight budget, longest
+    retention), and its
     shared-memory socket setting: the server's where the tenant's ``shm`` is on, else off."""
     nvme_path = (
         os.path.join(config.nvme.path, TENANTS_DIR, tenant.name)
@@ -153,6 +154,14 @@ def tenant_config(config: Config, tenant: TenantConfig) -> Config:
             # and never more than the server-wide setting: one tenant cannot starve another.
             inflight_bytes=min(server.inflight_bytes, default_inflight_bytes(tenant.dram)),
             shm_socket=server.shm_socket if tenant.shm else "",
+        ),
+        policy=dataclasses.replace(
+            config.policy,
+            max_retention_s=(
+                config.policy.max_retention_s
+                if tenant.max_retention_s is None
+                else tenant.max_retention_s
+            ),
         ),
         tenants=(),
     )

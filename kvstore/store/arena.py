@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 from kvstore.errors import InvalidRequestError
+from kvstore.retention import KEEP, Retention
 from kvstore.store.counters import StoreCounters
 from kvstore.store.index import BlockIndex
 from kvstore.store.layout import TierStack
@@ -172,24 +173,31 @@ class ArenaSessions:
     # -- writers -------------------------------------------------------------------------------
 
     async def reserve(
-        self, keys: Sequence[bytes], lengths: Sequence[int], namespace: bytes
+        self,
+        keys: Sequence[bytes],
+        lengths: Sequence[int],
+        namespace: bytes,
+        retention: Retention = KEEP,
     ) -> list[Reservation | Literal["present"] | None]:
         """Arena pages for blocks a client will write (see :meth:`TieredStore.reserve`); the
-        request is checked."""
+        request is checked. Keys already present get ``retention``'s seconds now (they will not
+        be committed); a retained request may make room by evicting retained blocks."""
         arena = self.require()
         host = self._stack.host_level
         out: list[Reservation | Literal["present"] | None] = []
+        force = retention.seconds > 0
         async with self._mover.lock:
             self._index.check_namespaces(keys, namespace)
             try:
                 for key, length in zip(keys, lengths, strict=True):
                     if key in self._index:
                         self._index.touch(key)
+                        self._index.apply(key, retention, fresh=False)
                         out.append("present")
                         continue
                     footprint = arena.footprint(length)
                     room = footprint <= arena.capacity and await self._mover.make_room(
-                        host, footprint
+                        host, footprint, force
                     )
                     out.append(arena.reserve(length) if room else None)
             except BaseException:
@@ -199,10 +207,13 @@ class ArenaSessions:
         return out
 
     async def commit(
-        self, written: Sequence[tuple[bytes, Reservation]], namespace: bytes
+        self,
+        written: Sequence[tuple[bytes, Reservation]],
+        namespace: bytes,
+        retention: Retention = KEEP,
     ) -> PutResult:
         """Turn written reservations into blocks (see :meth:`TieredStore.commit`)."""
-        return await self._writer.commit(self.require(), written, namespace)
+        return await self._writer.commit(self.require(), written, namespace, retention)
 
     def cancel(self, reservations: Sequence[Reservation]) -> None:
         """Give back reservations that will not be committed (idempotent)."""

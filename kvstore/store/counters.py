@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Container, Iterable, Mapping, Sequence
 from typing import Any
@@ -52,6 +53,9 @@ class StoreCounters:
         #: Blocks moved down out of / up into a tier, by tier name.
         self.demotions: Counter[str] = Counter()
         self.promotions: Counter[str] = Counter()
+        #: Retained blocks evicted before their time (the tier was full of retained blocks and
+        #: another retained one needed room), by tier name.
+        self.evicted_early: Counter[str] = Counter()
         #: Keys not served, by reason (:data:`MISS_REASONS`).
         self.misses: Counter[str] = Counter()
         self._gone: OrderedDict[bytes, None] = OrderedDict()
@@ -93,6 +97,7 @@ class StoreCounters:
     def report(self, stack: TierStack, index: BlockIndex) -> dict[str, Any]:
         """Per-tier usage and counters, plus store-wide counters (the ``Stats`` answer)."""
         tiers = {}
+        now = time.monotonic()
         for level, tier in enumerate(stack.tiers):
             entry = tier.stats()
             name = tier.name
@@ -103,9 +108,24 @@ class StoreCounters:
             entry["written_bytes"] = self.written_bytes[name]
             entry["demotions"] = self.demotions[name]
             entry["promotions"] = self.promotions[name]
+            entry.update(_retained(index, level, now))
+            entry["retained_evicted_early"] = self.evicted_early[name]
             tiers[name] = entry
         counters = dict(self.values)
         # Misses by reason ride in the counters map as ``miss_<reason>`` (the wire format has no
         # other place for them); every reason is present, even at 0.
         counters.update({f"miss_{reason}": self.misses[reason] for reason in MISS_REASONS})
         return {"tiers": tiers, "counters": counters, "blocks": len(index)}
+
+
+def _retained(index: BlockIndex, level: int, now: float) -> dict[str, int]:
+    """How many blocks tier ``level`` holds whose retention has not run out, and the bytes they
+    occupy there (the shared tier is not indexed: it reports what it wrote with a retention
+    TTL itself)."""
+    members = index.levels[level].members
+    blocks = size = 0
+    for key, (until, _) in index.retained.items():
+        if until > now and key in members:
+            blocks += 1
+            size += members[key]
+    return {"retained_blocks": blocks, "retained_bytes": size}

@@ -1,9 +1,10 @@
 """``BlockIndex``: what the store holds, in memory, answered without I/O.
 
 Per key: its namespace and payload length (:class:`BlockMeta`); per tier level: which keys it
-holds, least recently used first (:class:`RecencyIndex`); and which keys readers have pinned
-against eviction. The hierarchy is inclusive, so a key may be held at several levels; it is
-indexed (has a :class:`BlockMeta`) exactly while some level holds it.
+holds, least recently used first (:class:`RecencyIndex`); which keys readers have pinned against
+eviction; and which keys a put asked to retain, or to keep in memory tiers only
+(:mod:`kvstore.retention`). The hierarchy is inclusive, so a key may be held at several levels;
+it is indexed (has a :class:`BlockMeta`) exactly while some level holds it.
 
 Only the event loop's thread changes the index, so reads of it need no lock.
 """
@@ -11,17 +12,19 @@ Only the event loop's thread changes the index, so reads of it need no lock.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvstore.errors import NamespaceMismatchError
 from kvstore.policy import Policy
+from kvstore.retention import Retention
 from kvstore.store.eviction import RecencyIndex
 from kvstore.tiers.base import Tier
 from kvstore.types import LookupResult
 
-__all__ = ["BlockIndex", "BlockMeta", "Whereabouts"]
+__all__ = ["BlockIndex", "BlockMeta", "Protected", "Whereabouts"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +54,28 @@ class Whereabouts:
     resident: list[int] = field(default_factory=list)
 
 
+class Protected(Container[bytes]):
+    """The keys eviction must pass over at ``now``: pinned ones and those whose retention has not
+    run out (what :meth:`RecencyIndex.victims` takes as ``exclude``)."""
+
+    __slots__ = ("_now", "_pins", "_retained")
+
+    def __init__(
+        self, pins: Mapping[bytes, int], retained: Mapping[bytes, tuple[float, float]], now: float
+    ) -> None:
+        self._pins = pins
+        self._retained = retained
+        self._now = now
+
+    def __contains__(self, key: object) -> bool:
+        if key in self._pins:
+            return True
+        window = self._retained.get(key)  # type: ignore[call-overload]
+        return window is not None and window[0] > self._now
+
+
 class BlockIndex:
-    """Each stored key's metadata, each level's members in eviction order, and pins."""
+    """Each stored key's metadata, each level's members in eviction order, pins and retention."""
 
     def __init__(self, levels: int, policy: Policy) -> None:
         self.meta: dict[bytes, BlockMeta] = {}
@@ -60,6 +83,11 @@ class BlockIndex:
         self.levels = [RecencyIndex(policy.eviction) for _ in range(levels)]
         #: Reference counts of keys a reader holds (never evicted while counted).
         self.pins: Counter[bytes] = Counter()
+        #: Retained keys: key -> (until, seconds), ``time.monotonic()`` seconds; a read moves
+        #: ``until`` to ``seconds`` from then. Entries whose time ran out stay until the key goes.
+        self.retained: dict[bytes, tuple[float, float]] = {}
+        #: Keys stored with ``tiers="fast"``: never written to a persistent or shared tier.
+        self.fast_only: set[bytes] = set()
         self._policy = policy
         #: Called with (key, the fastest level holding it now or None) after a level gains or
         #: loses ``key`` (the cluster publisher listens, :meth:`TieredStore.add_listener`);
@@ -115,6 +143,8 @@ class BlockIndex:
         if level is not None:
             return False
         self.meta.pop(key, None)
+        self.retained.pop(key, None)
+        self.fast_only.discard(key)
         return True
 
     def forget_in(self, level: int, key: bytes) -> bool:
@@ -133,10 +163,39 @@ class BlockIndex:
             self.touch(key)
 
     def count_hit(self, key: bytes) -> None:
-        """Count a read of ``key`` (admission policies ask how often a block was read)."""
+        """Count a read of ``key`` (admission policies ask how often a block was read); a read
+        of a retained block starts its retention window again."""
         meta = self.meta.get(key)
         if meta is not None:
             meta.hits += 1
+            if self.retained and key in self.retained:
+                self.retain(key, self.retained[key][1])
+
+    def apply(self, key: bytes, retention: Retention, fresh: bool) -> None:
+        """Record what a put asked for ``key``: retention (extending, never shortening, a
+        window already set) and, for a block it stored (``fresh``), memory tiers only."""
+        if retention.seconds > 0:
+            self.retain(key, retention.seconds)
+        if fresh and retention.fast_only:
+            self.fast_only.add(key)
+
+    def retain(self, key: bytes, seconds: float, now: float | None = None) -> None:
+        """Keep ``key`` for at least ``seconds`` from ``now`` (default: now)."""
+        until = (time.monotonic() if now is None else now) + seconds
+        old = self.retained.get(key)
+        if old is None:
+            self.retained[key] = (until, seconds)
+        else:
+            self.retained[key] = (max(until, old[0]), max(seconds, old[1]))
+
+    def retained_until(self, key: bytes) -> float:
+        """When ``key``'s retention runs out (``-inf``: not retained)."""
+        window = self.retained.get(key)
+        return -float("inf") if window is None else window[0]
+
+    def protected(self, now: float | None = None) -> Protected:
+        """What eviction passes over at ``now`` (default: now): see :class:`Protected`."""
+        return Protected(self.pins, self.retained, time.monotonic() if now is None else now)
 
     def pin(self, keys: Sequence[bytes]) -> None:
         """Keep ``keys`` from being evicted until :meth:`unpin` (reference counted)."""

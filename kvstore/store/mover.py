@@ -11,6 +11,13 @@
 * :meth:`~BlockMover.delete` and :meth:`~BlockMover.persist` (the shutdown copy down into the
   first persistent tier).
 
+Retention (:mod:`kvstore.retention`): eviction passes over retained blocks as over pinned ones.
+Only a ``force``-d placement (a put that asks for retention, or the demotion of a retained block)
+may evict retained blocks, and only once every other unpinned block of the tier is gone; those
+leave soonest-expiring first and count as ``retained_evicted_early``. A block kept in memory
+tiers only is dropped where eviction would demote it into a persistent tier, never written back
+and never persisted.
+
 Demotion awaits slower tiers mid-way, hence the lock: callers hold :attr:`BlockMover.lock`
 around :meth:`place`, :meth:`make_room` and :meth:`evict`; the other methods take it themselves.
 """
@@ -71,18 +78,25 @@ class BlockMover:
         return placed
 
     async def place(
-        self, header: BlockHeader, payload: memoryview, start: int, stop: int
+        self,
+        header: BlockHeader,
+        payload: memoryview,
+        start: int,
+        stop: int,
+        force: bool = False,
     ) -> str | None:
         """Write a block into the fastest tier in ``[start, stop)`` that can make room for it.
 
-        Returns the tier's name, or ``None`` if none could. Must hold :attr:`lock`.
+        ``force``: the block is retained, so room may be made by evicting retained blocks too
+        (see the module docstring). Returns the tier's name, or ``None`` if none could. Must
+        hold :attr:`lock`.
         """
         for level in range(start, min(stop, self._stack.local_levels)):
             tier = self._stack[level]
             footprint = tier.footprint(header.length)
             if footprint > tier.capacity:
                 continue
-            if not await self.make_room(level, footprint):
+            if not await self.make_room(level, footprint, force):
                 continue
             for _ in range(_MAX_WRITE_RETRIES):
                 if await tier.write(header, payload):
@@ -90,27 +104,33 @@ class BlockMover:
                     self._index.add(header.key, header.namespace, header.length, level, footprint)
                     return tier.name
                 # The tier's own limit bit before our estimate: evict one more block and retry.
-                if not await self.evict(level, 1):
+                if not await self.evict(level, 1, force):
                     break
         return None
 
-    async def make_room(self, level: int, footprint: int) -> bool:
-        """Evict (demoting) LRU blocks of tier ``level`` until ``footprint`` bytes are free."""
+    async def make_room(self, level: int, footprint: int, force: bool = False) -> bool:
+        """Evict (demoting) LRU blocks of tier ``level`` until ``footprint`` bytes are free
+        (``force``: retained ones too, as a last resort)."""
         tier = self._stack[level]
-        return await self.evict(level, footprint - (tier.capacity - tier.used)) and (
+        return await self.evict(level, footprint - (tier.capacity - tier.used), force) and (
             tier.capacity - tier.used >= footprint
         )
 
-    async def evict(self, level: int, needed: int) -> bool:
-        """Demote LRU blocks of tier ``level`` worth at least ``needed`` bytes.
+    async def evict(self, level: int, needed: int, force: bool = False) -> bool:
+        """Demote LRU blocks of tier ``level`` worth at least ``needed`` bytes, passing over
+        pinned and retained ones (``force``: retained ones go last, soonest-expiring first).
 
-        Returns False, having evicted nothing, if unpinned blocks cannot add up to ``needed``.
+        Returns False, having evicted nothing, if the blocks it may evict cannot add up to
+        ``needed``.
         """
         if level >= self._stack.local_levels:
             return False  # the shared tier evicts by itself (TTL, maxmemory)
         recency = self._index.levels[level]
         pins = self._index.pins
-        victims = recency.victims(needed, exclude=pins)
+        protected = self._index.protected()
+        victims = recency.victims(needed, exclude=protected)
+        if victims is None and force:
+            victims = self._forced_victims(level, needed)
         if victims is None:
             return False
         for victim in victims:
@@ -120,22 +140,53 @@ class BlockMover:
             await self._demote(victim, level)
         return True
 
+    def _forced_victims(self, level: int, needed: int) -> list[bytes] | None:
+        """Every unprotected block of tier ``level``, then retained ones soonest-expiring first,
+        until they add up to ``needed`` bytes; ``None`` if even that is not enough."""
+        index = self._index
+        recency = index.levels[level]
+        members = recency.members
+        protected = index.protected()
+        chosen = [key for key in recency if key not in protected]
+        freed = sum(members[key] for key in chosen)
+        pins = index.pins
+        retained = sorted(
+            (index.retained_until(key), key)
+            for key in members
+            if key in protected and key not in pins
+        )
+        for _, key in retained:
+            if freed >= needed:
+                break
+            chosen.append(key)
+            freed += members[key]
+        return chosen if freed >= needed else None
+
     async def _demote(self, key: bytes, level: int) -> None:
         """Move a block out of tier ``level`` into a lower tier, or out of the store."""
         stack, index = self._stack, self._index
         tier = stack[level]
         self._counters.evictions[tier.name] += 1
+        retained = index.retained_until(key) > time.monotonic()
+        if retained:
+            self._counters.evicted_early[tier.name] += 1
         lower = next((lv for lv in range(level + 1, len(stack)) if key in index.levels[lv]), None)
         meta = index.meta.get(key)
-        write_back = self._writer.writes_back
+        fast_only = key in index.fast_only
+        write_back = self._writer.writes_back and not fast_only
         block = None
         if lower is None and level + 1 < stack.local_levels:
-            if self._policy.admit_on_demotion(
+            if fast_only and stack[level + 1].persistent:
+                self._counters.add("fast_only_dropped")
+            elif self._policy.admit_on_demotion(
                 stack[level + 1].persistent, meta.hits if meta else 0
             ):
                 block = (await tier.read([key]))[0]
+                stop = stack.local_levels
+                if fast_only:  # memory tiers only: stop above the first persistent one
+                    stop = next((lv for lv in range(level + 1, stop) if stack[lv].persistent), stop)
                 if block is not None and await self.place(
-                    block.header, memoryview(block.payload), level + 1, stack.local_levels
+                    block.header, memoryview(block.payload), level + 1, stop, retained
                 ):
                     self._counters.add("demotions")
                     self._counters.demotions[tier.name] += 1
@@ -279,7 +330,7 @@ class BlockMover:
                 for key in reversed(list(self._index.levels[level])):
                     if time.monotonic() > deadline:
                         return copied
-                    if key in self._index.levels[target]:
+                    if key in self._index.levels[target] or key in self._index.fast_only:
                         continue
                     block = (await tiers[level].read([key]))[0]
                     if block is not None and await self.place(

@@ -56,8 +56,9 @@ class SharedTierWriter:
         """Whether a block leaving this node's last local tier is copied to the shared tier."""
         return self.tier is not None and self._policy.write_back
 
-    def send(self, blocks: list[tuple[BlockHeader, Buffer]]) -> None:
-        """Send ``blocks`` to the shared tier in the background, never awaited by the caller.
+    def send(self, blocks: list[tuple[BlockHeader, Buffer]], ttl_s: float | None = None) -> None:
+        """Send ``blocks`` to the shared tier in the background, never awaited by the caller;
+        ``ttl_s``: keep them there at least this long (a retained put), else the tier's TTL.
 
         A slow Redis must neither slow puts down nor let copies pile up in memory: past
         :data:`_WRITE_THROUGH_BACKLOG_BYTES` in flight, new blocks are dropped and counted (the
@@ -73,7 +74,7 @@ class SharedTierWriter:
 
         async def send() -> None:
             try:
-                stored = await tier.write_many(blocks)
+                stored = await tier.write_many(blocks, ttl_s)
                 self._counters.written_bytes[tier.name] += sum(
                     header.length for (header, _), ok in zip(blocks, stored, strict=True) if ok
                 )

@@ -53,6 +53,7 @@ from kvstore.block import Keyring, installed_keyring
 from kvstore.buffers import byte_view
 from kvstore.policy import Policy
 from kvstore.protocol.checks import check_keys, check_pairs, check_sizes
+from kvstore.retention import KEEP, Retention
 from kvstore.store.arena import Acquired, ArenaSessions
 from kvstore.store.background import BackgroundTasks
 from kvstore.store.counters import StoreCounters
@@ -180,18 +181,37 @@ class TieredStore:
         return LookupResult(hits, tiers)
 
     async def put(
-        self, keys: Sequence[bytes], values: Sequence[Any], namespace: bytes
+        self,
+        keys: Sequence[bytes],
+        values: Sequence[Any],
+        namespace: bytes,
+        retention: Retention = KEEP,
     ) -> PutResult:
         """Store blocks; keys already present are left as they are (chained keys name content).
 
-        The whole request is checked first (key and value shapes, limits, namespaces); a bad one
-        raises and changes nothing.
+        ``retention``: keep them for a while, in memory tiers only, or not at all
+        (:mod:`kvstore.retention`); keys already present get its seconds too. The whole request
+        is checked first (key and value shapes, limits, namespaces, retention); a bad one raises
+        and changes nothing.
         """
         self._check_keys(keys, namespace)
         check_pairs(keys, values, "values")
+        self.check_retention(retention)
         views = [byte_view(value) for value in values]
         self.check_sizes([len(view) for view in views])
-        return await self._writer.put(keys, views, namespace)
+        if not retention.stores:
+            return self.not_stored()
+        return await self._writer.put(keys, views, namespace, retention)
+
+    def check_retention(self, retention: Retention) -> None:
+        """Refuse retention over the store's ``max_retention_s`` (InvalidRequestError)."""
+        retention.check(self.policy.max_retention_s, self.policy.max_retention_setting)
+
+    def not_stored(self) -> PutResult:
+        """Count a put that asked not to be stored (``put_not_stored``); stored nothing."""
+        self._counters.add("puts")
+        self._counters.add("put_not_stored")
+        return PutResult()
 
     async def get(
         self, keys: Sequence[bytes], namespace: bytes, *, sealed: bool = False
@@ -274,7 +294,11 @@ class TieredStore:
         return self._arena.record_direct_reads(keys, namespace, calls, lookups)
 
     async def reserve(
-        self, keys: Sequence[bytes], lengths: Sequence[int], namespace: bytes
+        self,
+        keys: Sequence[bytes],
+        lengths: Sequence[int],
+        namespace: bytes,
+        retention: Retention = KEEP,
     ) -> list[Reservation | Literal["present"] | None]:
         """Arena pages for blocks a client will write itself, then :meth:`commit`.
 
@@ -286,17 +310,26 @@ class TieredStore:
         self._arena.require()
         check_pairs(keys, lengths, "lengths")
         self.check_sizes(lengths)
-        return await self._arena.reserve(keys, lengths, namespace)
+        self.check_retention(retention)
+        return await self._arena.reserve(keys, lengths, namespace, retention)
 
     async def commit(
-        self, written: Sequence[tuple[bytes, Reservation]], namespace: bytes
+        self,
+        written: Sequence[tuple[bytes, Reservation]],
+        namespace: bytes,
+        retention: Retention = KEEP,
     ) -> PutResult:
         """Turn written reservations into blocks (xxh3 checksum now, no MAC); see :meth:`reserve`.
 
         A key stored meanwhile by someone else keeps that copy and this reservation is given
         back (``already_present``, or ``dropped`` if it was stored under another namespace).
+        ``retention`` as for :meth:`put`; ``tiers="none"`` gives every reservation back.
         """
-        return await self._arena.commit(written, namespace)
+        self.check_retention(retention)
+        if not retention.stores:
+            self.cancel([reservation for _, reservation in written])
+            return self.not_stored()
+        return await self._arena.commit(written, namespace, retention)
 
     def cancel(self, reservations: Sequence[Reservation]) -> None:
         """Give back reservations that will not be committed (idempotent)."""

@@ -3,7 +3,8 @@ client into reserved arena pages (``commit``).
 
 Both run under the mover's lock, leave keys already stored as they are (chained keys name
 content), age the request's chain, send what they stored to the shared tier (write-through) and
-count it the same way (:meth:`BlockWriter._stored`).
+count it the same way (:meth:`BlockWriter._stored`). Both apply the request's
+:class:`~kvstore.retention.Retention` to every block they store or find stored.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvstore.block import BlockHeader
+from kvstore.retention import KEEP, Retention
 from kvstore.store.counters import StoreCounters
 from kvstore.store.index import BlockIndex
 from kvstore.store.layout import TierStack
@@ -46,13 +48,20 @@ class BlockWriter:
         self._writer = writer
 
     async def put(
-        self, keys: Sequence[bytes], views: Sequence[memoryview], namespace: bytes
+        self,
+        keys: Sequence[bytes],
+        views: Sequence[memoryview],
+        namespace: bytes,
+        retention: Retention = KEEP,
     ) -> PutResult:
         """Store checked values (see :meth:`TieredStore.put`); refuses, changing nothing, a key
         already stored under another namespace."""
         stack, index = self._stack, self._index
         stored = present = dropped = 0
         through: list[tuple[BlockHeader, Buffer]] = []
+        stop = self._stop(retention)
+        force = retention.seconds > 0
+        shares = self._writer.writes_through and not retention.fast_only
         async with self._mover.lock:
             # Checked under the lock so that no concurrent put can slip a key in between.
             index.check_namespaces(keys, namespace)
@@ -60,28 +69,38 @@ class BlockWriter:
                 if key in index:
                     present += 1
                     index.touch(key)
+                    index.apply(key, retention, fresh=False)
                     continue
                 header = BlockHeader.for_payload(key, namespace, view)
-                if await self._mover.place(header, view, stack.host_level, stack.local_levels):
+                if await self._mover.place(header, view, stack.host_level, stop, force):
                     stored += 1
-                    if self._writer.writes_through:
+                    index.apply(key, retention, fresh=True)
+                    if shares:
                         through.append((header, _owned(view)))
                 else:
                     dropped += 1
             index.age_chain(keys)
         result = self._stored(
-            through, PutResult(stored, present, dropped), sum(len(view) for view in views)
+            through,
+            PutResult(stored, present, dropped),
+            sum(len(view) for view in views),
+            retention,
         )
         self._counters.add("put_dropped", dropped)
         return result
 
     async def commit(
-        self, arena: DramTier, written: Sequence[tuple[bytes, Reservation]], namespace: bytes
+        self,
+        arena: DramTier,
+        written: Sequence[tuple[bytes, Reservation]],
+        namespace: bytes,
+        retention: Retention = KEEP,
     ) -> PutResult:
         """Install written reservations as blocks (see :meth:`TieredStore.commit`)."""
         index = self._index
         stored = present = dropped = 0
         through: list[tuple[BlockHeader, Buffer]] = []
+        shares = self._writer.writes_through and not retention.fast_only
         async with self._mover.lock:
             for key, reservation in written:
                 meta = index.meta.get(key)
@@ -89,29 +108,46 @@ class BlockWriter:
                     arena.cancel(reservation)
                     if meta.namespace == namespace:
                         present += 1
+                        index.apply(key, retention, fresh=False)
                     else:
                         dropped += 1
                         self._counters.add("namespace_mismatches")
                     continue
                 payload = arena.reserved_payload(reservation)
                 header = BlockHeader.for_payload(key, namespace, payload)
-                if self._writer.writes_through:  # copied now: the pages may be reused soon
+                if shares:  # copied now: the pages may be reused soon
                     through.append((header, bytes(payload)))
                 arena.install(header, reservation)
                 footprint = arena.footprint(header.length)
                 index.add(key, namespace, header.length, self._stack.host_level, footprint)
+                index.apply(key, retention, fresh=True)
                 self._counters.written_bytes[arena.name] += header.length
                 stored += 1
             index.age_chain([key for key, _ in written])
         size = sum(reservation.length for _, reservation in written)
-        return self._stored(through, PutResult(stored, present, dropped), size)
+        return self._stored(through, PutResult(stored, present, dropped), size, retention)
+
+    def _stop(self, retention: Retention) -> int:
+        """The level a put's blocks may not reach: the first persistent tier for memory-only
+        ones, else the end of the local tiers."""
+        stack = self._stack
+        if retention.fast_only:
+            for level in range(stack.host_level, stack.local_levels):
+                if stack[level].persistent:
+                    return level
+        return stack.local_levels
 
     def _stored(
-        self, through: list[tuple[BlockHeader, Buffer]], result: PutResult, size: int
+        self,
+        through: list[tuple[BlockHeader, Buffer]],
+        result: PutResult,
+        size: int,
+        retention: Retention,
     ) -> PutResult:
         """Send the new blocks to the shared tier and count the request; returns ``result``."""
         if through and self._writer.writes_through:
-            self._writer.send(through)
+            # A retained block outlives the shared tier's usual TTL there too.
+            self._writer.send(through, retention.seconds or None)
         self._counters.add("puts")
         self._counters.add("blocks_put", result.stored)
         self._counters.add("bytes_put", size)

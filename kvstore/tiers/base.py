@@ -130,8 +130,11 @@ class SharedTier(Tier):
         """Per key, whether the tier holds a block under it (without reading the payload)."""
 
     @abstractmethod
-    async def write_many(self, items: Sequence[tuple[BlockHeader, Buffer]]) -> list[bool]:
-        """Store several blocks in one round trip; per block whether it was stored."""
+    async def write_many(
+        self, items: Sequence[tuple[BlockHeader, Buffer]], ttl_s: float | None = None
+    ) -> list[bool]:
+        """Store several blocks in one round trip; per block whether it was stored. ``ttl_s``:
+        keep them at least that long (a retention a request asked for), else the tier's own."""
 
 
 class SizeLedger:

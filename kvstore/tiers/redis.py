@@ -148,6 +148,8 @@ class RedisTier(SharedTier):
         self.read_errors = 0
         self.corrupt_blocks = 0
         self.blocks_written = 0
+        #: Blocks written with a retention TTL (:meth:`write_many`'s ``ttl_s``).
+        self.retained_blocks_written = 0
 
     # -- client and outage handling --------------------------------------------------------
 
@@ -261,8 +263,13 @@ class RedisTier(SharedTier):
         """Store one block with the TTL; False only when it was dropped (Redis down or failing)."""
         return (await self.write_many([(header, payload)]))[0]
 
-    async def write_many(self, items: Sequence[tuple[BlockHeader, Buffer]]) -> list[bool]:
+    async def write_many(
+        self, items: Sequence[tuple[BlockHeader, Buffer]], ttl_s: float | None = None
+    ) -> list[bool]:
         """Store blocks in one pipelined round trip; per block, whether it was stored.
+
+        ``ttl_s``: the blocks are retained (:mod:`kvstore.retention`): they expire no sooner than
+        that, even where the tier's own TTL is shorter (counted in ``retained_blocks_written``).
 
         A block whose payload no longer matches the checksum it was put with is not signed nor
         stored (False, counted in ``corrupt_blocks``).
@@ -285,11 +292,14 @@ class RedisTier(SharedTier):
         if not chosen:
             return stored
         names = [self._name(items[i][0].key) for i in chosen]
+        ttl_ms = self._ttl_ms
+        if ttl_s and ttl_ms is not None:
+            ttl_ms = max(ttl_ms, round(ttl_s * 1000))
 
         async def set_all(client: _Client) -> list[Any]:
             pipe = client.pipeline(transaction=False)
             for name, value in zip(names, payloads, strict=True):
-                pipe.set(name, value, px=self._ttl_ms)
+                pipe.set(name, value, px=ttl_ms)
             return await pipe.execute(raise_on_error=False)
 
         results = await self._call("write", set_all)
@@ -304,6 +314,8 @@ class RedisTier(SharedTier):
                 continue
             self._ledger.add(header.key, header.length)
             self.blocks_written += 1
+            if ttl_s:
+                self.retained_blocks_written += 1
             stored[i] = True
         return stored
 
@@ -396,6 +408,7 @@ class RedisTier(SharedTier):
             "outages": self.outages,
             "reconnects": self.reconnects,
             "blocks_written": self.blocks_written,
+            "retained_blocks_written": self.retained_blocks_written,
             "writes_dropped": self.writes_dropped,
             "reads_skipped": self.reads_skipped,
             "read_errors": self.read_errors,

@@ -602,12 +602,12 @@ async def test_a_cancelled_reserve_gives_back_its_reservations(store: TieredStor
     real_make_room = store._mover.make_room
     calls = 0
 
-    async def make_room(level: int, footprint: int) -> bool:
+    async def make_room(level: int, footprint: int, force: bool = False) -> bool:
         nonlocal calls
         calls += 1
         if calls == 2:
             await stall.wait()  # the second key's eviction never finishes
-        return await real_make_room(level, footprint)
+        return await real_make_room(level, footprint, force)
 
     store._mover.make_room = make_room  # type: ignore[method-assign]
     task = asyncio.ensure_future(store.reserve([key(1), key(2)], [PAGE, PAGE], NS))

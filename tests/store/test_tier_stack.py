@@ -38,7 +38,9 @@ class _NotRedis(SharedTier):
     async def exists(self, keys: Sequence[bytes]) -> list[bool]:
         return [False] * len(keys)
 
-    async def write_many(self, items: Sequence[tuple[BlockHeader, Buffer]]) -> list[bool]:
+    async def write_many(
+        self, items: Sequence[tuple[BlockHeader, Buffer]], ttl_s: float | None = None
+    ) -> list[bool]:
         return [True] * len(items)
 
 

@@ -5,13 +5,14 @@ as separate replicas would be::
 
     python tests/vllm/engine_runner.py --model DIR --prompts IN.json --out OUT.json \\
         [--connector none|kvstore|example] [--target HOST:PORT] [--storage-path DIR] \\
-        [--chunk-size N] [--max-tokens N] [--sequential]
+        [--chunk-size N] [--max-tokens N] [--sequential] [--kv-transfer-params PARAMS.json]
 
 ``IN.json`` is a list of token-id lists. ``OUT.json`` gets ``{"startup_s": ..., "results":
 [{"tokens": [...], "num_cached_tokens": N, "latency_s": S}, ...]}`` in prompt order. Sampling is
 greedy with ``ignore_eos``, so outputs are deterministic and always ``--max-tokens`` long.
 ``--sequential`` submits prompts one at a time (``latency_s`` is then that request's own
 latency; with ``--max-tokens 1`` it is its time to first token); otherwise they go as one batch.
+``PARAMS.json`` is a list with one request's ``kv_transfer_params`` (a dict, or null) per prompt.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ def main() -> None:
     parser.add_argument("--sequential", action="store_true")
     parser.add_argument("--warmup", type=int, default=0, help="token length of a warm-up prompt")
     parser.add_argument("--kvstore-log-level", default="INFO")
+    parser.add_argument("--kv-transfer-params", default=None, help="JSON file: one per prompt")
     args = parser.parse_args()
     _configure_logging(Path(args.out).with_suffix(".logging.json"), args.kvstore_log_level)
 
@@ -88,20 +90,32 @@ def main() -> None:
     )
     startup_s = time.perf_counter() - started
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    per_prompt = [params] * len(prompts)
+    if args.kv_transfer_params:
+        asked = json.loads(Path(args.kv_transfer_params).read_text())
+        per_prompt = [
+            SamplingParams(
+                temperature=0.0,
+                max_tokens=args.max_tokens,
+                ignore_eos=True,
+                extra_args=None if p is None else {"kv_transfer_params": p},
+            )
+            for p in asked
+        ]
     if args.warmup:
         # A prompt sharing nothing with the real ones: the first forward pass of an engine pays
         # one-off costs (allocations, kernel selection) that are no part of a request's latency.
         llm.generate([TokensPrompt(prompt_token_ids=[5] * args.warmup)], params, use_tqdm=False)
     results: list[dict[str, Any]] = []
     if args.sequential:
-        for tokens in prompts:
+        for tokens, each in zip(prompts, per_prompt, strict=True):
             t0 = time.perf_counter()
-            (out,) = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)
+            (out,) = llm.generate([TokensPrompt(prompt_token_ids=tokens)], each, use_tqdm=False)
             results.append(_result(out, time.perf_counter() - t0))
     else:
         t0 = time.perf_counter()
         outs = llm.generate(
-            [TokensPrompt(prompt_token_ids=t) for t in prompts], params, use_tqdm=False
+            [TokensPrompt(prompt_token_ids=t) for t in prompts], per_prompt, use_tqdm=False
         )
         elapsed = time.perf_counter() - t0
         results.extend(_result(out, elapsed) for out in outs)

@@ -15,7 +15,8 @@ from harness.ports import free_port
 class StoreProcess:
     """A ``kvstore serve`` subprocess (dram + nvme tiers) on a free loopback port."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, *flags: str) -> None:
+        """``flags``: more ``kvstore serve`` flags (later ones win: ``--dram-capacity 8MiB``)."""
         workdir.mkdir(parents=True, exist_ok=True)
         self.target = f"127.0.0.1:{free_port()}"
         self.log = workdir / "store.log"
@@ -32,6 +33,7 @@ class StoreProcess:
             str(workdir / "nvme"),
             "--dram-capacity",
             "1GiB",
+            *flags,
         ]
         with self.log.open("wb") as log:
             self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvstore/v1/kvstore.proto\x12\nkvstore.v1\"0\n\rLookupRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"-\n\x0eLookupResponse\x12\x0c\n\x04hits\x18\x01 \x01(\r\x12\r\n\x05tiers\x18\x02 \x03(\t\"#\n\x05\x42lock\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\r\n\x05value\x18\x02 \x01(\x0c\"B\n\nPutRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12!\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x11.kvstore.v1.Block\"G\n\x0bPutResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x17\n\x0f\x61lready_present\x18\x02 \x01(\r\x12\x0f\n\x07\x64ropped\x18\x03 \x01(\r\"=\n\nGetRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x0e\n\x06sealed\x18\x03 \x01(\x08\"V\n\tGetResult\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05\x66ound\x18\x02 \x01(\x08\x12\r\n\x05value\x18\x03 \x01(\x0c\x12\x0c\n\x04tier\x18\x04 \x01(\t\x12\x0e\n\x06header\x18\x05 \x01(\x0c\"5\n\x0bGetResponse\x12&\n\x07results\x18\x01 \x03(\x0b\x32\x15.kvstore.v1.GetResult\"0\n\rDeleteRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x11\n\tnamespace\x18\x02 \x01(\x0c\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"{\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x31\n\x06values\x18\x02 \x03(\x0b\x32!.kvstore.v1.TierStats.ValuesEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\xb1\x01\n\rStatsResponse\x12$\n\x05tiers\x18\x01 \x03(\x0b\x32\x15.kvstore.v1.TierStats\x12\x39\n\x08\x63ounters\x18\x02 \x03(\x0b\x32\'.kvstore.v1.StatsResponse.CountersEntry\x12\x0e\n\x06\x62locks\x18\x03 \x01(\x04\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x12\n\x10\x44\x61taPlaneRequest\"Q\n\x11\x44\x61taPlaneResponse\x12\x12\n\nshm_socket\x18\x01 \x01(\t\x12\x13\n\x0bucx_address\x18\x02 \x01(\t\x12\x13\n\x0binstance_id\x18\x03 \x01(\x0c\"2\n\x0fPrefetchRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"\'\n\x10PrefetchResponse\x12\x13\n\x0bprefetch_id\x18\x01 \x01(\x04\",\n\x15PrefetchStatusRequest\x12\x13\n\x0bprefetch_id\x18\x01 \x01(\x04\"\x81\x01\n\x16PrefetchStatusResponse\x12(\n\x05state\x18\x01 \x01(\x0e\x32\x19.kvstore.v1.PrefetchState\x12\r\n\x05total\x18\x02 \x01(\r\x12\r\n\x05ready\x18\x03 \x01(\r\x12\x0f\n\x07missing\x18\x04 \x01(\r\x12\x0e\n\x06\x66\x61iled\x18\x05 \x01(\r\",\n\x15\x43\x61ncelPrefetchRequest\x12\x13\n\x0bprefetch_id\x18\x01 \x01(\x04\"+\n\x16\x43\x61ncelPrefetchResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08*\x9d\x01\n\rPrefetchState\x12\x1e\n\x1aPREFETCH_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15PREFETCH_STATE_QUEUED\x10\x01\x12\x1a\n\x16PREFETCH_STATE_RUNNING\x10\x02\x12\x17\n\x13PREFETCH_STATE_DONE\x10\x03\x12\x1c\n\x18PREFETCH_STATE_CANCELLED\x10\x04\x32\x80\x05\n\x07KVStore\x12?\n\x06Lookup\x12\x19.kvstore.v1.LookupRequest\x1a\x1a.kvstore.v1.LookupResponse\x12\x38\n\x03Put\x12\x16.kvstore.v1.PutRequest\x1a\x17.kvstore.v1.PutResponse(\x01\x12\x38\n\x03Get\x12\x16.kvstore.v1.GetRequest\x1a\x17.kvstore.v1.GetResponse0\x01\x12?\n\x06\x44\x65lete\x12\x19.kvstore.v1.DeleteRequest\x1a\x1a.kvstore.v1.DeleteResponse\x12<\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x19.kvstore.v1.StatsResponse\x12H\n\tDataPlane\x12\x1c.kvstore.v1.DataPlaneRequest\x1a\x1d.kvstore.v1.DataPlaneResponse\x12\x45\n\x08Prefetch\x12\x1b.kvstore.v1.PrefetchRequest\x1a\x1c.kvstore.v1.PrefetchResponse\x12W\n\x0ePrefetchStatus\x12!.kvstore.v1.PrefetchStatusRequest\x1a\".kvstore.v1.PrefetchStatusResponse\x12W\n\x0e\x43\x61ncelPrefetch\x12!.kvstore.v1.CancelPrefetchRequest\x1a\".kvstore.v1.CancelPrefetchResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvstore/v1/kvstore.proto\x12\nkvstore.v1\"0\n\rLookupRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"-\n\x0eLookupResponse\x12\x0c\n\x04hits\x18\x01 \x01(\r\x12\r\n\x05tiers\x18\x02 \x03(\t\"#\n\x05\x42lock\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\r\n\x05value\x18\x02 \x01(\x0c\"p\n\nPutRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12!\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x11.kvstore.v1.Block\x12\x13\n\x0bretention_s\x18\x03 \x01(\x01\x12\x17\n\x0fretention_tiers\x18\x04 \x01(\t\"G\n\x0bPutResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x17\n\x0f\x61lready_present\x18\x02 \x01(\r\x12\x0f\n\x07\x64ropped\x18\x03 \x01(\r\"=\n\nGetRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x0e\n\x06sealed\x18\x03 \x01(\x08\"V\n\tGetResult\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05\x66ound\x18\x02 \x01(\x08\x12\r\n\x05value\x18\x03 \x01(\x0c\x12\x0c\n\x04tier\x18\x04 \x01(\t\x12\x0e\n\x06header\x18\x05 \x01(\x0c\"5\n\x0bGetResponse\x12&\n\x07results\x18\x01 \x03(\x0b\x32\x15.kvstore.v1.GetResult\"0\n\rDeleteRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x11\n\tnamespace\x18\x02 \x01(\x0c\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"{\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x31\n\x06values\x18\x02 \x03(\x0b\x32!.kvstore.v1.TierStats.ValuesEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\xb1\x01\n\rStatsResponse\x12$\n\x05tiers\x18\x01 \x03(\x0b\x32\x15.kvstore.v1.TierStats\x12\x39\n\x08\x63ounters\x18\x02 \x03(\x0b\x32\'.kvstore.v1.StatsResponse.CountersEntry\x12\x0e\n\x06\x62locks\x18\x03 \x01(\x04\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x12\n\x10\x44\x61taPlaneRequest\"Q\n\x11\x44\x61taPlaneResponse\x12\x12\n\nshm_socket\x18\x01 \x01(\t\x12\x13\n\x0bucx_address\x18\x02 \x01(\t\x12\x13\n\x0binstance_id\x18\x03 \x01(\x0c\"2\n\x0fPrefetchRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"\'\n\x10PrefetchResponse\x12\x13\n\x0bprefetch_id\x18\x01 \x01(\x04\",\n\x15PrefetchStatusRequest\x12\x13\n\x0bprefetch_id\x18\x01 \x01(\x04\"\x81\x01\n\x16PrefetchStatusResponse\x12(\n\x05state\x18\x01 \x01(\x0e\x32\x19.kvstore.v1.PrefetchState\x12\r\n\x05total\x18\x02 \x01(\r\x12\r\n\x05ready\x18\x03 \x01(\r\x12\x0f\n\x07missing\x18\x04 \x01(\r\x12\x0e\n\x06\x66\x61iled\x18\x05 \x01(\r\",\n\x15\x43\x61ncelPrefetchRequest\x12\x13\n\x0bprefetch_id\x18\x01 \x01(\x04\"+\n\x16\x43\x61ncelPrefetchResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08*\x9d\x01\n\rPrefetchState\x12\x1e\n\x1aPREFETCH_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15PREFETCH_STATE_QUEUED\x10\x01\x12\x1a\n\x16PREFETCH_STATE_RUNNING\x10\x02\x12\x17\n\x13PREFETCH_STATE_DONE\x10\x03\x12\x1c\n\x18PREFETCH_STATE_CANCELLED\x10\x04\x32\x80\x05\n\x07KVStore\x12?\n\x06Lookup\x12\x19.kvstore.v1.LookupRequest\x1a\x1a.kvstore.v1.LookupResponse\x12\x38\n\x03Put\x12\x16.kvstore.v1.PutRequest\x1a\x17.kvstore.v1.PutResponse(\x01\x12\x38\n\x03Get\x12\x16.kvstore.v1.GetRequest\x1a\x17.kvstore.v1.GetResponse0\x01\x12?\n\x06\x44\x65lete\x12\x19.kvstore.v1.DeleteRequest\x1a\x1a.kvstore.v1.DeleteResponse\x12<\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x19.kvstore.v1.StatsResponse\x12H\n\tDataPlane\x12\x1c.kvstore.v1.DataPlaneRequest\x1a\x1d.kvstore.v1.DataPlaneResponse\x12\x45\n\x08Prefetch\x12\x1b.kvstore.v1.PrefetchRequest\x1a\x1c.kvstore.v1.PrefetchResponse\x12W\n\x0ePrefetchStatus\x12!.kvstore.v1.PrefetchStatusRequest\x1a\".kvstore.v1.PrefetchStatusResponse\x12W\n\x0e\x43\x61ncelPrefetch\x12!.kvstore.v1.CancelPrefetchRequest\x1a\".kvstore.v1.CancelPrefetchResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,8 +35,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TIERSTATS_VALUESENTRY']._serialized_options = b'8\001'
   _globals['_STATSRESPONSE_COUNTERSENTRY']._loaded_options = None
   _globals['_STATSRESPONSE_COUNTERSENTRY']._serialized_options = b'8\001'
-  _globals['_PREFETCHSTATE']._serialized_start=1393
-  _globals['_PREFETCHSTATE']._serialized_end=1550
+  _globals['_PREFETCHSTATE']._serialized_start=1439
+  _globals['_PREFETCHSTATE']._serialized_end=1596
   _globals['_LOOKUPREQUEST']._serialized_start=40
   _globals['_LOOKUPREQUEST']._serialized_end=88
   _globals['_LOOKUPRESPONSE']._serialized_start=90
@@ -44,45 +44,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_BLOCK']._serialized_start=137
   _globals['_BLOCK']._serialized_end=172
   _globals['_PUTREQUEST']._serialized_start=174
-  _globals['_PUTREQUEST']._serialized_end=240
-  _globals['_PUTRESPONSE']._serialized_start=242
-  _globals['_PUTRESPONSE']._serialized_end=313
-  _globals['_GETREQUEST']._serialized_start=315
-  _globals['_GETREQUEST']._serialized_end=376
-  _globals['_GETRESULT']._serialized_start=378
-  _globals['_GETRESULT']._serialized_end=464
-  _globals['_GETRESPONSE']._serialized_start=466
-  _globals['_GETRESPONSE']._serialized_end=519
-  _globals['_DELETEREQUEST']._serialized_start=521
-  _globals['_DELETEREQUEST']._serialized_end=569
-  _globals['_DELETERESPONSE']._serialized_start=571
-  _globals['_DELETERESPONSE']._serialized_end=604
-  _globals['_STATSREQUEST']._serialized_start=606
-  _globals['_STATSREQUEST']._serialized_end=620
-  _globals['_TIERSTATS']._serialized_start=622
-  _globals['_TIERSTATS']._serialized_end=745
-  _globals['_TIERSTATS_VALUESENTRY']._serialized_start=700
-  _globals['_TIERSTATS_VALUESENTRY']._serialized_end=745
-  _globals['_STATSRESPONSE']._serialized_start=748
-  _globals['_STATSRESPONSE']._serialized_end=925
-  _globals['_STATSRESPONSE_COUNTERSENTRY']._serialized_start=878
-  _globals['_STATSRESPONSE_COUNTERSENTRY']._serialized_end=925
-  _globals['_DATAPLANEREQUEST']._serialized_start=927
-  _globals['_DATAPLANEREQUEST']._serialized_end=945
-  _globals['_DATAPLANERESPONSE']._serialized_start=947
-  _globals['_DATAPLANERESPONSE']._serialized_end=1028
-  _globals['_PREFETCHREQUEST']._serialized_start=1030
-  _globals['_PREFETCHREQUEST']._serialized_end=1080
-  _globals['_PREFETCHRESPONSE']._serialized_start=1082
-  _globals['_PREFETCHRESPONSE']._serialized_end=1121
-  _globals['_PREFETCHSTATUSREQUEST']._serialized_start=1123
-  _globals['_PREFETCHSTATUSREQUEST']._serialized_end=1167
-  _globals['_PREFETCHSTATUSRESPONSE']._serialized_start=1170
-  _globals['_PREFETCHSTATUSRESPONSE']._serialized_end=1299
-  _globals['_CANCELPREFETCHREQUEST']._serialized_start=1301
-  _globals['_CANCELPREFETCHREQUEST']._serialized_end=1345
-  _globals['_CANCELPREFETCHRESPONSE']._serialized_start=1347
-  _globals['_CANCELPREFETCHRESPONSE']._serialized_end=1390
-  _globals['_KVSTORE']._serialized_start=1553
-  _globals['_KVSTORE']._serialized_end=2193
+  _globals['_PUTREQUEST']._serialized_end=286
+  _globals['_PUTRESPONSE']._serialized_start=288
+  _globals['_PUTRESPONSE']._serialized_end=359
+  _globals['_GETREQUEST']._serialized_start=361
+  _globals['_GETREQUEST']._serialized_end=422
+  _globals['_GETRESULT']._serialized_start=424
+  _globals['_GETRESULT']._serialized_end=510
+  _globals['_GETRESPONSE']._serialized_start=512
+  _globals['_GETRESPONSE']._serialized_end=565
+  _globals['_DELETEREQUEST']._serialized_start=567
+  _globals['_DELETEREQUEST']._serialized_end=615
+  _globals['_DELETERESPONSE']._serialized_start=617
+  _globals['_DELETERESPONSE']._serialized_end=650
+  _globals['_STATSREQUEST']._serialized_start=652
+  _globals['_STATSREQUEST']._serialized_end=666
+  _globals['_TIERSTATS']._serialized_start=668
+  _globals['_TIERSTATS']._serialized_end=791
+  _globals['_TIERSTATS_VALUESENTRY']._serialized_start=746
+  _globals['_TIERSTATS_VALUESENTRY']._serialized_end=791
+  _globals['_STATSRESPONSE']._serialized_start=794
+  _globals['_STATSRESPONSE']._serialized_end=971
+  _globals['_STATSRESPONSE_COUNTERSENTRY']._serialized_start=924
+  _globals['_STATSRESPONSE_COUNTERSENTRY']._serialized_end=971
+  _globals['_DATAPLANEREQUEST']._serialized_start=973
+  _globals['_DATAPLANEREQUEST']._serialized_end=991
+  _globals['_DATAPLANERESPONSE']._serialized_start=993
+  _globals['_DATAPLANERESPONSE']._serialized_end=1074
+  _globals['_PREFETCHREQUEST']._serialized_start=1076
+  _globals['_PREFETCHREQUEST']._serialized_end=1126
+  _globals['_PREFETCHRESPONSE']._serialized_start=1128
+  _globals['_PREFETCHRESPONSE']._serialized_end=1167
+  _globals['_PREFETCHSTATUSREQUEST']._serialized_start=1169
+  _globals['_PREFETCHSTATUSREQUEST']._serialized_end=1213
+  _globals['_PREFETCHSTATUSRESPONSE']._serialized_start=1216
+  _globals['_PREFETCHSTATUSRESPONSE']._serialized_end=1345
+  _globals['_CANCELPREFETCHREQUEST']._serialized_start=1347
+  _globals['_CANCELPREFETCHREQUEST']._serialized_end=1391
+  _globals['_CANCELPREFETCHRESPONSE']._serialized_start=1393
+  _globals['_CANCELPREFETCHRESPONSE']._serialized_end=1436
+  _globals['_KVSTORE']._serialized_start=1599
+  _globals['_KVSTORE']._serialized_end=2239
 # @@protoc_insertion_point(module_scope)

@@ -45,12 +45,16 @@ class Block(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., value: _Optional[bytes] = ...) -> None: ...
 
 class PutRequest(_message.Message):
-    __slots__ = ("namespace", "blocks")
+    __slots__ = ("namespace", "blocks", "retention_s", "retention_tiers")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_S_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_TIERS_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     blocks: _containers.RepeatedCompositeFieldContainer[Block]
-    def __init__(self, namespace: _Optional[bytes] = ..., blocks: _Optional[_Iterable[_Union[Block, _Mapping]]] = ...) -> None: ...
+    retention_s: float
+    retention_tiers: str
+    def __init__(self, namespace: _Optional[bytes] = ..., blocks: _Optional[_Iterable[_Union[Block, _Mapping]]] = ..., retention_s: _Optional[float] = ..., retention_tiers: _Optional[str] = ...) -> None: ...
 
 class PutResponse(_message.Message):
     __slots__ = ("stored", "already_present", "dropped")

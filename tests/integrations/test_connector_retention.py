@@ -1,0 +1,174 @@
+"""Retention asked through a vLLM request's ``kv_transfer_params`` (no vLLM): the scheduler half
+reads it, plans saves that carry it (none for ``"none"``), and the worker half stores the chunks
+with it in a real ``kvstore serve``, where they outlive a flood of one-off prompts.
+
+Stand-ins for vLLM's objects and the in-memory store come from :mod:`test_connector_logic`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from serve_process import Serve
+from test_connector_logic import (
+    CHUNK,
+    FakeStore,
+    _caches,
+    _chunk_keys,
+    _kv_cache_config,
+    _Manager,
+    _output,
+    _request,
+    _settings,
+    _vllm_config,
+)
+
+from kvstore import KVStoreClient, Retention
+from kvstore.integrations.vllm_common import base_namespace, engine_shape
+from kvstore.integrations.vllm_retention import request_retention
+from kvstore.integrations.vllm_scheduler import SchedulerSide
+from kvstore.integrations.vllm_worker import WorkerSide
+
+
+def _side(store: FakeStore | None, **extra: Any) -> tuple[SchedulerSide, _Manager]:
+    side = SchedulerSide(_settings(**extra), _vllm_config(), _kv_cache_config(), client=store)  # type: ignore[arg-type]
+    manager = _Manager()
+    side.bind_kv_cache_manager(manager)  # type: ignore[arg-type]
+    return side, manager
+
+
+@pytest.fixture()
+def sides() -> Iterator[list[SchedulerSide]]:
+    made: list[SchedulerSide] = []
+    yield made
+    for side in made:
+        side.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("params", "expected"),
+    [
+        (None, Retention()),
+        ({"other": 1}, Retention()),
+        ({"kvstore_retention_s": 3600}, Retention(3600)),
+        ({"kvstore_retention_tiers": "fast"}, Retention(tiers="fast")),
+        ({"kvstore_retention_s": 300, "kvstore_retention_tiers": "fast"}, Retention(300, "fast")),
+        ({"kvstore_retention_tiers": "none"}, Retention(tiers="none")),
+    ],
+)
+def test_kv_transfer_params_give_the_retention(params: Any, expected: Retention) -> None:
+    assert request_retention(params) == expected
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"kvstore_retention_tiers": "nope"},
+        {"kvstore_retention_s": -1},
+        {"kvstore_retention_s": "3600"},
+        {"kvstore_retention_s": True},
+    ],
+)
+def test_a_bad_value_is_logged_and_stores_nothing(
+    params: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, "kvstore.integrations.vllm_retention"):
+        assert request_retention(params, "r1") == Retention(tiers="none")
+    assert "request r1" in caplog.text and "not storing its chunks" in caplog.text
+    assert "'all', 'fast', 'none'" in caplog.text
+
+
+def test_saves_carry_the_retention_and_none_plans_no_save(sides: list[SchedulerSide]) -> None:
+    side, manager = _side(FakeStore())
+    sides.append(side)
+    tokens = list(range(3 * CHUNK + 5))
+    kept = _request("kept", tokens, kv_transfer_params={"kvstore_retention_s": 600})
+    skipped = _request("skip", [t + 1 for t in tokens], kv_transfer_params=dict(NONE))
+    for request in (kept, skipped):
+        assert side.get_num_new_matched_tokens(request, 0) == (0, False)
+        manager.blocks[request.request_id] = list(range(7))
+    plan = side.build_connector_meta(_output([("kept", 0, len(tokens)), ("skip", 0, len(tokens))]))
+    assert [(s.req_id, s.retention) for s in plan.saves] == [("kept", Retention(600))]
+    assert plan.saves[0].keys == _chunk_keys(side, kept)
+    assert side.request_finished(skipped, manager.blocks["skip"]) == (False, None)
+
+
+def test_a_retained_request_saves_again_what_a_plain_one_just_saved(
+    sides: list[SchedulerSide],
+) -> None:
+    side, manager = _side(FakeStore())
+    sides.append(side)
+    tokens = list(range(2 * CHUNK + 5))
+    plain = _request("plain", tokens)
+    side.get_num_new_matched_tokens(plain, 0)
+    manager.blocks["plain"] = list(range(5))
+    first = side.build_connector_meta(_output([("plain", 0, len(tokens))]))
+    assert len(first.saves) == 1 and first.saves[0].retention == Retention()
+    again = _request("again", tokens)  # plain: deduplicated against the recent save
+    pinned = _request("pinned", tokens, kv_transfer_params={"kvstore_retention_s": 60})
+    for request in (again, pinned):
+        side.get_num_new_matched_tokens(request, 0)
+        manager.blocks[request.request_id] = list(range(5))
+    plan = side.build_connector_meta(
+        _output([("again", 0, len(tokens)), ("pinned", 0, len(tokens))])
+    )
+    assert [(s.req_id, s.retention) for s in plan.saves] == [("pinned", Retention(60))]
+
+
+NONE = {"kvstore_retention_tiers": "none"}
+
+
+def test_a_retained_prompt_saved_by_the_connector_survives_a_flood(
+    tmp_path: Path, sides: list[SchedulerSide]
+) -> None:
+    """Done-when of issue 31, through the connector's halves and a real ``kvstore serve``: a
+    prompt saved with ``kvstore_retention_s`` is still a hit after a flood that evicts a plain
+    one; a prompt saved with ``"none"`` never is."""
+    (tmp_path / "tmp").mkdir()
+    args = ["--listen", "127.0.0.1:0", "--nvme-path", str(tmp_path / "nvme")]
+    server = Serve([*args, "--dram-capacity", "4MiB", "--nvme-capacity", "4MiB"], tmp_path / "tmp")
+    try:
+        settings = {"target": server.target}
+        side, manager = _side(None, **settings)
+        sides.append(side)
+        worker = WorkerSide(_settings(**settings), _vllm_config(), _kv_cache_config())  # type: ignore[arg-type]
+        try:
+            worker.register_kv_caches(_caches(1))
+            prompts = {
+                "plain": (list(range(3 * CHUNK + 5)), None),
+                "pinned": (list(range(1000, 1000 + 3 * CHUNK + 5)), {"kvstore_retention_s": 600}),
+                "none": (list(range(2000, 2000 + 3 * CHUNK + 5)), NONE),
+            }
+            requests = {}
+            for name, (tokens, params) in prompts.items():
+                request = _request(name, tokens, kv_transfer_params=params)
+                requests[name] = request
+                side.get_num_new_matched_tokens(request, 0)
+                manager.blocks[name] = list(range(7))
+            plan = side.build_connector_meta(
+                _output([(name, 0, len(tokens)) for name, (tokens, _) in prompts.items()])
+            )
+            worker.wait_for_save(plan)
+        finally:
+            worker.shutdown()  # waits for the queued puts to reach the store
+        base = base_namespace(
+            _vllm_config(), engine_shape(_vllm_config(), _kv_cache_config(), 0), _settings(), 0
+        )
+        with KVStoreClient(server.target, namespace=base) as client:
+            keys = {name: _chunk_keys(side, request) for name, request in requests.items()}
+            assert client.lookup(keys["plain"]) == 3 and client.lookup(keys["pinned"]) == 3
+            assert client.lookup(keys["none"]) == 0
+            rng = np.random.default_rng(0)
+            for _ in range(60):  # one-off prompts: 60 x 256 KiB, far over dram + nvme
+                client.put([rng.bytes(16)], [rng.bytes(256 * 1024)])
+            assert client.lookup(keys["plain"]) == 0
+            assert client.lookup(keys["pinned"]) == 3
+            assert client.lookup(keys["none"]) == 0
+            assert client.stats()["tiers"]["dram"]["retained_blocks"] == 3
+    finally:
+        server.stop()
