@@ -5,10 +5,19 @@ The token rides as ``authorization: Bearer <token>`` metadata added by a channel
 every call on the channel carries it: data calls, the ``DataPlane`` discovery call and the UCX
 control calls alike. It is sent over a plain channel too (a loopback server with tokens but no
 TLS); across a network, use TLS (``tls_ca``) so the token is not readable on the wire.
+
+Every channel retries a lost connection at most :data:`RECONNECT_BACKOFF_MAX_MS` apart. gRPC's
+own default backoff grows to two minutes: a client whose server was down 30 s then failed for
+another 10 s after the server came back, every call refused by a channel still waiting out its
+backoff. A refused connection attempt costs one TCP handshake, so a short ceiling is cheap.
+:func:`when_reconnected` tells a caller that stopped calling (a circuit breaker) the moment the
+server answers again.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +29,27 @@ from kvstore.client.settings import ClientSettings
 from kvstore.errors import ConfigError
 from kvstore.protocol import messages as _wire
 
-__all__ = ["ChannelSecurity", "aio_channel", "blocking_channel"]
+__all__ = [
+    "RECONNECT_BACKOFF_MAX_MS",
+    "RECONNECT_OPTIONS",
+    "ChannelSecurity",
+    "aio_channel",
+    "blocking_channel",
+    "when_reconnected",
+]
+
+#: The longest wait between two connection attempts of a channel whose server is gone.
+RECONNECT_BACKOFF_MAX_MS = 500
+
+#: Channel arguments every client channel gets. The connect timeout
+#: (``grpc.min_reconnect_backoff_ms``) keeps its default of 20 s: lowering it would fail a
+#: handshake slower than the backoff (TLS over a long link) for ever.
+RECONNECT_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MAX_MS),
+]
+
+logger = logging.getLogger(__name__)
 
 Pem = str | bytes | Path | None
 
@@ -94,10 +123,11 @@ class ChannelSecurity:
 def blocking_channel(target: str, security: ChannelSecurity) -> grpc.Channel:
     """A blocking channel to ``target`` with ``security`` applied."""
     credentials = security.credentials()
+    options = [*_wire.CHANNEL_OPTIONS, *RECONNECT_OPTIONS]
     if credentials is None:
-        channel = grpc.insecure_channel(target, options=_wire.CHANNEL_OPTIONS)
+        channel = grpc.insecure_channel(target, options=options)
     else:
-        channel = grpc.secure_channel(target, credentials, options=_wire.CHANNEL_OPTIONS)
+        channel = grpc.secure_channel(target, credentials, options=options)
     extra = security.metadata()
     if not extra:
         return channel
@@ -108,8 +138,9 @@ def aio_channel(
     target: str, security: ChannelSecurity, options: Sequence[tuple[str, Any]] | None = None
 ) -> grpc.aio.Channel:
     """A ``grpc.aio`` channel to ``target`` with ``security`` applied; ``options``: its channel
-    arguments (default: no message size limit, as a client trusts its server's answers)."""
-    options = _wire.CHANNEL_OPTIONS if options is None else list(options)
+    arguments (default: no message size limit, as a client trusts its server's answers), to
+    which :data:`RECONNECT_OPTIONS` are added."""
+    options = [*(_wire.CHANNEL_OPTIONS if options is None else options), *RECONNECT_OPTIONS]
     extra = security.metadata()
     interceptors: list[Any] = []
     if extra:
@@ -125,6 +156,33 @@ def aio_channel(
     return grpc.aio.secure_channel(
         target, credentials, options=options, interceptors=interceptors or None
     )
+
+
+def when_reconnected(channel: grpc.Channel, callback: Callable[[], None]) -> None:
+    """Call ``callback`` once (on a gRPC thread) when ``channel`` next connects afresh.
+
+    Asking makes the channel try to connect, and it keeps trying (at most
+    :data:`RECONNECT_BACKOFF_MAX_MS` apart) until it does. A connection that is up when asked
+    does not count: the channel must be seen down first, so a server that is up but failing
+    calls does not fire it.
+    """
+    seen_down = False
+    fired = threading.Lock()
+
+    def on_state(state: grpc.ChannelConnectivity) -> None:
+        nonlocal seen_down
+        if state is not grpc.ChannelConnectivity.READY:
+            seen_down = True
+            return
+        if not seen_down or not fired.acquire(blocking=False):
+            return
+        channel.unsubscribe(on_state)
+        try:
+            callback()
+        except Exception:  # on gRPC's delivery thread an error would vanish
+            logger.exception("reconnect callback failed")
+
+    channel.subscribe(on_state, try_to_connect=True)
 
 
 @dataclass(frozen=True)

@@ -20,12 +20,12 @@ memory is out, and through gRPC otherwise; ``data_plane="grpc"`` turns the fast 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, TypeVar, cast
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
-from kvstore.client.channel import ChannelSecurity, Pem, blocking_channel
+from kvstore.client.channel import ChannelSecurity, Pem, blocking_channel, when_reconnected
 from kvstore.client.core import Blocking, ClientBase, Plan, Rpc, Step, client_settings
 from kvstore.client.device_fill import DeviceFill
 from kvstore.client.settings import ClientSettings
@@ -196,6 +196,12 @@ class KVStoreClient(ClientBase):
         connected; a UCX path found (it connects on its first transfer). Returns ``"shm"``,
         ``"ucx"`` or ``"grpc"``: the one data calls will take."""
         return self._run(self._core.open_data_plane(timeout))
+
+    def when_reconnected(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once, from another thread, when the channel connects to the server
+        afresh after a loss (within about half a second of the server answering again); for a
+        caller that stopped calling a server it saw fail. The channel keeps trying meanwhile."""
+        when_reconnected(self._channel, callback)
 
     def close(self) -> None:
         """Close the shared-memory and UCX paths and the channel."""
