@@ -189,3 +189,41 @@ def test_arena_limit_is_the_machines_memory_or_what_strict_overcommit_leaves() -
     check_arena(900000 * 1024, MEMINFO, "2")
     with pytest.raises(ConfigError, match=r"dram\.capacity=.*at most 976\.6 MiB"):
         check_arena(1100000 * 1024, MEMINFO, "2")
+
+
+@pytest.mark.parametrize(
+    ("target", "says"),
+    [
+        ("127.0.0.1:0", "a port from 1 to 65535"),
+        ("127.0.0.1:70000", "a port from 1 to 65535"),
+        ("host:port", "a port from 1 to 65535"),
+        ("http://127.0.0.1:50051", "is a URL"),
+        ("a b:1", "HOST:PORT"),
+    ],
+)
+def test_bad_target_names_the_flag_and_the_form(target: str, says: str) -> None:
+    line = one_line_error(kvstore_cli("stats", "--target", target))
+    assert "--target" in line and says in line, line
+
+
+def test_a_target_without_a_port_means_the_servers_default_port_not_443() -> None:
+    from kvstore.cli.targets import parse_target
+    from kvstore.config import ServerConfig
+
+    default_port = ServerConfig().listen.rpartition(":")[2]
+    assert parse_target("localhost") == f"localhost:{default_port}"
+    assert parse_target("[::1]") == f"[::1]:{default_port}"
+    assert parse_target("[::1]:7000") == "[::1]:7000"
+    help_text = kvstore_cli("stats", "--help").stdout
+    assert f"HOST alone means port {default_port}" in " ".join(help_text.split())
+
+
+@pytest.mark.parametrize("command", ["stats", "demo"])
+def test_nothing_listening_asks_whether_kvstore_serve_runs(command: str) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # bound, never listening: connections are refused
+        line = one_line_error(kvstore_cli(command, "--target", f"127.0.0.1:{port}"))
+    assert line.startswith(
+        f"kvstore {command}: nothing answers at 127.0.0.1:{port} — is `kvstore serve` running?"
+    ), line

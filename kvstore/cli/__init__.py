@@ -42,16 +42,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore.cli.router import add_router_parser, run_router_command
 from kvstore.cli.stats import format_stats, watch
+from kvstore.cli.targets import DEFAULT_PORT, DEFAULT_TARGET, nothing_answers, parse_target
 from kvstore.client import KVStoreClient
 from kvstore.client.channel import ChannelSecurity, blocking_channel
 from kvstore.client.settings import ClientSettings
 from kvstore.config import SIZE_HINT, Config, format_size, load_config, unknown_env_vars
-from kvstore.errors import ConfigError, KVStoreError
+from kvstore.errors import ConfigError, KVStoreError, StoreUnavailableError
 from kvstore.keys import ChunkHasher, Namespace
 
 __all__ = ["main", "version_line", "wait_until_serving"]
 
-DEFAULT_TARGET = "127.0.0.1:50051"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 # Exit status of a process whose reader went away (128 + SIGPIPE), as shell tools end.
 EXIT_BROKEN_PIPE = 141
@@ -251,8 +251,9 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     stats.add_argument(
         "--target",
         metavar="HOST:PORT",
+        type=parse_target,
         default=DEFAULT_TARGET,
-        help="server (default: %(default)s)",
+        help=f"server; a HOST alone means port {DEFAULT_PORT} (default: %(default)s)",
     )
     output = stats.add_mutually_exclusive_group()
     output.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -281,8 +282,9 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     demo.add_argument(
         "--target",
         metavar="HOST:PORT",
+        type=parse_target,
         default=DEFAULT_TARGET,
-        help="server (default: %(default)s)",
+        help=f"server; a HOST alone means port {DEFAULT_PORT} (default: %(default)s)",
     )
     demo.add_argument(
         "--wait",
@@ -418,6 +420,9 @@ def _run(argv: Sequence[str] | None) -> int:
         return _demo(args)
     except BrokenPipeError:
         raise  # not an error of the command: main ends quietly
+    except StoreUnavailableError as exc:
+        print(f"kvstore {args.command}: {nothing_answers(args.target, exc)}", file=sys.stderr)
+        return 2
     except (KVStoreError, TimeoutError, OSError) as exc:
         print(f"kvstore {args.command}: {exc}", file=sys.stderr)
         return 2
