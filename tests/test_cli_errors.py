@@ -227,3 +227,42 @@ def test_nothing_listening_asks_whether_kvstore_serve_runs(command: str) -> None
     assert line.startswith(
         f"kvstore {command}: nothing answers at 127.0.0.1:{port} — is `kvstore serve` running?"
     ), line
+
+
+def test_a_taken_default_metrics_port_gives_way_to_a_free_one_in_one_warning_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from kvstore.cli.checks import free_metrics_port
+
+    with socket.socket() as holder:  # another server's /metrics
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = f"127.0.0.1:{holder.getsockname()[1]}"
+        config = load_config(
+            env={}, overrides={"nvme.path": str(tmp_path), "server.metrics_listen": taken}
+        )
+        with caplog.at_level("WARNING", logger="kvstore.cli.checks"):
+            moved = free_metrics_port(config, default=taken)
+        assert moved.server.metrics_listen == "127.0.0.1:0"
+        assert [r.getMessage() for r in caplog.records] == [
+            f"metrics port {taken.rpartition(':')[2]} is in use (another kvstore serve on this "
+            "host?): serving /metrics on a free port instead, shown by the 'kvstore metrics on' "
+            "line; pin one with --metrics-listen HOST:PORT"
+        ]
+        # Not the default (set by the user): used as given, and refused by preflight if taken.
+        assert free_metrics_port(config).server.metrics_listen == taken
+    # The default port free: kept.
+    assert free_metrics_port(config, default=taken).server.metrics_listen == taken
+
+
+def test_a_metrics_port_that_was_set_and_is_taken_is_still_refused(tmp_path: Path) -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        result = kvstore_cli(
+            "serve", "--listen", "127.0.0.1:0", "--nvme-path", str(tmp_path / "nvme"),
+            "--dram-capacity", "16MiB", "--metrics-listen", f"127.0.0.1:{port}",
+        )  # fmt: skip
+    line = one_line_error(result)
+    assert "server.metrics_listen" in line and "already in use" in line, line
