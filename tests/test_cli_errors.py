@@ -266,3 +266,18 @@ def test_a_metrics_port_that_was_set_and_is_taken_is_still_refused(tmp_path: Pat
         )  # fmt: skip
     line = one_line_error(result)
     assert "server.metrics_listen" in line and "already in use" in line, line
+
+
+def test_a_dram_tier_smaller_than_one_page_is_refused_naming_both_settings(tmp_path: Path) -> None:
+    line = one_line_error(
+        kvstore_cli("serve", "--dram-capacity", "1KiB", "--nvme-path", str(tmp_path / "nvme"))
+    )
+    assert "dram.capacity=1024 B is smaller than one page (dram.page_size=64.0 KiB)" in line
+    assert "at least 64KiB, or 0" in line
+    assert not (tmp_path / "nvme").exists()  # refused before anything opened
+
+
+def test_help_says_which_units_are_binary_and_which_decimal() -> None:
+    assert parse_size("4G") == 4 * 10**9 and parse_size("4GiB") == 4 * 1024**3
+    text = " ".join(kvstore_cli("serve", "--help").stdout.split())
+    assert "KiB... are powers of 1024; KB or K... powers of 1000: 4G is 4000000000 bytes" in text
