@@ -7,6 +7,8 @@ backoff to have grown past 3 s; the restarted server listens on the same port.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import threading
 import time
 from pathlib import Path
@@ -14,7 +16,7 @@ from pathlib import Path
 import pytest
 from serve_process import Serve, free_port
 
-from kvstore import KVStoreClient, KVStoreError
+from kvstore import AsyncKVStoreClient, KVStoreClient, KVStoreError
 
 OUTAGE_S = 8.0
 #: The promise is about a second; the rest is slack for a loaded two-core machine.
@@ -60,6 +62,36 @@ def test_calls_succeed_within_a_second_of_serving_on_after_an_outage(
             back_after = time.monotonic() - serving
         finally:
             server.stop()
+    assert back_after < BACK_WITHIN_S, f"answered {back_after:.2f} s after serving on"
+
+
+def test_the_async_client_too_and_so_the_nodes_peer_links_on_the_same_channels(
+    tmp_path: Path, args: list[str]
+) -> None:
+    async def scenario() -> float:
+        server = _serve(args, tmp_path, "first")
+        async with AsyncKVStoreClient(server.target, timeout=1.0, data_plane="grpc") as client:
+            await client.stats()
+            server.stop()
+            end = time.monotonic() + OUTAGE_S
+            while time.monotonic() < end:
+                with contextlib.suppress(KVStoreError):
+                    await client.stats(timeout=0.5)
+                await asyncio.sleep(0.2)
+            server = _serve(args, tmp_path, "second")
+            try:
+                serving = time.monotonic()
+                while True:
+                    try:
+                        await client.stats(timeout=0.5)
+                        return time.monotonic() - serving
+                    except KVStoreError:
+                        assert time.monotonic() - serving < 10, server.log()
+                        await asyncio.sleep(0.02)
+            finally:
+                server.stop()
+
+    back_after = asyncio.run(scenario())
     assert back_after < BACK_WITHIN_S, f"answered {back_after:.2f} s after serving on"
 
 
