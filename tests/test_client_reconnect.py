@@ -130,3 +130,25 @@ def test_when_reconnected_waits_for_a_new_connection_not_the_one_that_is_up(
             assert not fired.wait(1.0)
     finally:
         server.stop()
+
+
+def test_closing_a_client_that_still_waits_leaves_no_failing_grpc_thread() -> None:
+    # gRPC's connectivity thread dies with "Channel closed!" if it polls a channel closed under
+    # it (seen once in tests/vllm at shutdown with the store down); close() cancels pending
+    # watches and lets that thread see them go first. The race is narrow: this checks the path,
+    # it does not force the race.
+    failures: list[BaseException | None] = []
+    previous = threading.excepthook
+    threading.excepthook = lambda args: failures.append(args.exc_value)
+    try:
+        fired = threading.Event()
+        client = KVStoreClient(f"127.0.0.1:{free_port()}", timeout=0.5, data_plane="grpc")
+        with pytest.raises(KVStoreError):
+            client.stats()
+        client.when_reconnected(fired.set)
+        time.sleep(0.3)  # gRPC's connectivity thread is polling the channel now
+        client.close()
+        time.sleep(0.6)  # it would have died on the closed channel by now
+    finally:
+        threading.excepthook = previous
+    assert failures == [] and not fired.is_set()

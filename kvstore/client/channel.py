@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,8 +34,10 @@ __all__ = [
     "RECONNECT_BACKOFF_MAX_MS",
     "RECONNECT_OPTIONS",
     "ChannelSecurity",
+    "ReconnectWatch",
     "aio_channel",
     "blocking_channel",
+    "settle_watches",
     "when_reconnected",
 ]
 
@@ -158,31 +161,67 @@ def aio_channel(
     )
 
 
-def when_reconnected(channel: grpc.Channel, callback: Callable[[], None]) -> None:
-    """Call ``callback`` once (on a gRPC thread) when ``channel`` next connects afresh.
+class ReconnectWatch:
+    """Calls ``callback`` once (on a gRPC thread) when ``channel`` next connects afresh.
 
     Asking makes the channel try to connect, and it keeps trying (at most
     :data:`RECONNECT_BACKOFF_MAX_MS` apart) until it does. A connection that is up when asked
     does not count: the channel must be seen down first, so a server that is up but failing
     calls does not fire it.
     """
-    seen_down = False
-    fired = threading.Lock()
 
-    def on_state(state: grpc.ChannelConnectivity) -> None:
-        nonlocal seen_down
+    #: How long gRPC's connectivity thread may go on after the last watch on a channel ends: it
+    #: wakes every 0.2 s, and on a channel closed meanwhile it dies with "Channel closed!".
+    SETTLE_S = 0.3
+
+    def __init__(self, channel: grpc.Channel, callback: Callable[[], None]) -> None:
+        self._channel = channel
+        self._callback = callback
+        self._seen_down = False
+        self._lock = threading.Lock()
+        self._active = True
+        #: When the subscription ended (``time.monotonic()``); ``None`` while it lasts.
+        self.ended_at: float | None = None
+        channel.subscribe(self._on_state, try_to_connect=True)
+
+    def _end(self) -> bool:
+        with self._lock:
+            if not self._active:
+                return False
+            self._active = False
+        self._channel.unsubscribe(self._on_state)
+        self.ended_at = time.monotonic()
+        return True
+
+    def _on_state(self, state: grpc.ChannelConnectivity) -> None:
         if state is not grpc.ChannelConnectivity.READY:
-            seen_down = True
+            self._seen_down = True
             return
-        if not seen_down or not fired.acquire(blocking=False):
+        if not self._seen_down or not self._end():
             return
-        channel.unsubscribe(on_state)
         try:
-            callback()
+            self._callback()
         except Exception:  # on gRPC's delivery thread an error would vanish
             logger.exception("reconnect callback failed")
 
-    channel.subscribe(on_state, try_to_connect=True)
+    def cancel(self) -> None:
+        """Stop watching (the callback is not called); a no-op once it fired."""
+        self._end()
+
+
+def when_reconnected(channel: grpc.Channel, callback: Callable[[], None]) -> ReconnectWatch:
+    """Watch ``channel`` for its next fresh connection (see :class:`ReconnectWatch`)."""
+    return ReconnectWatch(channel, callback)
+
+
+def settle_watches(watches: Sequence[ReconnectWatch]) -> None:
+    """Cancel ``watches`` and wait until gRPC's connectivity thread has seen them go, so the
+    channel can be closed under it without that thread failing."""
+    for watch in watches:
+        watch.cancel()
+    ended = [w.ended_at for w in watches if w.ended_at is not None]
+    if ended:
+        time.sleep(max(0.0, max(ended) + ReconnectWatch.SETTLE_S - time.monotonic()))
 
 
 @dataclass(frozen=True)
