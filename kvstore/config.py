@@ -213,6 +213,12 @@ class DramConfig:
         _positive("dram.page_size", self.page_size)
         if self.page_size % 4096:
             raise ConfigError(f"dram.page_size must be a multiple of 4096, got {self.page_size}")
+        if 0 < self.capacity < self.page_size:
+            raise ConfigError(
+                f"dram.capacity={self.capacity} B is smaller than one page (dram.page_size="
+                f"{format_size(self.page_size)}): give at least {self.page_size // 1024}KiB, "
+                "or 0 to turn the dram tier off"
+            )
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,9 @@
 """Byte sizes as people write them (``512MiB``, ``4GiB``, ``1.5GB``) and as logs print them.
 
+``KiB``, ``MiB``, ``GiB``, ``TiB`` are binary (powers of 1024); ``KB``, ``MB``, ``GB``, ``TB`` and
+their one-letter forms ``K``, ``M``, ``G``, ``T`` are decimal (powers of 1000), as the SI and
+disk vendors have them: ``4G`` is 4,000,000,000 bytes, ``4GiB`` 4,294,967,296.
+
 A leaf module: the config loader, the tenant tables and the CLI all read sizes the same way.
 """
 
@@ -28,7 +32,10 @@ _UNITS = {
     "tib": 1024**4,
 }
 #: What a size looks like, for messages and help.
-SIZE_HINT = "a size is bytes or a number with one of KiB, MiB, GiB, TiB, KB, MB, GB, TB, e.g. 4GiB"
+SIZE_HINT = (
+    "a size is bytes or a number with one of KiB, MiB, GiB, TiB, KB, MB, GB, TB, e.g. 4GiB "
+    "(KiB... are powers of 1024; KB or K... powers of 1000: 4G is 4000000000 bytes)"
+)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 

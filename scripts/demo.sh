@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Start kvstore on its embedded defaults (dram + nvme under ~/.local/share/kvstore) on a free
-# loopback port, check that the process answering there is the one this script started, run the
-# demo client against it (it prints what it stored and read back), then stop the server gracefully.
+# Start kvstore on its embedded defaults (dram + nvme) on a free loopback port, with a temporary
+# data directory of its own (so a server of yours on the default one is left alone), check that
+# the process answering there is the one this script started, run the demo client against it (it
+# prints what it stored and read back), then stop the server gracefully and remove the directory.
 #
 #   KVSTORE_VENV=DIR bash scripts/demo.sh   # use (and install into) DIR instead of .venv
 set -euo pipefail
@@ -12,6 +13,7 @@ fail() { echo "demo.sh: FAILED: $*" >&2; exit 1; }
 bash scripts/setup.sh
 
 log="$(mktemp "${TMPDIR:-/tmp}/kvstore-demo-log.XXXXXX")"
+data="$(mktemp -d "${TMPDIR:-/tmp}/kvstore-demo-data.XXXXXX")"
 server=""
 cleanup() {
     if [ -n "$server" ] && kill -0 "$server" 2>/dev/null; then
@@ -19,12 +21,14 @@ cleanup() {
         wait "$server" 2>/dev/null || true
     fi
     rm -f "$log"
+    rm -rf "$data"
 }
 trap cleanup EXIT
 
 # Port 0: the kernel picks a free port, so another server (say one on 50051) is never reused.
-echo "--- starting kvstore serve on a free loopback port"
-"$VENV/bin/kvstore" serve --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 >"$log" 2>&1 &
+echo "--- starting kvstore serve on a free loopback port, data in $data (removed at the end)"
+"$VENV/bin/kvstore" serve --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 \
+    --nvme-path "$data" >"$log" 2>&1 &
 server=$!
 address=""
 for _ in $(seq 1 600); do

@@ -34,6 +34,7 @@ import os
 import platform
 import sys
 import time
+import tomllib
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -42,16 +43,23 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore.cli.router import add_router_parser, run_router_command
 from kvstore.cli.stats import format_stats, watch
+from kvstore.cli.targets import DEFAULT_PORT, DEFAULT_TARGET, nothing_answers, parse_target
 from kvstore.client import KVStoreClient
 from kvstore.client.channel import ChannelSecurity, blocking_channel
 from kvstore.client.settings import ClientSettings
-from kvstore.config import SIZE_HINT, Config, format_size, load_config, unknown_env_vars
-from kvstore.errors import ConfigError, KVStoreError
+from kvstore.config import (
+    SIZE_HINT,
+    Config,
+    env_var,
+    format_size,
+    load_config,
+    unknown_env_vars,
+)
+from kvstore.errors import ConfigError, KVStoreError, StoreUnavailableError
 from kvstore.keys import ChunkHasher, Namespace
 
 __all__ = ["main", "version_line", "wait_until_serving"]
 
-DEFAULT_TARGET = "127.0.0.1:50051"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 # Exit status of a process whose reader went away (128 + SIGPIPE), as shell tools end.
 EXIT_BROKEN_PIPE = 141
@@ -209,7 +217,8 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     serve.add_argument(
         "--metrics-listen",
         metavar="HOST:PORT",
-        help="Prometheus /metrics endpoint, port 0 picks one, '' turns it off"
+        help="Prometheus /metrics endpoint, port 0 picks one, '' turns it off; the default one "
+        "gives way to a free port when another server holds it"
         + default(d.server.metrics_listen if d else ""),
     )
     serve.add_argument(
@@ -251,8 +260,9 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     stats.add_argument(
         "--target",
         metavar="HOST:PORT",
+        type=parse_target,
         default=DEFAULT_TARGET,
-        help="server (default: %(default)s)",
+        help=f"server; a HOST alone means port {DEFAULT_PORT} (default: %(default)s)",
     )
     output = stats.add_mutually_exclusive_group()
     output.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -281,8 +291,9 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     demo.add_argument(
         "--target",
         metavar="HOST:PORT",
+        type=parse_target,
         default=DEFAULT_TARGET,
-        help="server (default: %(default)s)",
+        help=f"server; a HOST alone means port {DEFAULT_PORT} (default: %(default)s)",
     )
     demo.add_argument(
         "--wait",
@@ -310,7 +321,7 @@ def _client(args: argparse.Namespace, **kwargs: Any) -> KVStoreClient:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from kvstore.cli.checks import preflight
+    from kvstore.cli.checks import free_metrics_port, preflight
     from kvstore.server.app import run_server
 
     logging.basicConfig(
@@ -318,6 +329,8 @@ def _serve(args: argparse.Namespace) -> int:
     )
     overrides = {setting: getattr(args, flag) for flag, setting in _SERVE_FLAGS.items()}
     config = load_config(args.config, overrides=overrides)
+    if not _metrics_listen_set(args):
+        config = free_metrics_port(config)
     # Before anything opens (the arena, LMDB, the port): a misconfiguration leaves nothing behind.
     preflight(config)
 
@@ -329,6 +342,22 @@ def _serve(args: argparse.Namespace) -> int:
 
     asyncio.run(run_server(config, on_ready=ready, on_metrics=metrics))
     return 0
+
+
+def _metrics_listen_set(args: argparse.Namespace) -> bool:
+    """Whether ``server.metrics_listen`` was set (flag, variable or config file): a set one is
+    used as given, the default one gives way to a free port when another server holds it."""
+    if args.metrics_listen is not None or env_var("server.metrics_listen") in os.environ:
+        return True
+    path = args.config or os.environ.get("KVSTORE_CONFIG")
+    if not path:
+        return False
+    try:
+        with open(path, "rb") as handle:
+            server = tomllib.load(handle).get("server", {})
+    except (OSError, tomllib.TOMLDecodeError):
+        return True  # load_config read it a moment ago; if not now, keep the strict check
+    return isinstance(server, dict) and "metrics_listen" in server
 
 
 def _stats(args: argparse.Namespace) -> int:
@@ -418,6 +447,9 @@ def _run(argv: Sequence[str] | None) -> int:
         return _demo(args)
     except BrokenPipeError:
         raise  # not an error of the command: main ends quietly
+    except StoreUnavailableError as exc:
+        print(f"kvstore {args.command}: {nothing_answers(args.target, exc)}", file=sys.stderr)
+        return 2
     except (KVStoreError, TimeoutError, OSError) as exc:
         print(f"kvstore {args.command}: {exc}", file=sys.stderr)
         return 2

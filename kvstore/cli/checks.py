@@ -5,15 +5,16 @@ is allowed, so a misconfigured start leaves nothing opened or written.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import socket
 from pathlib import Path
 
-from kvstore.config import Config, format_size
+from kvstore.config import Config, ServerConfig, format_size
 from kvstore.errors import ConfigError
 
-__all__ = ["arena_limit", "check_arena", "check_listen", "preflight"]
+__all__ = ["arena_limit", "check_arena", "check_listen", "free_metrics_port", "preflight"]
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +114,30 @@ def check_listen(listen: str, setting: str = "server.listen", flag: str = "--lis
                     ) from None
                 # An address family this machine lacks (::1 without IPv6): gRPC skips it too.
                 logger.debug("cannot bind %s for %s: %s", address, listen, exc)
+
+
+def free_metrics_port(config: Config, default: str = ServerConfig.metrics_listen) -> Config:
+    """``config`` with ``/metrics`` on a free port where it would take the ``default`` one and
+    another process (a second ``kvstore serve`` on this host) holds it; said in one line.
+
+    Only for a default nobody asked for: a metrics address that was set is checked as given.
+    """
+    listen = config.server.metrics_listen
+    if listen != default:
+        return config
+    try:
+        check_listen(listen, "server.metrics_listen", "--metrics-listen")
+    except ConfigError:
+        host = listen.rpartition(":")[0]
+        logger.warning(
+            "metrics port %s is in use (another kvstore serve on this host?): serving /metrics "
+            "on a free port instead, shown by the 'kvstore metrics on' line; pin one with "
+            "--metrics-listen HOST:PORT",
+            listen.rpartition(":")[2],
+        )
+        server = dataclasses.replace(config.server, metrics_listen=f"{host}:0")
+        return dataclasses.replace(config, server=server)
+    return config
 
 
 def preflight(config: Config) -> None:

@@ -7,7 +7,9 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
+from kvstore.cli.targets import nothing_answers
 from kvstore.config import format_size
+from kvstore.errors import DeadlineExceededError, StoreUnavailableError
 
 __all__ = ["format_stats", "watch"]
 
@@ -129,17 +131,28 @@ def watch(
 ) -> None:
     """Print a frame of :func:`format_stats` every ``every_s`` seconds until interrupted
     (KeyboardInterrupt propagates: the caller ends quietly). Rates are per second since the
-    frame before; on a terminal each frame replaces the last."""
+    frame before; on a terminal each frame replaces the last. A server that does not answer
+    (not started yet, restarting) gets a frame saying so, and the watch goes on: a live view is
+    what one keeps open across a restart."""
     previous: dict[str, Any] | None = None
     taken = time.monotonic()
     clear = out.isatty()
     while True:
-        stats = fetch()
-        now = time.monotonic()
         header = (
             f"kvstore stats {target} at {time.strftime('%H:%M:%S')} "
             f"(every {every_s:g}s; Ctrl-C stops)"
         )
+        try:
+            stats = fetch()
+        except (StoreUnavailableError, DeadlineExceededError) as exc:
+            # Rates restart with the next answer: a restarted server's counters start at 0.
+            previous = None
+            lines = [header, nothing_answers(target, exc), "waiting; retrying each refresh"]
+            out.write((_CLEAR if clear else "") + "\n".join(lines) + "\n\n")
+            out.flush()
+            time.sleep(every_s)
+            continue
+        now = time.monotonic()
         lines = [header, *format_stats(stats, previous, now - taken)]
         out.write((_CLEAR if clear else "") + "\n".join(lines) + "\n\n")
         out.flush()

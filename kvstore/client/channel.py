@@ -5,10 +5,20 @@ The token rides as ``authorization: Bearer <token>`` metadata added by a channel
 every call on the channel carries it: data calls, the ``DataPlane`` discovery call and the UCX
 control calls alike. It is sent over a plain channel too (a loopback server with tokens but no
 TLS); across a network, use TLS (``tls_ca``) so the token is not readable on the wire.
+
+Every channel retries a lost connection at most :data:`RECONNECT_BACKOFF_MAX_MS` apart. gRPC's
+own default backoff grows to two minutes: a client whose server was down 30 s then failed for
+another 10 s after the server came back, every call refused by a channel still waiting out its
+backoff. A refused connection attempt costs one TCP handshake, so a short ceiling is cheap.
+:func:`when_reconnected` tells a caller that stopped calling (a circuit breaker) the moment the
+server answers again.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +30,29 @@ from kvstore.client.settings import ClientSettings
 from kvstore.errors import ConfigError
 from kvstore.protocol import messages as _wire
 
-__all__ = ["ChannelSecurity", "aio_channel", "blocking_channel"]
+__all__ = [
+    "RECONNECT_BACKOFF_MAX_MS",
+    "RECONNECT_OPTIONS",
+    "ChannelSecurity",
+    "ReconnectWatch",
+    "aio_channel",
+    "blocking_channel",
+    "settle_watches",
+    "when_reconnected",
+]
+
+#: The longest wait between two connection attempts of a channel whose server is gone.
+RECONNECT_BACKOFF_MAX_MS = 500
+
+#: Channel arguments every client channel gets. The connect timeout
+#: (``grpc.min_reconnect_backoff_ms``) keeps its default of 20 s: lowering it would fail a
+#: handshake slower than the backoff (TLS over a long link) for ever.
+RECONNECT_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MAX_MS),
+]
+
+logger = logging.getLogger(__name__)
 
 Pem = str | bytes | Path | None
 
@@ -94,10 +126,11 @@ class ChannelSecurity:
 def blocking_channel(target: str, security: ChannelSecurity) -> grpc.Channel:
     """A blocking channel to ``target`` with ``security`` applied."""
     credentials = security.credentials()
+    options = [*_wire.CHANNEL_OPTIONS, *RECONNECT_OPTIONS]
     if credentials is None:
-        channel = grpc.insecure_channel(target, options=_wire.CHANNEL_OPTIONS)
+        channel = grpc.insecure_channel(target, options=options)
     else:
-        channel = grpc.secure_channel(target, credentials, options=_wire.CHANNEL_OPTIONS)
+        channel = grpc.secure_channel(target, credentials, options=options)
     extra = security.metadata()
     if not extra:
         return channel
@@ -108,8 +141,9 @@ def aio_channel(
     target: str, security: ChannelSecurity, options: Sequence[tuple[str, Any]] | None = None
 ) -> grpc.aio.Channel:
     """A ``grpc.aio`` channel to ``target`` with ``security`` applied; ``options``: its channel
-    arguments (default: no message size limit, as a client trusts its server's answers)."""
-    options = _wire.CHANNEL_OPTIONS if options is None else list(options)
+    arguments (default: no message size limit, as a client trusts its server's answers), to
+    which :data:`RECONNECT_OPTIONS` are added."""
+    options = [*(_wire.CHANNEL_OPTIONS if options is None else options), *RECONNECT_OPTIONS]
     extra = security.metadata()
     interceptors: list[Any] = []
     if extra:
@@ -125,6 +159,69 @@ def aio_channel(
     return grpc.aio.secure_channel(
         target, credentials, options=options, interceptors=interceptors or None
     )
+
+
+class ReconnectWatch:
+    """Calls ``callback`` once (on a gRPC thread) when ``channel`` next connects afresh.
+
+    Asking makes the channel try to connect, and it keeps trying (at most
+    :data:`RECONNECT_BACKOFF_MAX_MS` apart) until it does. A connection that is up when asked
+    does not count: the channel must be seen down first, so a server that is up but failing
+    calls does not fire it.
+    """
+
+    #: How long gRPC's connectivity thread may go on after the last watch on a channel ends: it
+    #: wakes every 0.2 s, and on a channel closed meanwhile it dies with "Channel closed!".
+    SETTLE_S = 0.3
+
+    def __init__(self, channel: grpc.Channel, callback: Callable[[], None]) -> None:
+        self._channel = channel
+        self._callback = callback
+        self._seen_down = False
+        self._lock = threading.Lock()
+        self._active = True
+        #: When the subscription ended (``time.monotonic()``); ``None`` while it lasts.
+        self.ended_at: float | None = None
+        channel.subscribe(self._on_state, try_to_connect=True)
+
+    def _end(self) -> bool:
+        with self._lock:
+            if not self._active:
+                return False
+            self._active = False
+        self._channel.unsubscribe(self._on_state)
+        self.ended_at = time.monotonic()
+        return True
+
+    def _on_state(self, state: grpc.ChannelConnectivity) -> None:
+        if state is not grpc.ChannelConnectivity.READY:
+            self._seen_down = True
+            return
+        if not self._seen_down or not self._end():
+            return
+        try:
+            self._callback()
+        except Exception:  # on gRPC's delivery thread an error would vanish
+            logger.exception("reconnect callback failed")
+
+    def cancel(self) -> None:
+        """Stop watching (the callback is not called); a no-op once it fired."""
+        self._end()
+
+
+def when_reconnected(channel: grpc.Channel, callback: Callable[[], None]) -> ReconnectWatch:
+    """Watch ``channel`` for its next fresh connection (see :class:`ReconnectWatch`)."""
+    return ReconnectWatch(channel, callback)
+
+
+def settle_watches(watches: Sequence[ReconnectWatch]) -> None:
+    """Cancel ``watches`` and wait until gRPC's connectivity thread has seen them go, so the
+    channel can be closed under it without that thread failing."""
+    for watch in watches:
+        watch.cancel()
+    ended = [w.ended_at for w in watches if w.ended_at is not None]
+    if ended:
+        time.sleep(max(0.0, max(ended) + ReconnectWatch.SETTLE_S - time.monotonic()))
 
 
 @dataclass(frozen=True)

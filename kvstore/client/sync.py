@@ -20,12 +20,19 @@ memory is out, and through gRPC otherwise; ``data_plane="grpc"`` turns the fast 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, TypeVar, cast
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
-from kvstore.client.channel import ChannelSecurity, Pem, blocking_channel
+from kvstore.client.channel import (
+    ChannelSecurity,
+    Pem,
+    ReconnectWatch,
+    blocking_channel,
+    settle_watches,
+    when_reconnected,
+)
 from kvstore.client.core import Blocking, ClientBase, Plan, Rpc, Step, client_settings
 from kvstore.client.device_fill import DeviceFill
 from kvstore.client.settings import ClientSettings
@@ -65,6 +72,7 @@ class KVStoreClient(ClientBase):
         self._security = ChannelSecurity.for_client(resolved, token, tls_ca, tls_cert, tls_key)
         self._channel = blocking_channel(target, self._security)
         self._stub = pb_grpc.KVStoreStub(self._channel)
+        self._watches: list[ReconnectWatch] = []
         super().__init__(
             target,
             namespace,
@@ -213,9 +221,23 @@ class KVStoreClient(ClientBase):
         ``"ucx"`` or ``"grpc"``: the one data calls will take."""
         return self._run(self._core.open_data_plane(timeout))
 
+    def when_reconnected(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once, from another thread, when the channel connects to the server
+        afresh after a loss (within about half a second of the server answering again); for a
+        caller that stopped calling a server it saw fail. The channel keeps trying meanwhile."""
+        now = time.monotonic()
+        # Ended watches are kept only as long as close() may have to wait for them.
+        self._watches = [
+            w
+            for w in self._watches
+            if w.ended_at is None or now - w.ended_at < ReconnectWatch.SETTLE_S
+        ]
+        self._watches.append(when_reconnected(self._channel, callback))
+
     def close(self) -> None:
         """Close the shared-memory and UCX paths and the channel."""
         self._core.close()
+        settle_watches(self._watches)
         self._channel.close()
 
     def __enter__(self) -> KVStoreClient:

@@ -21,7 +21,8 @@ that a chunk the store cannot deliver is recomputed instead of failing the reque
 ``HOST:PORT`` of ``kvstore serve``), ``chunk_size`` (tokens per stored chunk, a multiple of the
 engine's block size, default 256), ``tenant``, ``timeout_s`` (get/put deadline, default 5),
 ``lookup_timeout_s`` (longest a request waits for its lookup, default 0.5), ``retry_after_s``
-(how long a failed store is left alone, default 5), ``hash_algorithm`` and ``secret`` (else
+(how long a failed store is left alone, default 5; an unreachable one is tried again as soon as
+its connection comes back), ``hash_algorithm`` and ``secret`` (else
 ``$KVSTORE_HASH_SECRET``), ``handoff_wait_s`` (longest a decode request waits for a prefill
 engine's chunks to reach the store, default 2).
 

@@ -87,7 +87,8 @@ class ConnectorSettings:
             its answer (the scheduler keeps running other requests meanwhile); after it, the
             request goes ahead as a miss.
         retry_after_s: After the store fails a call, how long to treat it as down (answer
-            misses, skip saves) before trying it again; after a lookup outlives
+            misses, skip saves) before trying it again (an unreachable store: or until its
+            connection comes back, whichever is first); after a lookup outlives
             ``lookup_timeout_s``, how long lookups answer misses (saves go on).
         hash_algorithm: ``"xxh3_128"`` or ``"sha256"``.
         secret: Key-derivation secret; defaults to the ``KVSTORE_HASH_SECRET`` environment
@@ -341,7 +342,11 @@ class Breaker:
     """Remembers that the store failed, so that for a while nothing waits on it again.
 
     A dead store must cost the engine nothing: without this, every lookup would wait for its
-    own connection attempt and every save for its own deadline.
+    own connection attempt and every save for its own deadline. An unreachable store
+    (:class:`~kvstore.errors.StoreUnavailableError`) is watched through ``reconnected`` (the
+    client's :meth:`~kvstore.KVStoreClient.when_reconnected`): the breaker closes as soon as
+    the channel connects again, rather than ``retry_after_s`` after the last failure, so that
+    saves resume within a second of a restarted store's ``serving on``.
     """
 
     def __init__(
@@ -350,11 +355,14 @@ class Breaker:
         clock: Callable[[], float] = time.monotonic,
         *,
         warning: str = "kvstore unavailable (%s); treating it as down for %.1f s",
+        reconnected: Callable[[Callable[[], None]], None] | None = None,
     ) -> None:
         self._retry_after_s = retry_after_s
         self._clock = clock
         #: The warning of an outage's first failure (the error, then ``retry_after_s``).
         self._warning = warning
+        self._reconnected = reconnected
+        self._watching = False
         self._down_until = 0.0
         self._lock = threading.Lock()
 
@@ -368,6 +376,28 @@ class Breaker:
             if not self.is_open():
                 logger.warning(self._warning, error, self._retry_after_s)
             self._down_until = self._clock() + self._retry_after_s
+            watch = (
+                self._reconnected is not None
+                and isinstance(error, StoreUnavailableError)
+                and not self._watching
+            )
+            self._watching = self._watching or watch
+        if watch:
+            assert self._reconnected is not None
+            try:
+                self._reconnected(self._close)
+            except Exception:  # the breaker still closes after retry_after_s
+                with self._lock:
+                    self._watching = False
+                logger.warning("kvstore: cannot watch the connection", exc_info=True)
+
+    def _close(self) -> None:
+        with self._lock:
+            self._watching = False
+            was_open = self.is_open()
+            self._down_until = 0.0
+        if was_open:
+            logger.info("kvstore answers again; lookups and saves resume")
 
 
 def warm_up(client: KVStoreClient, breaker: Breaker, timeout: float) -> None:

@@ -153,7 +153,7 @@ class SchedulerSide:
         self._base = base_namespace(vllm_config, shape, settings, tp_rank=0)
         self._client = settings.open_client(self._base) if client is None else client
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvstore-lookup")
-        self._breaker = Breaker(settings.retry_after_s)
+        self._breaker = Breaker(settings.retry_after_s, reconnected=self._client.when_reconnected)
         # A lookup that outlives its (short) deadline stops lookups only: a loaded store is not
         # a dead one, and saves, with deadlines of their own, still reach it.
         self._slow = Breaker(

@@ -91,7 +91,7 @@ class WorkerSide:
         self._tp_rank, self._pp_rank = tp_rank, pp_rank
         self._namespace = base_namespace(vllm_config, shape, settings, tp_rank=tp_rank)
         self._client = settings.open_client(self._namespace) if client is None else client
-        self._breaker = Breaker(settings.retry_after_s)
+        self._breaker = Breaker(settings.retry_after_s, reconnected=self._client.when_reconnected)
         self.counters = ConnectorCounters()
         # Every rank loads and saves the same chunks: only the first reports, or the engine's
         # figures would be multiplied by its number of ranks.

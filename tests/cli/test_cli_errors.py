@@ -189,3 +189,95 @@ def test_arena_limit_is_the_machines_memory_or_what_strict_overcommit_leaves() -
     check_arena(900000 * 1024, MEMINFO, "2")
     with pytest.raises(ConfigError, match=r"dram\.capacity=.*at most 976\.6 MiB"):
         check_arena(1100000 * 1024, MEMINFO, "2")
+
+
+@pytest.mark.parametrize(
+    ("target", "says"),
+    [
+        ("127.0.0.1:0", "a port from 1 to 65535"),
+        ("127.0.0.1:70000", "a port from 1 to 65535"),
+        ("host:port", "a port from 1 to 65535"),
+        ("http://127.0.0.1:50051", "is a URL"),
+        ("a b:1", "HOST:PORT"),
+    ],
+)
+def test_bad_target_names_the_flag_and_the_form(target: str, says: str) -> None:
+    line = one_line_error(kvstore_cli("stats", "--target", target))
+    assert "--target" in line and says in line, line
+
+
+def test_a_target_without_a_port_means_the_servers_default_port_not_443() -> None:
+    from kvstore.cli.targets import parse_target
+    from kvstore.config import ServerConfig
+
+    default_port = ServerConfig().listen.rpartition(":")[2]
+    assert parse_target("localhost") == f"localhost:{default_port}"
+    assert parse_target("[::1]") == f"[::1]:{default_port}"
+    assert parse_target("[::1]:7000") == "[::1]:7000"
+    help_text = kvstore_cli("stats", "--help").stdout
+    assert f"HOST alone means port {default_port}" in " ".join(help_text.split())
+
+
+@pytest.mark.parametrize("command", ["stats", "demo"])
+def test_nothing_listening_asks_whether_kvstore_serve_runs(command: str) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # bound, never listening: connections are refused
+        line = one_line_error(kvstore_cli(command, "--target", f"127.0.0.1:{port}"))
+    assert line.startswith(
+        f"kvstore {command}: nothing answers at 127.0.0.1:{port} — is `kvstore serve` running?"
+    ), line
+
+
+def test_a_taken_default_metrics_port_gives_way_to_a_free_one_in_one_warning_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from kvstore.cli.checks import free_metrics_port
+
+    with socket.socket() as holder:  # another server's /metrics
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = f"127.0.0.1:{holder.getsockname()[1]}"
+        config = load_config(
+            env={}, overrides={"nvme.path": str(tmp_path), "server.metrics_listen": taken}
+        )
+        with caplog.at_level("WARNING", logger="kvstore.cli.checks"):
+            moved = free_metrics_port(config, default=taken)
+        assert moved.server.metrics_listen == "127.0.0.1:0"
+        assert [r.getMessage() for r in caplog.records] == [
+            f"metrics port {taken.rpartition(':')[2]} is in use (another kvstore serve on this "
+            "host?): serving /metrics on a free port instead, shown by the 'kvstore metrics on' "
+            "line; pin one with --metrics-listen HOST:PORT"
+        ]
+        # Not the default (set by the user): used as given, and refused by preflight if taken.
+        assert free_metrics_port(config).server.metrics_listen == taken
+    # The default port free: kept.
+    assert free_metrics_port(config, default=taken).server.metrics_listen == taken
+
+
+def test_a_metrics_port_that_was_set_and_is_taken_is_still_refused(tmp_path: Path) -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        result = kvstore_cli(
+            "serve", "--listen", "127.0.0.1:0", "--nvme-path", str(tmp_path / "nvme"),
+            "--dram-capacity", "16MiB", "--metrics-listen", f"127.0.0.1:{port}",
+        )  # fmt: skip
+    line = one_line_error(result)
+    assert "server.metrics_listen" in line and "already in use" in line, line
+
+
+def test_a_dram_tier_smaller_than_one_page_is_refused_naming_both_settings(tmp_path: Path) -> None:
+    line = one_line_error(
+        kvstore_cli("serve", "--dram-capacity", "1KiB", "--nvme-path", str(tmp_path / "nvme"))
+    )
+    assert "dram.capacity=1024 B is smaller than one page (dram.page_size=64.0 KiB)" in line
+    assert "at least 64KiB, or 0" in line
+    assert not (tmp_path / "nvme").exists()  # refused before anything opened
+
+
+def test_help_says_which_units_are_binary_and_which_decimal() -> None:
+    assert parse_size("4G") == 4 * 10**9 and parse_size("4GiB") == 4 * 1024**3
+    text = " ".join(kvstore_cli("serve", "--help").stdout.split())
+    assert "KiB... are powers of 1024; KB or K... powers of 1000: 4G is 4000000000 bytes" in text

@@ -138,3 +138,43 @@ def test_serve_logs_progress_around_rebuilding_its_index(server: ServerProcess) 
     before = log.index("reading the block index of")
     after = log.index("read the index of 5 block(s) in ")
     assert before < after
+
+
+def test_stats_watch_waits_for_a_server_that_is_not_there_yet(tmp_path: Path) -> None:
+    port = free_port()
+    out = tmp_path / "watch.out"
+    with out.open("w") as handle:
+        watch = subprocess.Popen(
+            [sys.executable, "-m", "kvstore.cli", "stats", "--target", f"127.0.0.1:{port}",
+             "--watch", "0.2", "--timeout", "1"],
+            env={**_env(), "PYTHONUNBUFFERED": "1"}, stdout=handle, stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+    serve: subprocess.Popen[bytes] | None = None
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while "nothing answers" not in out.read_text() and time.monotonic() < deadline:
+            assert watch.poll() is None, watch.communicate()[1]
+            time.sleep(0.05)
+        serve = subprocess.Popen(
+            [sys.executable, "-m", "kvstore.cli", "serve", "--listen", f"127.0.0.1:{port}",
+             "--nvme-path", str(tmp_path / "nvme"), "--dram-capacity", "16MiB",
+             "--nvme-capacity", "16MiB", "--metrics-listen", "127.0.0.1:0"],
+            env={**_env(), "TMPDIR": str(tmp_path)}, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        while "\ndram " not in out.read_text() and time.monotonic() < deadline:
+            assert watch.poll() is None, watch.communicate()[1]
+            time.sleep(0.05)
+        watch.send_signal(signal.SIGINT)
+        _, stderr = watch.communicate(timeout=TIMEOUT_S)
+    finally:
+        watch.kill()
+        if serve is not None:
+            serve.terminate()
+            serve.wait(timeout=TIMEOUT_S)
+    text = out.read_text()
+    assert watch.returncode == 0, stderr
+    assert "Traceback" not in stderr
+    waiting = text.index(f"nothing answers at 127.0.0.1:{port} — is `kvstore serve` running?")
+    assert waiting < text.index("\ndram "), text  # it waited, then showed the server's stats

@@ -81,7 +81,9 @@ def _demo(venv: Path, tmp_path: Path) -> subprocess.CompletedProcess[str]:
         **os.environ,
         "PYTHONPATH": str(ROOT),
         "KVSTORE_VENV": str(venv),
-        "KVSTORE_NVME_PATH": str(tmp_path / "nvme"),
+        # Where the default data directory would be: the demo must not use it.
+        "HOME": str(tmp_path / "home"),
+        "XDG_DATA_HOME": str(tmp_path / "home" / "data"),
         "KVSTORE_DRAM_CAPACITY": "64MiB",
         "TMPDIR": str(tmp_path),
     }
@@ -114,8 +116,9 @@ def test_demo_uses_its_own_server_and_installs_once(
     assert "installing" not in second.stdout
     assert not (venv / "pip.log").exists()
     assert "demo.sh: demo OK against its own server" in second.stdout
-    # The demo's log file and the server's socket directory are gone.
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["nvme", "venv"]
+    # The demo's log file, data directory and the server's socket directory are gone, and the
+    # default data directory (a server of the user's could be using it) was never touched.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["venv"]
 
 
 def test_changed_pyproject_reinstalls(venv: Path, tmp_path: Path) -> None:

@@ -56,6 +56,8 @@ class FakeStore:
         self.slow = False
         self.lookups = 0
         self.lock = threading.Lock()
+        #: What the connector asked to be called when the store answers again.
+        self.reconnect_callbacks: list[Any] = []
 
     def _check(self) -> None:
         if self.down:
@@ -96,6 +98,9 @@ class FakeStore:
     def open_data_plane(self, *, timeout: float | None = None) -> str:
         self._check()
         return "grpc"
+
+    def when_reconnected(self, callback: Any) -> None:
+        self.reconnect_callbacks.append(callback)
 
     def close(self) -> None:
         pass
@@ -516,3 +521,39 @@ def test_breaker_opens_on_a_failure_for_retry_after_s_and_logs_once_per_outage(
         "kvstore unavailable (down)",
         "kvstore unavailable (down again)",
     ]
+
+
+def test_breaker_closes_when_the_store_connects_again_and_only_an_unreachable_one_is_watched() -> (
+    None
+):
+    watchers: list[Any] = []
+    breaker = Breaker(retry_after_s=60.0, reconnected=watchers.append)
+    breaker.trip(DeadlineExceededError("slow"))  # a slow store: no connection to wait for
+    assert breaker.is_open() and watchers == []
+    breaker.trip(StoreUnavailableError("down"))
+    breaker.trip(StoreUnavailableError("still down"))  # one watch per outage
+    assert breaker.is_open() and len(watchers) == 1
+    watchers[0]()  # the channel connected again
+    assert not breaker.is_open()
+    breaker.trip(StoreUnavailableError("down again"))
+    assert breaker.is_open() and len(watchers) == 2
+
+
+def test_both_connector_halves_resume_as_soon_as_the_store_connects_again(
+    store: FakeStore,
+    scheduler: tuple[SchedulerSide, _Manager],
+    worker: WorkerSide,
+) -> None:
+    side, _ = scheduler
+    store.down = True
+    assert _answer(side, _request("r", list(range(3 * CHUNK))), 0) == 0  # a miss, not an error
+    _wait_for(lambda: side._breaker.is_open(), "the scheduler's breaker opens")
+    store.down = False
+    # warm_up may have asked too (it shares the scheduler's breaker): one watch per outage.
+    assert len(store.reconnect_callbacks) == 1
+    store.reconnect_callbacks[0]()
+    assert not side._breaker.is_open()
+    worker._breaker.trip(StoreUnavailableError("a save failed"))  # the worker's own breaker
+    assert worker._breaker.is_open() and len(store.reconnect_callbacks) == 2
+    store.reconnect_callbacks[1]()
+    assert not worker._breaker.is_open()

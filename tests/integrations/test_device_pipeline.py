@@ -131,6 +131,9 @@ class _Store:
     def stats(self, **_: Any) -> dict[str, Any]:
         return {}
 
+    def when_reconnected(self, callback: Any) -> None:
+        pass
+
     def close(self) -> None:
         pass
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -110,18 +111,42 @@ def test_dockerignore_leaves_out_every_large_directory() -> None:
         entry = line.strip().strip("/")
         if entry and not entry.startswith("#") and "results" not in entry:
             assert _ignored(entry.replace("*", "x"), patterns), f"{entry} not in .dockerignore"
-    # What the Dockerfile copies must stay in the context.
-    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
-    copied = [
-        src
-        for line in dockerfile.splitlines()
-        if line.startswith("COPY ")
-        for src in line.split()[1:-1]
-    ]
-    assert copied
-    for src in copied:
-        assert (ROOT / src).exists(), src
-        assert not _ignored(src, patterns), f"{src} is copied by the Dockerfile but ignored"
+    # What the Dockerfiles copy must stay in the context.
+    for name in ("Dockerfile", "vllm.Dockerfile"):
+        dockerfile = (ROOT / "deploy" / name).read_text()
+        copied = [
+            src
+            for line in dockerfile.splitlines()
+            if line.startswith("COPY ")
+            for src in line.split()[1:-1]
+        ]
+        assert copied
+        for src in copied:
+            assert (ROOT / src).exists(), src
+            assert not _ignored(src, patterns), f"{src} is copied by {name} but ignored"
+
+
+def test_the_vllm_example_image_is_built_by_a_dockerfile_here() -> None:
+    manifest = (ROOT / "k8s" / "components" / "vllm-example" / "vllm.yaml").read_text()
+    dockerfile = (ROOT / "deploy" / "vllm.Dockerfile").read_text()
+    image = "vllm-kvstore:0.1.0"
+    assert f"image: {image}" in manifest
+    build = f"docker build -f deploy/vllm.Dockerfile -t {image} ."
+    assert build in dockerfile and build in (ROOT / "README.md").read_text()
+    # The same environment scripts/setup-vllm.sh makes: the pinned CPU torch, the vllm extra,
+    # and the CUDA builds that break `import vllm` removed.
+    setup = (ROOT / "scripts" / "setup-vllm.sh").read_text()
+    assert "torch==2.13.0" in dockerfile and "torch==2.13.0" in setup
+    assert '".[vllm]"' in dockerfile
+    assert "uninstall -y torchvision torchaudio torchcodec" in dockerfile
+    assert 'python -c "import vllm, kvstore.integrations.vllm"' in dockerfile
+    assert "\nUSER " in dockerfile
+
+
+def test_deploy_files_name_manifests_where_they_are() -> None:
+    for path in ("deploy/Dockerfile", "deploy/kvstore.toml"):
+        for name in re.findall(r"k8s/[\w./-]+\.yaml", (ROOT / path).read_text()):
+            assert (ROOT / name).exists(), f"{path} names {name}, which does not exist"
 
 
 def test_readme_deploy_commands_name_files_that_exist() -> None:

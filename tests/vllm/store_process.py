@@ -13,13 +13,16 @@ from harness.ports import free_port
 
 
 class StoreProcess:
-    """A ``kvstore serve`` subprocess (dram + nvme tiers) on a free loopback port."""
+    """A ``kvstore serve`` subprocess (dram + nvme tiers) on a free loopback port, or on
+    ``target`` (a restart: the same address and ``workdir``, a log of its own, ``name``)."""
 
-    def __init__(self, workdir: Path, *flags: str) -> None:
+    def __init__(
+        self, workdir: Path, *flags: str, target: str | None = None, name: str = "store"
+    ) -> None:
         """``flags``: more ``kvstore serve`` flags (later ones win: ``--dram-capacity 8MiB``)."""
         workdir.mkdir(parents=True, exist_ok=True)
-        self.target = f"127.0.0.1:{free_port()}"
-        self.log = workdir / "store.log"
+        self.target = target or f"127.0.0.1:{free_port()}"
+        self.log = workdir / f"{name}.log"
         command = [
             sys.executable,
             "-c",
@@ -52,7 +55,7 @@ class StoreProcess:
                     if self.proc.poll() is not None or time.monotonic() > deadline:
                         self.stop()
                         pytest.fail(f"kvstore serve did not start:\n{self.log.read_text()}")
-                    time.sleep(0.2)
+                    time.sleep(0.05)  # a restart test times from here
 
     def stats(self) -> dict[str, Any]:
         """The server's stats."""
