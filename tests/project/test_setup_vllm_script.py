@@ -11,7 +11,7 @@ import os
 import subprocess
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 PIP_OUTPUT = """\
 Collecting torch==2.13.0

@@ -11,7 +11,7 @@ import os
 import subprocess
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(tmp_path: Path, *args: str, venv: Path) -> subprocess.CompletedProcess[str]:

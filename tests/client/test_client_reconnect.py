@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-from serve_process import Serve, free_port
+from harness.ports import free_port
+from serve_process import Serve
 
 from kvstore import AsyncKVStoreClient, KVStoreClient, KVStoreError
 
