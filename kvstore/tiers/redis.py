@@ -63,11 +63,16 @@ from kvstore.buffers import byte_view
 from kvstore.tiers.base import Buffer, SizeLedger, StoredBlock, Tier
 from kvstore.tiers.redis_link import SKIPPED, Failed, RedisLink
 
-__all__ = ["RedisTier"]
+__all__ = ["DEFAULT_RESEND_QUEUE_BLOCKS", "DEFAULT_RESEND_QUEUE_BYTES", "RedisTier"]
 
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+
+#: Default bounds of the queue of refused write-throughs (``redis.resend_queue_*``): about 20 s of
+#: write-through at 10 GB/min, enough to ride out a Redis Cluster failover (3-5 s) under load.
+DEFAULT_RESEND_QUEUE_BYTES = 256 * 1024**2
+DEFAULT_RESEND_QUEUE_BLOCKS = 16384
 
 
 _SINGLE_SCHEMES = ("redis://", "rediss://", "unix://")
@@ -89,6 +94,8 @@ class RedisTier(Tier):
         key_prefix: str = "kvstore:v1:",
         op_timeout_s: float = 0.5,
         reconnect_backoff_s: tuple[float, float] = (0.1, 5.0),
+        resend_queue_bytes: int = DEFAULT_RESEND_QUEUE_BYTES,
+        resend_queue_blocks: int = DEFAULT_RESEND_QUEUE_BLOCKS,
     ) -> None:
         if capacity < 0:
             raise ValueError(f"capacity must be >= 0, got {capacity}")
@@ -96,6 +103,11 @@ class RedisTier(Tier):
             raise ValueError(f"ttl_s must be > 0 or None (no expiry), got {ttl_s}")
         if op_timeout_s <= 0:
             raise ValueError(f"op_timeout_s must be > 0, got {op_timeout_s}")
+        if resend_queue_bytes < 0 or resend_queue_blocks < 0:
+            raise ValueError(
+                f"resend_queue_bytes and resend_queue_blocks must be >= 0 (0: keep nothing), got "
+                f"{resend_queue_bytes} and {resend_queue_blocks}"
+            )
         low, high = reconnect_backoff_s
         if not 0 < low <= high:
             raise ValueError(
@@ -108,6 +120,10 @@ class RedisTier(Tier):
         self.key_prefix = key_prefix
         self.op_timeout_s = op_timeout_s
         self.reconnect_backoff_s = (low, high)
+        #: Bounds of the store's queue of refused copies to send again
+        #: (:mod:`kvstore.store.shared_writer`).
+        self.resend_queue_bytes = resend_queue_bytes
+        self.resend_queue_blocks = resend_queue_blocks
         self._prefix = key_prefix.encode()
         # PX (milliseconds) rather than EX so that fractional TTLs are honoured.
         self._ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
