@@ -156,6 +156,7 @@ class SharedTierWriter:
         lost = 0
         for header, payload in refused:
             if header.key in self._queue:
+                self._queue.move_to_end(header.key)
                 continue
             if self._closed or (
                 len(self._queue) >= tier.resend_queue_blocks
@@ -198,11 +199,8 @@ class SharedTierWriter:
                     break
                 batch.append((header, payload))
                 size += header.length
-            # The copies leave the queue while they are sent: a refusal puts them back (at the
-            # end: the next batch tries the others first).
-            for header, _ in batch:
-                del self._queue[header.key]
-            self._queued_bytes -= size
+            # The copies stay queued while they are sent: one stored leaves the queue, one
+            # refused again moves to its end (the next batch tries the others first).
             self._in_flight_bytes += size
             before = self._counters.values["write_through_resent"]
             await asyncio.wait({self._spawn(batch, size, resent=True)})
