@@ -20,15 +20,16 @@ __all__ = ["within"]
 _T = TypeVar("_T")
 
 
-async def within(awaitable: Awaitable[_T], timeout_s: float) -> _T:
-    """``await awaitable``, raising :class:`TimeoutError` once ``timeout_s`` has passed.
+async def within(awaitable: Awaitable[_T], timeout_s: float | None) -> _T:
+    """``await awaitable``, raising :class:`TimeoutError` once ``timeout_s`` has passed (``None``:
+    no bound of its own).
 
     At the deadline the awaitable's task is cancelled and abandoned, not awaited: the caller gets
     its answer on time even if the call takes long to wind down. A cancellation of the caller
-    cancels the call too.
+    (an outer ``wait_for``, say) cancels the call too, and likewise returns at once.
     """
     task = asyncio.ensure_future(awaitable)
-    if timeout_s <= 0 and not task.done():
+    if timeout_s is not None and timeout_s <= 0 and not task.done():
         _abandon(task)
         raise TimeoutError(f"no time left ({timeout_s:.3f} s)")
     try:

@@ -4,6 +4,10 @@
 ``HGETALL`` per chunk key plus ``GET`` of the leases of the nodes seen before. Nodes not seen
 before cost a second round trip (their leases), once. An entry counts only if its node's lease
 is alive and carries the entry's epoch (see :mod:`kvstore.cluster`).
+
+Every round trip runs under :func:`kvstore.deadline.within`: it ends at ``timeout_s`` and, when
+the caller's own deadline (a ``wait_for``) cancels it, returns at once instead of waiting for
+redis-py's cluster client to wind the cancelled pipeline down (seconds around a failover).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from dataclasses import dataclass
 
 from kvstore.cluster.layout import Client, Layout
 from kvstore.cluster.membership import NodeInfo
+from kvstore.deadline import within
 
 __all__ = ["ONE_TRIP_NODES", "ClusterIndex", "Holding"]
 
@@ -35,9 +40,12 @@ class Holding:
 class ClusterIndex:
     """The reader of one tenant's view of the index (``layout``)."""
 
-    def __init__(self, client: Client, layout: Layout) -> None:
+    def __init__(self, client: Client, layout: Layout, timeout_s: float | None = None) -> None:
         self.client = client
         self.layout = layout
+        #: Longest one round trip may take (``None``: the client's socket timeout and the
+        #: caller's deadline bound it).
+        self.timeout_s = timeout_s
         self._known: set[str] = set()
         #: The boot epoch of each node with a live lease, as of the last :meth:`holders`
         #: answer (a reader's cached address of a node whose epoch moved is stale).
@@ -47,7 +55,7 @@ class ClusterIndex:
         pipe = self.client.pipeline(transaction=False)
         for node in nodes:
             pipe.get(self.layout.lease(node))
-        return dict(zip(nodes, await pipe.execute(), strict=True))
+        return dict(zip(nodes, await within(pipe.execute(), self.timeout_s), strict=True))
 
     async def holders(self, keys: Sequence[bytes]) -> dict[str, Holding]:
         """Per live node holding any of ``keys``: its leading run and tier per key."""
@@ -58,7 +66,7 @@ class ClusterIndex:
             pipe.hgetall(layout.entry(key))
         for node in known:
             pipe.get(layout.lease(node))
-        answers = await pipe.execute()
+        answers = await within(pipe.execute(), self.timeout_s)
         entries: list[dict[bytes, bytes]] = answers[: len(keys)]
         leases = dict(zip(known, answers[len(keys) :], strict=True))
         seen = {field.decode() for entry in entries for field in entry}
