@@ -170,6 +170,13 @@ class SharedTierWriter:
         if lost:
             self._not_shared(lost, "the re-send queue is full (redis.resend_queue_bytes/_blocks)")
         if self._queue and (self._resender is None or self._resender.done()):
+            logger.warning(
+                "redis refused %d write-through(s); keeping up to %d blocks / %d bytes to send "
+                "again (redis.resend_queue_blocks / _bytes)",
+                len(self._queue),
+                tier.resend_queue_blocks,
+                tier.resend_queue_bytes,
+            )
             self._resender = asyncio.get_running_loop().create_task(
                 self._resend(), name="kvstore-shared-resend"
             )
@@ -185,6 +192,7 @@ class SharedTierWriter:
         assert tier is not None
         low, cap = tier.reconnect_backoff_s
         delay = low
+        resent = self._counters.values["write_through_resent"]
         while self._queue and not self._closed:
             await asyncio.sleep(delay * random.uniform(0.5, 1.0))
             if not tier.up:
@@ -206,6 +214,11 @@ class SharedTierWriter:
             await asyncio.wait({self._spawn(batch, size, resent=True)})
             progress = self._counters.values["write_through_resent"] > before
             delay = low if progress else min(delay * 2, cap)
+        if not self._queue:
+            logger.warning(
+                "re-send queue drained: %d write-through(s) sent again",
+                self._counters.values["write_through_resent"] - resent,
+            )
 
     async def remove(self, keys: Sequence[bytes], written: Sequence[bytes]) -> None:
         """Delete ``keys`` from the shared tier, once the copies of ``written`` (the keys this

@@ -214,16 +214,21 @@ class RedisTier(Tier):
         results = await self._link.pipelined(
             "write", names, lambda pipe, name: pipe.set(name, by_name[name], px=ttl)
         )
+        refusal: Exception | None = None
         for i, result in zip(chosen, results, strict=True):
             header = items[i][0]
             if isinstance(result, (Failed, Exception)):
                 if isinstance(result, Exception):
-                    logger.warning("redis write of %s failed: %s", header.key.hex(), result)
+                    refusal = result
                 self.writes_dropped += 1
                 continue
             self._ledger.add(header.key, header.length)
             self.blocks_written += 1
             outcomes[i] = True
+        if refusal is not None:
+            # One line per batch, at debug: a failover refuses every write for seconds, and the
+            # store's re-send queue reports it once (kvstore.store.shared_writer).
+            logger.debug("redis refused writes of this batch, e.g.: %s", refusal)
         return outcomes
 
     async def read(self, keys: Sequence[bytes]) -> list[StoredBlock | None]:

@@ -208,7 +208,9 @@ class RedisLink:
             except (*_OUTAGE_ERRORS, RedisError) as exc:
                 logger.debug("redis reconnect attempt %d failed: %s", attempts, exc)
                 await self._discard(candidate)
-                delay = min(delay * 2, cap)
+                # While only some cluster nodes are down the rest serves, and a promoted replica
+                # takes over within seconds: look again at least every second.
+                delay = min(delay * 2, cap if not self._up else min(cap, 1.0))
                 continue
             old, self._client = self._client, candidate
             whole = not self._up
