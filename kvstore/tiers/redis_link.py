@@ -128,6 +128,11 @@ class RedisLink:
         return self._up and not self._closed
 
     @property
+    def cluster(self) -> bool:
+        """Whether :attr:`url` names a Redis Cluster."""
+        return self.url.startswith(tuple(_CLUSTER_SCHEMES))
+
+    @property
     def down_nodes(self) -> list[str]:
         """Cluster primaries (``host:port``) whose keys are skipped until the reconnect loop
         finds every slot served again."""
