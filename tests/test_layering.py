@@ -44,6 +44,7 @@ LAYERS: dict[str, int] = {
     "kvstore.tenant_config": 0,
     "kvstore.router_config": 0,
     "kvstore.policy": 0,
+    "kvstore.deadline": 0,
     # 1: what both sides agree on: gRPC message conversion, shm frames, the published dram index
     #    format, UCX conventions.
     "kvstore.protocol": 1,
