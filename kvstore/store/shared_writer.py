@@ -191,6 +191,9 @@ class SharedTierWriter:
         tier = self.tier
         assert tier is not None
         low, cap = tier.reconnect_backoff_s
+        # At least every second: a promoted replica takes over within seconds, and a look at a
+        # tier still down costs nothing (no network).
+        cap = min(cap, 1.0)
         delay = low
         resent = self._counters.values["write_through_resent"]
         while self._queue and not self._closed:

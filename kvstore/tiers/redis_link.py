@@ -258,9 +258,12 @@ class RedisLink:
         client = self._client
         if not isinstance(client, RedisCluster):
             return client, {"": list(range(len(names)))}
-        ready = await self.call("connect", lambda c: c.initialize(), deadline=deadline)
-        if isinstance(ready, Failed):
-            return FAILED
+        # Only a client that has not learnt the slots yet (or redis-py marked for a refresh)
+        # needs a round trip before its keys can be grouped.
+        if client._initialize:
+            ready = await self.call("connect", lambda c: c.initialize(), deadline=deadline)
+            if isinstance(ready, Failed):
+                return FAILED
         groups: dict[str, list[int]] = {}
         for position, name in enumerate(names):
             try:
