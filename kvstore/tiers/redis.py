@@ -212,7 +212,10 @@ class RedisTier(Tier):
         by_name = dict(zip(names, (values[i] for i in chosen), strict=True))
         ttl = self._ttl_ms
         results = await self._link.pipelined(
-            "write", names, lambda pipe, name: pipe.set(name, by_name[name], px=ttl)
+            "write",
+            names,
+            lambda pipe, name: pipe.set(name, by_name[name], px=ttl),
+            replicated=True,
         )
         refusal: Exception | None = None
         for i, result in zip(chosen, results, strict=True):
@@ -314,6 +317,7 @@ class RedisTier(Tier):
             "outages": self.outages,
             "node_outages": self.node_outages,
             "down_nodes": len(self._link.down_nodes),
+            "writes_unreplicated": self._link.unreplicated,
             "reconnects": self.reconnects,
             "blocks_written": self.blocks_written,
             "writes_dropped": self.writes_dropped,

@@ -12,6 +12,9 @@ call and leave the link up.
 :meth:`RedisLink.pipelined` splits a batch by the primary serving each key's slot and sends each
 primary its own pipeline, concurrently, within one deadline; per-key refusals while the cluster
 reshapes (``CLUSTERDOWN`` while a failover is decided) come back as exceptions for those keys.
+Writes to a primary that has a replica end with ``WAIT 1``: Redis Cluster replicates
+asynchronously, and a write counts as stored only once a replica has it too, so a master's death
+cannot take acknowledged writes with it (they are refused, and the store sends them again).
 """
 
 from __future__ import annotations
@@ -72,6 +75,9 @@ FAILED = Failed.FAILED
 #: Not sent: the cluster node serving the key is down.
 SKIPPED = Failed.SKIPPED
 
+# Fewest seconds between two fresh views of the cluster asked for by unacknowledged writes.
+_REFRESH_EVERY_S = 1.0
+
 # A client and the positions of a batch's names by the cluster primary serving them.
 _Groups = tuple[_Client, dict[str, list[int]]]
 
@@ -100,6 +106,9 @@ class RedisLink:
         self.node_outages = 0
         #: Outages ended by the reconnect loop.
         self.reconnects = 0
+        #: Writes a master took but no replica acknowledged in time (refused, sent again).
+        self.unreplicated = 0
+        self._refreshed_at = 0.0
 
     def _make_client(self) -> _Client:
         """A new client for :attr:`url`; it connects lazily, on its first command."""
@@ -218,17 +227,30 @@ class RedisLink:
                 delay = min(delay * 2, cap if not self._up else min(cap, 1.0))
                 continue
             old, self._client = self._client, candidate
-            whole = not self._up
+            whole, partial = not self._up, bool(self._down_nodes)
             self._up = True
             self._down_nodes.clear()
-            self.reconnects += 1
-            logger.warning(
-                "redis %s up again after %d attempt(s)",
-                "tier" if whole else "cluster (every slot served)",
-                attempts,
-            )
+            if whole or partial:
+                self.reconnects += 1
+                logger.warning(
+                    "redis %s up again after %d attempt(s)",
+                    "tier" if whole else "cluster (every slot served)",
+                    attempts,
+                )
             await self._discard(old)
             return
+
+    def _refresh(self) -> None:
+        """Swap in a fresh client (a new view of the cluster) in the background, at most once
+        per :data:`_REFRESH_EVERY_S`."""
+        now = time.monotonic()
+        if self._closed or now - self._refreshed_at < _REFRESH_EVERY_S:
+            return
+        self._refreshed_at = now
+        if self._reconnect_task is None or self._reconnect_task.done():
+            self._reconnect_task = asyncio.get_running_loop().create_task(
+                self._reconnect(), name="kvstore-redis-refresh"
+            )
 
     async def _ping(self, client: _Client) -> None:
         if isinstance(client, RedisCluster):
@@ -274,11 +296,25 @@ class RedisLink:
         return client, groups
 
     async def pipelined(
-        self, op: str, names: Sequence[bytes], command: Callable[[Any, bytes], object]
+        self,
+        op: str,
+        names: Sequence[bytes],
+        command: Callable[[Any, bytes], object],
+        *,
+        replicated: bool = False,
     ) -> list[Any]:
         """Per name, the reply to ``command(pipeline, name)`` (an exception where that command
         failed), :data:`SKIPPED` where its cluster node is down, or :data:`FAILED` where the
-        call failed or did not answer in time."""
+        call failed or did not answer in time.
+
+        ``replicated`` (writes to a cluster): a primary that has a replica must also have it
+        acknowledge the writes (``WAIT 1``) before its replies count. Redis Cluster replicates
+        asynchronously; without it, writes a master took in its last moments before dying are
+        lost in the failover with nobody knowing. A primary that dies first fails the whole
+        call (the writes are then sent again); where no replica acknowledges in time the
+        replies are :data:`FAILED` too (counted in :attr:`unreplicated`), and a fresh view of
+        the cluster is taken, which leaves out a replica the cluster has flagged failed.
+        """
         deadline = time.monotonic() + self.op_timeout_s
         replies: list[Any] = [FAILED] * len(names)
         split = await self._split(names, deadline)
@@ -291,16 +327,31 @@ class RedisLink:
                 for position in positions:
                     replies[position] = SKIPPED
                 return
+            primary = _replicated_primary(client, names[positions[0]]) if replicated else None
 
             def send(c: _Client) -> Awaitable[list[Any]]:
                 pipe = c.pipeline(transaction=False)
                 for position in positions:
                     command(pipe, names[position])
+                if primary is not None:
+                    # Half the time left: the replica's answer must come back within the call.
+                    wait_ms = max(1, int((deadline - time.monotonic()) * 500))
+                    pipe.execute_command("WAIT", 1, wait_ms, target_nodes=primary)
                 return pipe.execute(raise_on_error=False)
 
             answers = await self.call(op, send, client=client, node=node, deadline=deadline)
             if isinstance(answers, Failed):
                 return
+            if primary is not None:
+                acknowledged = answers.pop()
+                if not isinstance(acknowledged, int) or acknowledged < 1:
+                    # The writes are on the master only: not counted, so they are sent again.
+                    # A replica that stopped acknowledging may be dead; a fresh view of the
+                    # cluster leaves it out once the cluster has flagged it failed.
+                    logger.debug("%s: no replica acknowledged (%s)", node, acknowledged)
+                    self.unreplicated += len(positions)
+                    self._refresh()
+                    return
             for position, answer in zip(positions, answers, strict=True):
                 replies[position] = answer
 
@@ -329,3 +380,12 @@ async def _close(client: _Client) -> None:
     if isinstance(client, RedisCluster):
         await client.nodes_manager.aclose()
         await client.nodes_manager.aclose("startup_nodes")
+
+
+def _replicated_primary(client: _Client, name: bytes) -> ClusterNode | None:
+    """The cluster primary serving ``name`` if the client's view of the cluster gives it a
+    (non-failed) replica; ``None`` for a single server or a primary without one."""
+    if not isinstance(client, RedisCluster):
+        return None
+    serving = client.nodes_manager.slots_cache.get(client.keyslot(name), [])
+    return serving[0] if len(serving) > 1 else None
