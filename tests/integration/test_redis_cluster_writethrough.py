@@ -222,3 +222,52 @@ def test_no_acknowledged_write_through_lost_when_a_master_dies(
         for noise in ("Unclosed ClusterNode", "Traceback"):
             at = log.find(noise)
             assert at < 0, log[max(0, at - 2000) : at + 1000]
+
+
+def test_a_dead_replica_delays_its_masters_writes_without_losing_them(
+    server_factory: ServerFactory, redis_cluster: RedisCluster
+) -> None:
+    flags = ("--redis-url", redis_cluster.url)
+    env = {**SECRET, "KVSTORE_REDIS_OP_TIMEOUT_S": "0.5"}
+    node1, node2 = server_factory(*flags, env=env), server_factory(*flags, env=env)
+    with node1.client(NS) as one, node2.client(NS) as two:
+        assert two.get([block(8, 0)[0]]) == [None]
+        writers = Writers(one)
+        for thread in writers.threads:
+            thread.start()
+        try:
+            time.sleep(1.0)
+            (replica,) = redis_cluster.replicas_of(redis_cluster.nodes[0])
+            assert replica.process is not None
+            replica.process.kill()
+            replica.process.wait()
+            replica.process = None
+            time.sleep(4.0)  # cluster-node-timeout is 1 s: the replica is flagged failed
+        finally:
+            writers.stop.set()
+            for thread in writers.threads:
+                thread.join(30.0)
+
+        def drained() -> bool:
+            counters = shared_counters(one)
+            return (
+                counters["shared_write_queue_blocks"] == 0
+                and counters["shared_write_backlog_bytes"] == 0
+            )
+
+        poll(drained, 60.0, "node 1's re-send queue drained")
+        counters = shared_counters(one)
+        stats1 = dict(one.stats()["tiers"]["redis"])
+        acknowledged = sorted(writers.acknowledged)
+        wrong: list[tuple[int, int]] = []
+        missing = read_back(two, acknowledged, wrong)
+    print(
+        f"dead replica: {len(acknowledged)} puts acknowledged, {len(missing)} not readable at "
+        f"node 2, not shared {counters['write_through_dropped']}, re-sent "
+        f"{counters['write_through_resent']}; node1 {stats1}"
+    )
+    assert wrong == [] and len(acknowledged) > 100
+    assert len(missing) <= counters["write_through_dropped"], missing[:10]
+    # The master kept serving: its writes waited for an acknowledgement, never the whole tier.
+    assert stats1["outages"] == 0 and stats1["up"] == 1
+    assert writers.errors == [] and writers.slowest <= DEADLINE_S + SLACK_S
