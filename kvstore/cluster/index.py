@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvstore.cluster.layout import Client, Layout
 from kvstore.cluster.membership import NodeInfo
@@ -93,10 +94,13 @@ class ClusterIndex:
             holding.leading = next((i for i, tier in enumerate(tiers) if not tier), count)
         return found
 
+    async def _members(self) -> Any:
+        return await self.client.smembers(self.layout.nodes)
+
     async def nodes(self) -> dict[str, NodeInfo]:
         """Every node with a live lease, as it described itself."""
         layout = self.layout
-        raw_members = await self.client.smembers(layout.nodes)
+        raw_members = await within(self._members(), self.timeout_s)
         members = sorted(m.decode() if isinstance(m, bytes) else m for m in raw_members)
         if not members:
             return {}
@@ -104,7 +108,7 @@ class ClusterIndex:
         pipe = self.client.pipeline(transaction=False)
         for node in members:
             pipe.hgetall(layout.node(node))
-        infos = await pipe.execute()
+        infos = await within(pipe.execute(), self.timeout_s)
         return {
             node: NodeInfo.parse(node, raw)
             for node, raw in zip(members, infos, strict=True)
