@@ -87,6 +87,11 @@ class SharedTierWriter:
         """Payload bytes of :attr:`queued_blocks`."""
         return self._queued_bytes
 
+    def queued(self, key: bytes) -> BlockHeader | None:
+        """The header of ``key``'s copy waiting in the re-send queue, if one is."""
+        block = self._queue.get(key)
+        return None if block is None else block[0]
+
     @property
     def writes_through(self) -> bool:
         """Whether new blocks are copied to the shared tier as they are stored."""
@@ -155,9 +160,13 @@ class SharedTierWriter:
         assert tier is not None
         lost = 0
         for header, payload in refused:
-            if header.key in self._queue:
+            queued = self._queue.get(header.key)
+            if queued is not None and queued[0] is header:  # a re-send refused again
                 self._queue.move_to_end(header.key)
                 continue
+            if queued is not None:  # an older copy of the key (put again since): replaced
+                del self._queue[header.key]
+                self._queued_bytes -= queued[0].length
             if self._closed or (
                 len(self._queue) >= tier.resend_queue_blocks
                 or self._queued_bytes + header.length > tier.resend_queue_bytes

@@ -109,6 +109,8 @@ class RedisLink:
         #: Writes a master took but no replica acknowledged in time (refused, sent again).
         self.unreplicated = 0
         self._refreshed_at = 0.0
+        # Calls given up at their deadline and still winding down (awaited by close()).
+        self._abandoned: set[asyncio.Future[Any]] = set()
 
     def _make_client(self) -> _Client:
         """A new client for :attr:`url`; it connects lazily, on its first command."""
@@ -161,7 +163,7 @@ class RedisLink:
         client = self._client if client is None else client
         timeout = self.op_timeout_s if deadline is None else deadline - time.monotonic()
         try:
-            return await within(fn(client), timeout)
+            return await within(fn(client), timeout, self._abandoned)
         except _OUTAGE_ERRORS as exc:
             self._mark_down(client, op, exc, node)
         except RedisError as exc:
@@ -218,7 +220,7 @@ class RedisLink:
             # mode rediscovers the topology.
             candidate = self._make_client()
             try:
-                await within(self._ping(candidate), self.op_timeout_s)
+                await within(self._ping(candidate), self.op_timeout_s, self._abandoned)
             except (*_OUTAGE_ERRORS, RedisError) as exc:
                 logger.debug("redis reconnect attempt %d failed: %s", attempts, exc)
                 await self._discard(candidate)
@@ -365,6 +367,8 @@ class RedisLink:
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+        if self._abandoned:
+            await asyncio.wait(set(self._abandoned), timeout=self.op_timeout_s)
         await self._discard(self._client)
 
 
