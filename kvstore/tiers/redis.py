@@ -1,8 +1,8 @@
 """The ``redis`` tier: blocks in a Redis server or Redis Cluster shared by every node.
 
 Each block is one atomic Redis string, ``header ‖ payload`` (see :mod:`kvstore.block`), under
-``key_prefix + key.hex()``, written with ``SET ... PX ttl``. A batch of reads is one ``MGET`` (split
-per hash slot in cluster mode) and every value is verified with
+``key_prefix + key.hex()``, written with ``SET ... PX ttl``. A batch of reads is one ``MGET`` (in
+cluster mode, one pipeline of ``GET`` per master) and every value is verified with
 :func:`kvstore.block.decode_value`, keyed MAC included: anyone able to write to Redis can change a
 value but cannot sign one without the cluster's integrity secret, so a value that fails (forged,
 old unkeyed format, rotted) is deleted, counted in ``corrupt_blocks`` and reported as a miss; it is
@@ -42,7 +42,8 @@ of the cluster keeps serving. The reconnect loop then bootstraps fresh clients f
 seen so far (the URL's node may be the dead one) and swaps one in once every primary answers
 PING, which is when a replica has taken over. Per-key refusals while the cluster reshapes
 (``CLUSTERDOWN`` while a failover is decided, ``MOVED`` redirections past redis-py's own) fail
-only those keys.
+only those keys. A write to a master with a replica counts only once the replica acknowledged
+it (``WAIT 1``, see :mod:`kvstore.tiers.redis_link`), so a failover cannot lose it unseen.
 
 :meth:`RedisTier.write` returns False only for a dropped block; :attr:`RedisTier.up` lets a caller
 skip the tier while it is down instead of evicting to make room that would not help.
