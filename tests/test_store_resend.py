@@ -25,6 +25,7 @@ from kvstore.tiers.dram import DramTier
 from kvstore.tiers.redis import RedisTier
 
 NS = Namespace(model="test-model").fingerprint()
+OTHER_NS = Namespace(model="test-model", tenant="someone-else").fingerprint()
 # Generous for a loaded 2-core box: Redis restarts, backoff (capped at 0.4 s), a re-send.
 WITHIN_S = 20.0
 
@@ -35,11 +36,11 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
         yield server
 
 
-def make_store(url: str, **queue: int) -> TieredStore:
+def make_store(url: str, dram_pages: int = 64, **queue: int) -> TieredStore:
     shared = RedisTier(
         url, capacity=1 << 40, op_timeout_s=0.5, reconnect_backoff_s=(0.05, 0.4), **queue
     )
-    return TieredStore([DramTier(64 * PAGE, page_size=PAGE), shared])
+    return TieredStore([DramTier(dram_pages * PAGE, page_size=PAGE), shared])
 
 
 @pytest.fixture
@@ -157,3 +158,30 @@ async def test_a_stalled_redis_queues_and_puts_never_wait(
     await poll(lambda: node.shared_writer.queued_blocks == 0, "the queue drained")
     assert in_redis(redis_server, range(4)) == [True] * 4
     assert counters(node)["write_through_dropped"] == 0
+
+
+async def test_a_key_put_again_replaces_its_queued_copy(redis_server: RedisServer) -> None:
+    store = make_store(redis_server.url, dram_pages=1)
+    try:
+        redis_server.kill()
+        assert (await store.put([key(1)], [payload(1)], NS)).stored == 1
+        # Key 2 takes the only page: key 1 leaves this node, its copy still queued.
+        assert (await store.put([key(2)], [payload(2)], NS)).stored == 1
+        await store.drain()
+        # Put again, under another namespace: the newer block replaces the queued one.
+        assert (await store.put([key(1)], [payload(1)], OTHER_NS)).stored == 1
+        await store.drain()
+        assert store.shared_writer.queued_blocks == 2
+        queued = store.shared_writer.queued(key(1))
+        assert queued is not None and queued.namespace == OTHER_NS
+        assert counters(store)["write_through_queued"] == 3
+        redis_server.start()
+        await poll(lambda: store.shared_writer.queued_blocks == 0, "the queue drained")
+    finally:
+        await store.close()
+    other = make_store(redis_server.url)
+    try:
+        assert (await other.get([key(1)], OTHER_NS))[0].payload == payload(1)
+        assert not (await other.get([key(1)], NS))[0].found
+    finally:
+        await other.close()
