@@ -242,12 +242,21 @@ class RedisConfig:
     ttl_s: float = 3600.0
     op_timeout_s: float = 0.5
     key_prefix: str = "kvstore:v1:"
+    #: Write-throughs Redis refused (down, failover) kept to send again: bytes and blocks.
+    resend_queue_bytes: int = 256 * 1024**2
+    resend_queue_blocks: int = 16384
 
     def __post_init__(self) -> None:
         if self.ttl_s <= 0:
             raise ConfigError(f"redis.ttl_s must be > 0, got {self.ttl_s}")
         if self.op_timeout_s <= 0:
             raise ConfigError(f"redis.op_timeout_s must be > 0, got {self.op_timeout_s}")
+        for name in ("resend_queue_bytes", "resend_queue_blocks"):
+            if getattr(self, name) < 0:
+                raise ConfigError(
+                    f"redis.{name} must be >= 0 (0: never re-send a refused write-through), "
+                    f"got {getattr(self, name)}"
+                )
 
 
 @dataclass(frozen=True)
@@ -350,6 +359,7 @@ _SIZE_SETTINGS = {
     "dram.capacity",
     "dram.page_size",
     "nvme.capacity",
+    "redis.resend_queue_bytes",
     "router.max_body_bytes",
 }
 # Permission bits: strings ("0660", "660", "0o660") are octal; ints (TOML's 0o660) pass through.

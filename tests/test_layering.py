@@ -88,6 +88,7 @@ PARTS: dict[str, Part] = {
             "kvstore.router_config",
             "kvstore.policy",
             "kvstore.retention",
+            "kvstore.deadline",
         ),
     ),
     # 1: what both sides agree on: gRPC message conversion, shm frames, the published dram index

@@ -93,11 +93,15 @@ def _server_lines(stats: dict[str, Any]) -> list[str]:
     lines = []
     shared = stats["tiers"].get("redis")
     if shared is not None:
-        dropped = counters.get("write_through_dropped", 0) + shared.get("writes_dropped", 0)
+        state = "up" if shared.get("up") else "DOWN"
+        if shared.get("down_nodes"):
+            state += f" ({shared['down_nodes']} cluster node(s) down)"
         lines.append(
-            f"shared tier: {'up' if shared.get('up') else 'DOWN'}  "
+            f"shared tier: {state}  "
             f"backlog {format_size(counters.get('shared_write_backlog_bytes', 0))}  "
-            f"dropped write-throughs {dropped}  reconnects {shared.get('reconnects', 0)}"
+            f"re-send queue {counters.get('shared_write_queue_blocks', 0)} blocks  "
+            f"not shared {counters.get('write_through_dropped', 0)}  "
+            f"reconnects {shared.get('reconnects', 0)}"
         )
     mismatched = counters.get("keyring_mismatched_nodes", 0)
     if mismatched:

@@ -8,6 +8,10 @@ is alive and carries the entry's epoch (see :mod:`kvstore.cluster`).
 Built with the cluster's integrity ``keyring``, :meth:`ClusterIndex.nodes` believes only node
 descriptions signed under it (:meth:`~kvstore.cluster.membership.NodeInfo.verified`); the others
 are left out and remembered in :attr:`ClusterIndex.refused`, logged once per node.
+
+Every round trip runs under :func:`kvstore.deadline.within`: it ends at ``timeout_s`` and, when
+the caller's own deadline (a ``wait_for``) cancels it, returns at once instead of waiting for
+redis-py's cluster client to wind the cancelled pipeline down (seconds around a failover).
 """
 
 from __future__ import annotations
@@ -15,10 +19,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvstore.block import Keyring
 from kvstore.cluster.layout import Client, Layout
+from kvstore.deadline import within
 
 if TYPE_CHECKING:  # the node agent's record; imported in nodes() so a router never loads it
     from kvstore.cluster.membership import NodeInfo
@@ -47,9 +52,18 @@ class ClusterIndex:
     """The reader of one tenant's view of the index (``layout``); with ``keyring`` (the
     cluster's integrity secrets), only signed node descriptions count."""
 
-    def __init__(self, client: Client, layout: Layout, keyring: Keyring | None = None) -> None:
+    def __init__(
+        self,
+        client: Client,
+        layout: Layout,
+        keyring: Keyring | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
         self.client = client
         self.layout = layout
+        #: Longest one round trip may take (``None``: the client's socket timeout and the
+        #: caller's deadline bound it).
+        self.timeout_s = timeout_s
         self._ring: Keyring | None = None
         if keyring is not None:  # a node's reader (a router reads unsigned, without the agent)
             from kvstore.cluster.membership import record_keyring
@@ -68,7 +82,7 @@ class ClusterIndex:
         pipe = self.client.pipeline(transaction=False)
         for node in nodes:
             pipe.get(self.layout.lease(node))
-        return dict(zip(nodes, await pipe.execute(), strict=True))
+        return dict(zip(nodes, await within(pipe.execute(), self.timeout_s), strict=True))
 
     async def holders(self, keys: Sequence[bytes]) -> dict[str, Holding]:
         """Per live node holding any of ``keys``: its leading run and tier per key."""
@@ -79,7 +93,7 @@ class ClusterIndex:
             pipe.hgetall(layout.entry(key))
         for node in known:
             pipe.get(layout.lease(node))
-        answers = await pipe.execute()
+        answers = await within(pipe.execute(), self.timeout_s)
         entries: list[dict[bytes, bytes]] = answers[: len(keys)]
         leases = dict(zip(known, answers[len(keys) :], strict=True))
         seen = {field.decode() for entry in entries for field in entry}
@@ -106,12 +120,15 @@ class ClusterIndex:
             holding.leading = next((i for i, tier in enumerate(tiers) if not tier), count)
         return found
 
+    async def _members(self) -> Any:
+        return await self.client.smembers(self.layout.nodes)
+
     async def nodes(self) -> dict[str, NodeInfo]:
         """Every node with a live lease, as it described itself."""
         from kvstore.cluster.membership import NodeInfo, RecordError
 
         layout = self.layout
-        raw_members = await self.client.smembers(layout.nodes)
+        raw_members = await within(self._members(), self.timeout_s)
         members = sorted(m.decode() if isinstance(m, bytes) else m for m in raw_members)
         if not members:
             return {}
@@ -119,7 +136,7 @@ class ClusterIndex:
         pipe = self.client.pipeline(transaction=False)
         for node in members:
             pipe.hgetall(layout.node(node))
-        infos = await pipe.execute()
+        infos = await within(pipe.execute(), self.timeout_s)
         live = {
             node: raw
             for node, raw in zip(members, infos, strict=True)

@@ -371,7 +371,7 @@ def build_router(config: Config) -> tuple[Router, Client | None]:
     layout = Layout(config.cluster.key_prefix, settings.tenant)
     index: Index | None = None
     if isinstance(client, RedisCluster):
-        index = ClusterIndex(client, layout)
+        index = ClusterIndex(client, layout, timeout_s=settings.index_timeout_s)
     elif client is not None:
         index = ScriptIndex(client, layout)
     router = Router(

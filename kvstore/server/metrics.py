@@ -98,7 +98,13 @@ class StoreCollector(Collector):
             "dropped": _family(
                 c,
                 "kvstore_shared_writes_dropped",
-                "Write-throughs to the shared tier given up (tier down, backlog full)",
+                "Blocks never shared: write-throughs given up (backlog or re-send queue full)",
+                ["tenant"],
+            ),
+            "resent": _family(
+                c,
+                "kvstore_shared_writes_resent",
+                "Write-throughs Redis refused, then took when sent again",
                 ["tenant"],
             ),
             "reconnects": _family(
@@ -136,6 +142,12 @@ class StoreCollector(Collector):
                 g,
                 "kvstore_shared_write_backlog_bytes",
                 "Payload bytes on their way to the shared tier",
+                ["tenant"],
+            ),
+            "resend_queue": _family(
+                g,
+                "kvstore_shared_write_queue_blocks",
+                "Write-throughs Redis refused, waiting to be sent again",
                 ["tenant"],
             ),
             "queue": _family(
@@ -197,8 +209,9 @@ class StoreCollector(Collector):
         writer = store.shared_writer
         shared = writer.tier
         if shared is not None:
-            dropped = values["write_through_dropped"] + shared.writes_dropped
-            f["dropped"].add_metric([name], dropped)
+            f["dropped"].add_metric([name], values["write_through_dropped"])
+            f["resent"].add_metric([name], values["write_through_resent"])
+            f["resend_queue"].add_metric([name], writer.queued_blocks)
             f["reconnects"].add_metric([name], shared.reconnects)
             f["up"].add_metric([name], int(shared.up))
             f["backlog"].add_metric([name], writer.backlog_bytes)

@@ -63,6 +63,8 @@ def _server_counters(tenant: Tenant) -> dict[str, int]:
         **({"keyring_mismatched_nodes": record.mismatched} if record is not None else {}),
         **{f"shm_{name}": count for name, count in shm.items()},
         "shared_write_backlog_bytes": tenant.store.shared_writer.backlog_bytes,
+        "shared_write_queue_blocks": tenant.store.shared_writer.queued_blocks,
+        "shared_write_queue_bytes": tenant.store.shared_writer.queued_bytes,
         # Calls refused for their credentials belong to no tenant: the server's count.
         "miss_denied": DURATIONS.denied,
     }

@@ -416,5 +416,6 @@ class TieredStore:
     async def close(self) -> None:
         """Let background moves finish, then close every tier."""
         await self.drain()
+        await self._shared.close()
         for tier in self.tiers:
             await tier.close()

@@ -116,25 +116,41 @@ class Tier(ABC):
 
 class SharedTier(Tier):
     """A tier every node of a cluster sees (:attr:`Tier.shared`): besides what every tier does,
-    the batch calls that lookups and write-through need. The store finds its shared tier by this
-    capability, whatever the backend."""
+    the batch calls that lookups and write-through need, and the bounds of the store's re-send
+    queue for copies it refused. The store finds its shared tier by this capability, whatever
+    the backend."""
 
     shared = True
     #: Blocks written through to it that it dropped (down, or refused), so far.
     writes_dropped: int = 0
-    #: Times its connection was re-established after an outage.
-    reconnects: int = 0
+    #: Most blocks / payload bytes of refused copies the store keeps to send again.
+    resend_queue_blocks: int = 0
+    resend_queue_bytes: int = 0
+    #: (first, longest) wait in seconds between attempts to reach it again.
+    reconnect_backoff_s: tuple[float, float] = (0.1, 5.0)
+
+    @property
+    def reconnects(self) -> int:
+        """Times its connection was re-established after an outage."""
+        return 0
 
     @abstractmethod
     async def exists(self, keys: Sequence[bytes]) -> list[bool]:
         """Per key, whether the tier holds a block under it (without reading the payload)."""
 
     @abstractmethod
+    async def write_outcomes(
+        self, items: Sequence[tuple[BlockHeader, Buffer]], ttl_s: float | None = None
+    ) -> list[bool | None]:
+        """Store several blocks in one round trip; per block ``True`` (stored), ``False``
+        (refused or down: worth sending again) or ``None`` (never storable). ``ttl_s``: keep
+        them at least that long (a retention a request asked for), else the tier's own."""
+
     async def write_many(
         self, items: Sequence[tuple[BlockHeader, Buffer]], ttl_s: float | None = None
     ) -> list[bool]:
-        """Store several blocks in one round trip; per block whether it was stored. ``ttl_s``:
-        keep them at least that long (a retention a request asked for), else the tier's own."""
+        """Per block of :meth:`write_outcomes`, whether it was stored."""
+        return [outcome is True for outcome in await self.write_outcomes(items, ttl_s)]
 
 
 class SizeLedger:

@@ -100,6 +100,9 @@ class RedisCluster:
         self.wait_ok(timeout)
         # Every replica must have finished its first sync, else killing its master loses it.
         self._poll(self._replicas_synced, timeout, "replicas in sync")
+        # And every node must list every replica in CLUSTER SLOTS (gossip takes a moment): a
+        # client that bootstraps earlier would not know which masters have one.
+        self._poll(self._replicas_listed, timeout, "replicas listed in CLUSTER SLOTS")
         return self
 
     def _launch(self, node: ClusterNode) -> None:
@@ -155,6 +158,17 @@ class RedisCluster:
             except redis.RedisError:
                 return False
             if info.get("role") == "slave" and info.get("master_link_status") != "up":
+                return False
+        return True
+
+    def _replicas_listed(self) -> bool:
+        for node in self.nodes:
+            try:
+                with node.client() as client:
+                    ranges = client.execute_command("CLUSTER SLOTS")
+            except redis.RedisError:
+                return False
+            if any(len(entry) < 3 + self.replicas for entry in ranges):
                 return False
         return True
 

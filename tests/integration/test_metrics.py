@@ -108,16 +108,17 @@ def test_outage_corruption_and_eviction_show_under_their_tier_and_reason(
             assert value(served, "kvstore_misses_total", reason="absent") == 0
 
             # Redis goes away: blocks only it held are misses for reason tier_down, and new
-            # write-throughs are dropped.
+            # write-throughs wait in the re-send queue (none is lost: none counted dropped).
             redis_server.kill()
             assert client.get(keys[3:6]) == [None, None, None]
             other_keys, other_values = blocks(2, 4)
             assert client.put(other_keys, other_values).stored == 4
             assert client.get(blocks(3, 1)[0]) == [None]  # never stored anywhere
             deadline = time.monotonic() + 10.0
-            while value(down := scrape(server), "kvstore_shared_writes_dropped_total") < 4:
-                assert time.monotonic() < deadline, "dropped write-throughs not counted in 10 s"
+            while value(down := scrape(server), "kvstore_shared_write_queue_blocks") < 4:
+                assert time.monotonic() < deadline, "refused write-throughs not queued in 10 s"
                 time.sleep(0.05)
+        assert value(down, "kvstore_shared_writes_dropped_total") == 0
         assert value(down, "kvstore_shared_tier_up") == 0
         assert value(down, "kvstore_misses_total", reason="tier_down") >= 2
         assert value(down, "kvstore_misses_total", reason="corrupt") == 1
@@ -153,7 +154,8 @@ def test_outage_corruption_and_eviction_show_under_their_tier_and_reason(
         ) + sum(value(down, "kvstore_tier_hits_total", tier=tier) for tier in ("dram", "redis"))
         assert f"{100 / asked:.1f}%" in redis_row.split(), (redis_row, asked)
         shared = next(line for line in lines if line.startswith("shared tier:"))
-        assert "DOWN" in shared and "dropped write-throughs 4" in shared, shared
+        assert "DOWN" in shared and "re-send queue 4 blocks" in shared, shared
+        assert "not shared 0" in shared, shared
         raw.close()
 
 

@@ -22,7 +22,8 @@ What the store chooses to evict is policy and is never asserted; safety is:
 * ``lookup`` never reports a key under two namespaces, and every key it places in a local tier is
   read back from that tier; ``lookup_shared`` agrees with Redis's own contents;
 * write-through puts exactly the stored blocks into Redis, and while Redis is down every one of
-  them is dropped and counted, and no store call raises;
+  them is refused and counted (queued to be sent again once Redis is back, which every rule
+  waits for while Redis is up), and no store call raises;
 * no local tier ever holds more than its capacity; leased bytes never change while leased, leased
   blocks are never evicted, and leases, retired and reserved bytes go back to 0;
 * nothing logs an error (a failed background move, a corrupt block).
@@ -196,9 +197,19 @@ class TiersMachine(RuleBasedStateMachine):
         return self.loop.run_until_complete(coroutine)
 
     def settle(self) -> None:
-        while any(store._tasks for store in self.nodes):
-            for store in self.nodes:
-                self.run(store.drain())
+        """No write in flight, and, while Redis is up, no refused write-through still waiting
+        in a re-send queue: what Redis holds is then known at every rule."""
+        deadline = time.monotonic() + 10.0
+        while True:
+            while any(store._tasks for store in self.nodes):
+                for store in self.nodes:
+                    self.run(store.drain())
+            if self.redis_state != "up" or not any(
+                store.shared_writer.queued_blocks for store in self.nodes
+            ):
+                return
+            assert time.monotonic() < deadline, "a re-send queue did not drain"
+            self.run(asyncio.sleep(0.01))
 
     def payload(self, n: int, ns: int) -> bytes:
         return make_payload(n, ns, self.sizes[n])
@@ -336,8 +347,9 @@ class TiersMachine(RuleBasedStateMachine):
                 event("put: write-through checked against redis")
 
     def dropped(self, node: int) -> int:
+        """Write-throughs Redis refused: queued to be sent again, or not shared."""
         counters = self.nodes[node].stats()["counters"]
-        return self.shared(node).writes_dropped + counters.get("write_through_dropped", 0)
+        return counters.get("write_through_queued", 0) + counters.get("write_through_dropped", 0)
 
     # Rules are enabled by the model's state only where that state is deterministic (not by
     # leases or reservations, which depend on timing through Redis): else hypothesis cannot replay.
@@ -560,6 +572,12 @@ class TiersMachine(RuleBasedStateMachine):
                 and not self.policy.write_through
                 and (ns := self.present(other, n)) is not None
             }
+            # A copy another node has waiting in its re-send queue reaches Redis once it
+            # answers again, however long after this delete.
+            for other in range(len(self.nodes)):
+                queued = self.nodes[other].shared_writer.queued(key(n))
+                if other != node and queued is not None:
+                    elsewhere.add((n, NAMESPACES.index(queued.namespace)))
             if n in gone:
                 if node == 0:
                     self.dead_leases |= {id(lease) for m, _, lease, _ in self.leases if m == n}

@@ -38,9 +38,9 @@ class _NotRedis(SharedTier):
     async def exists(self, keys: Sequence[bytes]) -> list[bool]:
         return [False] * len(keys)
 
-    async def write_many(
+    async def write_outcomes(
         self, items: Sequence[tuple[BlockHeader, Buffer]], ttl_s: float | None = None
-    ) -> list[bool]:
+    ) -> list[bool | None]:
         return [True] * len(items)
 
 

@@ -245,13 +245,13 @@ async def test_redis_down_at_start_never_raises(tmp_path: Path) -> None:
             assert await tier.write(*block(1))
     finally:
         await tier.close()
-    assert tier._reconnect_task is None
+    assert tier._link._reconnect_task is None
 
 
 async def test_close_while_down_stops_reconnecting(tmp_path: Path) -> None:
     tier = make_tier(f"redis://127.0.0.1:{free_port()}/0")
     await tier.read([key(1)])
-    task = tier._reconnect_task
+    task = tier._link._reconnect_task
     assert task is not None and not task.done()
     await tier.close()
     assert task.done()
@@ -260,8 +260,8 @@ async def test_close_while_down_stops_reconnecting(tmp_path: Path) -> None:
 
 def test_url_selects_single_server_or_cluster() -> None:
     # Construction is lazy: no server needs to listen.
-    assert isinstance(RedisTier("redis://127.0.0.1:1/2", capacity=1)._client, Redis)
-    cluster = RedisTier("redis+cluster://127.0.0.1:7000", capacity=1)._client
+    assert isinstance(RedisTier("redis://127.0.0.1:1/2", capacity=1)._link._client, Redis)
+    cluster = RedisTier("redis+cluster://127.0.0.1:7000", capacity=1)._link._client
     assert isinstance(cluster, RedisCluster)
     assert list(cluster.nodes_manager.startup_nodes) == ["127.0.0.1:7000"]
     with pytest.raises(ValueError, match="redis\\+cluster://"):
