@@ -31,9 +31,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "tiers"))
 from _common import check, machine_info, markdown_table, run_interleaved, summarize
-from redis_cluster import RedisCluster
+from harness.redis_cluster import RedisCluster
 
 from kvstore.tiers.redis_link import RedisLink
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -31,8 +30,7 @@ from kvstore.errors import KVStoreError
 if TYPE_CHECKING:
     from conftest import ServerFactory
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "tiers"))
-from redis_cluster import RedisCluster
+from harness.redis_cluster import RedisCluster
 
 SECRET = {"KVSTORE_INTEGRITY_SECRETS": "redis cluster write-through secret"}
 NS = Namespace(model="redis-cluster-wt", num_layers=2, num_kv_heads=2, head_size=64)

@@ -14,17 +14,12 @@ a minute and a half on two cores, mostly the start-up of the API server.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from pathlib import Path
 
 import pytest
 from store_process import StoreProcess
-
-if os.environ.get("KVSTORE_REQUIRE_VLLM") != "1":
-    pytest.importorskip("vllm", reason="vLLM's CPU build is not installed")
-
 from test_openai_server import CHUNK, PROMPT_WORDS, ApiServer, _poll
 from test_openai_server import model as model  # the fixture, shared
 

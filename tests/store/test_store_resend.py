@@ -8,15 +8,12 @@ Every acknowledged put is afterwards either in Redis (re-sent) or counted as not
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent / "tiers"))
-from redis_server import RedisServer
+from harness.redis_server import RedisServer
 from store_blocks import PAGE, key, payload
 
 from kvstore.keys import Namespace
