@@ -204,6 +204,20 @@ def measure(
     namespace = Namespace(**NAMESPACE)
     rounds: list[list[dict[str, Any]]] = []
     written: list[bytes] = []
+    payloads = redis.client()
+
+    def written_through() -> None:
+        """Wait (untimed) until every block put so far is in Redis: node one's write-through
+        backlog is bounded (1 GiB, then it drops), and a loaded machine drains it slower than
+        the puts fill it."""
+        wait_for(
+            lambda: (
+                sum(1 for _ in payloads.scan_iter(match="kvstore:v1:*", count=1000)) >= len(written)
+            ),
+            120,
+            "the payloads written through to Redis",
+        )
+
     with KVStoreClient(one.target, namespace=namespace, data_plane="grpc", timeout=60) as writer:
         for size in sizes:
             count = max(1, args.round_mib * MiB // size)
@@ -237,15 +251,8 @@ def measure(
                 # client and its shared-memory hop cost alone, with no remote fetch).
                 local = {**cases[0], "name": f"local/{size // MiB}MiB"}
                 rounds.append(cases[shift:] + cases[:shift] + [local])
+                written_through()
     # Untimed: every block written through to Redis and published by node one.
-    payloads = redis.client()
-    wait_for(
-        lambda: (
-            sum(1 for _ in payloads.scan_iter(match="kvstore:v1:*", count=1000)) >= len(written)
-        ),
-        120,
-        "the payloads written through to Redis",
-    )
     wait_for(lambda: holders_of(url, written) == {"one"}, 60, "node one in the index")
     spec = {
         "namespace": NAMESPACE,
