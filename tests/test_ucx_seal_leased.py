@@ -14,6 +14,7 @@ from store_blocks import PAGE, arena, key, make_store, payload
 
 from kvstore.block import CorruptBlockError, Keyring, verify_sealed
 from kvstore.keys import Namespace
+from kvstore.protocol.ucx import payload_checksum
 from kvstore.server.sessions import Leased
 from kvstore.server.ucx import _seal_payloads
 from kvstore.store import TieredStore
@@ -37,10 +38,11 @@ async def test_leased_pages_are_sealed_under_the_store_s_keyring(store: TieredSt
         items = [Leased(n, lease) for n, lease in enumerate(acquired)]  # type: ignore[arg-type]
         tier = arena(store)
         payloads = [(n, tier.range_view(*lease.ranges[0])) for n, lease in enumerate(acquired)]  # type: ignore[union-attr]
-        seals = _seal_payloads(keys, NS, items, payloads, store.keyring)
+        seals, checksums = _seal_payloads(keys, NS, items, payloads, store.keyring)
     finally:
         store.release(acquired)  # type: ignore[arg-type]
     ring = Keyring([SECRET]).for_tenant("a")
+    assert checksums == [payload_checksum(payload(n)) for n in range(3)]
     for n in range(3):
         sealed = seals[n]
         assert sealed is not None
@@ -58,11 +60,12 @@ async def test_pages_changed_since_the_put_are_never_signed(store: TieredStore) 
         views = [tier.range_view(*lease.ranges[0]) for lease in acquired]  # type: ignore[union-attr]
         views[0][:PAGE] = np.frombuffer(payload(3), dtype=np.uint8)  # a co-located client's write
         items = [Leased(n, lease) for n, lease in enumerate(acquired)]  # type: ignore[arg-type]
-        seals = _seal_payloads(keys, NS, items, list(enumerate(views)), store.keyring)
+        seals, checksums = _seal_payloads(keys, NS, items, list(enumerate(views)), store.keyring)
     finally:
         store.release(acquired)  # type: ignore[arg-type]
     assert seals[0] is None
     assert seals[1] is not None
+    assert checksums == [0, payload_checksum(payload(2))]  # nothing announced for the refused
 
 
 async def test_a_block_signed_at_write_through_is_not_signed_again(store: TieredStore) -> None:
@@ -83,7 +86,7 @@ async def test_a_block_signed_at_write_through_is_not_signed_again(store: Tiered
     try:
         view = arena(store).range_view(*acquired[0].ranges[0])  # type: ignore[union-attr]
         items = [Leased(0, acquired[0])]  # type: ignore[arg-type]
-        seals = _seal_payloads([key(1)], NS, items, [(0, view)], ring)
+        seals, _ = _seal_payloads([key(1)], NS, items, [(0, view)], ring)
     finally:
         store.release(acquired)  # type: ignore[arg-type]
     assert seals[0] == signed

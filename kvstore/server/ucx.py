@@ -135,9 +135,10 @@ class UcxDataServer(UcxEndpoints):
                 else:
                     # The wire format is one message per block: gather its runs into a copy.
                     payloads.append((index, gather(arena, item.lease.ranges, lengths[index])))
-            headers: list[bytes] = []
+            headers: list[bytes] = [b""] * len(keys) if request.sealed else []
             if request.sealed and payloads:
-                seals = await asyncio.to_thread(
+                # One thread hop for the seals and the transport checksums both.
+                seals, checksums = await asyncio.to_thread(
                     _seal_payloads, keys, request.namespace, acquired, payloads, scope.store.keyring
                 )
                 for index, seal in seals.items():
@@ -150,9 +151,8 @@ class UcxDataServer(UcxEndpoints):
                 headers = [
                     seals.get(index) or b"" if sent[index] else b"" for index in range(len(keys))
                 ]
-            elif request.sealed:
-                headers = [b""] * len(keys)
-            checksums = await _checksums(payloads, len(keys))
+            else:
+                checksums = await _checksums(payloads, len(keys))
             # Only the leases UCX reads from travel with the sends; the others come back now.
             session.release([i for i in session.leases if i not in travelling])
             if payloads:
@@ -382,12 +382,13 @@ def _seal_payloads(
     acquired: Sequence[Leased | bytes | memoryview | None],
     payloads: Sequence[tuple[int, Any]],
     keyring: Keyring,
-) -> dict[int, bytes | None]:
+) -> tuple[dict[int, bytes | None], list[int]]:
     """Per sent index, the sealed header of its payload under ``keyring``, or ``None`` where the
-    bytes no longer match the checksum they were stored with (logged). A leased block is checked
-    against its stored header, as its pages are now; a payload the store could not lease (read
-    and verified from a lower tier, a copy) is sealed as it is. A MAC is computed only for a
-    block the keyring does not remember."""
+    bytes no longer match the checksum they were stored with (logged); and the answer's
+    ``checksums`` for the payloads sealed. A leased block is checked against its stored header,
+    as its pages are now; a payload the store could not lease (read and verified from a lower
+    tier, a copy) is sealed as it is. A MAC is computed only for a block the keyring does not
+    remember."""
     seals: dict[int, bytes | None] = {}
     for index, payload in payloads:
         item = acquired[index]
@@ -400,7 +401,8 @@ def _seal_payloads(
         except CorruptBlockError:
             logger.error("not sending block %s: changed since its put", keys[index].hex())
             seals[index] = None
-    return seals
+    sealed = [(index, payload) for index, payload in payloads if seals[index] is not None]
+    return seals, payload_checksums(sealed, len(keys))
 
 
 async def _checksums(payloads: list[tuple[int, Any]], count: int) -> list[int]:
