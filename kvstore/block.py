@@ -31,7 +31,8 @@ verified on every read from those tiers and from peers (:func:`decode_value`,
 :func:`verify_sealed`, which compute the checksum of the block as it comes back into memory). A
 header read back that way keeps its verified MAC (:attr:`BlockHeader.mac`), and the keyring
 remembers the sealed header of every block it signed or verified, by the block's in-memory header
-(key, namespace, length, checksum; :meth:`Keyring.remembered`): so a block is signed once in a
+(key, namespace, length, checksum; the last :data:`MEMO_ENTRIES`; :meth:`Keyring.remembered`):
+so a block is signed once in a
 process (at its write-through, or at its first serve to a peer), and sealing the same bytes again
 costs only the checksum that proves they are the same bytes.
 All of it runs off the event loop (the nvme tier's worker thread; a thread for large redis
@@ -54,8 +55,10 @@ HMAC-SHA256's 1.8 with the SHA extensions and keyed BLAKE2b's 1.0;
 ``benchmarks/results/integrity.md``).
 Version 2 blocks (HMAC-SHA256/128) written before still verify, under the same secrets; version 1
 carried an unkeyed xxh3-64 and is never accepted. The version is inside what the MAC covers, so a
-header cannot be relabelled without the secret. A process without ``blake3`` signs version 2 and
-treats version-3 blocks as corrupt misses (never an error).
+header cannot be relabelled without the secret. A keyring signs in its
+:attr:`~Keyring.sign_version` (setting ``integrity.mac``: ``hmac-sha256`` keeps signing version 2
+while older nodes still share the Redis or read from this one, as they refuse version 3). A process
+without ``blake3`` signs version 2 and treats version-3 blocks as corrupt misses (never an error).
 
 The secrets live in a :class:`Keyring`: new blocks are signed with its first secret, reads accept
 any of them (rotation: list the new secret first and keep the old ones until their blocks are
@@ -138,7 +141,13 @@ class Keyring:
     so that a block served to several peers, or written through and then served, is signed once.
     """
 
-    def __init__(self, secrets: Sequence[bytes]) -> None:
+    def __init__(self, secrets: Sequence[bytes], sign_version: int = VERSION) -> None:
+        if sign_version not in (HMAC_VERSION, BLAKE3_VERSION):
+            raise ValueError(f"no header version {sign_version}; allowed: 2, 3")
+        if sign_version == BLAKE3_VERSION and _blake3 is None:
+            raise ValueError("BLAKE3 MACs need the blake3 package")
+        #: The header version (MAC) new blocks are signed with; both verify.
+        self.sign_version = sign_version
         if not secrets:
             raise ValueError("a keyring needs at least one secret")
         if any(not secret for secret in secrets):
@@ -151,9 +160,9 @@ class Keyring:
         self._memo_lock = threading.Lock()  # seals run on worker threads
 
     @classmethod
-    def random(cls) -> Keyring:
+    def random(cls, sign_version: int = VERSION) -> Keyring:
         """A keyring of one fresh random secret (blocks it signs verify only in this process)."""
-        return cls([os.urandom(32)])
+        return cls([os.urandom(32)], sign_version)
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -165,12 +174,13 @@ class Keyring:
         from one tenant's place in a shared tier to another's is a miss there, never served.
         """
         label = _TENANT_LABEL + tenant.encode()
-        return Keyring([hmac.digest(key, label, "sha256") for key in self._derived])
+        secrets = [hmac.digest(key, label, "sha256") for key in self._derived]
+        return Keyring(secrets, self.sign_version)
 
-    def sign(self, prefix: bytes, parts: Iterable[Buffer], version: int = VERSION) -> bytes:
+    def sign(self, prefix: bytes, parts: Iterable[Buffer], version: int | None = None) -> bytes:
         """The MAC of ``prefix`` followed by ``parts`` under the current (first) secret, as
-        header ``version`` computes it."""
-        return self._mac(version, 0, prefix, parts)
+        header ``version`` (default: :attr:`sign_version`) computes it."""
+        return self._mac(self.sign_version if version is None else version, 0, prefix, parts)
 
     def verify(
         self, prefix: bytes, parts: Sequence[Buffer], mac: bytes, version: int = VERSION
@@ -251,9 +261,11 @@ def _prefix(key: bytes, namespace: bytes, length: int, version: int = VERSION) -
 def block_mac(
     key: bytes, namespace: bytes, payload: Buffer, keyring: Keyring | None = None
 ) -> bytes:
-    """The MAC a block header carries: key, namespace, length and payload, current secret."""
+    """The MAC a block header carries: key, namespace, length and payload, current secret, in
+    the keyring's :attr:`~Keyring.sign_version`."""
     ring = keyring or _installed
-    return ring.sign(_prefix(key, namespace, len(payload)), (payload,))
+    version = ring.sign_version
+    return ring.sign(_prefix(key, namespace, len(payload), version), (payload,), version)
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,7 +283,9 @@ class WireHeader:
         cls, key: bytes, namespace: bytes, payload: Buffer, keyring: Keyring | None = None
     ) -> WireHeader:
         """Sign ``payload`` stored under ``key`` in ``namespace``: the header that goes with it."""
-        return cls(key, namespace, len(payload), block_mac(key, namespace, payload, keyring))
+        version = (keyring or _installed).sign_version
+        mac = block_mac(key, namespace, payload, keyring)
+        return cls(key, namespace, len(payload), mac, version)
 
     def pack(self) -> bytes:
         """Serialize to exactly :data:`HEADER_BYTES` bytes."""

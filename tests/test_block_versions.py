@@ -176,3 +176,12 @@ def test_headers_listed_without_a_checksum_are_never_remembered() -> None:
     listed = BlockHeader(KEY, NS, len(PAYLOAD), None)
     ring.remember(listed, encode_header(KEY, NS, PAYLOAD, ring))
     assert ring.remembered(listed) is None
+
+
+def test_a_keyring_signing_version_2_writes_what_older_nodes_read() -> None:
+    ring = Keyring([SECRET], sign_version=2)
+    assert encode_header(KEY, NS, PAYLOAD, ring) == v2_header()
+    header = BlockHeader.for_payload(KEY, NS, PAYLOAD)
+    assert header.seal(PAYLOAD, ring) == v2_header()
+    with pytest.raises(ValueError, match="allowed: 2, 3"):
+        Keyring([SECRET], sign_version=1)
