@@ -7,7 +7,10 @@ path (:mod:`kvstore.client.ucx`): an authenticated ``UcxTransfer.UcxGet`` contro
 the UCX endpoint, tagged by transfer id and index. The call asks for the blocks sealed
 (``UcxGetRequest.sealed``): the answer carries each payload's sealed header, returned with the
 payload for the peer source to verify (:mod:`kvstore.cluster.peer_blocks`); the xxh3 checksums of
-the answer only tell a damaged transfer from a whole one.
+the answer only tell a damaged transfer from a whole one. Given the reader's keyring, the link
+verifies the MACs itself, in the one thread hop after the receive, and reads the checksums only of
+a block whose MAC fails (a block whose MAC holds arrived whole): a mismatch there is a damaged
+transfer (:class:`~kvstore.protocol.ucx.UcxTransportError`), a match a block sealed wrongly.
 
 **Which loop.** Unlike the blocking client, which runs ucxx on a thread of its own, a link runs on
 the server's event loop, where the peer source runs: ucxx completes its futures on the loop that
@@ -37,10 +40,11 @@ import grpc
 
 from kvstore._proto.kvstore.v1 import ucx_pb2 as ucx_pb
 from kvstore._proto.kvstore.v1 import ucx_pb2_grpc as ucx_pb_grpc
+from kvstore.block import Keyring
 from kvstore.client.channel import ChannelSecurity, aio_channel
 from kvstore.client.core import client_settings
 from kvstore.client.ucx import CONNECT_SHARE, abort_endpoint, open_endpoint, receive_payloads
-from kvstore.cluster.peer_blocks import SealedBlock
+from kvstore.cluster.peer_blocks import SealedBlock, verify_blocks
 from kvstore.protocol import messages as _wire
 from kvstore.protocol.ucx import (
     CLIENT_ID_BYTES,
@@ -98,10 +102,12 @@ class UcxPeerLink:
         namespace: bytes,
         timeout: float,
         landing: Landing | None = None,
+        keyring: Keyring | None = None,
     ) -> list[SealedBlock | None]:
-        """Each key's sealed block, unverified (``None`` where the peer does not hold it), within
+        """Each key's sealed block (``None`` where the peer does not hold it), within
         ``timeout``; received into ``landing``'s buffers where it offers them (those buffers are
-        then the payloads; on failure they are abandoned to it)."""
+        then the payloads; on failure they are abandoned to it). With ``keyring``, each block
+        comes verified against it (:attr:`SealedBlock.verified`), else unverified."""
         deadline = time.monotonic() + timeout
         for attempt in (1, 2):
             endpoint, client_id = await self._connect(deadline)
@@ -144,7 +150,9 @@ class UcxPeerLink:
                 try:
                     await receive_payloads(endpoint, transfer_id, buffers, _remaining(deadline))
                     # Before anything is installed or served: what arrived is what was sent.
-                    await asyncio.to_thread(verify_payloads, buffers, response.checksums)
+                    verdicts = await asyncio.to_thread(
+                        self._check, keys, namespace, response, buffers, keyring
+                    )
                 except BaseException:
                     # Failed, late, damaged or cancelled: no receive still posted may outlive
                     # this call, and pages of the host tier it wrote into are not reused for a
@@ -156,9 +164,33 @@ class UcxPeerLink:
             sealed: list[SealedBlock | None] = [None] * len(keys)
             for index, block in blocks.items():
                 # bytes-like, and the store only measures, views and copies a served payload.
-                sealed[index] = SealedBlock(response.headers[index], cast(bytes, block))
+                verdict = None if not buffers else verdicts[index]
+                sealed[index] = SealedBlock(response.headers[index], cast(bytes, block), verdict)
             return sealed
         raise UcxTransportError("the peer forgot this UCX endpoint twice")  # pragma: no cover
+
+    def _check(
+        self,
+        keys: Sequence[bytes],
+        namespace: bytes,
+        response: ucx_pb.UcxGetResponse,
+        buffers: dict[int, Any],
+        keyring: Keyring | None,
+    ) -> list[bool | None]:
+        """Per key, the MAC verdict of what arrived (``None`` without ``keyring``); raises
+        :class:`UcxTransportError` for a damaged transfer: every payload's checksum without a
+        keyring, only those of payloads whose MAC fails with one."""
+        if keyring is None:
+            verify_payloads(buffers, response.checksums)
+            return [None] * len(keys)
+        blocks = [
+            SealedBlock(response.headers[i], buffers[i]) if i in buffers else None
+            for i in range(len(keys))
+        ]
+        verdicts = verify_blocks(keys, namespace, blocks, keyring, self.max_block_bytes)
+        failed = {i: buffers[i] for i in buffers if not verdicts[i]}
+        verify_payloads(failed, response.checksums)  # whole, so sealed wrongly: refused
+        return list(verdicts)
 
     async def _connect(self, deadline: float) -> tuple[Any, bytes]:
         """The open endpoint, or a new one made in at most a share of the time left (a vanished
