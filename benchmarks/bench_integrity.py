@@ -8,8 +8,10 @@ One run measures, interleaved round-robin so that noise from other work hits eve
 
 * **Header per block** (in-process, 1 MiB and 4 MiB payloads): the xxh3-64 checksum every put
   computes (:meth:`kvstore.block.BlockHeader.for_payload`, at commit for shm reservations), the
-  HMAC-SHA256/128 computed only when a block goes to nvme or redis (:func:`kvstore.block.block_mac`)
-  and checked when it comes back, and keyed BLAKE2b-128 (the alternative considered).
+  keyed BLAKE3/128 (header version 3) computed only when a block goes to nvme or redis or is
+  sealed for a peer (:func:`kvstore.block.block_mac`) and checked when it comes back, the
+  HMAC-SHA256/128 of version 2 (blocks written before still verify with it), and keyed
+  BLAKE2b-128 (another alternative considered).
 * **Put over shm** to a dram-only server: ``KVStoreClient.put`` of a batch of 8 fresh 1 MiB blocks
   (checksum only: no MAC is ever computed there).
 * **Put and get over gRPC to an nvme-only server** (dram capacity 0): every put is signed and
@@ -50,12 +52,13 @@ from _common import (
 )
 
 from kvstore import KVStoreClient, Namespace
-from kvstore.block import BlockHeader, block_mac
+from kvstore.block import HMAC_VERSION, BlockHeader, Keyring, block_mac
 from kvstore.client.settings import ClientSettings
 
 MIB = 1024**2
 KEY, NS_BYTES = bytes(range(16)), bytes(16)
 NS = Namespace(model="bench-integrity")
+RING = Keyring([b"bench secret"])
 
 
 def header_cases(sizes: list[int]) -> dict[str, Callable[[], float]]:
@@ -66,8 +69,11 @@ def header_cases(sizes: list[int]) -> dict[str, Callable[[], float]]:
         cases[f"xxh3-64 checksum (put), {label}"] = lambda d=data: timed(
             lambda: BlockHeader.for_payload(KEY, NS_BYTES, d)
         )[0]
-        cases[f"HMAC-SHA256/128 (nvme, redis), {label}"] = lambda d=data: timed(
+        cases[f"keyed BLAKE3/128 (v3: nvme, redis, peers), {label}"] = lambda d=data: timed(
             lambda: block_mac(KEY, NS_BYTES, d)
+        )[0]
+        cases[f"HMAC-SHA256/128 (v2: still verified), {label}"] = lambda d=data: timed(
+            lambda: RING.sign(b"", (d,), HMAC_VERSION)
         )[0]
         cases[f"BLAKE2b-128 keyed (not used), {label}"] = lambda d=data: timed(
             lambda: hashlib.blake2b(d, key=KEY * 2, digest_size=16).digest()

@@ -265,14 +265,24 @@ class IntegrityConfig:
     the first signs new blocks and all verify (rotation). Else ``secret_file``: a private file
     (mode 0600) of one secret per line, first signs. Both empty: ``integrity.key`` in the nvme
     directory, generated on first start; without nvme, a random secret per process. Every node
-    sharing a Redis needs the same secrets."""
+    sharing a Redis needs the same secrets. ``mac``: what new blocks are signed with, ``blake3``
+    (header version 3) or ``hmac-sha256`` (version 2, what earlier versions wrote and read);
+    either is verified."""
 
     secrets: str = field(default="", repr=False)
     secret_file: str = ""
+    mac: str = "blake3"
 
     def __post_init__(self) -> None:
         if self.secrets and not all(part.strip() for part in self.secrets.split(",")):
             raise ConfigError("integrity.secrets must be non-empty secrets separated by commas")
+        if self.mac not in INTEGRITY_MACS:
+            allowed = ", ".join(INTEGRITY_MACS)
+            raise ConfigError(f"integrity.mac must be one of {allowed}, got {self.mac!r}")
+
+
+#: ``integrity.mac`` values, and the block header version each signs.
+INTEGRITY_MACS = {"blake3": 3, "hmac-sha256": 2}
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ BASE=(
     "grpcio==1.85.3"
     "grpcio-health-checking==1.85.1"
     "pytest-asyncio==1.5.0"
+    "blake3==1.0.11"
 )
 # ucxx for CUDA 13 (the machine's CUDA) and what it needs beyond the image (which has cuda-core,
 # cuda-bindings and nvidia-ml-py). libucxx-cu13 0.52 wants libucx-cu13 older than 1.22.

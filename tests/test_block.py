@@ -10,6 +10,7 @@ from __future__ import annotations
 import hmac
 import struct
 
+import blake3
 import pytest
 import xxhash
 
@@ -57,19 +58,19 @@ def test_header_is_exactly_64_bytes() -> None:
 def test_header_layout_matches_documentation() -> None:
     raw = encode_header(KEY, NS, PAYLOAD)
     assert raw[0:4] == MAGIC == b"KVB1"
-    assert struct.unpack_from("<HH", raw, 4) == (2, 0)
+    assert struct.unpack_from("<HH", raw, 4) == (3, 0)
     assert raw[8:24] == KEY
     assert raw[24:40] == NS
     assert struct.unpack_from("<Q", raw, 40)[0] == len(PAYLOAD)
     assert raw[48:64] == block_mac(KEY, NS, PAYLOAD)
 
 
-def test_mac_is_truncated_hmac_sha256_of_header_prefix_and_payload() -> None:
+def test_mac_is_truncated_keyed_blake3_of_header_prefix_and_payload() -> None:
     # Written out independently of the module: the key is HMAC-SHA256(secret, label).
     secret = b"cluster secret"
-    derived = hmac.digest(secret, b"kvstore block MAC v2", "sha256")
+    derived = hmac.digest(secret, b"kvstore block MAC v3 (keyed BLAKE3)", "sha256")
     raw = encode_header(KEY, NS, PAYLOAD, Keyring([secret]))
-    expected = hmac.digest(derived, raw[:48] + PAYLOAD, "sha256")[:16]
+    expected = blake3.blake3(raw[:48] + PAYLOAD, key=derived).digest()[:16]
     assert raw[48:64] == expected
 
 
@@ -174,7 +175,7 @@ def test_wrong_magic_is_detected(byte: int) -> None:
 
 def test_wrong_version_is_detected() -> None:
     value = bytearray(stored())
-    struct.pack_into("<H", value, 4, 3)
+    struct.pack_into("<H", value, 4, 4)
     with pytest.raises(CorruptBlockError, match="version"):
         decode_value(KEY, bytes(value))
 

@@ -21,11 +21,13 @@ __all__ = ["PeerAnswerError", "SealedBlock", "verify_blocks"]
 
 
 class SealedBlock(NamedTuple):
-    """One block a peer sent, not yet verified: its packed wire header and its payload (bytes,
-    or a buffer a transport received it into)."""
+    """One block a peer sent: its packed wire header and its payload (bytes, or a buffer a
+    transport received it into); ``verified``: the verdict of :func:`verify_blocks` where the
+    transport already ran it (UCX, in the thread that checks what arrived), else ``None``."""
 
     header: bytes
     payload: Any
+    verified: bool | None = None
 
 
 class PeerAnswerError(Exception):
@@ -41,12 +43,16 @@ def verify_blocks(
     max_block_bytes: int,
 ) -> list[bool]:
     """Per block, whether it is exactly what a node holding ``keyring``'s secret stored under
-    its key in ``namespace`` (``True`` for a missing block: nothing to refuse). Costs a MAC over
-    every payload: call it off the event loop."""
+    its key in ``namespace`` (``True`` for a missing block: nothing to refuse; a block's
+    :attr:`~SealedBlock.verified` where set). Costs a MAC over every payload: call it off the
+    event loop."""
     verdicts: list[bool] = []
     for key, block in zip(keys, blocks, strict=True):
         if block is None:
             verdicts.append(True)
+            continue
+        if block.verified is not None:
+            verdicts.append(block.verified)
             continue
         if not 0 < len(block.payload) <= max_block_bytes:
             verdicts.append(False)

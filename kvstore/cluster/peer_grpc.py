@@ -95,12 +95,13 @@ class GrpcPeerLink:
                     answered[index] = 1
                     if not result.found:
                         continue
-                    if len(result.value) > self.max_block_bytes:
+                    value = result.value  # each read of a bytes field is a copy of it
+                    if len(value) > self.max_block_bytes:
                         raise PeerAnswerError(
-                            f"a block of {len(result.value)} bytes; the limit is "
+                            f"a block of {len(value)} bytes; the limit is "
                             f"{self.max_block_bytes} (server.max_block_bytes)"
                         )
-                    blocks[index] = SealedBlock(result.header, result.value)
+                    blocks[index] = SealedBlock(result.header, value)
         except grpc.aio.AioRpcError as exc:
             raise _wire.map_rpc_error(exc) from exc
         finally:

@@ -9,7 +9,10 @@ the payloads go to (:mod:`kvstore.cluster.peer_auth`), and no receive is posted 
 holder's answer proved that it belongs to the cluster too. The call asks for the blocks sealed
 (``UcxGetRequest.sealed``): the answer carries each payload's sealed header, returned with the
 payload for the peer source to verify (:mod:`kvstore.cluster.peer_blocks`); the xxh3 checksums of
-the answer only tell a damaged transfer from a whole one.
+the answer only tell a damaged transfer from a whole one. Given the reader's keyring, the link
+verifies the MACs itself, in the one thread hop after the receive, and reads the checksums only of
+a block whose MAC fails (a block whose MAC holds arrived whole): a mismatch there is a damaged
+transfer (:class:`~kvstore.protocol.ucx.UcxTransportError`), a match a block sealed wrongly.
 
 **Which loop.** Unlike the blocking client, which runs ucxx on a thread of its own, a link runs on
 the server's event loop, where the peer source runs: ucxx completes its futures on the loop that
@@ -39,6 +42,7 @@ import grpc
 
 from kvstore._proto.kvstore.v1 import ucx_pb2 as ucx_pb
 from kvstore._proto.kvstore.v1 import ucx_pb2_grpc as ucx_pb_grpc
+from kvstore.block import Keyring
 from kvstore.client.channel import ChannelSecurity, aio_channel
 from kvstore.client.core import client_settings
 from kvstore.client.ucx import CONNECT_SHARE, abort_endpoint, open_endpoint, receive_payloads
@@ -49,7 +53,7 @@ from kvstore.cluster.peer_auth import (
     PeerSigner,
     request_digest,
 )
-from kvstore.cluster.peer_blocks import SealedBlock
+from kvstore.cluster.peer_blocks import SealedBlock, verify_blocks
 from kvstore.protocol import messages as _wire
 from kvstore.protocol.ucx import (
     CLIENT_ID_BYTES,
@@ -113,12 +117,14 @@ class UcxPeerLink:
         timeout: float,
         landing: Landing | None = None,
         holder: tuple[str, int] = ("", 0),
+        keyring: Keyring | None = None,
     ) -> list[SealedBlock | None]:
-        """Each key's sealed block, unverified (``None`` where the peer does not hold it), within
+        """Each key's sealed block (``None`` where the peer does not hold it), within
         ``timeout``, from ``holder`` (its node id and boot epoch, as its signed description in
         the index says); received into ``landing``'s buffers where it offers them (those buffers
-        are then the payloads; on failure they are abandoned to it). A holder that does not
-        prove itself raises :class:`~kvstore.cluster.peer_auth.PeerAuthError`."""
+        are then the payloads; on failure they are abandoned to it). With ``keyring``, each block
+        comes verified against it (:attr:`SealedBlock.verified`), else unverified. A holder that
+        does not prove itself raises :class:`~kvstore.cluster.peer_auth.PeerAuthError`."""
         deadline = time.monotonic() + timeout
         for attempt in (1, 2):
             endpoint, client_id = await self._connect(deadline)
@@ -169,7 +175,9 @@ class UcxPeerLink:
                 try:
                     await receive_payloads(endpoint, transfer_id, buffers, _remaining(deadline))
                     # Before anything is installed or served: what arrived is what was sent.
-                    await asyncio.to_thread(verify_payloads, buffers, response.checksums)
+                    verdicts = await asyncio.to_thread(
+                        self._check, keys, namespace, response, buffers, keyring
+                    )
                 except BaseException:
                     # Failed, late, damaged or cancelled: no receive still posted may outlive
                     # this call, and pages of the host tier it wrote into are not reused for a
@@ -181,9 +189,33 @@ class UcxPeerLink:
             sealed: list[SealedBlock | None] = [None] * len(keys)
             for index, block in blocks.items():
                 # bytes-like, and the store only measures, views and copies a served payload.
-                sealed[index] = SealedBlock(response.headers[index], cast(bytes, block))
+                verdict = None if not buffers else verdicts[index]
+                sealed[index] = SealedBlock(response.headers[index], cast(bytes, block), verdict)
             return sealed
         raise UcxTransportError("the peer forgot this UCX endpoint twice")  # pragma: no cover
+
+    def _check(
+        self,
+        keys: Sequence[bytes],
+        namespace: bytes,
+        response: ucx_pb.UcxGetResponse,
+        buffers: dict[int, Any],
+        keyring: Keyring | None,
+    ) -> list[bool | None]:
+        """Per key, the MAC verdict of what arrived (``None`` without ``keyring``); raises
+        :class:`UcxTransportError` for a damaged transfer: every payload's checksum without a
+        keyring, only those of payloads whose MAC fails with one."""
+        if keyring is None:
+            verify_payloads(buffers, response.checksums)
+            return [None] * len(keys)
+        blocks = [
+            SealedBlock(response.headers[i], buffers[i]) if i in buffers else None
+            for i in range(len(keys))
+        ]
+        verdicts = verify_blocks(keys, namespace, blocks, keyring, self.max_block_bytes)
+        failed = {i: buffers[i] for i in buffers if not verdicts[i]}
+        verify_payloads(failed, response.checksums)  # whole, so sealed wrongly: refused
+        return list(verdicts)
 
     def _sign(self, request: ucx_pb.UcxGetRequest, holder: tuple[str, int]) -> PeerCall | None:
         """The request's authenticator (``None`` without a signer): over its namespace, keys,

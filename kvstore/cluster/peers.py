@@ -405,11 +405,13 @@ class PeerSource:
             await self._suspect(node)
             return
         verdicts = [True] * len(got)
-        if any(block is not None for block in got):
-            keyring = self.keyring or installed_keyring()
+        keyring = self.keyring or installed_keyring()
+        if any(block is not None and block.verified is None for block in got):
             verdicts = await asyncio.to_thread(
                 verify_blocks, wanted, namespace, got, keyring, self.max_block_bytes
             )
+        elif got:  # verified where they arrived (UCX): no second thread hop
+            verdicts = verify_blocks(wanted, namespace, got, keyring, self.max_block_bytes)
         refused: list[bytes] = []
         for position, block, verified in zip(positions, got, verdicts, strict=True):
             if block is None:
@@ -441,7 +443,8 @@ class PeerSource:
         if budget <= 0:
             raise DeadlineExceededError("no time left")
         try:
-            return await link.get(keys, namespace, budget, landing, self._holder(node))
+            keyring = self.keyring or installed_keyring()
+            return await link.get(keys, namespace, budget, landing, self._holder(node), keyring)
         except UcxTransportError as exc:
             if self._budget() <= 0:
                 raise DeadlineExceededError(f"UCX read from node {node}: {exc}") from exc

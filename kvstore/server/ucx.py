@@ -17,14 +17,20 @@ several runs of pages still travels as one message (the client's wire format), s
 a contiguous copy; a block the arena has no room for is received into a buffer of its own and
 stored like a ``Put``.
 
-A *sealed* get (another node's peer fetch, ``UcxGetRequest.sealed``) sends copies instead, each
-with its packed wire header and keyed MAC (:meth:`TieredStore.get` with ``sealed``): the seal
-covers exactly the bytes that travel, which pages a co-located client can write would not ensure.
+A *sealed* get (another node's peer fetch, ``UcxGetRequest.sealed``) is sent from the leased pages
+too, each block with its packed wire header and keyed MAC beside it in the answer: the pages are
+checked against the checksum recorded at put first (a block changed since is not sent: the reader
+asks its next holder), and the seal is the one the store's keyring remembers for that block
+(signed once, at write-through or first serve). A co-located client that writes the pages after
+that check makes the reader's MAC check fail: the block is refused there, never installed, and
+this node is suspect to that reader until it restarts (a client able to write the arena can
+spoil the blocks it holds anyway; it cannot make a wrong byte be served).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -34,6 +40,7 @@ import numpy as np
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import ucx_pb2 as ucx_pb
+from kvstore.block import BlockHeader, CorruptBlockError, Keyring
 from kvstore.errors import InvalidRequestError, KVStoreError
 from kvstore.protocol.checks import check_pairs
 from kvstore.protocol.ucx import MAX_BATCH, UcxTransportError, payload_checksums, transfer_tag
@@ -43,6 +50,8 @@ from kvstore.store import TieredStore
 from kvstore.tiers.dram import DramTier
 
 __all__ = ["UcxDataServer", "UcxScope"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -92,7 +101,8 @@ class UcxDataServer(UcxEndpoints):
         """Look the keys up and answer; the found payloads then follow over UCX.
 
         With a dram arena, blocks are leased (:meth:`TieredStore.acquire`) and sent straight from
-        their pages; the leases are given back when the sends end, however they end.
+        their pages; the leases are given back when the sends end, however they end. Sealed: each
+        with its sealed header (:func:`_seal_payloads`).
         """
         scope = self._scope()
         client = self._client(request.client_id, scope.owner)
@@ -102,7 +112,7 @@ class UcxDataServer(UcxEndpoints):
         if sizes:
             check_pairs(keys, sizes, "buffer sizes")
         arena = scope.store.arena
-        if arena is None or request.sealed:
+        if arena is None:
             return await self._get_copies(scope, client, request, keys, sizes, context)
         tiers = _tiers_before_acquire(scope.store, arena, keys, request.namespace)
         session = scope.sessions.open()
@@ -125,7 +135,24 @@ class UcxDataServer(UcxEndpoints):
                 else:
                     # The wire format is one message per block: gather its runs into a copy.
                     payloads.append((index, gather(arena, item.lease.ranges, lengths[index])))
-            checksums = await _checksums(payloads, len(keys))
+            headers: list[bytes] = [b""] * len(keys) if request.sealed else []
+            if request.sealed and payloads:
+                # One thread hop for the seals and the transport checksums both.
+                seals, checksums = await asyncio.to_thread(
+                    _seal_payloads, keys, request.namespace, acquired, payloads, scope.store.keyring
+                )
+                for index, seal in seals.items():
+                    if seal is None:  # changed since its put: never signed nor sent
+                        sent[index] = False
+                        item = acquired[index]
+                        if isinstance(item, Leased):
+                            travelling.discard(item.id)
+                payloads = [(index, payload) for index, payload in payloads if sent[index]]
+                headers = [
+                    seals.get(index) or b"" if sent[index] else b"" for index in range(len(keys))
+                ]
+            else:
+                checksums = await _checksums(payloads, len(keys))
             # Only the leases UCX reads from travel with the sends; the others come back now.
             session.release([i for i in session.leases if i not in travelling])
             if payloads:
@@ -145,7 +172,9 @@ class UcxDataServer(UcxEndpoints):
                 tiers[index] = ""
             elif isinstance(item, Leased) and not tiers[index]:
                 tiers[index] = arena.name  # stored meanwhile: the arena served it
-        return ucx_pb.UcxGetResponse(lengths=lengths, sent=sent, tiers=tiers, checksums=checksums)
+        return ucx_pb.UcxGetResponse(
+            lengths=lengths, sent=sent, tiers=tiers, checksums=checksums, headers=headers
+        )
 
     async def _get_copies(
         self,
@@ -156,8 +185,8 @@ class UcxDataServer(UcxEndpoints):
         sizes: list[int],
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> ucx_pb.UcxGetResponse:
-        """The get of a store without a dram arena, or a sealed get: send copies of the payloads
-        (sealed: with their sealed headers)."""
+        """The get of a store without a dram arena: send copies of the payloads (sealed: with
+        their sealed headers)."""
         results = await scope.store.get(keys, request.namespace, sealed=request.sealed)
         lengths = [0 if r.payload is None else len(r.payload) for r in results]
         sent = [n > 0 and (not sizes or sizes[i] == n) for i, n in enumerate(lengths)]
@@ -345,6 +374,35 @@ def _tiers_before_acquire(
     if all(key in arena for key in keys):
         return [arena.name] * len(keys)  # misses (another namespace) are cleared later
     return list(store.lookup(keys, namespace).tiers)
+
+
+def _seal_payloads(
+    keys: Sequence[bytes],
+    namespace: bytes,
+    acquired: Sequence[Leased | bytes | memoryview | None],
+    payloads: Sequence[tuple[int, Any]],
+    keyring: Keyring,
+) -> tuple[dict[int, bytes | None], list[int]]:
+    """Per sent index, the sealed header of its payload under ``keyring``, or ``None`` where the
+    bytes no longer match the checksum they were stored with (logged); and the answer's
+    ``checksums`` for the payloads sealed. A leased block is checked against its stored header,
+    as its pages are now; a payload the store could not lease (read and verified from a lower
+    tier, a copy) is sealed as it is. A MAC is computed only for a block the keyring does not
+    remember."""
+    seals: dict[int, bytes | None] = {}
+    for index, payload in payloads:
+        item = acquired[index]
+        if isinstance(item, Leased):
+            header = item.lease.header
+        else:
+            header = BlockHeader.for_payload(keys[index], namespace, payload)
+        try:
+            seals[index] = header.seal(payload, keyring)
+        except CorruptBlockError:
+            logger.error("not sending block %s: changed since its put", keys[index].hex())
+            seals[index] = None
+    sealed = [(index, payload) for index, payload in payloads if seals[index] is not None]
+    return seals, payload_checksums(sealed, len(keys))
 
 
 async def _checksums(payloads: list[tuple[int, Any]], count: int) -> list[int]:

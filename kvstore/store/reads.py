@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from kvstore.block import BlockHeader, CorruptBlockError, Keyring, encode_header
+from kvstore.block import BlockHeader, CorruptBlockError, Keyring
 from kvstore.store.background import BackgroundTasks
 from kvstore.store.counters import StoreCounters
 from kvstore.store.index import BlockIndex, Whereabouts
@@ -280,13 +280,13 @@ def _seal_all(
 ) -> list[bytes | None]:
     """The sealed header of each ``(key, header, payload)``, ``None`` where the payload fails
     its header's checksum. A payload without a header (a peer's, verified by its MAC on arrival
-    and never in the arena since) is signed as it is."""
+    and never in the arena since) is sealed as it is: with the seal the keyring remembers from
+    that verification, found by a fresh checksum, or signed anew."""
     sealed: list[bytes | None] = []
     for key, header, payload in items:
         assert payload is not None
         if header is None:
-            sealed.append(encode_header(key, namespace, payload, keyring))
-            continue
+            header = BlockHeader.for_payload(key, namespace, payload)
         try:
             sealed.append(header.seal(payload, keyring))
         except CorruptBlockError:

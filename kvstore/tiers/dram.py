@@ -81,6 +81,11 @@ class DramLease:
     ranges: list[tuple[int, int]]
     _resident: _Resident
 
+    @property
+    def header(self) -> BlockHeader:
+        """The header the block was stored with (its checksum describes the leased pages)."""
+        return self._resident.header
+
 
 @dataclass(slots=True)
 class Reservation:

@@ -42,3 +42,15 @@ def test_a_block_over_the_size_limit_or_empty_is_refused_before_its_mac() -> Non
     big = sealed(KEYS[0], bytes(4097))
     empty = sealed(KEYS[1], b"")
     assert verify_blocks(KEYS[:2], NS, [big, empty], RING, 4096) == [False, False]
+
+
+def test_a_verdict_the_transport_reached_already_is_kept() -> None:
+    # UCX verifies in the thread that checks what arrived; the peer source takes that verdict.
+    genuine, forged = sealed(KEYS[0]), sealed(KEYS[1], ring=Keyring([b"rogue"]))
+    assert verify_blocks(
+        KEYS[:2], NS, [genuine._replace(verified=False), forged], RING, 1 << 20
+    ) == [
+        False,
+        False,
+    ]
+    assert verify_blocks(KEYS[:1], NS, [genuine._replace(verified=True)], RING, 1 << 20) == [True]

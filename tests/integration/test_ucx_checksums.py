@@ -195,3 +195,40 @@ def test_a_ucx_peer_read_takes_nothing_from_a_holder_that_does_not_prove_itself(
         assert link._endpoint is None
     finally:
         _shared_loop().run(link.aclose(), 10.0)
+
+
+def test_given_the_keyring_a_peer_read_checks_macs_and_reads_checksums_only_on_failure(
+    server_factory: ServerFactory,
+) -> None:
+    server = server_factory(*NO_SHM, *UCX, env={"KVSTORE_INTEGRITY_SECRETS": SECRET})
+    keys, values = _stored(server)
+    namespace = namespace_bytes(NAMESPACE)
+
+    async def open_link() -> UcxPeerLink:
+        return UcxPeerLink(server.target, ucx_address(server), None)
+
+    def read(ring: Keyring, landing: _Landing | None = None) -> list[SealedBlock | None]:
+        coroutine = link.get(keys, namespace, 10.0, landing, keyring=ring)  # type: ignore[arg-type]
+        blocks: list[SealedBlock | None] = _shared_loop().run(coroutine, 15.0)
+        return blocks
+
+    link = _shared_loop().run(open_link(), 10.0)
+    right, wrong = Keyring([SECRET.encode()]), Keyring([b"another cluster"])
+    try:
+        blocks = read(right)
+        assert [b is not None and b.verified for b in blocks] == [True] * len(keys)
+        assert [bytes(b.payload) for b in blocks if b is not None] == values
+        # Under another secret the MACs fail, the transfer was whole: refused, not a transport
+        # failure (the peer source marks the holder suspect).
+        assert [b is not None and b.verified for b in read(wrong)] == [False] * len(keys)
+
+        link._stub = _FlipChecksum(link._stub, aio=True)
+        # A block whose MAC holds arrived whole, whatever the checksum says.
+        assert [b is not None and b.verified for b in read(right)] == [True] * len(keys)
+        # A MAC that fails and a checksum that does not match: a damaged transfer.
+        landing = _Landing()
+        with pytest.raises(UcxTransportError, match="does not match the checksum"):
+            read(wrong, landing)
+        assert sorted(landing.abandoned) == sorted(keys)
+    finally:
+        _shared_loop().run(link.aclose(), 10.0)

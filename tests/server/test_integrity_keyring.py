@@ -92,3 +92,18 @@ def test_fingerprints_name_each_secret_without_revealing_it() -> None:
     assert old.for_tenant("a").fingerprints() != [old_print]
     assert old.for_tenant("a").fingerprints() != old.for_tenant("b").fingerprints()
     assert b"old-secret".hex() not in old_print
+
+
+def test_mac_setting_picks_the_version_new_blocks_are_signed_with() -> None:
+    blake = load_keyring(config(KVSTORE_INTEGRITY_SECRETS="s"))
+    hmac_ring = load_keyring(
+        config(KVSTORE_INTEGRITY_SECRETS="s", KVSTORE_INTEGRITY_MAC="hmac-sha256")
+    )
+    assert blake.sign_version == 3 and hmac_ring.sign_version == 2
+    assert blake.for_tenant("a").sign_version == 3
+    assert hmac_ring.for_tenant("a").sign_version == 2
+    assert encode_header(KEY, NS, PAYLOAD, hmac_ring)[4:6] == b"\x02\x00"
+    # Either node reads what the other wrote: a cluster can move from one to the other.
+    assert signs_alike(blake, hmac_ring) and signs_alike(hmac_ring, blake)
+    with pytest.raises(ConfigError, match=r"integrity\.mac must be one of blake3, hmac-sha256"):
+        config(KVSTORE_INTEGRITY_MAC="sha1")
