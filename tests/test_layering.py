@@ -81,6 +81,8 @@ PARTS: dict[str, Part] = {
             "kvstore.buffers",
             "kvstore.block",
             "kvstore.config",
+            "kvstore.server_config",
+            "kvstore.store_config",
             "kvstore.sizes",
             "kvstore.machine_defaults",
             "kvstore.cluster_config",
