@@ -10,9 +10,10 @@ Sizes accept plain bytes or ``KiB/MiB/GiB/TiB`` (and ``KB/MB/GB/TB``, decimal) s
 
 The sections are plain frozen dataclasses, each in the module of its concern
 (:mod:`kvstore.server_config`, :mod:`kvstore.store_config`, :mod:`kvstore.cluster_config`,
-:mod:`kvstore.router_config`, :mod:`kvstore.tenant_config`) and all offered here; the defaults that depend on the machine (``dram.capacity`` from
-its memory, ``nvme.path`` under its home directory) come from :func:`machine_defaults`, and the
-loader is the only reader of environment variables.
+:mod:`kvstore.router_config`, :mod:`kvstore.tenant_config`) and all offered here; the defaults
+that depend on the machine (``dram.capacity`` from its memory, ``nvme.path`` under its home
+directory) come from :func:`machine_defaults`, and the loader is the only reader of environment
+variables.
 """
 
 from __future__ import annotations

@@ -17,8 +17,9 @@ from typing import Any, TypeVar, cast
 import grpc
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore.client.base import ClientBase, client_settings
 from kvstore.client.channel import ChannelSecurity, Pem, aio_channel, blocking_channel
-from kvstore.client.core import Blocking, ClientBase, Plan, Rpc, Step, client_settings
+from kvstore.client.core import Blocking, Plan, Rpc, Step
 from kvstore.client.device_fill import DeviceFill
 from kvstore.client.settings import ClientSettings
 from kvstore.client.shm import ShmLease, ShmReservation

@@ -16,7 +16,6 @@ it: a fast path that stalls leaves the fallback less time instead of a fresh tim
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import threading
 import time
@@ -26,7 +25,7 @@ from typing import Any, TypeVar
 import grpc
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
-from kvstore.client.arena_registration import CudaRegistrar, Registrar
+from kvstore.client.arena_registration import CudaRegistrar
 from kvstore.client.cuda_runtime import CudaRuntimeUnavailable
 from kvstore.client.device_fill import (
     DeviceFill,
@@ -56,14 +55,12 @@ __all__ = [
     "PUT_STREAM_BYTES",
     "UCX_RECHECK_S",
     "Blocking",
-    "ClientBase",
     "ClientCore",
     "Deadline",
     "Plan",
     "Rpc",
     "Sleep",
     "Step",
-    "client_settings",
     "poll_delays",
 ]
 
@@ -479,69 +476,3 @@ def _flush_reads(plane: ShmDataPlane, deadline: Deadline) -> None:
     """
     with contextlib.suppress(ShmUnavailableError, KVStoreError):
         plane.flush_reads(deadline.remaining())
-
-
-def client_settings(settings: ClientSettings | None, data_plane: str | None) -> ClientSettings:
-    """A client's settings: ``settings`` (default: from the environment), with ``data_plane``
-    (the constructor argument) taking precedence where given."""
-    settings = ClientSettings.from_env() if settings is None else settings
-    if data_plane is None or data_plane == settings.data_plane:
-        return settings
-    return dataclasses.replace(settings, data_plane=data_plane)
-
-
-class ClientBase:
-    """What both clients have besides their calls: target, default timeout, data plane, core."""
-
-    def __init__(
-        self,
-        target: str,
-        namespace: Namespace | bytes | None,
-        timeout: float,
-        settings: ClientSettings,
-        control_channel: Callable[[], grpc.Channel],
-    ) -> None:
-        self.target = target
-        self.timeout = timeout
-        self._core = ClientCore(
-            namespace=namespace,
-            timeout=timeout,
-            settings=settings,
-            control_channel=control_channel,
-        )
-
-    @property
-    def data_plane(self) -> str:
-        """``"shm"``, ``"ucx"`` or ``"grpc"``: the path data calls take now."""
-        return self._core.data_plane
-
-    @property
-    def settings(self) -> ClientSettings:
-        """The settings this client was built with."""
-        return self._core.settings
-
-    def register_arena_with(self, registrar: Registrar | None = None) -> None:
-        """Page-lock this client's mapping of the store's arena for a device's DMA.
-
-        For engines whose KV caches are on a GPU: the mapping is registered piece by piece on a
-        background thread (now, or once shared memory connects, and again after a reconnect),
-        after which leased blocks (:meth:`lease`) can be copied straight to the device and
-        reserved pages (:meth:`reserve`) straight from it, with no host copy; until then they
-        report what is covered (``ShmLease.registration``). ``registrar`` defaults to the CUDA
-        runtime torch loaded. ``KVSTORE_SHM_CUDA_REGISTER`` bounds the bytes (see
-        :mod:`kvstore.client.arena_registration` for the cost, about 0.2-0.7 s per GiB in each
-        process). Returns at once.
-
-        Raises:
-            CudaRuntimeUnavailable: ``registrar`` is None and this process has no CUDA runtime.
-        """
-        self._core.shm.register_with(registrar if registrar is not None else CudaRegistrar())
-
-    # Tests and benchmarks look at the paths themselves.
-    @property
-    def _shm(self) -> ShmLink:
-        return self._core.shm
-
-    @property
-    def _ucx(self) -> UcxDataClient | None:
-        return self._core.ucx

@@ -25,6 +25,7 @@ from types import TracebackType
 from typing import Any, TypeVar, cast
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore.client.base import ClientBase, client_settings
 from kvstore.client.channel import (
     ChannelSecurity,
     Pem,
@@ -33,7 +34,7 @@ from kvstore.client.channel import (
     settle_watches,
     when_reconnected,
 )
-from kvstore.client.core import Blocking, ClientBase, Plan, Rpc, Step, client_settings
+from kvstore.client.core import Blocking, Plan, Rpc, Step
 from kvstore.client.device_fill import DeviceFill
 from kvstore.client.settings import ClientSettings
 from kvstore.client.shm import ShmLease, ShmReservation

@@ -25,8 +25,8 @@ import grpc
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore.client.base import client_settings
 from kvstore.client.channel import ChannelSecurity, aio_channel
-from kvstore.client.core import client_settings
 from kvstore.cluster.peer_auth import (
     CALL_METADATA,
     PeerAuthError,

@@ -43,8 +43,8 @@ import grpc
 from kvstore._proto.kvstore.v1 import ucx_pb2 as ucx_pb
 from kvstore._proto.kvstore.v1 import ucx_pb2_grpc as ucx_pb_grpc
 from kvstore.block import Keyring
+from kvstore.client.base import client_settings
 from kvstore.client.channel import ChannelSecurity, aio_channel
-from kvstore.client.core import client_settings
 from kvstore.client.ucx import CONNECT_SHARE, abort_endpoint, open_endpoint, receive_payloads
 from kvstore.cluster.peer_auth import (
     CALL_METADATA,
