@@ -31,6 +31,7 @@ from kvstore.errors import (
     KVStoreError,
     StoreUnavailableError,
 )
+from kvstore.integrations.store_client import StoreClient
 from kvstore.keys import ChunkHasher, HashAlgorithm, Namespace
 from kvstore.retention import KEEP, Retention
 
@@ -400,7 +401,7 @@ class Breaker:
             logger.info("kvstore answers again; lookups and saves resume")
 
 
-def warm_up(client: KVStoreClient, breaker: Breaker, timeout: float) -> None:
+def warm_up(client: StoreClient, breaker: Breaker, timeout: float) -> None:
     """Open the client's connection and its data path; a dead store opens the breaker.
 
     Run it on a background thread at start-up: the first call on a fresh gRPC channel pays for

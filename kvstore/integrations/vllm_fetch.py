@@ -20,12 +20,12 @@ from __future__ import annotations
 import logging
 import time
 
-from kvstore.client import KVStoreClient
 from kvstore.client.shm import ShmLease
 from kvstore.errors import DeadlineExceededError, KVStoreError, StoreUnavailableError
 from kvstore.integrations.arena_dma import arena_source
 from kvstore.integrations.device_pipeline import LoadPipeline, StepLoad, arena_chunk, in_place
 from kvstore.integrations.host_copies import stage_views
+from kvstore.integrations.store_client import StoreClient
 from kvstore.integrations.vllm_common import Breaker
 from kvstore.integrations.vllm_saves import failure_reason
 
@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 class ChunkFetcher:
     """The fetch step of one worker's loads (see the module docstring)."""
 
-    def __init__(self, client: KVStoreClient, breaker: Breaker, pipeline: LoadPipeline) -> None:
+    def __init__(self, client: StoreClient, breaker: Breaker, pipeline: LoadPipeline) -> None:
         self._client = client
         self._breaker = breaker
         self._pipeline = pipeline
@@ -53,14 +53,13 @@ class ChunkFetcher:
             return [False] * len(keys)
         started = time.perf_counter()
         try:
-            lease = getattr(self._client, "lease", None)
             device = self._pipeline.device
-            if lease is not None and in_place(device, self._pipeline.caches[0].dtype):
-                held = lease(keys)
+            if in_place(device, self._pipeline.caches[0].dtype):
+                held = self._client.lease(keys)
                 if held is not None:
                     return self._adopt(load, held)
-            if lease is not None and device.is_cuda:
-                held = lease(keys)
+            if device.is_cuda:
+                held = self._client.lease(keys)
                 if held is not None:
                     return self._adopt_for_dma(load, held)
             if self._receives_into_device():
@@ -83,8 +82,7 @@ class ChunkFetcher:
         return (
             self._pipeline.device.is_cuda
             and self._device_receives is not False
-            and getattr(self._client, "data_plane", "") == "ucx"
-            and hasattr(self._client, "get_into_device")
+            and self._client.data_plane == "ucx"
         )
 
     def _fetch_into_device(self, load: StepLoad, keys: list[bytes]) -> list[bool]:

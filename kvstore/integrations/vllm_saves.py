@@ -33,11 +33,11 @@ from typing import Any
 import kvstore_kernels  # type: ignore[import-not-found, unused-ignore]
 import torch
 
-from kvstore.client import KVStoreClient
 from kvstore.client.shm_reserve import ShmReservation
 from kvstore.errors import DeadlineExceededError, KVStoreError, StoreUnavailableError
 from kvstore.integrations.arena_dma import plan_rows, save_rows
 from kvstore.integrations.device import Device, Event, Stream
+from kvstore.integrations.store_client import StoreClient
 from kvstore.integrations.vllm_common import Breaker
 from kvstore.integrations.vllm_stats import ConnectorCounters
 from kvstore.retention import KEEP, Retention
@@ -107,7 +107,7 @@ class SaveQueue:
 
     def __init__(
         self,
-        client: KVStoreClient,
+        client: StoreClient,
         breaker: Breaker,
         counters: ConnectorCounters,
         tokens_per_chunk: int,
@@ -231,11 +231,10 @@ class SaveQueue:
     ) -> _Gathered | None:
         """Over shared memory: gather the job's chunks straight into reserved arena pages;
         ``None`` where that is not possible (another data plane, a store down)."""
-        reserve = getattr(self._client, "reserve", None)
-        if reserve is None or self._breaker.is_open():
+        if self._breaker.is_open():
             return None
         try:
-            held: ShmReservation | None = reserve(
+            held: ShmReservation | None = self._client.reserve(
                 job.keys, [target.chunk_nbytes] * len(job.keys), retention=job.retention
             )
         except KVStoreError as exc:

@@ -34,7 +34,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvstore.client import KVStoreClient
 from kvstore.cluster_config import namespace_to_json
 from kvstore.errors import (
     ConfigError,
@@ -42,6 +41,7 @@ from kvstore.errors import (
     KVStoreError,
     StoreUnavailableError,
 )
+from kvstore.integrations.store_client import StoreClient
 from kvstore.integrations.vllm_common import (
     Breaker,
     ConnectorSettings,
@@ -138,7 +138,7 @@ class SchedulerSide:
         settings: ConnectorSettings,
         vllm_config: VllmConfig,
         kv_cache_config: KVCacheConfig,
-        client: KVStoreClient | None = None,
+        client: StoreClient | None = None,
     ) -> None:
         """``client`` replaces the store client the scheduler would open (tests pass stand-ins)."""
         self._settings = settings

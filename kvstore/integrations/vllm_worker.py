@@ -34,12 +34,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvstore.client import KVStoreClient
 from kvstore.client.cuda_runtime import CudaRuntimeUnavailable
 from kvstore.errors import ConfigError
 from kvstore.integrations.device import Device
 from kvstore.integrations.device_pipeline import LoadPipeline, StepLoad
 from kvstore.integrations.kv_layout import CacheSpec, detect_layout
+from kvstore.integrations.store_client import StoreClient
 from kvstore.integrations.vllm_common import (
     Breaker,
     ConnectorSettings,
@@ -76,7 +76,7 @@ class WorkerSide:
         settings: ConnectorSettings,
         vllm_config: VllmConfig,
         kv_cache_config: KVCacheConfig,
-        client: KVStoreClient | None = None,
+        client: StoreClient | None = None,
     ) -> None:
         """``client`` replaces the store client the worker would open (tests pass stand-ins)."""
         tp_rank, pp_rank = _ranks(vllm_config)
@@ -314,7 +314,7 @@ class WorkerSide:
                     failed += tokens
                 chunk += 1
         asked = load.reason != "store_down"
-        path = load.path or str(getattr(self._client, "data_plane", ""))
+        path = load.path or self._client.data_plane
         seconds = load.fetch_s if asked else None
         self.counters.record_load(loaded, {load.reason: failed}, seconds, path)
 
@@ -348,7 +348,7 @@ class WorkerSide:
                 self._pipeline.stop(load)  # the loader writes nothing more into the caches
             self._fail_loads(load.specs)
         self._account(load, skipped)
-        self.last_load_path = load.path or str(getattr(self._client, "data_plane", ""))
+        self.last_load_path = load.path or self._client.data_plane
         logger.debug(
             "kvstore load: %d chunks, %.1f MiB, get %.2f ms via %s, waited %.2f ms, "
             "scatter %.2f ms",

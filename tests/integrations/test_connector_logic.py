@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from harness.store_stand_in import StoreStandIn
 
 from kvstore.errors import ConfigError, DeadlineExceededError, StoreUnavailableError
 from kvstore.integrations.vllm_common import (
@@ -43,11 +44,8 @@ LAYERS = 2
 NUM_BLOCKS = 24
 
 
-class FakeStore:
+class FakeStore(StoreStandIn):
     """Stands in for :class:`kvstore.KVStoreClient`: chunks in a dict, calls counted."""
-
-    #: The path its data calls take (a get, as over gRPC).
-    data_plane = "grpc"
 
     def __init__(self) -> None:
         self.chunks: dict[bytes, torch.Tensor] = {}
@@ -101,9 +99,6 @@ class FakeStore:
 
     def when_reconnected(self, callback: Any) -> None:
         self.reconnect_callbacks.append(callback)
-
-    def close(self) -> None:
-        pass
 
 
 def _vllm_config(tp_size: int = 1, pp_size: int = 1) -> Any:

@@ -14,6 +14,7 @@ from typing import Any
 import kvstore_kernels  # type: ignore[import-not-found, unused-ignore]
 import pytest
 import torch
+from harness.store_stand_in import StoreStandIn
 
 from kvstore.client.shm import ShmLease
 from kvstore.integrations import device_pipeline
@@ -115,8 +116,8 @@ def test_cpu_streams_and_events_are_stand_ins() -> None:
     assert device.device_buffer((2,), torch.float32) is None
 
 
-class _Store:
-    """Enough of :class:`kvstore.KVStoreClient` for the worker: one chunk of ones."""
+class _Store(StoreStandIn):
+    """The worker's store: one chunk of ones."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -127,15 +128,6 @@ class _Store:
         for buffer in buffers:
             buffer.fill_(1)
         return [True] * len(keys)
-
-    def stats(self, **_: Any) -> dict[str, Any]:
-        return {}
-
-    def when_reconnected(self, callback: Any) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 def _worker(client: Any) -> WorkerSide:
