@@ -227,7 +227,19 @@ class SchedulerSide:
             chunk = self._settings.chunk_size
             held = min(num_computed_tokens // chunk, hits)
             self.counters.record_declined(max(hits - max(plan.load, held), 0) * chunk)
+            if plan.load < hits:
+                # Bring the declined chunks up into dram in the background: recomputed now,
+                # the next request with this prefix finds them in the fast tier.
+                self._pool.submit(self._prefetch, state.keys[max(plan.load, held) : hits])
         return min(state.load, hits) * self._settings.chunk_size
+
+    def _prefetch(self, keys: list[bytes]) -> None:
+        if not keys:
+            return
+        try:
+            self._client.prefetch(keys, timeout=self._settings.lookup_timeout_s)
+        except KVStoreError as exc:
+            logger.debug("kvstore prefetch of declined chunks failed: %s", exc)
 
     def _refresh_rates(self) -> None:
         """Fetch the store's measured tier rates for the cost model (off the scheduler)."""

@@ -164,6 +164,11 @@ def test_the_scheduler_loads_up_to_the_slow_tier_and_counts_the_rest_declined(
         # Asked again (vLLM does, e.g. after a preemption): the same decision, made once.
         assert side.get_num_new_matched_tokens(_request("a", tokens), 0) == (3 * CHUNK, False)
     assert len([r for r in caplog.records if "load 3 of 5" in r.getMessage()]) == 1
+    # The declined chunks are brought up into dram for the next request with this prefix.
+    deadline = time.monotonic() + 10
+    while store.prefetched != keys[3:]:
+        assert time.monotonic() < deadline, store.prefetched
+        time.sleep(0.01)
     stats: dict[str, Any] = side.take_stats() or {}
     assert stats["hit_tokens"] == 5 * CHUNK and stats["declined_tokens"] == 2 * CHUNK
     # Turned off: every hit loads, as before; forced: none does.

@@ -61,6 +61,8 @@ class FakeStore:
         self.tiers: dict[bytes, str] = {}
         #: ... and what ``stats`` answers (the tiers' measured rates, for the load plan).
         self.stats_answer: dict[str, Any] = {}
+        #: Keys asked to be prefetched into dram.
+        self.prefetched: list[bytes] = []
 
     def _check(self) -> None:
         if self.down:
@@ -99,6 +101,12 @@ class FakeStore:
     def stats(self, *, timeout: float | None = None) -> dict[str, Any]:
         self._check()
         return self.stats_answer
+
+    def prefetch(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
+        self._check()
+        with self.lock:
+            self.prefetched.extend(keys)
+        return 1
 
     def open_data_plane(self, *, timeout: float | None = None) -> str:
         self._check()
