@@ -106,6 +106,10 @@ def test_meter_fits_latency_and_rate() -> None:
     assert fit.per_s == pytest.approx(1e9, rel=0.05)
     assert fit.latency_s == pytest.approx(0.002, rel=0.2)
     assert fit.seconds(1e9) == pytest.approx(1.002, rel=0.05)
+    # The mean rate counts the fixed cost in: slower than the fitted one at these sizes.
+    assert meter.mean_rate().latency_s == 0
+    assert meter.mean_rate().per_s < fit.per_s
+    assert RateMeter().mean_rate() is UNKNOWN
 
 
 def test_meter_of_one_size_reports_the_mean_rate_and_follows_a_change() -> None:

@@ -76,6 +76,12 @@ class RateMeter:
         self._xx += a * (size * size - self._xx)
         self._xy += a * (size * seconds - self._xy)
 
+    def mean_rate(self) -> Rate:
+        """Mean size over mean seconds, fixed costs included (:data:`UNKNOWN` before a sample)."""
+        if self._n == 0 or self._y <= 0:
+            return UNKNOWN
+        return Rate(self._x / self._y)
+
     def rate(self) -> Rate:
         """The current fit (:data:`UNKNOWN` before the first sample)."""
         if self._n == 0 or self._y <= 0:
