@@ -13,10 +13,10 @@ asks it, per request, how many of the leading stored chunks to load:
 - **the engine's prefill**: the scheduler times each step from the plan it hands the workers
   (``build_connector_meta``) to the step's output (``update_connector_output``), and divides the
   step's prefill work (:func:`~kvstore.client.cost_model.prefill_work` of every request's
-  scheduled tokens after its context) by it, the step's loads left out. The rate is the steps'
-  mean (work over seconds), a step's fixed cost included: where steps are mostly fixed cost (a
-  small model, small batches) recomputing looks dearer than its margin, so the decision leans
-  towards loading, which is what the connector did before it existed.
+  scheduled tokens after its context) by it, the step's loads left out. A step's fixed cost
+  shows as the fit's latency and is left out of recompute estimates (a step runs whether or not
+  a chunk is loaded); until the steps' sizes vary enough to fit a line, the rate is their mean,
+  fixed cost included, which leans towards loading.
 
 Until a figure is measured the decision loads, as the connector did before it existed.
 ``load_policy`` ``always`` / ``never`` bypass it. One DEBUG log line per decision that loads
@@ -148,7 +148,7 @@ class LoadDecider:
         with self._lock:
             return {
                 "tiers": dict(self._tiers),
-                "prefill": self._prefill.mean_rate(),
+                "prefill": self._prefill.rate(),
                 "transfer": self._transfer.rate(),
             }
 
@@ -165,9 +165,11 @@ class LoadDecider:
         with self._lock:
             rates, prefill, transfer = (
                 dict(self._tiers),
-                self._prefill.mean_rate(),  # see the module docstring
+                self._prefill.rate(),
                 self._transfer.rate(),
             )
+        # Recompute estimates leave the per-step latency out (see the module docstring).
+        prefill = Rate(prefill.per_s) if prefill.known else UNKNOWN
         plan = plan_loads(
             tiers,
             rates,
