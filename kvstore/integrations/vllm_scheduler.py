@@ -203,7 +203,7 @@ class SchedulerSide:
         if state.loadable == 0 or not self._loads:
             return 0, False
         if self.decider.rates_due(time.monotonic()):
-            self._pool.submit(self._refresh_rates)
+            self._pool.submit(self._refresh_rates).add_done_callback(_log_failure)
         hits = self._poll_lookup(state)
         if hits is None:
             return None, False
@@ -244,11 +244,12 @@ class SchedulerSide:
     def _refresh_rates(self) -> None:
         """Fetch the store's measured tier rates for the cost model (off the scheduler)."""
         try:
-            self.decider.take_store_stats(
-                self._client.stats(timeout=self._settings.lookup_timeout_s)
-            )
+            stats = self._client.stats(timeout=self._settings.lookup_timeout_s)
         except KVStoreError as exc:
             logger.debug("kvstore stats for the load plan failed: %s", exc)
+            return
+        self.decider.take_store_stats(stats)
+        logger.debug("kvstore load plan inputs: %s", self.decider.inputs())
 
     def _state(self, request: Request) -> _RequestState:
         state = self._requests.get(request.request_id)
@@ -478,3 +479,9 @@ class SchedulerSide:
         """Stop the lookup pool and close the client."""
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._client.close()
+
+
+def _log_failure(future: Future[None]) -> None:
+    """A background call of the scheduler half that failed unexpectedly: say so."""
+    if not future.cancelled() and (exc := future.exception()) is not None:
+        logger.warning("kvstore background call failed: %r", exc, exc_info=exc)
