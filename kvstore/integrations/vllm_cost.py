@@ -205,7 +205,7 @@ class LoadDecider:
 def _rate_text(rate: Rate) -> str:
     if not rate.known:
         return "unmeasured"
-    return f"{rate.per_s / 1e9:.2f} GB/s + {rate.latency_s * 1e3:.2f} ms"
+    return f"{rate.per_s / 1e6:,.1f} MB/s + {rate.latency_s * 1e3:.2f} ms"
 
 
 def _tier_summary(tiers: Sequence[str], rates: Mapping[str, Rate]) -> str:

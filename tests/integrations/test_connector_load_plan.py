@@ -106,7 +106,7 @@ def test_a_decision_that_declines_logs_at_info_with_its_inputs(
         "kvstore load plan slow": logging.INFO,
     }
     line = caplog.records[-1].getMessage()
-    assert "load 3 of 5 stored chunks" in line and "redis x2 at 0.00 GB/s" in line
+    assert "load 3 of 5 stored chunks" in line and "redis x2 at 0.0 MB/s" in line
 
 
 def test_an_unknown_load_policy_is_refused_with_the_allowed_values() -> None:
