@@ -84,9 +84,9 @@ class RateMeter:
 
     def rate(self) -> Rate:
         """The current fit (:data:`UNKNOWN` before the first sample)."""
-        if self._n == 0 or self._y <= 0:
+        mean_rate = self.mean_rate()
+        if not mean_rate.known:
             return UNKNOWN
-        mean_rate = Rate(self._x / self._y)
         var = self._xx - self._x * self._x
         if var <= (_MIN_SPREAD * self._x) ** 2:
             return mean_rate
