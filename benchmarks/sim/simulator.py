@@ -4,9 +4,14 @@ Per request (in arrival order): the router picks a node, with kvstore's own
 :class:`~kvstore.router.scoring.Scorer` over the simulated cluster index (``kv``) or in turn
 (``round-robin``); that node's store answers a get of the request's chunk keys (its tiers, then
 peers or Redis, see :class:`~.node.SimNode`); the engine's prefix hit is the *leading* run found.
-The engine prefills the rest at ``prefill_tokens_per_s`` after the requests queued before it
-(one FIFO prefill queue per engine; decoding overlaps) and then puts the chunks it computed; the
-Scorer sees the request dispatched, prefilled and finished at those times, as the router does.
+The engine loads the hits it decides to load (``load_policy``: every one, none, or those
+:func:`kvstore.client.cost_model.plan_loads` finds faster to load than to compute, at
+``read_rates`` per source and ``transfer_bytes_per_s`` for the engine's own copy) and prefills
+the rest at ``prefill_tokens_per_s`` (:func:`~kvstore.client.cost_model.prefill_work` units per
+second where ``prefill_context_scale`` is set) after the requests queued before it (one FIFO queue
+per engine; decoding overlaps); its time to first token is when that ends. Then it puts the chunks
+it computed beyond the hits; the Scorer sees the request dispatched, prefilled and finished at
+those times, as the router does. Without ``read_rates`` loads take no time (the default).
 
 ``sequential`` runs each request to its end before the next one arrives (the validation driver
 does exactly that against real nodes). Events, not bytes: a block is a key and a size.
@@ -15,24 +20,29 @@ does exactly that against real nodes). Events, not bytes: a block is a key and a
 from __future__ import annotations
 
 import heapq
+import statistics
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvstore.client.cost_model import plan_loads, prefill_work
 from kvstore.policy import Policy
+from kvstore.protocol.rates import UNKNOWN, Rate
 from kvstore.router.scoring import Provisional, Replica, Scorer
 
 from .index import SimIndex
 from .node import SimNode, footprints, key_of
 from .workloads import Workload
 
-__all__ = ["SHARED_DATA", "SimConfig", "simulate"]
+__all__ = ["LOAD_POLICIES", "SHARED_DATA", "SimConfig", "simulate"]
 
 #: ``cluster.shared_data`` values, plus ``none``: each node reads only its own tiers.
 SHARED_DATA = ("peers", "redis", "both", "none")
 ROUTINGS = ("kv", "round-robin")
+#: The connector's ``load_policy`` values (kvstore.integrations.vllm_common.LOAD_POLICIES).
+LOAD_POLICIES = ("always", "never", "cost")
 GIB = 1024**3
 
 
@@ -58,8 +68,21 @@ class SimConfig:
     provisional_ttl_s: float = 5.0
     node_id_bytes: int = 9
     sequential: bool = False
+    #: Which leading hits the engine loads (:data:`LOAD_POLICIES`).
+    load_policy: str = "always"
+    #: ``(source, bytes per s, fixed s per read)`` of each source (``dram``, ``nvme``, ``peer``,
+    #: ``redis``); a source not named loads in no time.
+    read_rates: tuple[tuple[str, float, float], ...] = ()
+    #: The engine's own copy of a loaded chunk (shared memory, device DMA), bytes per s; 0: free.
+    transfer_bytes_per_s: float = 0.0
+    #: :func:`~kvstore.client.cost_model.prefill_work`'s context scale; 0: a flat rate.
+    prefill_context_scale: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.load_policy not in LOAD_POLICIES:
+            raise ValueError(
+                f"load_policy must be one of {LOAD_POLICIES}, got {self.load_policy!r}"
+            )
         if self.shared_data not in SHARED_DATA:
             raise ValueError(f"shared_data must be one of {SHARED_DATA}, got {self.shared_data!r}")
         if self.routing not in ROUTINGS:
@@ -108,6 +131,31 @@ class _Run:
         self.per_node_requests = [0] * config.nodes
         self.per_node_in = [0] * config.nodes
         self.end = 0.0
+        self.rates = {name: Rate(per_s, latency) for name, per_s, latency in config.read_rates}
+        transfer = config.transfer_bytes_per_s
+        self.transfer = Rate(transfer) if transfer > 0 else UNKNOWN
+        self.ttft: list[float] = []
+
+    def _load_plan(self, sources: list[str], input_tokens: int) -> tuple[int, float, float]:
+        """Chunks loaded, seconds loading them, seconds prefilling the rest of the prompt."""
+        config = self.config
+        plan = plan_loads(
+            sources,
+            self.rates,
+            Rate(config.prefill_tokens_per_s),
+            chunk_tokens=self.chunk_tokens,
+            chunk_bytes=self.block_bytes,
+            scale=config.prefill_context_scale,
+            transfer=self.transfer,
+        )
+        load, load_s = {
+            "always": (plan.hits, plan.all_load_s),
+            "never": (0, 0.0),
+            "cost": (plan.load, plan.load_s),
+        }[config.load_policy]
+        start = min(load * self.chunk_tokens, input_tokens)
+        work = prefill_work(start, input_tokens, config.prefill_context_scale)
+        return load, load_s, work / config.prefill_tokens_per_s
 
     def run(self, progress: Callable[[int, int], None] | None) -> dict[str, Any]:
         requests = self.workload.requests
@@ -179,16 +227,23 @@ class _Run:
         stats["redis_read_bytes"] += moved["redis"] * self.block_bytes
         self.per_node_in[where] += moved["peer"] * self.block_bytes
         self.per_node_requests[where] += 1
-        prefill = request.input_tokens - hit_tokens
+        loaded, load_s, prefill_s = self._load_plan(
+            [s for s in sources[:leading] if s is not None], request.input_tokens
+        )
+        stats["loaded_chunks"] += loaded
+        stats["declined_chunks"] += leading - loaded
+        stats["load_s"] += load_s
         self.scorer.dispatched(replica, keys, max(request.input_tokens - predicted, 0))
         missing = keys[leading:]
         routed = (where, replica, missing, max(request.input_tokens - predicted, 0))
         if config.sequential:
+            self.ttft.append(load_s + prefill_s)
             self._prefilled(*routed)
             self.scorer.finished(replica)
             return
         start = max(self.now, self.free_at[where])
-        done = start + prefill / config.prefill_tokens_per_s
+        done = start + load_s + prefill_s
+        self.ttft.append(done - self.now)
         self.free_at[where] = done
         stats["queue_s"] += start - self.now
         self._push(done, "prefilled", routed)
@@ -243,7 +298,27 @@ class _Run:
                 index.ops_by_second_no_leases.values(), default=0
             ),
             "mean_queue_s": stats["queue_s"] / max(stats["requests"], 1),
+            "load_policy": config.load_policy,
+            "loaded_chunks": stats["loaded_chunks"],
+            "declined_chunks": stats["declined_chunks"],
+            "load_s": stats["load_s"],
+            **_ttft(self.ttft),
             "load_max_over_mean": max(loads) / (sum(loads) / len(loads)) if sum(loads) else 0.0,
             "evicted": sum(node.evicted for node in self.nodes),
             "wall_s": wall_s,
         }
+
+
+def _ttft(values: list[float]) -> dict[str, float]:
+    """Mean and percentiles of the requests' times to first token (prefill end), seconds."""
+    if not values:
+        return {"ttft_mean_s": 0.0, "ttft_p50_s": 0.0, "ttft_p90_s": 0.0, "ttft_p99_s": 0.0}
+    cuts = (
+        statistics.quantiles(values, n=100, method="inclusive") if len(values) > 1 else values * 99
+    )
+    return {
+        "ttft_mean_s": statistics.fmean(values),
+        "ttft_p50_s": cuts[49],
+        "ttft_p90_s": cuts[89],
+        "ttft_p99_s": cuts[98],
+    }

@@ -80,6 +80,10 @@ class StoreClient(Protocol):
         """Store blocks."""
         ...
 
+    def prefetch(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
+        """Ask the store to bring ``keys`` up into dram in the background; the prefetch's id."""
+        ...
+
     def stats(self, *, timeout: float | None = None) -> dict[str, Any]:
         """The server's stats."""
         ...

@@ -69,6 +69,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 __all__ = ["ConnectorSettings", "KVStoreConnector", "KVStoreConnectorMetadata"]
@@ -187,6 +188,16 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
     ) -> tuple[bool, dict[str, Any] | None]:
         """Whether the request's blocks must stay until a save has read them."""
         return self._scheduler_side().request_finished(request, block_ids)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """A step's output: ends the step's timing and passes the workers' loads on to the
+        load-or-recompute decision (kvstore.integrations.vllm_cost)."""
+        super().update_connector_output(connector_output)
+        stats = connector_output.kv_connector_stats
+        data = stats.data if stats is not None else {}
+        self._scheduler_side().update_connector_output(
+            int(data.get("loaded_tokens", 0)), list(data.get("load_seconds") or ())
+        )
 
     # -- worker side -------------------------------------------------------------------------
 

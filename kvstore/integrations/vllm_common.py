@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
+    "LOAD_POLICIES",
     "Breaker",
     "ConnectorSettings",
     "EngineShape",
@@ -71,8 +72,13 @@ _KNOWN_KEYS = frozenset(
         "token",
         "tls_ca",
         "handoff_wait_s",
+        "load_policy",
     }
 )
+#: ``load_policy`` values: ``cost`` loads only the leading stored chunks that load faster than
+#: the engine computes them (:mod:`kvstore.client.cost_model`); ``always`` loads every hit (the
+#: connector before the cost model); ``never`` loads nothing (a baseline for benchmarks).
+LOAD_POLICIES = ("cost", "always", "never")
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +108,9 @@ class ConnectorSettings:
         handoff_wait_s: Prefill/decode hand-off: how long a request that carries a producer's
             saved-chunk count waits for those chunks to reach the store (the producer's puts
             are asynchronous) before it goes ahead with the ones that arrived.
+        load_policy: Which stored chunks to load (:data:`LOAD_POLICIES`): ``cost`` (the
+            default) those that load faster than the engine recomputes them, ``always`` every
+            hit, ``never`` none.
     """
 
     target: str
@@ -115,8 +124,13 @@ class ConnectorSettings:
     token: str | None = field(default=None, repr=False)
     tls_ca: str | None = None
     handoff_wait_s: float = 2.0
+    load_policy: str = "cost"
 
     def __post_init__(self) -> None:
+        if self.load_policy not in LOAD_POLICIES:
+            raise ConfigError(
+                f"load_policy: cannot use {self.load_policy!r}: one of {', '.join(LOAD_POLICIES)}"
+            )
         if not self.target or ":" not in self.target:
             raise ConfigError(f"target must be 'HOST:PORT', got {self.target!r}")
         if self.chunk_size < 1:
@@ -156,6 +170,7 @@ class ConnectorSettings:
                 token=str(extra["token"]) if "token" in extra else None,
                 tls_ca=str(extra["tls_ca"]) if "tls_ca" in extra else None,
                 handoff_wait_s=float(extra.get("handoff_wait_s", 2.0)),
+                load_policy=str(extra.get("load_policy", "cost")),
             )
         except (TypeError, ValueError) as exc:
             if isinstance(exc, ConfigError):

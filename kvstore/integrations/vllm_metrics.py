@@ -8,6 +8,8 @@ feeds :class:`KVStorePromMetrics`, which adds it to these Prometheus series, lab
 vLLM's own (``model_name``, ``engine``):
 
 - ``vllm:kvstore_lookup_tokens_total``, ``vllm:kvstore_hit_tokens_total``
+- ``vllm:kvstore_declined_tokens_total`` (hit tokens the load plan recomputed instead: a tier
+  slower than the engine's prefill)
 - ``vllm:kvstore_loaded_tokens_total`` (the prompt tokens kvstore saved the engine computing)
   and ``vllm:kvstore_loaded_tokens_by_path_total{path}`` (the same by the way they came: on a GPU,
   ``shm-dma`` straight from the arena, ``shm-staged`` through host staging)
@@ -41,6 +43,7 @@ __all__ = ["KVStoreConnectorStats", "KVStorePromMetrics"]
 _COUNTERS = {
     "lookup_tokens": "Prompt tokens the kvstore connector looked up in kvstore.",
     "hit_tokens": "Prompt tokens the kvstore connector found in kvstore.",
+    "declined_tokens": "Prompt tokens found in kvstore that loading would not have sped up.",
     "loaded_tokens": (
         "Prompt tokens loaded from kvstore: the tokens kvstore saved the engine computing."
     ),

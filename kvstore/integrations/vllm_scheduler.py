@@ -30,10 +30,12 @@ import logging
 import math
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvstore.client.cost_model import context_scale, prefill_work
 from kvstore.cluster_config import namespace_to_json
 from kvstore.errors import (
     ConfigError,
@@ -54,6 +56,7 @@ from kvstore.integrations.vllm_common import (
     make_hasher,
     warm_up,
 )
+from kvstore.integrations.vllm_cost import LoadDecider, hidden_size, token_bytes
 from kvstore.integrations.vllm_plan import load_targets
 from kvstore.integrations.vllm_retention import request_retention
 from kvstore.integrations.vllm_stats import ConnectorCounters
@@ -120,6 +123,8 @@ class _RequestState:
     future: Future[int] | None = None
     deadline: float = 0.0
     hits: int | None = None  # leading chunks the store holds, once known
+    tiers: list[str] | None = None  # the tier holding each of them, once known
+    load: int | None = None  # of those, the chunks to load (the cost model's plan), once decided
     load_from: int = 0  # num_computed_tokens vLLM presented with the answer
     saved: int = 0  # chunks [0, saved) are in the store or planned for saving
     has_saves: bool = False
@@ -166,6 +171,15 @@ class SchedulerSide:
         self._recent_saves: OrderedDict[bytes, float] = OrderedDict()
         self._kv_cache_manager: KVCacheManager | None = None
         self.counters = ConnectorCounters()
+        # Load or recompute (kvstore.integrations.vllm_cost).
+        self._bytes_per_token = token_bytes(shape)
+        self._scale = context_scale(hidden_size(vllm_config))
+        self.decider = LoadDecider(
+            settings.load_policy,
+            chunk_tokens=settings.chunk_size,
+            chunk_bytes=settings.chunk_size * self._bytes_per_token,
+            scale=self._scale,
+        )
         # Connect now, off the critical path: the first call on a fresh channel pays for it.
         self._pool.submit(warm_up, self._client, self._breaker, settings.lookup_timeout_s)
         logger.info(
@@ -191,14 +205,54 @@ class SchedulerSide:
         state = self._state(request)  # a producer still needs it: saves are planned from it
         if state.loadable == 0 or not self._loads:
             return 0, False
+        if self.decider.rates_due(time.monotonic()):
+            self._pool.submit(self._refresh_rates).add_done_callback(_log_failure)
         hits = self._poll_lookup(state)
         if hits is None:
             return None, False
-        hit_tokens = min(hits, state.loadable) * self._settings.chunk_size
+        hit_tokens = self._planned(request, state, hits, num_computed_tokens)
         if hit_tokens <= num_computed_tokens:
             return 0, False
         state.load_from = num_computed_tokens
         return hit_tokens - num_computed_tokens, False
+
+    def _planned(
+        self, request: Request, state: _RequestState, hits: int, num_computed_tokens: int
+    ) -> int:
+        """Tokens of the leading hits worth loading: the cost model decides once per request."""
+        hits = min(hits, state.loadable)
+        if state.load is None:
+            tiers = (state.tiers or [])[:hits]
+            if len(tiers) < hits:  # an answer without tiers (never from a real store): load
+                tiers += [""] * (hits - len(tiers))
+            plan = self.decider.decide(request.request_id, tiers, num_computed_tokens)
+            state.load = plan.load
+            chunk = self._settings.chunk_size
+            held = min(num_computed_tokens // chunk, hits)
+            self.counters.record_declined(max(hits - max(plan.load, held), 0) * chunk)
+            if plan.load < hits:
+                # Bring the declined chunks up into dram in the background: recomputed now,
+                # the next request with this prefix finds them in the fast tier.
+                self._pool.submit(self._prefetch, state.keys[max(plan.load, held) : hits])
+        return min(state.load, hits) * self._settings.chunk_size
+
+    def _prefetch(self, keys: list[bytes]) -> None:
+        if not keys:
+            return
+        try:
+            self._client.prefetch(keys, timeout=self._settings.lookup_timeout_s)
+        except KVStoreError as exc:
+            logger.debug("kvstore prefetch of declined chunks failed: %s", exc)
+
+    def _refresh_rates(self) -> None:
+        """Fetch the store's measured tier rates for the cost model (off the scheduler)."""
+        try:
+            stats = self._client.stats(timeout=self._settings.lookup_timeout_s)
+        except KVStoreError as exc:
+            logger.debug("kvstore stats for the load plan failed: %s", exc)
+            return
+        self.decider.take_store_stats(stats)
+        logger.debug("kvstore load plan inputs: %s", self.decider.inputs())
 
     def _state(self, request: Request) -> _RequestState:
         state = self._requests.get(request.request_id)
@@ -250,7 +304,8 @@ class SchedulerSide:
                 self.counters.record_lookup(state.loadable * self._settings.chunk_size, 0, None)
                 return 0
             timeout = self._settings.lookup_timeout_s
-            state.future = self._pool.submit(self._lookup, state.keys[: state.loadable], timeout)
+            keys = state.keys[: state.loadable]
+            state.future = self._pool.submit(self._lookup, state, keys, timeout)
             # The RPC's own deadline normally ends it; this covers a call stuck before it.
             state.deadline = time.monotonic() + 2 * timeout
         try:
@@ -300,9 +355,11 @@ class SchedulerSide:
     def _lookups_off(self) -> bool:
         return self._breaker.is_open() or self._slow.is_open()
 
-    def _lookup(self, keys: list[bytes], timeout: float) -> int:
+    def _lookup(self, state: _RequestState, keys: list[bytes], timeout: float) -> int:
         started = time.perf_counter()
-        hits = self._client.lookup(keys, timeout=timeout)
+        answer = self._client.lookup_tiers(keys, timeout=timeout)
+        hits = answer.hits
+        state.tiers = list(answer.tiers[:hits])  # read once the future is done
         seconds = time.perf_counter() - started
         self.counters.record_lookup_latency(seconds)
         logger.debug(
@@ -342,6 +399,7 @@ class SchedulerSide:
         self._pending_loads = []
         scheduled = scheduler_output.num_scheduled_tokens
         now = time.monotonic()
+        self.decider.step_planned(self._step_work(scheduler_output), now)
         if self._saves and not self._breaker.is_open():
             for new in scheduler_output.scheduled_new_reqs:
                 done = new.num_computed_tokens + scheduled.get(new.req_id, 0)
@@ -350,6 +408,28 @@ class SchedulerSide:
             for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens, strict=True):
                 self._plan_save(meta, req_id, computed + scheduled.get(req_id, 0), now)
         return meta
+
+    def _step_work(self, scheduler_output: SchedulerOutput) -> float:
+        """The step's prefill work (:func:`~kvstore.client.cost_model.prefill_work` units)."""
+        scheduled = scheduler_output.num_scheduled_tokens
+        scale = self._scale
+        work = 0.0
+        for new in scheduler_output.scheduled_new_reqs:
+            start = new.num_computed_tokens
+            work += prefill_work(start, start + scheduled.get(new.req_id, 0), scale)
+        cached = scheduler_output.scheduled_cached_reqs
+        for req_id, start in zip(cached.req_ids, cached.num_computed_tokens, strict=True):
+            work += prefill_work(start, start + scheduled.get(req_id, 0), scale)
+        return work
+
+    def update_connector_output(self, loaded_tokens: int, load_seconds: Sequence[float]) -> None:
+        """A step's output arrived: it ends the step's timing; ``loaded_tokens`` (over all
+        ranks) and each rank's ``load_seconds`` are the workers' loads in it."""
+        ranks = len(load_seconds)
+        load_s = sum(load_seconds) / ranks if ranks else 0.0
+        self.decider.step_done(time.monotonic(), load_s)
+        if loaded_tokens > 0 and ranks:
+            self.decider.loads_done(loaded_tokens // ranks * self._bytes_per_token, load_s)
 
     def _plan_save(self, meta: StepPlan, req_id: str, computed: int, now: float) -> None:
         """Plan saving the prompt chunks that are complete once this step has run."""
@@ -407,3 +487,9 @@ class SchedulerSide:
         """Stop the lookup pool and close the client."""
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._client.close()
+
+
+def _log_failure(future: Future[None]) -> None:
+    """A background call of the scheduler half that failed unexpectedly: say so."""
+    if not future.cancelled() and (exc := future.exception()) is not None:
+        logger.warning("kvstore background call failed: %r", exc, exc_info=exc)

@@ -21,6 +21,9 @@ A snapshot is a plain dict (vLLM serialises it between processes) of these field
     ``{path: tokens}``: the loaded tokens by the way they came (``shm-dma``, ``shm-staged``,
     ``shm-lease``, ``ucx-device``, ...; see :mod:`kvstore.integrations.vllm_fetch`), e.g. how
     many loads went through host staging while the arena was being page-locked;
+``declined_tokens``
+    of the hit tokens, those the load plan chose to recompute rather than load (a slow tier:
+    see :mod:`kvstore.integrations.vllm_cost`);
 ``saved_tokens``
     prompt tokens this engine stored into kvstore (puts that succeeded);
 ``save_failed_tokens``
@@ -63,7 +66,7 @@ LOAD_FAILURES = (
 #: memory), ``store_down``, ``unavailable``, ``deadline``, ``error`` (as for loads).
 SAVE_FAILURES = ("backlog_full", "store_down", "unavailable", "deadline", "error")
 
-_COUNTS = ("lookup_tokens", "hit_tokens", "loaded_tokens", "saved_tokens")
+_COUNTS = ("lookup_tokens", "hit_tokens", "declined_tokens", "loaded_tokens", "saved_tokens")
 _BY_REASON = ("load_failed_tokens", "save_failed_tokens", "loaded_tokens_by_path")
 _LATENCIES = ("lookup_seconds", "load_seconds")
 
@@ -111,6 +114,7 @@ def summary(data: dict[str, Any]) -> dict[str, int | float]:
         "kvstore lookup tokens": looked_up,
         "kvstore hit tokens": hit,
         "kvstore hit rate": round(hit / looked_up, 4) if looked_up else 0.0,
+        "kvstore declined tokens": int(data.get("declined_tokens", 0)),
         "kvstore loaded tokens": int(data.get("loaded_tokens", 0)),
         "kvstore saved tokens": int(data.get("saved_tokens", 0)),
     }
@@ -142,6 +146,12 @@ class ConnectorCounters:
             self._data["hit_tokens"] += hit_tokens
             if seconds is not None:
                 self._data["lookup_seconds"].append(seconds)
+
+    def record_declined(self, tokens: int) -> None:
+        """``tokens`` held by kvstore that the load plan chose to recompute."""
+        if tokens:
+            with self._lock:
+                self._data["declined_tokens"] += tokens
 
     def record_lookup_latency(self, seconds: float) -> None:
         """A lookup RPC's latency, recorded where it ran."""

@@ -5,7 +5,9 @@
 * :mod:`kvstore.protocol.dram_index`: the published dram index (server writes, clients read);
 * :mod:`kvstore.protocol.ucx`: UCX conventions (tags, addresses, loading ``ucxx``);
 * :mod:`kvstore.protocol.checks`: the rules a request must meet (counts, key and namespace sizes,
-  value sizes against capacity), one copy for every server and client.
+  value sizes against capacity), one copy for every server and client;
+* :mod:`kvstore.protocol.rates`: measured rates (a tier's reads, an engine's prefill) and the
+  ``Stats`` keys that carry a tier's.
 
 Modules here import only the standard library, numpy, grpc, the generated ``_proto`` code and
 kvstore's own leaf modules (``errors``, ``keys``, ``types``, ``buffers``): never a client, the

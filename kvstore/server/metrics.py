@@ -129,6 +129,18 @@ class StoreCollector(Collector):
             ),
             "bytes": _family(g, "kvstore_tier_resident_bytes", "Bytes the tier holds", tt),
             "capacity": _family(g, "kvstore_tier_capacity_bytes", "The tier's capacity", tt),
+            "read_rate": _family(
+                g,
+                "kvstore_tier_read_rate_bytes_per_second",
+                "Measured read rate of the tier (or of peers), fitted over recent batched reads",
+                tt,
+            ),
+            "read_latency": _family(
+                g,
+                "kvstore_tier_read_latency_seconds",
+                "Measured fixed cost of one batched read from the tier (or from peers)",
+                tt,
+            ),
             "up": _family(
                 g, "kvstore_shared_tier_up", "1 while the shared tier answers", ["tenant"]
             ),
@@ -195,6 +207,11 @@ class StoreCollector(Collector):
                 # Redis evicts by itself and no node knows its size: the store's stand-in
                 # capacity (2**62) would make every fill ratio read 0.
                 f["capacity"].add_metric(labels, entry.get("capacity", 0))
+        for tier_name, meter in counters.read_rates.items():
+            rate = meter.rate()
+            if rate.known:  # what the vLLM connector weighs loads by (kvstore.client.cost_model)
+                f["read_rate"].add_metric([tier_name, name], rate.per_s)
+                f["read_latency"].add_metric([tier_name, name], rate.latency_s)
         values = counters.values
         if "peer_corrupt_blocks" in values:  # a node reading its peers: blocks they sent refused
             f["corrupt"].add_metric(["peer", name], values["peer_corrupt_blocks"])

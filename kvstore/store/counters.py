@@ -7,6 +7,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Container, Iterable, Mapping, Sequence
 from typing import Any
 
+from kvstore.protocol.rates import LATENCY_KEY, RATE_KEY, RateMeter
 from kvstore.store.index import BlockIndex
 from kvstore.store.layout import TierStack
 
@@ -58,11 +59,28 @@ class StoreCounters:
         self.evicted_early: Counter[str] = Counter()
         #: Keys not served, by reason (:data:`MISS_REASONS`).
         self.misses: Counter[str] = Counter()
+        #: How fast each tier (and a remote source, ``peer``) serves batched reads, measured.
+        self.read_rates: dict[str, RateMeter] = {}
         self._gone: OrderedDict[bytes, None] = OrderedDict()
 
     def add(self, name: str, amount: int = 1) -> None:
         """Add ``amount`` to counter ``name`` (creating it, even at 0)."""
         self.values[name] += amount
+
+    def time_read(self, name: str, size: int, seconds: float) -> None:
+        """Record one batched read of ``size`` payload bytes from ``name`` that took ``seconds``."""
+        meter = self.read_rates.get(name)
+        if meter is None:
+            meter = self.read_rates[name] = RateMeter()
+        meter.add(size, seconds)
+
+    def rate_values(self, name: str) -> dict[str, int]:
+        """``name``'s measured read rate as ``Stats`` values (0 and 0 until measured)."""
+        meter = self.read_rates.get(name)
+        rate = meter.rate() if meter is not None else None
+        if rate is None or not rate.known:
+            return {RATE_KEY: 0, LATENCY_KEY: 0}
+        return {RATE_KEY: int(rate.per_s), LATENCY_KEY: round(rate.latency_s * 1e6)}
 
     def left_store(self, key: bytes) -> None:
         """Remember that ``key`` was evicted from the store (a later miss of it is ``evicted``)."""
@@ -110,8 +128,12 @@ class StoreCounters:
             entry["promotions"] = self.promotions[name]
             entry.update(_retained(index, level, now))
             entry["retained_evicted_early"] = self.evicted_early[name]
+            entry.update(self.rate_values(name))
             tiers[name] = entry
         counters = dict(self.values)
+        # A remote source (``peer``) is no tier of the stack: its rate rides in the counters.
+        for name in self.read_rates.keys() - tiers.keys():
+            counters.update({f"{name}_{k}": v for k, v in self.rate_values(name).items()})
         # Misses by reason ride in the counters map as ``miss_<reason>`` (the wire format has no
         # other place for them); every reason is present, even at 0.
         counters.update({f"miss_{reason}": self.misses[reason] for reason in MISS_REASONS})

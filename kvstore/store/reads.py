@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -197,7 +198,10 @@ class BlockReader:
         if remote is None or not unindexed:
             return where, []
         wanted = [keys[index] for index in unindexed]
+        started = time.perf_counter()
         payloads, why = await remote.read(wanted, namespace, landing)
+        size = sum(len(payload) for payload in payloads if payload is not None)
+        self._counters.time_read(remote.name, size, time.perf_counter() - started)
         found: list[tuple[int, bytes]] = []
         left: list[int] = []
         for position, (index, payload) in enumerate(zip(unindexed, payloads, strict=True)):
@@ -254,7 +258,11 @@ class BlockReader:
             epoch = self._mover.delete_epoch
             tier = self._stack[level]
             corrupt_before = tier.corrupt_blocks
+            started = time.perf_counter()
             blocks = await tier.read([keys[index] for index in indices])
+            # Measured for the connector's load-or-recompute decision (kvstore.client.cost_model).
+            size = sum(block.header.length for block in blocks if block is not None)
+            self._counters.time_read(tier.name, size, time.perf_counter() - started)
             corrupt = tier.corrupt_blocks - corrupt_before
             for index, block in zip(indices, blocks, strict=True):
                 if block is None:

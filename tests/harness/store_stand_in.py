@@ -50,6 +50,9 @@ class StoreStandIn:
     def put(self, keys: Sequence[bytes], values: Sequence[Any], **_: Any) -> PutResult:
         return PutResult(stored=len(keys), already_present=0, dropped=0)
 
+    def prefetch(self, keys: Sequence[bytes], **_: Any) -> int:
+        return 0
+
     def stats(self, **_: Any) -> dict[str, Any]:
         return {}
 

@@ -37,6 +37,7 @@ from kvstore.integrations.vllm_common import (
 from kvstore.integrations.vllm_plan import kernel_ids, load_targets, plan_scatter
 from kvstore.integrations.vllm_scheduler import SchedulerSide
 from kvstore.integrations.vllm_worker import WorkerSide
+from kvstore.types import LookupResult
 
 BLOCK = 16
 CHUNK = 32  # two blocks per chunk
@@ -56,6 +57,12 @@ class FakeStore(StoreStandIn):
         self.lock = threading.Lock()
         #: What the connector asked to be called when the store answers again.
         self.reconnect_callbacks: list[Any] = []
+        #: The tier each stored chunk is reported in (``dram`` where not named) ...
+        self.tiers: dict[bytes, str] = {}
+        #: ... and what ``stats`` answers (the tiers' measured rates, for the load plan).
+        self.stats_answer: dict[str, Any] = {}
+        #: Keys asked to be prefetched into dram.
+        self.prefetched: list[bytes] = []
 
     def _check(self) -> None:
         if self.down:
@@ -64,12 +71,14 @@ class FakeStore(StoreStandIn):
             raise DeadlineExceededError("deadline exceeded before the store answered")
 
     def lookup(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
+        return self.lookup_tiers(keys, timeout=timeout).hits
+
+    def lookup_tiers(self, keys: Sequence[bytes], *, timeout: float | None = None) -> LookupResult:
         self.lookups += 1
         self._check()
-        hits = 0
-        while hits < len(keys) and keys[hits] in self.chunks:
-            hits += 1
-        return hits
+        tiers = [self.tiers.get(key, "dram") if key in self.chunks else "" for key in keys]
+        hits = next((i for i, tier in enumerate(tiers) if not tier), len(keys))
+        return LookupResult(hits, tiers)
 
     def get_into(
         self, keys: Sequence[bytes], buffers: Sequence[torch.Tensor], **_: Any
@@ -91,7 +100,13 @@ class FakeStore(StoreStandIn):
 
     def stats(self, *, timeout: float | None = None) -> dict[str, Any]:
         self._check()
-        return {}
+        return self.stats_answer
+
+    def prefetch(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
+        self._check()
+        with self.lock:
+            self.prefetched.extend(keys)
+        return 1
 
     def open_data_plane(self, *, timeout: float | None = None) -> str:
         self._check()

@@ -45,10 +45,13 @@ def test_take_returns_what_was_recorded_once_then_nothing() -> None:
     counters.record_load(256, {"missing": 256, "deadline": 0}, 0.01, "shm-dma")
     counters.record_save(768)
     counters.record_save_failed("backlog_full", 256)
+    counters.record_declined(0)
+    counters.record_declined(128)
     data = counters.take()
     assert data == {
         "lookup_tokens": 512,
         "hit_tokens": 256,
+        "declined_tokens": 128,
         "loaded_tokens": 256,
         "saved_tokens": 768,
         "load_failed_tokens": {"missing": 256},

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.bench_load_plan import MODELS, scenario_config  # noqa: E402
 from benchmarks.sim.node import SimNode, footprints, key_of  # noqa: E402
 from benchmarks.sim.run import fleet_config  # noqa: E402
 from benchmarks.sim.simulator import GIB, SimConfig, simulate  # noqa: E402
@@ -153,6 +154,44 @@ def test_validation_driver_matches_real_nodes_on_a_small_window() -> None:
 def test_an_unknown_setting_is_refused_with_its_allowed_values() -> None:
     with pytest.raises(ValueError, match="shared_data must be one of"):
         fleet(3, shared_data="nfs")
+    with pytest.raises(ValueError, match="load_policy must be one of"):
+        fleet(3, load_policy="sometimes")
     with pytest.raises(ValueError, match="workload kind must be one of"):
         build({"kind": "poisson", "chunk_tokens": 1}, 3, 1)
     assert replace(fleet(3), routing="round-robin").routing == "round-robin"
+
+
+def _by_policy(scenario: str, model: str = "1b", **overrides: Any) -> dict[str, dict[str, Any]]:
+    """The load-plan benchmark's scenario, on the generated conversation workload (the
+    benchmark replays the Mooncake trace, which a clean clone elsewhere lacks)."""
+    workload = build(CONFIG["workloads"]["conversation"], MODELS[model].nodes, 3)
+    return {
+        policy: simulate(
+            workload, scenario_config(CONFIG, scenario, MODELS[model], policy, **overrides)
+        )
+        for policy in ("always", "never", "cost")
+    }
+
+
+def test_the_load_plan_beats_always_loading_from_a_slow_shared_tier() -> None:
+    # dram for a few chunks only: most hits come back from Redis.
+    results = _by_policy("redis", dram_bytes=16 * 8 << 20)
+    ttft = {policy: r["ttft_mean_s"] for policy, r in results.items()}
+    assert ttft["cost"] <= min(ttft["always"], ttft["never"])
+    assert ttft["cost"] < ttft["always"]
+    assert results["cost"]["declined_chunks"] > 0 and results["cost"]["loaded_chunks"] > 0
+    assert results["always"]["declined_chunks"] == 0 and results["never"]["loaded_chunks"] == 0
+
+
+def test_with_only_fast_tiers_the_load_plan_loads_every_hit() -> None:
+    results = _by_policy("fast")
+    assert results["cost"]["declined_chunks"] == 0
+    assert results["cost"]["loaded_chunks"] == results["always"]["loaded_chunks"] > 0
+    assert results["cost"]["ttft_mean_s"] == results["always"]["ttft_mean_s"]
+    assert results["cost"]["ttft_mean_s"] < results["never"]["ttft_mean_s"]
+
+
+def test_without_read_rates_loads_take_no_time_as_before() -> None:
+    result = simulate(zipf(3), fleet(3))
+    assert result["load_policy"] == "always" and result["load_s"] == 0
+    assert result["declined_chunks"] == 0 and result["ttft_p50_s"] <= result["ttft_p99_s"]

@@ -14,6 +14,7 @@ from store_blocks import PAGE, key, make_store, payload
 from kvstore.config import load_config
 from kvstore.errors import ConfigError
 from kvstore.keys import Namespace
+from kvstore.protocol.rates import LATENCY_KEY, RATE_KEY, rate_from_stats
 from kvstore.server.budget import InflightBudget
 from kvstore.server.durations import BUCKETS, Durations
 from kvstore.server.metrics import StoreCollector, build_registry
@@ -64,6 +65,38 @@ async def test_demotions_promotions_and_a_corrupt_block(tmp_path: Path) -> None:
         await store.drain()  # the promotion back into dram runs in the background
         assert store.stats()["tiers"]["dram"]["promotions"] == 1
         assert store.stats()["tiers"]["nvme"]["read_bytes"] == PAGE
+    finally:
+        await store.close()
+
+
+async def test_read_rates_are_measured_per_tier_and_exported(tmp_path: Path) -> None:
+    """Every batched tier read is timed; ``Stats`` and ``/metrics`` report the fitted rate (the
+    vLLM connector's load-or-recompute decision weighs loads by it)."""
+    store = make_store(tmp_path / "nvme", dram_pages=2)
+    try:
+        stats = store.stats()["tiers"]
+        assert stats["nvme"][RATE_KEY] == 0 and stats["nvme"][LATENCY_KEY] == 0  # not yet
+        for n in range(4):
+            await store.put([key(n)], [payload(n)], NS)
+        assert (await store.get([key(0), key(1)], NS))[0].tier == "nvme"
+        await store.drain()
+        assert (await store.get([key(1)], NS))[0].tier == "dram"  # promoted
+        stats = store.stats()["tiers"]
+        for tier in ("dram", "nvme"):
+            assert stats[tier][RATE_KEY] > 0 and stats[tier][LATENCY_KEY] >= 0
+        assert rate_from_stats(stats["nvme"]).known
+        tenants = Tenants.single(Tenant("", store, Prefetcher(store), InflightBudget(1 << 20)))
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(StoreCollector(tenants, "9.9", Durations()))
+        families = {
+            f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())
+        }
+        rates = {
+            s.labels["tier"]: s.value
+            for s in families["kvstore_tier_read_rate_bytes_per_second"].samples
+        }
+        assert set(rates) == {"dram", "nvme"} and min(rates.values()) > 0
+        assert "kvstore_tier_read_latency_seconds" in families
     finally:
         await store.close()
 

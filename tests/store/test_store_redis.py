@@ -17,8 +17,9 @@ from store_blocks import PAGE, key, payload
 import kvstore.store.shared_writer as shared_writer_module
 from kvstore.block import encode_header
 from kvstore.keys import Namespace
+from kvstore.protocol.rates import RATE_KEY
 from kvstore.store import TieredStore
-from kvstore.tiers.dram import DramTier
+from kvstore.tiers.dram import DramLease, DramTier
 from kvstore.tiers.redis import RedisTier
 
 NS = Namespace(model="test-model").fingerprint()
@@ -169,3 +170,19 @@ async def test_write_through_backlog_is_bounded(
     # Once the backlog has drained, write-through accepts blocks again.
     assert (await node.put([key(30)], [payload(30)], NS)).stored == 1
     assert node.stats()["counters"]["write_through_dropped"] == 1
+
+
+async def test_reads_from_redis_are_timed_for_the_load_plan(
+    node: TieredStore, other_node: TieredStore
+) -> None:
+    """What the vLLM connector weighs a Redis hit by: the store's measured Redis read rate, from
+    gets and from the shared-memory path's leases (a promotion) alike."""
+    await node.put([key(1), key(2), key(3)], [payload(1), payload(2), payload(3)], NS)
+    await node.drain()
+    assert other_node.stats()["tiers"]["redis"][RATE_KEY] == 0
+    leased = await other_node.acquire([key(1), key(2)], NS)
+    assert all(isinstance(item, DramLease) for item in leased)
+    other_node.release([item for item in leased if isinstance(item, DramLease)])
+    assert other_node.stats()["tiers"]["redis"][RATE_KEY] > 0
+    assert (await other_node.get([key(3)], NS))[0].tier == "redis"
+    assert other_node.stats()["tiers"]["redis"][RATE_KEY] > 0

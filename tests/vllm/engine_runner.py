@@ -6,6 +6,7 @@ as separate replicas would be::
     python tests/vllm/engine_runner.py --model DIR --prompts IN.json --out OUT.json \\
         [--connector none|kvstore|example] [--target HOST:PORT] [--storage-path DIR] \\
         [--chunk-size N] [--max-tokens N] [--sequential] [--kv-transfer-params PARAMS.json]
+        [--load-policy cost|always|never]
 
 ``IN.json`` is a list of token-id lists. ``OUT.json`` gets ``{"startup_s": ..., "results":
 [{"tokens": [...], "num_cached_tokens": N, "latency_s": S}, ...]}`` in prompt order. Sampling is
@@ -45,6 +46,8 @@ def kv_transfer_config(args: argparse.Namespace) -> dict[str, Any] | None:
         "chunk_size": args.chunk_size,
         "timeout_s": args.timeout_s,
     }
+    if args.load_policy:
+        extra["load_policy"] = args.load_policy
     return {
         "kv_connector": "KVStoreConnector",
         "kv_connector_module_path": "kvstore.integrations.vllm",
@@ -68,6 +71,7 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--sequential", action="store_true")
+    parser.add_argument("--load-policy", default="", help="the connector's load_policy")
     parser.add_argument("--warmup", type=int, default=0, help="token length of a warm-up prompt")
     parser.add_argument("--kvstore-log-level", default="INFO")
     parser.add_argument("--kv-transfer-params", default=None, help="JSON file: one per prompt")

@@ -88,6 +88,8 @@ def test_each_engine_reports_the_prompt_tokens_kvstore_saved_it(
     assert two["vllm:kvstore_loaded_tokens_total"] == loadable, two
     assert two["vllm:kvstore_lookup_tokens_total"] == loadable
     assert two["vllm:kvstore_hit_tokens_total"] == loadable
+    # A dram hit on a CPU engine loads far faster than it computes: the load plan declines none.
+    assert two.get("vllm:kvstore_declined_tokens_total", 0) == 0
     assert failed(two, "load") == {}
     assert two["vllm:kvstore_load_seconds_count"] == 1
     assert two["vllm:kvstore_lookup_seconds_count"] == 1
