@@ -314,10 +314,15 @@ def _wait_registered(engine: Engine) -> None:
     so that its loads and saves take the direct path; a real engine's first seconds go through
     host staging instead (tests that want that path refuse the registration)."""
     client = engine.worker._client
-    client.open_data_plane()
+    if client.settings.data_plane not in ("auto", "shm"):
+        return  # not over shared memory: nothing to register
+    # On a loaded machine the first attach may fail and the client retries it a few seconds
+    # later (then the registration starts only at the first transfer): attach first.
+    _wait(lambda: client.open_data_plane() == "shm", "shared memory never attached")
     plane = client._shm.plane
     registration = None if plane is None else plane.registration
     if registration is not None:
+        # False where the registrar refused (a test of that path): then host staging it is.
         registration.wait_covered(registration.base, registration.size, timeout=30)
 
 
