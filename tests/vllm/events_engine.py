@@ -38,7 +38,11 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     connector = argparse.Namespace(
-        connector="kvstore", target=args.target, chunk_size=args.chunk_size, timeout_s=5.0
+        connector="kvstore",
+        target=args.target,
+        chunk_size=args.chunk_size,
+        timeout_s=5.0,
+        load_policy="",  # the connector's default
     )
     transfer = kv_transfer_config(connector)
     assert transfer is not None

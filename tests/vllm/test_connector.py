@@ -251,13 +251,14 @@ def test_slow_lookup_answers_not_known_yet(
 ) -> None:
     scheduler, _, _ = pair
     release = time.monotonic() + 0.3
-    real = scheduler._client.lookup
+    real = scheduler._client.lookup_tiers
 
-    def slow_lookup(keys: Any, timeout: float | None = None) -> int:
+    def slow_lookup(keys: Any, timeout: float | None = None) -> Any:
         time.sleep(max(0.0, release - time.monotonic()))
-        return int(real(keys, timeout=timeout))
+        return real(keys, timeout=timeout)
 
-    scheduler._client.lookup = slow_lookup  # type: ignore[method-assign]
+    # The scheduler asks for the tiers too (its load plan weighs where each hit is).
+    scheduler._client.lookup_tiers = slow_lookup  # type: ignore[method-assign]
     request = _request("slow", list(range(7, 7 + 2 * CHUNK + 1)))
     started = time.monotonic()
     assert scheduler.get_num_new_matched_tokens(request, 0) == (None, False)
