@@ -238,7 +238,7 @@ class KVStoreClient(ClientBase):
     def close(self) -> None:
         """Close the shared-memory and UCX paths and the channel."""
         self._core.close()
-        settle_watches(self._watches)
+        settle_watches(self._watches, self._channel)
         self._channel.close()
 
     def __enter__(self) -> KVStoreClient:
