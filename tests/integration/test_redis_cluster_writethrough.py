@@ -143,6 +143,20 @@ def shared_counters(client: KVStoreClient) -> dict[str, Any]:
     return dict(client.stats()["counters"])
 
 
+def wait_drained(node: KVStoreClient) -> None:
+    """Until the node ``node`` talks to holds no copy on its way to Redis (re-send queue and
+    backlog empty)."""
+
+    def drained() -> bool:
+        counters = shared_counters(node)
+        return (
+            counters["shared_write_queue_blocks"] == 0
+            and counters["shared_write_backlog_bytes"] == 0
+        )
+
+    poll(drained, 60.0, "node 1's re-send queue drained")
+
+
 def test_no_acknowledged_write_through_lost_when_a_master_dies(
     server_factory: ServerFactory, redis_cluster: RedisCluster
 ) -> None:
@@ -177,14 +191,7 @@ def test_no_acknowledged_write_through_lost_when_a_master_dies(
                 thread.join(30.0)
         assert not any(t.is_alive() for t in [*writers.threads, reader.thread])
 
-        def drained() -> bool:
-            counters = shared_counters(one)
-            return (
-                counters["shared_write_queue_blocks"] == 0
-                and counters["shared_write_backlog_bytes"] == 0
-            )
-
-        poll(drained, 60.0, "node 1's re-send queue drained")
+        wait_drained(one)
         counters = shared_counters(one)
         stats1 = dict(one.stats()["tiers"]["redis"])
         # Read back everything node 1 acknowledged, at node 2 (which holds none of it). Node 2
@@ -246,14 +253,7 @@ def test_a_dead_replica_delays_its_masters_writes_without_losing_them(
             for thread in writers.threads:
                 thread.join(30.0)
 
-        def drained() -> bool:
-            counters = shared_counters(one)
-            return (
-                counters["shared_write_queue_blocks"] == 0
-                and counters["shared_write_backlog_bytes"] == 0
-            )
-
-        poll(drained, 60.0, "node 1's re-send queue drained")
+        wait_drained(one)
         counters = shared_counters(one)
         stats1 = dict(one.stats()["tiers"]["redis"])
         acknowledged = sorted(writers.acknowledged)
