@@ -35,9 +35,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_info, markdown_table, redis_server, run_interleaved, summarize
 
-from kvstore.cluster import Layout, Membership, NodeInfo, Publisher, connect
+from kvstore.cluster import Layout, NodeInfo, connect
 from kvstore.cluster.layout import Client
-from kvstore.cluster.publisher import PIPELINE_COMMANDS
+from kvstore.node import Membership, Publisher
+from kvstore.node.publisher import PIPELINE_COMMANDS
 
 NODE = "bench-node"
 VALUE = b"1:dram"

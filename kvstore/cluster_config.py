@@ -70,10 +70,10 @@ class ClusterConfig:
     ``url`` empty means ``redis.url``; ``node_id`` empty means one generated once and kept in
     the nvme directory (random per start without one). ``shared_data`` (:data:`SHARED_DATA`):
     where other nodes' blocks are read from: ``redis`` (the shared tier), ``peers`` (straight
-    from the node holding them, :mod:`kvstore.cluster.peers`; Redis then holds only the index),
+    from the node holding them, :mod:`kvstore.node.peers`; Redis then holds only the index),
     ``both`` (peers first, then Redis). ``peer_token``: deprecated and ignored (nodes
     authenticate each request with keys derived from the integrity secrets,
-    :mod:`kvstore.cluster.peer_auth`; a node warns where it is set); ``peer_timeout_s`` bounds
+    :mod:`kvstore.node.peer_auth`; a node warns where it is set); ``peer_timeout_s`` bounds
     a peer read when its request set no deadline.
     ``peer_transport`` (:data:`PEER_TRANSPORTS`): ``auto`` reads over UCX from peers advertising
     a UCX listener and over gRPC otherwise (and after a UCX failure); ``ucx`` only over UCX;

@@ -6,7 +6,7 @@ before cost a second round trip (their leases), once. An entry counts only if it
 is alive and carries the entry's epoch (see :mod:`kvstore.cluster`).
 
 Built with the cluster's integrity ``keyring``, :meth:`ClusterIndex.nodes` believes only node
-descriptions signed under it (:meth:`~kvstore.cluster.membership.NodeInfo.verified`); the others
+descriptions signed under it (:meth:`~kvstore.cluster.records.NodeInfo.verified`); the others
 are left out and remembered in :attr:`ClusterIndex.refused`, logged once per node.
 
 Every round trip runs under :func:`kvstore.deadline.within`: it ends at ``timeout_s`` and, when
@@ -19,14 +19,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvstore.block import Keyring
 from kvstore.cluster.layout import Client, Layout
+from kvstore.cluster.records import NodeInfo, RecordError, record_keyring
 from kvstore.deadline import within
-
-if TYPE_CHECKING:  # the node agent's record; imported in nodes() so a router never loads it
-    from kvstore.cluster.membership import NodeInfo
 
 __all__ = ["ONE_TRIP_NODES", "ClusterIndex", "Holding"]
 
@@ -65,9 +63,7 @@ class ClusterIndex:
         #: caller's deadline bound it).
         self.timeout_s = timeout_s
         self._ring: Keyring | None = None
-        if keyring is not None:  # a node's reader (a router reads unsigned, without the agent)
-            from kvstore.cluster.membership import record_keyring
-
+        if keyring is not None:  # a node's reader (a router reads unsigned: it holds no secrets)
             self._ring = record_keyring(keyring)
         #: Nodes whose description did not verify at the last :meth:`nodes`, with their epoch.
         self.refused: dict[str, int] = {}
@@ -125,8 +121,6 @@ class ClusterIndex:
 
     async def nodes(self) -> dict[str, NodeInfo]:
         """Every node with a live lease, as it described itself."""
-        from kvstore.cluster.membership import NodeInfo, RecordError
-
         layout = self.layout
         raw_members = await within(self._members(), self.timeout_s)
         members = sorted(m.decode() if isinstance(m, bytes) else m for m in raw_members)

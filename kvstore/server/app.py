@@ -21,9 +21,9 @@ from grpc_health.v1 import _async as health_async
 from grpc_health.v1 import health_pb2
 
 from kvstore.block import Keyring, install_keyring, installed_keyring
-from kvstore.cluster.node import ClusterNode, start_cluster
 from kvstore.config import Config
 from kvstore.errors import AuthenticationError
+from kvstore.node.agent import ClusterNode, start_cluster
 from kvstore.policy import Policy
 from kvstore.protocol.messages import MESSAGE_TARGET_BYTES
 from kvstore.protocol.ucx import UcxTransportError

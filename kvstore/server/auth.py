@@ -14,7 +14,7 @@
 * :func:`check_exposure`: a server without tokens or client certificates refuses to listen beyond
   loopback unless ``server.allow_unauthenticated`` says so.
 * Another node's peer read (``KVStore.Get``, ``UcxTransfer.UcxGet``) carrying an authenticator
-  (:mod:`kvstore.cluster.peer_auth`) needs no bearer token: the interceptor hands it to the
+  (:mod:`kvstore.node.peer_auth`) needs no bearer token: the interceptor hands it to the
   server's :data:`PeerCheck` instead, which verifies it against the request itself and serves the
   call from the tenant it proves (:data:`peer_tenant`), or ends it UNAUTHENTICATED. Whatever a
   call carries, it is one or the other: an authenticator that fails is never excused by a token.
@@ -38,9 +38,9 @@ from typing import Any
 
 import grpc
 
-from kvstore.cluster.peer_auth import CALL_METADATA, MAX_METADATA_CHARS, PEER_METHODS
 from kvstore.config import ServerConfig
 from kvstore.errors import AuthenticationError, ConfigError
+from kvstore.node.peer_auth import CALL_METADATA, MAX_METADATA_CHARS, PEER_METHODS
 from kvstore.server.placeholders import check_token_digest
 
 __all__ = [

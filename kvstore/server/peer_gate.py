@@ -1,16 +1,16 @@
 """The holder's side of node authentication: admitting another node's peer read.
 
 A peer read (``KVStore.Get`` or ``UcxTransfer.UcxGet`` carrying the ``kvstore-peer``
-authenticator of :mod:`kvstore.cluster.peer_auth`) presents no bearer token: the auth interceptor
+authenticator of :mod:`kvstore.node.peer_auth`) presents no bearer token: the auth interceptor
 (:mod:`kvstore.server.auth`) hands it to :meth:`PeerGate.check`, which, before the servicer sees
 the call:
 
 1. parses the authenticator (bounded) and finds the tenant it names on this server;
 2. checks that it names this node at its current boot epoch and that its MAC, under that
-   tenant's peer key (:func:`~kvstore.cluster.peer_auth.peer_keyring` of the tenant's keyring),
+   tenant's peer key (:func:`~kvstore.node.peer_auth.peer_keyring` of the tenant's keyring),
    covers exactly this request: method, namespace, keys, and for UCX the endpoint and transfer
    the payloads go to; and that the read is sealed (a peer verifies every block it gets);
-3. checks its freshness (:class:`~kvstore.cluster.peer_auth.ReplayGuard`: within the time window
+3. checks its freshness (:class:`~kvstore.node.peer_auth.ReplayGuard`: within the time window
    and never seen before; only authenticators that verified are remembered);
 4. serves the call from that tenant (:data:`~kvstore.server.auth.peer_tenant`) and sends this
    node's proof in the answer's initial metadata.
@@ -30,7 +30,8 @@ from typing import Any
 import grpc
 
 from kvstore.block import Keyring
-from kvstore.cluster.peer_auth import (
+from kvstore.errors import AuthenticationError
+from kvstore.node.peer_auth import (
     PROOF_METADATA,
     PeerAuthError,
     PeerCall,
@@ -40,7 +41,6 @@ from kvstore.cluster.peer_auth import (
     request_digest,
     verify_call,
 )
-from kvstore.errors import AuthenticationError
 from kvstore.server.auth import peer_tenant
 from kvstore.server.tenancy import Tenants
 

@@ -1,6 +1,6 @@
 """A *remote source*: where a store reads blocks it does not index once its local tiers miss.
 
-The cluster's peer fetch (:mod:`kvstore.cluster.peers`) is one: it asks the cluster index which
+The cluster's peer fetch (:mod:`kvstore.node.peers`) is one: it asks the cluster index which
 live node holds a key and reads it from that node. The store knows only this interface; with no
 source set (the default) a get costs nothing more.
 

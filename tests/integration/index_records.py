@@ -9,7 +9,7 @@ from typing import Any
 
 from kvstore.block import Keyring
 from kvstore.cluster.layout import Layout
-from kvstore.cluster.membership import NodeInfo, record_keyring
+from kvstore.cluster.records import NodeInfo, record_keyring
 
 #: The integrity secret of test_peer_fetch's nodes (``peer_env``).
 CLUSTER_SECRET = "peer-fetch-test-secret"

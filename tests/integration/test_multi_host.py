@@ -5,7 +5,7 @@ the bridge's gateway address and the test's clients sit in the root namespace, s
 between nodes crosses a network path: no shared memory, no loopback shortcut. Nodes beyond
 loopback authenticate their callers: each has a tokens file naming the test client's token; the
 nodes' peer fetch presents no token but a per-request authenticator under keys derived from the
-shared integrity secret (:mod:`kvstore.cluster.peer_auth`), which a server with tokens admits.
+shared integrity secret (:mod:`kvstore.node.peer_auth`), which a server with tokens admits.
 
 * A block put on node one is read bit-identical on node three, from node one (counters say so),
   and Redis holds the index only.

@@ -46,8 +46,8 @@ from kvstore._proto.kvstore.v1 import ucx_pb2 as ucx_pb
 from kvstore._proto.kvstore.v1 import ucx_pb2_grpc as ucx_pb_grpc
 from kvstore.block import Keyring
 from kvstore.cluster.layout import Layout
-from kvstore.cluster.membership import NodeInfo
-from kvstore.cluster.peer_auth import (
+from kvstore.cluster.records import NodeInfo
+from kvstore.node.peer_auth import (
     CALL_METADATA,
     PeerCall,
     PeerSigner,

@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_cluster_index import NS, PREFIX, blocks_for, holders, poll
 from test_peer_fetch import counters, grpc_client, peer_env
 
-from kvstore.cluster.peers import holder_rank
+from kvstore.node.peers import holder_rank
 
 if TYPE_CHECKING:
     from conftest import ServerFactory, ServerProcess

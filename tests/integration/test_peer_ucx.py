@@ -21,7 +21,7 @@ from netns_hosts import Host, Hosts
 from test_cluster_index import NS, PREFIX, blocks_for, holders, poll
 from test_peer_fetch import counters, grpc_client, payload_keys, peer_env
 
-from kvstore.cluster.peers import holder_rank
+from kvstore.node.peers import holder_rank
 from kvstore.protocol.ucx import ucx_unavailable_reason
 
 if TYPE_CHECKING:

@@ -23,9 +23,9 @@ from test_ucx import NAMESPACE, NO_SHM, UCX, kv_client, ucx_address
 
 from kvstore.block import Keyring, verify_sealed
 from kvstore.client.ucx import _shared_loop
-from kvstore.cluster.peer_auth import PeerAuthError, PeerSigner, peer_keyring
-from kvstore.cluster.peer_blocks import SealedBlock
-from kvstore.cluster.peer_ucx import UcxPeerLink
+from kvstore.node.peer_auth import PeerAuthError, PeerSigner, peer_keyring
+from kvstore.node.peer_blocks import SealedBlock
+from kvstore.node.peer_ucx import UcxPeerLink
 from kvstore.protocol.messages import namespace_bytes
 from kvstore.protocol.ucx import (
     UcxTransportError,

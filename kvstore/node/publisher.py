@@ -21,7 +21,7 @@ import logging
 from collections.abc import Iterable, Iterator
 
 from kvstore.cluster.layout import REDIS_ERRORS, Client, Layout
-from kvstore.cluster.membership import Membership
+from kvstore.node.membership import Membership
 from kvstore.store import TieredStore
 
 __all__ = ["BATCH_EVENTS", "PIPELINE_COMMANDS", "Publisher"]

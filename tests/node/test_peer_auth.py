@@ -1,5 +1,5 @@
-"""Node authentication's pieces (:mod:`kvstore.cluster.peer_auth`, signed node descriptions in
-:mod:`kvstore.cluster.membership`): what verifies, what each changed field breaks, freshness and
+"""Node authentication's pieces (:mod:`kvstore.node.peer_auth`, signed node descriptions in
+:mod:`kvstore.node.membership`): what verifies, what each changed field breaks, freshness and
 the replay cache's bound. The processes using them: tests/integration/test_node_auth.py."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 
 from kvstore.block import Keyring
-from kvstore.cluster.membership import NodeInfo, RecordError, record_keyring
-from kvstore.cluster.peer_auth import (
+from kvstore.cluster.records import NodeInfo, RecordError, record_keyring
+from kvstore.node.peer_auth import (
     PROOF_METADATA,
     PeerAuthError,
     PeerCall,

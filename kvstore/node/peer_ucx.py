@@ -1,14 +1,14 @@
 """Peer reads over UCX: a node reading blocks from another node's UCX listener.
 
-:class:`UcxPeerLink` is the UCX half of :class:`~kvstore.cluster.peers.PeerSource`: one per peer
+:class:`UcxPeerLink` is the UCX half of :class:`~kvstore.node.peers.PeerSource`: one per peer
 (its gRPC target and advertised UCX address). It speaks the same protocol as the client's UCX data
 path (:mod:`kvstore.client.ucx`): a ``UcxTransfer.UcxGet`` control call over gRPC, then the
 payloads over the UCX endpoint, tagged by transfer id and index. The control call presents no
 credential: it carries an authenticator of exactly that request, naming the endpoint and transfer
-the payloads go to (:mod:`kvstore.cluster.peer_auth`), and no receive is posted before the
+the payloads go to (:mod:`kvstore.node.peer_auth`), and no receive is posted before the
 holder's answer proved that it belongs to the cluster too. The call asks for the blocks sealed
 (``UcxGetRequest.sealed``): the answer carries each payload's sealed header, returned with the
-payload for the peer source to verify (:mod:`kvstore.cluster.peer_blocks`); the xxh3 checksums of
+payload for the peer source to verify (:mod:`kvstore.node.peer_blocks`); the xxh3 checksums of
 the answer only tell a damaged transfer from a whole one. Given the reader's keyring, the link
 verifies the MACs itself, in the one thread hop after the receive, and reads the checksums only of
 a block whose MAC fails (a block whose MAC holds arrived whole): a mismatch there is a damaged
@@ -46,14 +46,14 @@ from kvstore.block import Keyring
 from kvstore.client.base import client_settings
 from kvstore.client.channel import ChannelSecurity, aio_channel
 from kvstore.client.ucx import CONNECT_SHARE, abort_endpoint, open_endpoint, receive_payloads
-from kvstore.cluster.peer_auth import (
+from kvstore.node.peer_auth import (
     CALL_METADATA,
     PeerAuthError,
     PeerCall,
     PeerSigner,
     request_digest,
 )
-from kvstore.cluster.peer_blocks import SealedBlock, verify_blocks
+from kvstore.node.peer_blocks import SealedBlock, verify_blocks
 from kvstore.protocol import messages as _wire
 from kvstore.protocol.ucx import (
     CLIENT_ID_BYTES,
@@ -124,7 +124,7 @@ class UcxPeerLink:
         the index says); received into ``landing``'s buffers where it offers them (those buffers
         are then the payloads; on failure they are abandoned to it). With ``keyring``, each block
         comes verified against it (:attr:`SealedBlock.verified`), else unverified. A holder that
-        does not prove itself raises :class:`~kvstore.cluster.peer_auth.PeerAuthError`."""
+        does not prove itself raises :class:`~kvstore.node.peer_auth.PeerAuthError`."""
         deadline = time.monotonic() + timeout
         for attempt in (1, 2):
             endpoint, client_id = await self._connect(deadline)

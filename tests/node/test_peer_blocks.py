@@ -1,11 +1,11 @@
-"""The one check every block a node reads from a peer passes (:mod:`kvstore.cluster.peer_blocks`):
+"""The one check every block a node reads from a peer passes (:mod:`kvstore.node.peer_blocks`):
 only a block sealed for its key and namespace under the reader's keyring, within the size limit,
 is ever used; a missing block is nothing to refuse."""
 
 from __future__ import annotations
 
 from kvstore.block import Keyring, encode_header
-from kvstore.cluster.peer_blocks import SealedBlock, verify_blocks
+from kvstore.node.peer_blocks import SealedBlock, verify_blocks
 
 RING = Keyring([b"cluster"]).for_tenant("")
 NS = bytes(range(100, 116))

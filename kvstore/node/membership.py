@@ -8,137 +8,30 @@ does the first success after Redis was unreachable. Redis being down never stops
 logs once and keeps trying. :meth:`Membership.stop` deletes the lease, so everything the node
 published stops counting at once.
 
-**Signed descriptions.** Anyone able to write to the index Redis can write a node's description,
-so the node signs it: a MAC (:func:`record_keyring`, a key derived from the cluster's integrity
-secrets, which a rogue without them cannot make) over its id, boot epoch, addresses, capacity and
-an expiry (:data:`RECORD_VALID_S` ahead, re-signed by the renewals once half of it is gone). A
-reader holding the secrets (:meth:`NodeInfo.verified`) ignores a description without a valid MAC,
-one whose fields were changed (an address pointed elsewhere, a record copied to another node id
-or kept from an earlier boot) and one that expired (a record replayed long after). Nodes'
-clocks must agree within a fraction of :data:`RECORD_VALID_S`.
+**Signed descriptions.** The node signs its description (:mod:`kvstore.cluster.records`:
+what is signed, how a reader verifies it) and re-signs it with its renewals.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import json
 import logging
 import os
 import time
 import uuid
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
 from kvstore.block import Keyring, installed_keyring
 from kvstore.cluster.layout import REDIS_ERRORS, Client, Layout
+from kvstore.cluster.records import RECORD_VALID_S, NodeInfo, record_keyring
 
-__all__ = [
-    "NODE_ID_FILE",
-    "RECORD_VALID_S",
-    "Membership",
-    "NodeInfo",
-    "RecordError",
-    "node_id_for",
-    "record_keyring",
-]
+__all__ = ["NODE_ID_FILE", "Membership", "node_id_for"]
 
 logger = logging.getLogger(__name__)
 
 #: The file in the nvme directory that keeps a node's generated id across restarts.
 NODE_ID_FILE = "cluster-node-id"
-#: How long a signed description stays valid at least (longer with a long ``lease_ttl_s``).
-RECORD_VALID_S = 120.0
-_RECORD_LABEL = b"kvstore node record v1\x00"
-
-
-def record_keyring(keyring: Keyring) -> Keyring:
-    """The key nodes sign their descriptions with, from the cluster's integrity ``keyring``."""
-    return keyring.derive(b"node record")
-
-
-class RecordError(Exception):
-    """A node description that does not verify (the message says why)."""
-
-
-@dataclass(frozen=True)
-class NodeInfo:
-    """What a node says about itself in the index."""
-
-    node_id: str
-    epoch: int
-    #: The gRPC target clients dial.
-    grpc: str
-    #: The UCX data path's address ("" without one).
-    ucx: str = ""
-    #: Bytes per tier name.
-    capacity: Mapping[str, int] = field(default_factory=dict)
-    #: Unix time (ms) after which the signed description is no longer believed (0: unsigned).
-    expires_ms: int = 0
-
-    def fields(self) -> dict[str, str]:
-        """The hash fields stored under :meth:`Layout.node` (unsigned)."""
-        return {
-            "epoch": str(self.epoch),
-            "grpc": self.grpc,
-            "ucx": self.ucx,
-            "capacity": json.dumps(dict(self.capacity)),
-        }
-
-    def signed(self, ring: Keyring, expires_ms: int) -> dict[str, str]:
-        """:meth:`fields` valid until ``expires_ms``, with their MAC under ``ring`` (a
-        :func:`record_keyring`)."""
-        info = dataclasses.replace(self, expires_ms=expires_ms)
-        mac = ring.sign(info._message(), ())
-        return {**info.fields(), "expires_ms": str(expires_ms), "mac": mac.hex()}
-
-    def _message(self) -> bytes:
-        described = [
-            self.node_id,
-            self.epoch,
-            self.grpc,
-            self.ucx,
-            sorted(dict(self.capacity).items()),
-            self.expires_ms,
-        ]
-        return _RECORD_LABEL + json.dumps(described, separators=(",", ":")).encode()
-
-    @classmethod
-    def parse(cls, node_id: str, raw: Mapping[bytes, bytes]) -> NodeInfo:
-        """The inverse of :meth:`fields` (nothing verified: see :meth:`verified`)."""
-        text = {k.decode(): v.decode() for k, v in raw.items()}
-        return cls(
-            node_id,
-            int(text.get("epoch", "0")),
-            text.get("grpc", ""),
-            text.get("ucx", ""),
-            json.loads(text.get("capacity", "{}")),
-            int(text.get("expires_ms", "0")),
-        )
-
-    @classmethod
-    def verified(
-        cls, node_id: str, raw: Mapping[bytes, bytes], ring: Keyring, now: float | None = None
-    ) -> NodeInfo:
-        """The description stored under ``node_id`` if a node holding ``ring``'s secret signed
-        exactly it for that id and it has not expired; :class:`RecordError` otherwise."""
-        try:
-            info = cls.parse(node_id, raw)
-            mac = bytes.fromhex(raw.get(b"mac", b"").decode())
-            message = info._message()
-        except (ValueError, TypeError, AttributeError, UnicodeDecodeError) as exc:
-            raise RecordError(f"malformed description ({exc})") from exc
-        if not mac:
-            raise RecordError("unsigned description")
-        if not ring.verify(message, (), mac):
-            raise RecordError(
-                "its MAC does not verify (signed under other integrity secrets, or changed)"
-            )
-        now_ms = (time.time() if now is None else now) * 1000
-        if info.expires_ms <= now_ms:
-            raise RecordError(f"it expired {(now_ms - info.expires_ms) / 1000:.0f}s ago")
-        return info
 
 
 def node_id_for(setting: str, nvme_path: str) -> str:

@@ -1,17 +1,17 @@
 """Peer reads over gRPC: a node reading sealed blocks from another node's ``KVStore.Get``.
 
-:class:`GrpcPeerLink` is the gRPC half of :class:`~kvstore.cluster.peers.PeerSource`: one per
+:class:`GrpcPeerLink` is the gRPC half of :class:`~kvstore.node.peers.PeerSource`: one per
 peer (its gRPC target), a ``grpc.aio`` channel that presents no credential: each call carries
-an authenticator for exactly that request and that holder (:mod:`kvstore.cluster.peer_auth`),
+an authenticator for exactly that request and that holder (:mod:`kvstore.node.peer_auth`),
 and nothing of the answer is read before the holder proved, in its initial metadata, that it
 belongs to the cluster too. It asks for each block sealed (``GetRequest.sealed``) and returns the
 payloads with their sealed headers, unverified: the peer source verifies them
-(:mod:`kvstore.cluster.peer_blocks`), as it does what UCX brings (:mod:`kvstore.cluster.peer_ucx`).
+(:mod:`kvstore.node.peer_blocks`), as it does what UCX brings (:mod:`kvstore.node.peer_ucx`).
 
 **Bounds.** A peer's answer is not trusted to size itself: the channel refuses a message larger
 than one block plus a message's worth of smaller ones (what the holder sends at most), and an
 answer that names a key out of range or twice, or a block over ``server.max_block_bytes``, fails
-the read (:class:`~kvstore.cluster.peer_blocks.PeerAnswerError`).
+the read (:class:`~kvstore.node.peer_blocks.PeerAnswerError`).
 """
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.client.base import client_settings
 from kvstore.client.channel import ChannelSecurity, aio_channel
-from kvstore.cluster.peer_auth import (
+from kvstore.node.peer_auth import (
     CALL_METADATA,
     PeerAuthError,
     PeerCall,
     PeerSigner,
     request_digest,
 )
-from kvstore.cluster.peer_blocks import PeerAnswerError, SealedBlock
+from kvstore.node.peer_blocks import PeerAnswerError, SealedBlock
 from kvstore.protocol import messages as _wire
 
 __all__ = ["GrpcPeerLink"]
@@ -75,7 +75,7 @@ class GrpcPeerLink:
         ``timeout``, from ``holder`` (its node id and boot epoch, as its signed description in
         the index says); raises :class:`~kvstore.errors.KVStoreError` (a deadline:
         :class:`~kvstore.errors.DeadlineExceededError`), :class:`PeerAnswerError` or
-        :class:`~kvstore.cluster.peer_auth.PeerAuthError` (no proof from the holder)."""
+        :class:`~kvstore.node.peer_auth.PeerAuthError` (no proof from the holder)."""
         request = pb.GetRequest(namespace=namespace, keys=list(keys), sealed=True)
         blocks: list[SealedBlock | None] = [None] * len(keys)
         answered = bytearray(len(keys))

@@ -33,8 +33,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore.cluster.engine_chunks import BlockHash, EngineChunks, StoredBlocks
 from kvstore.errors import ConfigError
+from kvstore.node.engine_chunks import BlockHash, EngineChunks, StoredBlocks
 
 __all__ = ["EngineEvents", "decode_batch", "load_event_modules"]
 

@@ -6,16 +6,17 @@ import logging
 from collections.abc import Mapping
 
 from kvstore.block import installed_keyring
-from kvstore.cluster.engine_chunks import EngineChunks, LocalPublisher
-from kvstore.cluster.engine_events import EngineEvents, load_event_modules
 from kvstore.cluster.index import ClusterIndex
 from kvstore.cluster.layout import Client, Layout, connect
-from kvstore.cluster.membership import Membership, NodeInfo, node_id_for
-from kvstore.cluster.peers import PeerSource
-from kvstore.cluster.publisher import Publisher
+from kvstore.cluster.records import NodeInfo
 from kvstore.cluster_config import ClusterConfig, namespace_from_json
 from kvstore.config import Config, hash_secret
 from kvstore.errors import ConfigError
+from kvstore.node.engine_chunks import EngineChunks, LocalPublisher
+from kvstore.node.engine_events import EngineEvents, load_event_modules
+from kvstore.node.membership import Membership, node_id_for
+from kvstore.node.peers import PeerSource
+from kvstore.node.publisher import Publisher
 from kvstore.store import TieredStore
 
 __all__ = ["ClusterNode", "start_cluster"]

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.cluster import EngineChunks
-from kvstore.cluster.engine_chunks import StoredBlocks
 from kvstore.config import load_config
 from kvstore.errors import ConfigError
 from kvstore.keys import ChunkHasher, Namespace
+from kvstore.node import EngineChunks
+from kvstore.node.engine_chunks import StoredBlocks
 
 NS = Namespace(model="engine-chunks")
 

@@ -7,7 +7,7 @@ key, namespace, length and payload under the cluster's integrity secret bound to
 (:mod:`kvstore.block`). :func:`verify_blocks` is the one check both transports' answers go
 through, against the reader's own keyring, before a byte is installed or served: a block that
 fails it (no header, a header for another key or namespace, a MAC under another secret, a length
-out of bounds) is never used, and its holder is suspect (:mod:`kvstore.cluster.peers`).
+out of bounds) is never used, and its holder is suspect (:mod:`kvstore.node.peers`).
 """
 
 from __future__ import annotations

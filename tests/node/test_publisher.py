@@ -13,7 +13,8 @@ import pytest
 from harness.redis_server import RedisServer
 from store_blocks import key, make_store, payload
 
-from kvstore.cluster import ClusterIndex, Layout, Membership, NodeInfo, Publisher, connect
+from kvstore.cluster import ClusterIndex, Layout, NodeInfo, connect
+from kvstore.node import Membership, Publisher
 
 NS = bytes(16)
 PREFIX = "test:cluster:"

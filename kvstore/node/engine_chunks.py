@@ -39,9 +39,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvstore.cluster.layout import LOCAL, Client, Layout
-from kvstore.cluster.membership import Membership
-from kvstore.cluster.publisher import Publisher
 from kvstore.keys import ChunkHasher, HashAlgorithm, Namespace
+from kvstore.node.membership import Membership
+from kvstore.node.publisher import Publisher
 from kvstore.store import TieredStore
 
 __all__ = ["LOCAL", "EngineChunks", "LocalPublisher", "StoredBlocks"]

@@ -7,15 +7,15 @@ that node, naming the request's namespace, within what is left of the request's 
 ``cluster.peer_timeout_s``).
 
 **Who is asked.** Only nodes whose description in the index is signed under the cluster's
-integrity secrets (:mod:`kvstore.cluster.membership`); the others are ignored, logged once and
+integrity secrets (:mod:`kvstore.node.membership`); the others are ignored, logged once and
 counted in ``peer_unverified_nodes``. A request carries no credential, only an authenticator of
-itself (:mod:`kvstore.cluster.peer_auth`) under the tenant's peer key; the holder answers with a
+itself (:mod:`kvstore.node.peer_auth`) under the tenant's peer key; the holder answers with a
 proof that it holds the key too, checked before any byte of the answer is read. A holder that
 sends no valid proof is counted in ``peer_unproven`` and is suspect until it restarts, like one
 serving forged blocks.
 
 **Transports** (``cluster.peer_transport``). ``auto`` (default): over UCX
-(:mod:`kvstore.cluster.peer_ucx`) where the peer advertises a UCX listener in the index and ucxx
+(:mod:`kvstore.node.peer_ucx`) where the peer advertises a UCX listener in the index and ucxx
 is installed here, over gRPC otherwise. A UCX read that fails (no connection, a late or failed
 transfer) is read again over gRPC for the same request, in what is left of its deadline (UCX's
 connect may take at most half of it), and UCX to that peer rests for :data:`UCX_RETRY_S`; it is
@@ -41,7 +41,7 @@ failing verification is alive and renews its lease: it is asked again only once 
 node), so every block comes *sealed*, over either transport: with its wire header, whose keyed MAC
 covers key, namespace, length and payload under the cluster's integrity secret bound to the
 tenant (the keyring this node's store verifies its nvme and redis blocks with). Each is verified
-(:mod:`kvstore.cluster.peer_blocks`, off the event loop) before it is installed or served; one
+(:mod:`kvstore.node.peer_blocks`, off the event loop) before it is installed or served; one
 that fails (no header, another key or namespace, a MAC under another secret, a length out of
 ``server.max_block_bytes``) is a ``corrupt`` miss, counted in ``peer_corrupt_blocks`` (the
 ``tier="peer"`` series of ``kvstore_tier_corrupt_blocks``), its holder is suspect (below) and the
@@ -71,11 +71,7 @@ from typing import Protocol, TypeVar
 from kvstore.block import Keyring, installed_keyring
 from kvstore.cluster.index import ClusterIndex
 from kvstore.cluster.layout import REDIS_ERRORS
-from kvstore.cluster.membership import NodeInfo
-from kvstore.cluster.peer_auth import PeerAuthError, PeerSigner, peer_keyring
-from kvstore.cluster.peer_blocks import SealedBlock, verify_blocks
-from kvstore.cluster.peer_grpc import GrpcPeerLink
-from kvstore.cluster.peer_ucx import UcxPeerLink
+from kvstore.cluster.records import NodeInfo
 from kvstore.cluster_config import PEER_TRANSPORTS
 from kvstore.errors import (
     AuthenticationError,
@@ -83,6 +79,10 @@ from kvstore.errors import (
     DeadlineExceededError,
     PermissionDeniedError,
 )
+from kvstore.node.peer_auth import PeerAuthError, PeerSigner, peer_keyring
+from kvstore.node.peer_blocks import SealedBlock, verify_blocks
+from kvstore.node.peer_grpc import GrpcPeerLink
+from kvstore.node.peer_ucx import UcxPeerLink
 from kvstore.protocol.ucx import UcxTransportError, ucx_unavailable_reason
 from kvstore.store.counters import StoreCounters
 from kvstore.store.remote import Landing, remaining_s

@@ -19,7 +19,7 @@ tenant (:meth:`~kvstore.block.Keyring.for_tenant`), that tenant's *peer key*
   and answers with a proof (:func:`answer_proof`, initial metadata :data:`PROOF_METADATA`): a
   MAC under the same key over the caller's authenticator. The caller checks the proof
   (:func:`check_proof`) before it reads a byte of the answer, and every block of it is verified
-  against its own keyed MAC besides (:mod:`kvstore.cluster.peer_blocks`).
+  against its own keyed MAC besides (:mod:`kvstore.node.peer_blocks`).
 
 Why MACs under a derived key and not mTLS between nodes: the cluster already shares the
 integrity secret (every node must, to read Redis and NVMe blocks), so keys derived from it need

@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from kvstore.cluster.membership import NodeInfo
-from kvstore.cluster.peers import PeerSource
+from kvstore.cluster.records import NodeInfo
+from kvstore.node.peers import PeerSource
 from kvstore.store.counters import StoreCounters
 
 _LATER_MS = int((time.time() + 3600) * 1000)  # signed descriptions still valid
