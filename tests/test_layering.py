@@ -67,6 +67,7 @@ PARTS: dict[str, Part] = {
             "kvstore._proto",  # generated gRPC code
             "kvstore.errors",
             "kvstore.keys",
+            "kvstore.key_scheme",
             "kvstore.types",
             "kvstore.buffers",
             "kvstore.block",
