@@ -30,6 +30,11 @@ __all__ = [
 
 #: Response header naming the replica URL that answered a proxied request.
 REPLICA_HEADER = "x-kvstore-replica"
+#: The longest the router waits on a client at any one point: for its request head, for each
+#: piece of its body, for it to take each piece of its response. A client stalled longer is
+#: answered 408 (while its request is read) or dropped (while its response is relayed), so a
+#: connection that sends or reads nothing cannot hold a handler, a buffer or an upstream forever.
+CLIENT_STALL_S = 30.0
 #: How much of a body one read takes (and at most what one write to an upstream queues).
 _PIECE = 1 << 20
 _HOP = frozenset(
@@ -49,6 +54,7 @@ _REASONS = {
     200: "OK",
     400: "Bad Request",
     404: "Not Found",
+    408: "Request Timeout",
     411: "Length Required",
     413: "Payload Too Large",
     502: "Bad Gateway",
@@ -94,10 +100,14 @@ async def read_request(
 
     A body over ``max_body`` bytes (``router.max_body_bytes``) is refused from its
     ``Content-Length`` alone; a client that sent ``Expect: 100-continue`` gets the go-ahead only
-    for a body within it.
+    for a body within it. A client that stalls :data:`CLIENT_STALL_S` in its head or between
+    pieces of its body gets a 408.
     """
     try:
-        head = await reader.readuntil(b"\r\n\r\n")
+        async with asyncio.timeout(CLIENT_STALL_S):
+            head = await reader.readuntil(b"\r\n\r\n")
+    except TimeoutError as exc:
+        raise BadRequest(408, f"no complete request head within {CLIENT_STALL_S:g}s") from exc
     except asyncio.IncompleteReadError:
         return None
     except asyncio.LimitOverrunError as exc:
@@ -138,7 +148,13 @@ async def _read_body(reader: asyncio.StreamReader, length: int) -> bytearray:
     with memoryview(body) as view:
         got = 0
         while got < length:
-            piece = await reader.read(min(length - got, _PIECE))
+            try:
+                async with asyncio.timeout(CLIENT_STALL_S):
+                    piece = await reader.read(min(length - got, _PIECE))
+            except TimeoutError as exc:
+                raise BadRequest(
+                    408, f"the body stalled for {CLIENT_STALL_S:g}s after {got} of {length} bytes"
+                ) from exc
             if not piece:
                 raise asyncio.IncompleteReadError(b"", length)
             view[got : got + len(piece)] = piece
@@ -155,8 +171,7 @@ async def respond(
         f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\nContent-Type: {content_type}\r\n"
         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
     )
-    writer.write(head.encode() + body)
-    await writer.drain()
+    await _relay(writer, head.encode() + body)
 
 
 async def send_upstream(
@@ -243,9 +258,14 @@ async def forward(
 
 
 async def _relay(writer: asyncio.StreamWriter, data: bytes) -> None:
-    """``data`` to the client; :class:`ClientGone` if its connection failed."""
+    """``data`` to the client; :class:`ClientGone` if its connection failed or it took nothing
+    for :data:`CLIENT_STALL_S`."""
     try:
         writer.write(data)
-        await writer.drain()
+        async with asyncio.timeout(CLIENT_STALL_S):
+            await writer.drain()
+    except TimeoutError as exc:
+        writer.transport.abort()  # what it did not take is dropped, not buffered on
+        raise ClientGone(f"the client took nothing for {CLIENT_STALL_S:g}s") from exc
     except (ConnectionError, OSError) as exc:
         raise ClientGone(f"the client went away: {exc}") from exc
