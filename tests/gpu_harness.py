@@ -36,6 +36,7 @@ from typing import Any
 
 import kvstore_kernels  # type: ignore[import-not-found, unused-ignore]
 import torch
+from harness.polling import poll
 
 from kvstore.client import KVStoreClient
 from kvstore.integrations.kv_layout import CacheSpec, detect_layout
@@ -303,10 +304,7 @@ class _Blocks:
 
 
 def _wait(condition: Any, what: str) -> None:
-    deadline = time.monotonic() + 30
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
+    poll(condition, 30, what, every=0.01)
 
 
 def _wait_registered(engine: Engine) -> None:
