@@ -1,10 +1,11 @@
 """The asyncio client, :class:`AsyncKVStoreClient`: the shared plans (:mod:`kvstore.client.core`)
 awaited on the caller's event loop.
 
-gRPC calls go over a ``grpc.aio`` channel; blocking work (copies through shared memory, UCX
-transfers, which run on the UCX client's own loop thread and make their control calls on a
-blocking channel of their own) goes to a worker thread, so the event loop never waits on it. Same
-methods, paths, deadlines and errors as :class:`~kvstore.client.sync.KVStoreClient`.
+gRPC calls go over a ``grpc.aio`` channel (or the ``transport`` given); blocking work (copies
+through shared memory, UCX transfers, which run on the UCX client's own loop thread and make their
+control calls on a blocking channel of their own) goes to a worker thread, so the event loop never
+waits on it. Same methods, paths, deadlines and errors as
+:class:`~kvstore.client.sync.KVStoreClient`.
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
+from google.protobuf.message import Message
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 
@@ -93,6 +94,9 @@ class MockTransport:
             request = list(request)
         started = time.monotonic()
         response = self.handler(method, request)
+        if response is None or (each is not None and isinstance(response, Message)):
+            shape = "an iterable of messages" if each is not None else "a response message"
+            raise TypeError(f"the handler must answer {method} with {shape}, not {response!r}")
         if each is not None:
             for message in response:
                 each(message)

@@ -225,6 +225,20 @@ def test_the_async_client_through_the_same_transport() -> None:
     assert transport.closed
 
 
+@pytest.mark.parametrize(
+    ("method", "answer", "wanted"),
+    [("Get", pb.GetResponse(), "an iterable of messages"), ("Lookup", None, "a response message")],
+)
+def test_a_handler_answering_the_wrong_shape_is_told_so(
+    method: str, answer: Any, wanted: str
+) -> None:
+    calls = {"Get": KVStoreClient.get, "Lookup": KVStoreClient.lookup}
+    transport = MockTransport(lambda _method, _request: answer)
+    client = KVStoreClient("unused", namespace=NS, transport=transport)
+    with client, pytest.raises(TypeError, match=f"answer {method} with {wanted}"):
+        calls[method](client, KEYS)
+
+
 def test_every_failure_is_a_kvstore_error() -> None:
     store = MemoryStore(fail=(grpc.StatusCode.DATA_LOSS, "odd"))
     with _client(store) as client, pytest.raises(KVStoreError, match="odd"):
