@@ -4,6 +4,7 @@ The public surface::
 
     Namespace, ChunkHasher          name KV blocks by chained prefix-chunk keys
     KVStoreClient, AsyncKVStoreClient   talk to a ``kvstore serve`` process
+    MockTransport                   a client's transport answered by a function, for tests
     TieredStore                     the store core, for embedding (loaded on first use: a
                                     client process never pays for LMDB or Redis)
     LookupResult, PutResult         results of client and store calls
@@ -14,7 +15,7 @@ The public surface::
 
 from typing import TYPE_CHECKING, Any
 
-from kvstore.client import AsyncKVStoreClient, KVStoreClient
+from kvstore.client import AsyncKVStoreClient, KVStoreClient, MockTransport
 from kvstore.config import Config, load_config
 from kvstore.errors import (
     AuthenticationError,
@@ -61,6 +62,7 @@ __all__ = [
     "KVStoreClient",
     "KVStoreError",
     "LookupResult",
+    "MockTransport",
     "Namespace",
     "NamespaceMismatchError",
     "PutResult",

@@ -19,6 +19,7 @@ EXPECTED = {
     "KVStoreClient",
     "KVStoreError",
     "LookupResult",
+    "MockTransport",
     "Namespace",
     "NamespaceMismatchError",
     "PutResult",

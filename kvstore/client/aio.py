@@ -1,28 +1,34 @@
 """The asyncio client, :class:`AsyncKVStoreClient`: the shared plans (:mod:`kvstore.client.core`)
 awaited on the caller's event loop.
 
-gRPC calls go over a ``grpc.aio`` channel; blocking work (copies through shared memory, UCX
-transfers, which run on the UCX client's own loop thread and make their control calls on a
-blocking channel of their own) goes to a worker thread, so the event loop never waits on it. Same
-methods, paths, deadlines and errors as :class:`~kvstore.client.sync.KVStoreClient`.
+gRPC calls go over a ``grpc.aio`` channel (or the ``transport`` given); blocking work (copies
+through shared memory, UCX transfers, which run on the UCX client's own loop thread and make their
+control calls on a blocking channel of their own) goes to a worker thread, so the event loop never
+waits on it. Same methods, paths, deadlines and errors as
+:class:`~kvstore.client.sync.KVStoreClient`.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, TypeVar, cast
 
 import grpc
 
-from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
-from kvstore.client.base import ClientBase, client_settings
-from kvstore.client.channel import ChannelSecurity, Pem, aio_channel, blocking_channel
+from kvstore.client.base import (
+    ClientBase,
+    client_settings,
+    no_control_channel,
+    transport_settings,
+)
+from kvstore.client.channel import ChannelSecurity, Pem
 from kvstore.client.core import Blocking, Plan, Rpc, Step
 from kvstore.client.device_fill import DeviceFill
 from kvstore.client.settings import ClientSettings
 from kvstore.client.shm import ShmLease, ShmReservation
+from kvstore.client.transport import AsyncGrpcTransport, AsyncTransport
 from kvstore.keys import Namespace
 from kvstore.retention import KEEP, Retention
 from kvstore.types import LookupResult, PrefetchProgress, PutResult
@@ -33,7 +39,12 @@ T = TypeVar("T")
 
 
 class AsyncKVStoreClient(ClientBase):
-    """The asyncio twin of :class:`~kvstore.KVStoreClient` (``aclose`` instead of ``close``)."""
+    """The asyncio twin of :class:`~kvstore.KVStoreClient` (``aclose`` instead of ``close``).
+
+    ``transport`` is an :class:`~kvstore.client.transport.AsyncTransport` (``acall`` and
+    ``aclose``; :class:`~kvstore.client.MockTransport` is one), under the same rules as the
+    blocking client's ``transport``.
+    """
 
     def __init__(
         self,
@@ -47,26 +58,19 @@ class AsyncKVStoreClient(ClientBase):
         tls_ca: Pem = None,
         tls_cert: Pem = None,
         tls_key: Pem = None,
+        transport: AsyncTransport | None = None,
     ) -> None:
         resolved = client_settings(settings, data_plane)  # bad settings: fail before connecting
-        self._security = ChannelSecurity.for_client(resolved, token, tls_ca, tls_cert, tls_key)
-        self._channel = aio_channel(target, self._security)
-        self._stub = pb_grpc.KVStoreStub(self._channel)
-        # The UCX path's control calls block (in a worker thread): they get a blocking channel,
-        # opened only if the server offers UCX.
-        self._control: grpc.Channel | None = None
-        super().__init__(
-            target,
-            namespace,
-            timeout,
-            resolved,
-            self._control_channel,
-        )
-
-    def _control_channel(self) -> grpc.Channel:
-        if self._control is None:
-            self._control = blocking_channel(self.target, self._security)
-        return self._control
+        control: Callable[[], grpc.Channel] = no_control_channel
+        if transport is None:
+            security = ChannelSecurity.for_client(resolved, token, tls_ca, tls_cert, tls_key)
+            default = AsyncGrpcTransport(target, security)
+            transport, control = default, default.control_channel
+        else:
+            channel = {"token": token, "tls_ca": tls_ca, "tls_cert": tls_cert, "tls_key": tls_key}
+            resolved = transport_settings(resolved, data_plane, channel)
+        self._transport: AsyncTransport = transport
+        super().__init__(target, namespace, timeout, resolved, control)
 
     async def _run(self, plan: Plan[T]) -> T:
         """Drive ``plan`` to its end: await each step, send or throw back its outcome."""
@@ -84,12 +88,7 @@ class AsyncKVStoreClient(ClientBase):
 
     async def _step(self, step: Step) -> Any:
         if isinstance(step, Rpc):
-            method = getattr(self._stub, step.method)
-            if step.each is None:
-                return await method(step.request, timeout=step.timeout)
-            async for message in method(step.request, timeout=step.timeout):
-                step.each(message)
-            return None
+            return await self._transport.acall(step.method, step.request, step.timeout, step.each)
         if isinstance(step, Blocking):
             # The copies and transfers release the GIL: a thread keeps the loop responsive.
             return await asyncio.to_thread(step.call)
@@ -216,11 +215,9 @@ class AsyncKVStoreClient(ClientBase):
         return await self._run(self._core.open_data_plane(timeout))
 
     async def aclose(self) -> None:
-        """Close the shared-memory and UCX paths and the channels."""
+        """Close the shared-memory and UCX paths and the channels (or the given transport)."""
         await asyncio.to_thread(self._core.close)
-        if self._control is not None:
-            self._control.close()
-        await self._channel.close(grace=None)
+        await self._transport.aclose()
 
     async def __aenter__(self) -> AsyncKVStoreClient:
         return self

@@ -6,7 +6,7 @@ timeout, settings, data plane, the arena's registration for device DMA, and the
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import grpc
 
@@ -15,9 +15,10 @@ from kvstore.client.core import ClientCore
 from kvstore.client.settings import ClientSettings
 from kvstore.client.shm_link import ShmLink
 from kvstore.client.ucx import UcxDataClient
+from kvstore.errors import ConfigError
 from kvstore.keys import Namespace
 
-__all__ = ["ClientBase", "client_settings"]
+__all__ = ["ClientBase", "client_settings", "no_control_channel", "transport_settings"]
 
 
 def client_settings(settings: ClientSettings | None, data_plane: str | None) -> ClientSettings:
@@ -27,6 +28,36 @@ def client_settings(settings: ClientSettings | None, data_plane: str | None) -> 
     if data_plane is None or data_plane == settings.data_plane:
         return settings
     return dataclasses.replace(settings, data_plane=data_plane)
+
+
+def transport_settings(
+    settings: ClientSettings, data_plane: str | None, channel_arguments: Mapping[str, object]
+) -> ClientSettings:
+    """The settings of a client given a transport of its own: its data calls go over that
+    transport (``data_plane`` ``"grpc"``), as shared memory and UCX need a server to talk to.
+
+    Raises :class:`ConfigError` for a ``data_plane`` argument asking for another path, and for
+    any of ``channel_arguments`` (``token``, ``tls_ca``, ...) given: they configure the gRPC
+    channel, which such a client never opens.
+    """
+    if data_plane not in (None, "auto", "grpc"):
+        raise ConfigError(
+            f"data_plane={data_plane!r} needs a server's shared memory or UCX listener; a client "
+            "given transport= sends everything over it: give data_plane None, 'auto' or 'grpc'"
+        )
+    given = [name for name, value in channel_arguments.items() if value is not None]
+    if given:
+        raise ConfigError(
+            f"{', '.join(given)} configure the gRPC channel, which a client given transport= "
+            "does not open: configure the transport instead"
+        )
+    return dataclasses.replace(settings, data_plane="grpc")
+
+
+def no_control_channel() -> grpc.Channel:
+    """The UCX control channel of a client given a transport: there is none (its data plane is
+    ``"grpc"``, so the core never asks)."""
+    raise RuntimeError("a client given transport= has no gRPC channel for the UCX path")
 
 
 class ClientBase:

@@ -4,10 +4,10 @@ Each call is a *plan*: a generator that builds the requests, decides the data pl
 memory, then UCX, then gRPC, in that order), maps errors and decodes the results, and that yields
 a :data:`Step` wherever something must wait: a gRPC call (:class:`Rpc`), blocking work such as a
 copy through shared memory or a UCX transfer (:class:`Blocking`), or a pause (:class:`Sleep`).
-The blocking client runs the steps in the caller's thread, the asyncio client awaits them (gRPC
-on its ``grpc.aio`` channel, blocking work in a worker thread), so neither blocks an event loop
-and both behave alike by construction. A failed step is thrown back into its plan, which either
-handles it (a fallback) or lets it propagate.
+The blocking client runs the steps in the caller's thread, the asyncio client awaits them (calls
+through its transport, by default a ``grpc.aio`` channel; blocking work in a worker thread), so
+neither blocks an event loop and both behave alike by construction. A failed step is thrown back
+into its plan, which either handles it (a fallback) or lets it propagate.
 
 Every plan computes its :class:`Deadline` once, at its start, and gives each step what is left of
 it: a fast path that stalls leaves the fallback less time instead of a fresh timeout.

@@ -36,7 +36,8 @@ class Deadline:
 
 @dataclass(frozen=True, slots=True)
 class Rpc:
-    """A gRPC call: ``stub.<method>(request, timeout=timeout)``.
+    """A call of the server's ``method``, made by the client's transport
+    (:mod:`kvstore.client.transport`; by default ``stub.<method>(request, timeout=timeout)``).
 
     ``each``, for a server-streaming method, receives every message (the step's result is then
     ``None``); otherwise the result is the response. Failures come back as ``grpc.RpcError``.

@@ -24,20 +24,20 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, TypeVar, cast
 
-from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
-from kvstore.client.base import ClientBase, client_settings
-from kvstore.client.channel import (
-    ChannelSecurity,
-    Pem,
-    ReconnectWatch,
-    blocking_channel,
-    settle_watches,
-    when_reconnected,
+import grpc
+
+from kvstore.client.base import (
+    ClientBase,
+    client_settings,
+    no_control_channel,
+    transport_settings,
 )
+from kvstore.client.channel import ChannelSecurity, Pem
 from kvstore.client.core import Blocking, Plan, Rpc, Step
 from kvstore.client.device_fill import DeviceFill
 from kvstore.client.settings import ClientSettings
 from kvstore.client.shm import ShmLease, ShmReservation
+from kvstore.client.transport import GrpcTransport, Transport
 from kvstore.keys import Namespace
 from kvstore.retention import KEEP, Retention
 from kvstore.types import LookupResult, PrefetchProgress, PutResult
@@ -54,6 +54,11 @@ class KVStoreClient(ClientBase):
     ``settings``, which default to :meth:`ClientSettings.from_env`. ``token`` (a bearer token,
     default ``$KVSTORE_TOKEN``) is sent on every call; ``tls_ca`` (PEM path or bytes, default
     ``$KVSTORE_TLS_CA``) makes the channel TLS; ``tls_cert``/``tls_key`` add a client certificate.
+
+    ``transport`` (a :class:`~kvstore.client.transport.Transport`, such as
+    :class:`~kvstore.client.MockTransport` in tests) carries every call instead of a gRPC channel
+    to ``target``: none is opened, data calls go over it too (data plane ``"grpc"``), and
+    ``close()`` closes it. ``token`` and ``tls_*`` then have no channel to configure.
     """
 
     def __init__(
@@ -68,19 +73,19 @@ class KVStoreClient(ClientBase):
         tls_ca: Pem = None,
         tls_cert: Pem = None,
         tls_key: Pem = None,
+        transport: Transport | None = None,
     ) -> None:
         resolved = client_settings(settings, data_plane)  # bad settings: fail before connecting
-        self._security = ChannelSecurity.for_client(resolved, token, tls_ca, tls_cert, tls_key)
-        self._channel = blocking_channel(target, self._security)
-        self._stub = pb_grpc.KVStoreStub(self._channel)
-        self._watches: list[ReconnectWatch] = []
-        super().__init__(
-            target,
-            namespace,
-            timeout,
-            resolved,
-            lambda: self._channel,
-        )
+        control: Callable[[], grpc.Channel] = no_control_channel
+        if transport is None:
+            security = ChannelSecurity.for_client(resolved, token, tls_ca, tls_cert, tls_key)
+            default = GrpcTransport(target, security)
+            transport, control = default, lambda: default.channel
+        else:
+            channel = {"token": token, "tls_ca": tls_ca, "tls_cert": tls_cert, "tls_key": tls_key}
+            resolved = transport_settings(resolved, data_plane, channel)
+        self._transport: Transport = transport
+        super().__init__(target, namespace, timeout, resolved, control)
 
     def _run(self, plan: Plan[T]) -> T:
         """Drive ``plan`` to its end: run each step here, send or throw back its outcome."""
@@ -98,12 +103,7 @@ class KVStoreClient(ClientBase):
 
     def _step(self, step: Step) -> Any:
         if isinstance(step, Rpc):
-            method = getattr(self._stub, step.method)
-            if step.each is None:
-                return method(step.request, timeout=step.timeout)
-            for message in method(step.request, timeout=step.timeout):
-                step.each(message)
-            return None
+            return self._transport.call(step.method, step.request, step.timeout, step.each)
         if isinstance(step, Blocking):
             return step.call()
         time.sleep(step.seconds)
@@ -225,21 +225,14 @@ class KVStoreClient(ClientBase):
     def when_reconnected(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` once, from another thread, when the channel connects to the server
         afresh after a loss (within about half a second of the server answering again); for a
-        caller that stopped calling a server it saw fail. The channel keeps trying meanwhile."""
-        now = time.monotonic()
-        # Ended watches are kept only as long as close() may have to wait for them.
-        self._watches = [
-            w
-            for w in self._watches
-            if w.ended_at is None or now - w.ended_at < ReconnectWatch.SETTLE_S
-        ]
-        self._watches.append(when_reconnected(self._channel, callback))
+        caller that stopped calling a server it saw fail. The channel keeps trying meanwhile.
+        (With a ``transport`` given, the transport says when.)"""
+        self._transport.when_reconnected(callback)
 
     def close(self) -> None:
-        """Close the shared-memory and UCX paths and the channel."""
+        """Close the shared-memory and UCX paths and the channel (or the given transport)."""
         self._core.close()
-        settle_watches(self._watches, self._channel)
-        self._channel.close()
+        self._transport.close()
 
     def __enter__(self) -> KVStoreClient:
         return self

@@ -5,7 +5,8 @@ fields the connector reads: ``_vllm_config`` and ``_kv_cache_config`` stand in f
 ``VllmConfig`` and ``KVCacheConfig``, ``_request`` for ``vllm.v1.request.Request``, ``_Blocks``
 for ``KVCacheBlocks``, ``_Manager`` for ``KVCacheManager`` and ``_output`` for
 ``SchedulerOutput``. The store is :class:`FakeStore`, an in-memory stand-in for
-:class:`kvstore.KVStoreClient`; the KV caches are real CPU tensors in vLLM's CPU layout. The same
+:class:`kvstore.KVStoreClient` (the breaker's resumption runs real clients instead, over
+:class:`kvstore.MockTransport`); the KV caches are real CPU tensors in vLLM's CPU layout. The same
 halves against a real store and a real engine are tested in tests/vllm (the vLLM suite).
 """
 
@@ -18,10 +19,13 @@ from collections.abc import Iterator, Sequence
 from types import SimpleNamespace
 from typing import Any
 
+import grpc
 import pytest
 import torch
+from harness.memory_store import MemoryStore
 from harness.store_stand_in import StoreStandIn
 
+from kvstore import KVStoreClient, MockTransport, Namespace
 from kvstore.errors import ConfigError, DeadlineExceededError, StoreUnavailableError
 from kvstore.integrations.vllm_common import (
     Breaker,
@@ -55,8 +59,6 @@ class FakeStore(StoreStandIn):
         self.slow = False
         self.lookups = 0
         self.lock = threading.Lock()
-        #: What the connector asked to be called when the store answers again.
-        self.reconnect_callbacks: list[Any] = []
         #: The tier each stored chunk is reported in (``dram`` where not named) ...
         self.tiers: dict[bytes, str] = {}
         #: ... and what ``stats`` answers (the tiers' measured rates, for the load plan).
@@ -111,9 +113,6 @@ class FakeStore(StoreStandIn):
     def open_data_plane(self, *, timeout: float | None = None) -> str:
         self._check()
         return "grpc"
-
-    def when_reconnected(self, callback: Any) -> None:
-        self.reconnect_callbacks.append(callback)
 
 
 def _vllm_config(tp_size: int = 1, pp_size: int = 1) -> Any:
@@ -549,21 +548,42 @@ def test_breaker_closes_when_the_store_connects_again_and_only_an_unreachable_on
     assert breaker.is_open() and len(watchers) == 2
 
 
-def test_both_connector_halves_resume_as_soon_as_the_store_connects_again(
-    store: FakeStore,
-    scheduler: tuple[SchedulerSide, _Manager],
-    worker: WorkerSide,
-) -> None:
-    side, _ = scheduler
-    store.down = True
-    assert _answer(side, _request("r", list(range(3 * CHUNK))), 0) == 0  # a miss, not an error
-    _wait_for(lambda: side._breaker.is_open(), "the scheduler's breaker opens")
-    store.down = False
-    # warm_up may have asked too (it shares the scheduler's breaker): one watch per outage.
-    assert len(store.reconnect_callbacks) == 1
-    store.reconnect_callbacks[0]()
-    assert not side._breaker.is_open()
-    worker._breaker.trip(StoreUnavailableError("a save failed"))  # the worker's own breaker
-    assert worker._breaker.is_open() and len(store.reconnect_callbacks) == 2
-    store.reconnect_callbacks[1]()
-    assert not worker._breaker.is_open()
+class _CountingTransport(MockTransport):
+    """Counts the reconnect watches asked of it."""
+
+    watches = 0
+
+    def when_reconnected(self, callback: Any) -> None:
+        self.watches += 1
+        super().when_reconnected(callback)
+
+
+def test_both_connector_halves_resume_as_soon_as_the_store_connects_again() -> None:
+    # Real clients (each half's own, as in their own processes) over one store that is down:
+    # the client's mapping of UNAVAILABLE opens the breakers, its reconnect watch closes them.
+    memory = MemoryStore(fail=(grpc.StatusCode.UNAVAILABLE, "store is down"))
+    scheduler_link, worker_link = _CountingTransport(memory), _CountingTransport(memory)
+    ns = Namespace(model="test-model")
+    scheduler_client = KVStoreClient("unused", namespace=ns, transport=scheduler_link)
+    side = SchedulerSide(_settings(), _vllm_config(), _kv_cache_config(), client=scheduler_client)
+    side.bind_kv_cache_manager(_Manager())  # type: ignore[arg-type]
+    worker_client = KVStoreClient("unused", namespace=ns, transport=worker_link)
+    worker = WorkerSide(_settings(), _vllm_config(), _kv_cache_config(), client=worker_client)
+    try:
+        assert _answer(side, _request("r", list(range(3 * CHUNK))), 0) == 0  # a miss, not an error
+        _wait_for(lambda: side._breaker.is_open(), "the scheduler's breaker opens")
+        memory.fail = None
+        # warm_up may have asked too (it shares the scheduler's breaker): one watch per outage.
+        assert scheduler_link.watches == 1
+        scheduler_link.reconnect()
+        assert not side._breaker.is_open()
+        worker._breaker.trip(StoreUnavailableError("a save failed"))  # the worker's own breaker
+        assert worker._breaker.is_open() and worker_link.watches == 1
+        worker_link.reconnect()
+        assert not worker._breaker.is_open()
+        assert _answer(side, _request("r2", list(range(3 * CHUNK))), 0) == 0
+        assert "Lookup" in memory.methods()
+    finally:
+        side.shutdown()
+        worker.shutdown()
+    assert scheduler_link.closed and worker_link.closed

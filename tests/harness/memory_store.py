@@ -1,0 +1,135 @@
+"""An in-memory store that answers a real client's calls through :class:`kvstore.MockTransport`.
+
+``MemoryStore`` is a handler (``store(method, request) -> response``) for tests of code that uses
+a :class:`~kvstore.KVStoreClient`: blocks in a dict keyed by (namespace, key), every stored block
+in ``dram``. It answers the wire as ``kvstore serve`` does where the tests look (leading hits,
+missing keys, a namespace's own blocks only, prefetch states); it checks nothing a server would
+refuse. ``calls`` records each call's method and request; ``fail`` makes every call fail with a
+status until it is cleared.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from kvstore import MockTransport
+from kvstore.client.mock_transport import pb
+
+__all__ = ["MemoryStore"]
+
+
+@dataclass
+class _Prefetch:
+    keys: int
+    #: Status polls left before the prefetch is DONE (it is RUNNING meanwhile).
+    polls_left: int
+    cancelled: bool = False
+
+
+@dataclass
+class MemoryStore:
+    """A handler for :class:`~kvstore.MockTransport` holding blocks in a dict (see the module)."""
+
+    #: (namespace, key) -> value.
+    blocks: dict[tuple[bytes, bytes], bytes] = field(default_factory=dict)
+    #: (method, request) of every call, in order.
+    calls: list[tuple[str, Any]] = field(default_factory=list)
+    #: Fail every call with this status (and message) while set.
+    fail: tuple[grpc.StatusCode, str] | None = None
+    #: How many status polls a prefetch stays RUNNING before it is DONE.
+    prefetch_polls: int = 2
+    _prefetches: dict[int, _Prefetch] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def methods(self) -> list[str]:
+        """The methods called so far, in order."""
+        return [method for method, _ in self.calls]
+
+    def __call__(self, method: str, request: Any) -> Any:
+        with self._lock:
+            self.calls.append((method, request))
+            if self.fail is not None:
+                raise MockTransport.error(*self.fail)
+            answer = self._answers().get(method)
+            if answer is None:
+                raise MockTransport.error(grpc.StatusCode.UNIMPLEMENTED, f"no {method} here")
+            return answer(request)
+
+    def _answers(self) -> dict[str, Any]:
+        return {
+            "Lookup": self._lookup,
+            "Put": self._put,
+            "Get": self._get,
+            "Delete": self._delete,
+            "Stats": self._stats,
+            "Prefetch": self._prefetch,
+            "PrefetchStatus": self._prefetch_status,
+            "CancelPrefetch": self._cancel_prefetch,
+        }
+
+    def _lookup(self, request: pb.LookupRequest) -> pb.LookupResponse:
+        tiers = ["dram" if (request.namespace, k) in self.blocks else "" for k in request.keys]
+        hits = next((i for i, tier in enumerate(tiers) if not tier), len(tiers))
+        return pb.LookupResponse(hits=hits, tiers=tiers)
+
+    def _put(self, requests: list[pb.PutRequest]) -> pb.PutResponse:
+        namespace = requests[0].namespace  # only the stream's first message carries it
+        stored = present = 0
+        for message in requests:
+            for block in message.blocks:
+                if (namespace, block.key) in self.blocks:
+                    present += 1
+                else:
+                    self.blocks[namespace, block.key] = block.value
+                    stored += 1
+        return pb.PutResponse(stored=stored, already_present=present)
+
+    def _get(self, request: pb.GetRequest) -> list[pb.GetResponse]:
+        # One message per block: a stream of several, as a server sends for a large batch.
+        messages = []
+        for index, key in enumerate(request.keys):
+            value = self.blocks.get((request.namespace, key))
+            result = pb.GetResult(index=index, found=value is not None, value=value or b"")
+            messages.append(pb.GetResponse(results=[result]))
+        return messages
+
+    def _delete(self, request: pb.DeleteRequest) -> pb.DeleteResponse:
+        gone = [self.blocks.pop((request.namespace, k), None) for k in request.keys]
+        return pb.DeleteResponse(deleted=sum(value is not None for value in gone))
+
+    def _stats(self, request: pb.StatsRequest) -> pb.StatsResponse:
+        used = sum(len(value) for value in self.blocks.values())
+        dram = pb.TierStats(name="dram", values={"used_bytes": used})
+        return pb.StatsResponse(tiers=[dram], blocks=len(self.blocks))
+
+    def _prefetch(self, request: pb.PrefetchRequest) -> pb.PrefetchResponse:
+        prefetch_id = len(self._prefetches) + 1
+        self._prefetches[prefetch_id] = _Prefetch(len(request.keys), self.prefetch_polls)
+        return pb.PrefetchResponse(prefetch_id=prefetch_id)
+
+    def _prefetch_status(self, request: pb.PrefetchStatusRequest) -> pb.PrefetchStatusResponse:
+        prefetch = self._known(request.prefetch_id)
+        if prefetch.cancelled:
+            return pb.PrefetchStatusResponse(state=pb.PREFETCH_STATE_CANCELLED, total=prefetch.keys)
+        if prefetch.polls_left > 0:
+            prefetch.polls_left -= 1
+            return pb.PrefetchStatusResponse(state=pb.PREFETCH_STATE_RUNNING, total=prefetch.keys)
+        return pb.PrefetchStatusResponse(
+            state=pb.PREFETCH_STATE_DONE, total=prefetch.keys, ready=prefetch.keys
+        )
+
+    def _cancel_prefetch(self, request: pb.CancelPrefetchRequest) -> pb.CancelPrefetchResponse:
+        prefetch = self._known(request.prefetch_id)
+        running = prefetch.polls_left > 0 and not prefetch.cancelled
+        prefetch.cancelled = prefetch.cancelled or running
+        return pb.CancelPrefetchResponse(cancelled=running)
+
+    def _known(self, prefetch_id: int) -> _Prefetch:
+        prefetch = self._prefetches.get(prefetch_id)
+        if prefetch is None:
+            raise MockTransport.error(grpc.StatusCode.NOT_FOUND, f"no prefetch {prefetch_id}")
+        return prefetch
