@@ -9,11 +9,19 @@ Every setting has one dotted name (``dram.capacity``), one environment variable
 Sizes accept plain bytes or ``KiB/MiB/GiB/TiB`` (and ``KB/MB/GB/TB``, decimal) suffixes.
 
 The sections are plain frozen dataclasses, each in the module of its concern
-(:mod:`kvstore.server_config`, :mod:`kvstore.store_config`, :mod:`kvstore.cluster_config`,
+(:mod:`kvstore.server_config`, :mod:`kvstore.data_plane_config` for ``[shm]`` and ``[ucx]``,
+:mod:`kvstore.auth_config`, :mod:`kvstore.store_config`, :mod:`kvstore.cluster_config`,
 :mod:`kvstore.router_config`, :mod:`kvstore.tenant_config`) and all offered here; the defaults
 that depend on the machine (``dram.capacity`` from its memory, ``nvme.path`` under its home
 directory) come from :func:`machine_defaults`, and the loader is the only reader of environment
 variables.
+
+Each field says what it is once, in its metadata (:func:`kvstore.setting_meta.setting`): help,
+kind (size, octal mode, list, choice), flag, and the names it had before. The loader takes its
+kinds from there, ``kvstore serve`` / ``kvstore router`` their flags (:mod:`kvstore.cli.flags`)
+and the README its settings table (``scripts/gen_settings_table.py``). A setting's old name (in
+the file, as a variable or as an override) still sets it for one release, with one warning line
+naming the new one.
 """
 
 from __future__ import annotations

@@ -628,7 +628,7 @@ def test_memory_bounds_must_be_positive(setting: str) -> None:
                 "KVSTORE_CLUSTER_ENABLED": "1",
                 "KVSTORE_REDIS_URL": "redis://h:1/0",
                 "KVSTORE_SERVER_LISTEN": "0.0.0.0:50051",
-                "KVSTORE_SERVER_ALLOW_UNAUTHENTICATED": "1",
+                "KVSTORE_AUTH_ALLOW_UNAUTHENTICATED": "1",
             },
             "set cluster.advertise",
         ),
