@@ -84,6 +84,8 @@ class RouterConfig:
         5.0,
         help="seconds a routed prefix counts as held by its replica before the index shows it",
     )
+    # A cap at or below the floor fixes the deadline at index_timeout_s, as before the cap
+    # existed: a config that set index_timeout_s above 1 keeps its fixed deadline.
     index_timeout_s: float = setting(
         0.1,
         help=(
