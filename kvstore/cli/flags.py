@@ -99,6 +99,8 @@ def _default_help(meta: SettingMeta, value: Any, known: bool) -> str:
 
 
 def _size(value: int) -> str:
+    if value == 0:
+        return "0"  # "off" for most sizes: no unit to read into it
     for unit, name in ((1024**4, "TiB"), (1024**3, "GiB"), (1024**2, "MiB"), (1024, "KiB")):
         if value and value % unit == 0:
             return f"{value // unit}{name}"
