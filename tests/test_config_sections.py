@@ -238,3 +238,25 @@ def test_serve_help_is_grouped_by_section() -> None:
         "[redis] settings",
     ]
     assert "--shm-socket-mode MODE" in text and "(default: 0660)" in text
+
+
+def test_a_renamed_flag_keeps_its_old_spelling(monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+    import dataclasses
+
+    import kvstore.cli.flags as flags
+
+    @dataclasses.dataclass(frozen=True)
+    class Section:
+        timeout_s: float = setting(
+            1.0, help="a timeout", flag="--new-timeout", flag_aliases=("--old-timeout",)
+        )
+
+    (field,) = dataclasses.fields(Section)
+    monkeypatch.setattr(flags, "setting_fields", lambda: {"demo.timeout_s": field})
+    parser = argparse.ArgumentParser()
+    dests = flags.add_setting_flags(parser, ("demo",), None)
+    for spelling in ("--new-timeout", "--old-timeout"):
+        args = parser.parse_args([spelling, "2.5"])
+        assert flags.flag_overrides(args, dests) == {"demo.timeout_s": "2.5"}
+    assert "[demo] settings" in parser.format_help()
