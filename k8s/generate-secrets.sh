@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Generate the credentials of the k8s example at deploy time, into k8s/base/secrets/ (ignored by
 # git), where k8s/base/kustomization.yaml's secretGenerator reads them:
-#   tokens             server.tokens_file: "engine SHA256HEX" (the hash of the token, never it)
+#   tokens             auth.tokens_file: "engine SHA256HEX" (the hash of the token, never it)
 #   engine-token       the bearer token engines and Prometheus send (KVSTORE_TOKEN)
 #   integrity-secrets  integrity.secrets: the block MAC key every node sharing a Redis needs
 # Each is 32 random bytes from /dev/urandom, hex-encoded, written mode 0600 without a newline.

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvstore.errors import ConfigError
 from kvstore.keys import Namespace
+from kvstore.setting_meta import setting
 
 __all__ = [
     "ENGINE_EVENT_SCHEMES",
@@ -80,22 +81,119 @@ class ClusterConfig:
     ``grpc`` only over gRPC.
     """
 
-    enabled: bool = False
-    url: str = ""
-    node_id: str = ""
-    lease_ttl_s: float = 10.0
-    publish_interval_s: float = 0.1
-    key_prefix: str = "kvstore:cluster:v1:"
-    shared_data: str = "redis"
-    peer_token: str = field(default="", repr=False)
-    peer_timeout_s: float = 2.0
-    engine_events: str = ""
-    engine_namespace: str = ""
-    engine_chunk_size: int = 256
-    engine_hash_algorithm: str = "xxh3_128"
-    engine_max_blocks: int = 200_000
-    peer_transport: str = "auto"
-    advertise: str = ""
+    enabled: bool = setting(
+        False,
+        help=(
+            "register this node in the cluster index and publish which blocks it holds in which "
+            "tier (see [Cluster index](#cluster-index))"
+        ),
+    )
+    url: str = setting(
+        "",
+        help=(
+            "Redis or Redis Cluster URL of the index (same schemes as `redis.url`); `''`: "
+            "`redis.url`"
+        ),
+    )
+    node_id: str = setting(
+        "",
+        help=(
+            "this node's id in the index; `''`: generated once and kept in the nvme directory "
+            "(`cluster-node-id`), random per start without one"
+        ),
+    )
+    lease_ttl_s: float = setting(
+        10.0,
+        help=(
+            "a node that stops renewing its lease (renewed every third of this) stops counting "
+            "after this long"
+        ),
+    )
+    publish_interval_s: float = setting(
+        0.1,
+        help="how often block changes are sent to the index (at once after 4096 changes)",
+    )
+    key_prefix: str = setting(
+        "kvstore:cluster:v1:",
+        help="prefix of every index key",
+    )
+    shared_data: str = setting(
+        "redis",
+        help=(
+            "where other nodes' blocks are read from: `redis` (the shared tier), `peers` (from the"
+            " node the index names, over `cluster.peer_transport`; Redis holds only the index, no "
+            "payloads), `both` (peers first, then Redis); keys one holder fails to serve go to the"
+            " next live holder while the deadline allows; a peer that fails or times out is a miss"
+            " and is not asked again until its lease renews. Every block from a peer is verified "
+            "against its keyed MAC before it is installed or served (every node needs the same "
+            "integrity secrets and this version); one that fails is a `corrupt` miss counted in "
+            "`peer_corrupt_blocks`, and its holder is not asked again until it restarts"
+        ),
+        kind="choice",
+        choices=SHARED_DATA,
+    )
+    peer_token: str = setting(
+        "",
+        secret=True,
+        help=(
+            "deprecated and ignored (a warning at start): nodes no longer present a token to each "
+            "other, they authenticate each request with keys derived from the integrity secrets "
+            "(see [Cluster index](#cluster-index))"
+        ),
+    )
+    peer_timeout_s: float = setting(
+        2.0,
+        help=(
+            "bound of a peer read when the request has no deadline (else the time it has left, at "
+            "most this)"
+        ),
+    )
+    engine_events: str = setting(
+        "",
+        help=(
+            "ZMQ endpoint (`tcp://`, `ipc://`) of the KV events of the vLLM engine beside this "
+            "node; its prefix cache is then published as tier `local` (see [Engine-local "
+            "blocks](#engine-local-blocks)); `''`: off. Needs the `events` extra (`pip install -e "
+            "'.[events]'` in the clone; `kvstore` on PyPI is another package)"
+        ),
+    )
+    engine_namespace: str = setting(
+        "",
+        help=(
+            "with `engine_events`: the engine connector's base namespace as JSON (the same format "
+            "as `router.namespace`)"
+        ),
+    )
+    engine_chunk_size: int = setting(
+        256,
+        help="the connector's `chunk_size`",
+    )
+    engine_hash_algorithm: str = setting(
+        "xxh3_128",
+        help="the connector's `hash_algorithm` (`xxh3_128` or `sha256`)",
+    )
+    engine_max_blocks: int = setting(
+        200000,
+        help="engine blocks remembered at most; past that the oldest is forgotten with its chunks",
+    )
+    peer_transport: str = setting(
+        "auto",
+        help=(
+            "how peers are read: `auto` (UCX from peers advertising a UCX listener, gRPC "
+            "otherwise; a failed UCX read is read again over gRPC in the same deadline), `ucx` "
+            "(UCX only: a failure is a miss), `grpc` (gRPC only); hits counted as `peer_hits_ucx` "
+            "/ `peer_hits_grpc` in `stats()`"
+        ),
+        kind="choice",
+        choices=PEER_TRANSPORTS,
+    )
+    advertise: str = setting(
+        "",
+        help=(
+            "`HOST` or `HOST:PORT` other nodes and routers dial this node at, as published in the "
+            "index; `''`: the listen address (a node listening on `0.0.0.0` or `::` must set it)"
+        ),
+    )
 
     def __post_init__(self) -> None:
         if self.lease_ttl_s < 0.1:

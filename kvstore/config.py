@@ -9,23 +9,34 @@ Every setting has one dotted name (``dram.capacity``), one environment variable
 Sizes accept plain bytes or ``KiB/MiB/GiB/TiB`` (and ``KB/MB/GB/TB``, decimal) suffixes.
 
 The sections are plain frozen dataclasses, each in the module of its concern
-(:mod:`kvstore.server_config`, :mod:`kvstore.store_config`, :mod:`kvstore.cluster_config`,
+(:mod:`kvstore.server_config`, :mod:`kvstore.data_plane_config` for ``[shm]`` and ``[ucx]``,
+:mod:`kvstore.auth_config`, :mod:`kvstore.store_config`, :mod:`kvstore.cluster_config`,
 :mod:`kvstore.router_config`, :mod:`kvstore.tenant_config`) and all offered here; the defaults
 that depend on the machine (``dram.capacity`` from its memory, ``nvme.path`` under its home
 directory) come from :func:`machine_defaults`, and the loader is the only reader of environment
 variables.
+
+Each field says what it is once, in its metadata (:func:`kvstore.setting_meta.setting`): help,
+kind (size, octal mode, list, choice), flag, and the names it had before. The loader takes its
+kinds from there, ``kvstore serve`` / ``kvstore router`` their flags (:mod:`kvstore.cli.flags`)
+and the README its settings table (``scripts/gen_settings_table.py``). A setting's old name (in
+the file, as a variable or as an override) still sets it for one release, with one warning line
+naming the new one.
 """
 
 from __future__ import annotations
 
 import difflib
+import logging
 import os
 import tomllib
-from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable, Mapping
+from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
+from kvstore.auth_config import AuthConfig
 from kvstore.cluster_config import SHARED_DATA, ClusterConfig, check_advertise
+from kvstore.data_plane_config import ShmConfig, UcxConfig
 from kvstore.errors import ConfigError
 from kvstore.machine_defaults import (
     available_memory,
@@ -36,6 +47,7 @@ from kvstore.machine_defaults import (
 )
 from kvstore.router_config import RouterConfig
 from kvstore.server_config import ServerConfig
+from kvstore.setting_meta import SettingMeta, meta_of
 from kvstore.sizes import SIZE_HINT, format_size, parse_size
 from kvstore.store_config import (
     DramConfig,
@@ -47,11 +59,10 @@ from kvstore.store_config import (
 )
 from kvstore.tenant_config import TenantConfig, tenant_tables
 
-#: Accepted values of ``cluster.shared_data`` (see :class:`ClusterConfig`).
-
 __all__ = [
     "SHARED_DATA",
     "SIZE_HINT",
+    "AuthConfig",
     "ClusterConfig",
     "Config",
     "DramConfig",
@@ -62,7 +73,9 @@ __all__ = [
     "RedisConfig",
     "RouterConfig",
     "ServerConfig",
+    "ShmConfig",
     "TenantConfig",
+    "UcxConfig",
     "available_memory",
     "default_data_dir",
     "default_dram_capacity",
@@ -72,8 +85,11 @@ __all__ = [
     "load_config",
     "machine_defaults",
     "parse_size",
+    "setting_metas",
     "unknown_env_vars",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,6 +101,9 @@ class Config:
     """
 
     server: ServerConfig = field(default_factory=ServerConfig)
+    shm: ShmConfig = field(default_factory=ShmConfig)
+    ucx: UcxConfig = field(default_factory=UcxConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
     hbm: HbmConfig = field(default_factory=HbmConfig)
     dram: DramConfig
     nvme: NvmeConfig
@@ -107,42 +126,46 @@ class Config:
         check_advertise(self.server.listen, self.cluster)
 
 
+#: Every section in the order the README's table and ``kvstore serve --help`` show them.
 _SECTIONS: dict[str, type[Any]] = {
     "server": ServerConfig,
+    "shm": ShmConfig,
+    "ucx": UcxConfig,
+    "auth": AuthConfig,
     "hbm": HbmConfig,
     "dram": DramConfig,
     "nvme": NvmeConfig,
     "redis": RedisConfig,
-    "policy": PolicyConfig,
     "integrity": IntegrityConfig,
+    "policy": PolicyConfig,
     "cluster": ClusterConfig,
     "router": RouterConfig,
 }
-_SIZE_SETTINGS = {
-    "server.max_block_bytes",
-    "server.inflight_bytes",
-    "server.shm_session_bytes",
-    "hbm.capacity",
-    "hbm.page_size",
-    "dram.capacity",
-    "dram.page_size",
-    "nvme.capacity",
-    "redis.resend_queue_bytes",
-    "router.max_body_bytes",
-}
-# Permission bits: strings ("0660", "660", "0o660") are octal; ints (TOML's 0o660) pass through.
-_MODE_SETTINGS = {"server.shm_socket_mode"}
-# Lists of names: comma-separated in the environment and on flags, a list or a string in TOML.
-_LIST_SETTINGS = {"server.operators"}
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off", ""})
 # Names from before every variable followed env_var(); any non-empty value meant "on".
 _LEGACY_FLAGS = {"KVSTORE_FORCE_CUDA_CHECK": "dram.force_cuda_check"}
 
 
+def setting_fields() -> dict[str, Field[Any]]:
+    """Every setting's dataclass field by dotted name, sections in :data:`_SECTIONS` order."""
+    return {f"{s}.{f.name}": f for s, cls in _SECTIONS.items() for f in fields(cls)}
+
+
+def setting_metas() -> dict[str, SettingMeta]:
+    """Every setting's :class:`~kvstore.setting_meta.SettingMeta` by dotted name: the one source
+    of the loader's kinds, the flags and the README's settings table."""
+    return {name: meta_of(f) for name, f in setting_fields().items()}
+
+
 def setting_names() -> list[str]:
     """Every dotted setting name, e.g. ``dram.capacity``."""
-    return [f"{s}.{f.name}" for s, cls in _SECTIONS.items() for f in fields(cls)]
+    return list(setting_fields())
+
+
+def deprecated_names() -> dict[str, str]:
+    """Old dotted names still read (for one release, with a warning) and the name of each now."""
+    return {old: name for name, meta in setting_metas().items() for old in meta.old_names}
 
 
 def env_var(setting: str) -> str:
@@ -157,9 +180,10 @@ def _coerce(setting: str, raw: Any, origin: str = "") -> Any:
         return _convert(setting, raw)
     except (ConfigError, TypeError, ValueError) as exc:
         where = f" (from {origin})" if origin else ""
-        if setting in _SIZE_SETTINGS:
+        kind = setting_metas()[setting].kind
+        if kind == "size":
             allowed = SIZE_HINT
-        elif setting in _MODE_SETTINGS:
+        elif kind == "mode":
             allowed = 'octal permission bits, e.g. "0660"'
         else:
             allowed = str(exc)
@@ -167,14 +191,14 @@ def _coerce(setting: str, raw: Any, origin: str = "") -> Any:
 
 
 def _convert(setting: str, raw: Any) -> Any:
-    section, name = setting.split(".")
-    kind = {f.name: f.type for f in fields(_SECTIONS[section])}[name]
-    if setting in _SIZE_SETTINGS:
+    spec = setting_fields()[setting]
+    kind, meta = spec.type, meta_of(spec)
+    if meta.kind == "size":
         return parse_size(raw if isinstance(raw, int) else str(raw))
-    if setting in _MODE_SETTINGS:
+    if meta.kind == "mode":
         # type() and not isinstance(): a TOML bool is an int subclass, not permission bits.
         return raw if type(raw) is int else int(str(raw), 8)
-    if setting in _LIST_SETTINGS and isinstance(raw, list):
+    if meta.kind == "list" and isinstance(raw, list):
         return ",".join(str(item).strip() for item in raw)
     if kind in ("bool", bool):
         return _boolean(raw)
@@ -231,21 +255,16 @@ def load_config(
                 raise ConfigError(
                     f"unknown config section [{section}]; known: {sorted(_SECTIONS)} and tenants"
                 )
-            for name, value in values.items():
-                merged[f"{section}.{name}"] = value
-                origins[f"{section}.{name}"] = f"config file {path}"
+            layer = {f"{section}.{name}": value for name, value in values.items()}
+            _merge(merged, origins, layer, f"config file {path}", _deprecated_in_file(path))
     known = setting_names()
     for variable, setting in _LEGACY_FLAGS.items():
         if variable in env:
             merged[setting] = bool(env[variable])
-    for setting in known:
-        if env_var(setting) in env:
-            merged[setting] = env[env_var(setting)]
-            origins[setting] = env_var(setting)
-    for setting, value in (overrides or {}).items():
-        if value is not None:
-            merged[setting] = value
-            origins[setting] = "the command line"
+    from_env = {s: env[env_var(s)] for s in [*deprecated_names(), *known] if env_var(s) in env}
+    _merge(merged, origins, from_env, "", _deprecated_variable)
+    from_flags = {s: v for s, v in (overrides or {}).items() if v is not None}
+    _merge(merged, origins, from_flags, "the command line", lambda old, new: (old, new))
     unknown = sorted(set(merged) - set(known))
     if unknown:
         hints = [
@@ -267,6 +286,46 @@ def load_config(
         for section, cls in _SECTIONS.items()
     }
     return Config(**sections, tenants=tenants)
+
+
+def _merge(
+    merged: dict[str, Any],
+    origins: dict[str, str],
+    layer: Mapping[str, Any],
+    origin: str,
+    renamed: Callable[[str, str], tuple[str, str]],
+) -> None:
+    """Lay ``layer`` (one source: the file, the environment or the flags) over ``merged``. An old
+    name counts as its new one, with one warning line (``renamed(old, new)``: how the source spells
+    each); where a layer gives both, the new name wins. ``origin`` "" means the environment,
+    whose origin is each variable's name."""
+    aliases = deprecated_names()
+    for setting, value in layer.items():
+        if setting in aliases:
+            logger.warning(
+                "%s is deprecated and will be removed in the next release; use %s",
+                *renamed(setting, aliases[setting]),
+            )
+            if aliases[setting] in layer:
+                continue
+        name = aliases.get(setting, setting)
+        merged[name] = value
+        origins[name] = origin or env_var(setting)
+
+
+def _deprecated_in_file(
+    path: str | os.PathLike[str],
+) -> Callable[[str, str], tuple[str, str]]:
+    def renamed(old: str, new: str) -> tuple[str, str]:
+        section, name = old.split(".")
+        new_section, new_name = new.split(".")
+        return f"[{section}] {name} in {path}", f"[{new_section}] {new_name}"
+
+    return renamed
+
+
+def _deprecated_variable(old: str, new: str) -> tuple[str, str]:
+    return env_var(old), env_var(new)
 
 
 def _did_you_mean(name: str, known: list[str]) -> str:
@@ -300,8 +359,10 @@ OTHER_ENV_VARS = frozenset(
 
 
 def known_env_vars() -> list[str]:
-    """Every ``KVSTORE_*`` environment variable anything in kvstore (or its tests) reads."""
-    return sorted({env_var(s) for s in setting_names()} | OTHER_ENV_VARS)
+    """Every ``KVSTORE_*`` environment variable anything in kvstore (or its tests) reads (the
+    deprecated names of settings included: they are read, with a warning)."""
+    names = [*setting_names(), *deprecated_names()]
+    return sorted({env_var(s) for s in names} | OTHER_ENV_VARS)
 
 
 def unknown_env_vars(env: Mapping[str, str]) -> list[str]:

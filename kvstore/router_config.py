@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvstore.errors import ConfigError
+from kvstore.setting_meta import setting
 
 __all__ = ["RouterConfig"]
 
@@ -31,29 +32,131 @@ class RouterConfig:
     ``Content-Length`` says more is answered 413 before a byte of its body is read.
     """
 
-    listen: str = "127.0.0.1:8000"
-    replicas: str = ""
-    namespace: str = ""
-    chunk_size: int = 256
-    hash_algorithm: str = "xxh3_128"
-    tokenizer: str = ""
-    tenant: str = ""
-    provisional_ttl_s: float = 5.0
-    #: The index query's deadline floor; the deadline follows measured latency up to
-    #: ``index_timeout_max_s`` (:mod:`kvstore.router.index_query`); a cap at or below the floor
-    #: fixes the deadline at ``index_timeout_s`` (as before the cap existed: a config that set
-    #: ``index_timeout_s`` above 1 keeps its fixed deadline).
-    index_timeout_s: float = 0.1
-    index_timeout_max_s: float = 1.0
-    index_retry_s: float = 1.0
-    hit_weight: float = 2.0
-    request_cost_tokens: int = 256
-    prefill: str = ""
-    decode: str = ""
-    prefill_timeout_s: float = 60.0
-    #: ``kv`` (cached prefix against load), ``round_robin`` or ``least_loaded`` (baselines).
-    policy: str = "kv"
-    max_body_bytes: int = 16 * 1024**2
+    listen: str = setting(
+        "127.0.0.1:8000",
+        help="HTTP address of `kvstore router`",
+        flag="--listen",
+        metavar="HOST:PORT",
+    )
+    replicas: str = setting(
+        "",
+        help=(
+            "comma-separated `URL=NODE_ID`: each engine's OpenAI-compatible URL and the id of the "
+            "kvstore node beside it"
+        ),
+        kind="list",
+        metavar="URL=NODE_ID",
+        short="a vLLM server and the kvstore node beside it",
+        flag="--replica",
+    )
+    namespace: str = setting(
+        "",
+        help=(
+            "the engines' rank-0 base namespace as JSON (what the connector logs at start); the "
+            "router names chunks exactly as the connector does"
+        ),
+        flag="--namespace",
+        metavar="JSON",
+    )
+    chunk_size: int = setting(
+        256,
+        help="the connector's `chunk_size`",
+        flag="--chunk-size",
+        metavar="TOKENS",
+    )
+    hash_algorithm: str = setting(
+        "xxh3_128",
+        help="the connector's `hash_algorithm` (`xxh3_128` or `sha256`)",
+    )
+    tokenizer: str = setting(
+        "",
+        help="Hugging Face tokenizer files of the model, for requests sent as text (optional)",
+        flag="--tokenizer",
+        metavar="PATH",
+    )
+    tenant: str = setting(
+        "",
+        help="the kvstore tenant the engines use (its part of the index)",
+        flag="--tenant",
+        metavar="NAME",
+    )
+    provisional_ttl_s: float = setting(
+        5.0,
+        help="seconds a routed prefix counts as held by its replica before the index shows it",
+    )
+    # A cap at or below the floor fixes the deadline at index_timeout_s, as before the cap
+    # existed: a config that set index_timeout_s above 1 keeps its fixed deadline.
+    index_timeout_s: float = setting(
+        0.1,
+        help=(
+            "floor of the index query's deadline, which follows measured latency (see the router "
+            "section)"
+        ),
+    )
+    index_timeout_max_s: float = setting(
+        1.0,
+        help="cap of that deadline (at or below the floor: a fixed deadline of `index_timeout_s`)",
+    )
+    index_retry_s: float = setting(
+        1.0,
+        help="how long the index is skipped once nothing has answered for longer than the cap",
+    )
+    hit_weight: float = setting(
+        2.0,
+        help=(
+            "`kv` scoring: `hit_weight` * cached tokens - (queued prefill tokens + "
+            "`request_cost_tokens` * requests in flight)"
+        ),
+    )
+    request_cost_tokens: int = setting(
+        256,
+        help="the load one request in flight adds, in tokens (see `hit_weight`)",
+    )
+    prefill: str = setting(
+        "",
+        help=(
+            "P/D mode, instead of `replicas`: the `kv_producer` engines, `URL=NODE_ID` "
+            "comma-separated"
+        ),
+        kind="list",
+        metavar="URL=NODE_ID",
+        short=(
+            "P/D mode, instead of --replica: a prefill replica (its connector's kv_role "
+            "kv_producer) and the kvstore node beside it"
+        ),
+        flag="--prefill",
+    )
+    decode: str = setting(
+        "",
+        help="P/D mode: the `kv_consumer` engines",
+        kind="list",
+        metavar="URL=NODE_ID",
+        short=(
+            "P/D mode: a decode replica (its connector's kv_role kv_consumer) and the kvstore node"
+            " beside it"
+        ),
+        flag="--decode",
+    )
+    prefill_timeout_s: float = setting(
+        60.0,
+        help="how long a prefill may take before the decode replica computes the prompt itself",
+    )
+    policy: str = setting(
+        "kv",
+        help="`kv` (cached prefix against load), `round_robin` or `least_loaded` (baselines)",
+        flag="--policy",
+        kind="choice",
+        choices=_POLICIES,
+    )
+    max_body_bytes: int = setting(
+        16 * 1024**2,
+        help=(
+            "the largest request body read (a size from `1KiB` to `1GiB`); past it, 413 before a "
+            "byte is read"
+        ),
+        kind="size",
+        flag="--max-body-bytes",
+    )
 
     def __post_init__(self) -> None:
         if self.policy not in _POLICIES:

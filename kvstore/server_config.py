@@ -1,6 +1,8 @@
-"""The settings of the ``kvstore serve`` process itself (``[server]``): endpoints, request
-limits, the shared-memory and UCX data planes, and security. A plain frozen dataclass that checks
-its own values; :mod:`kvstore.config` loads it."""
+"""The settings of the ``kvstore serve`` process itself (``[server]``): its gRPC endpoint, its
+metrics endpoint, request limits, threads and timeouts. The shared-memory and UCX data planes
+(``[shm]``, ``[ucx]``, :mod:`kvstore.data_plane_config`) and security (``[auth]``,
+:mod:`kvstore.auth_config`) have sections of their own. A plain frozen dataclass that checks its
+own values; :mod:`kvstore.config` loads it."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import re
 from dataclasses import dataclass
 
 from kvstore.errors import ConfigError
+from kvstore.setting_meta import setting
 from kvstore.store_config import require_positive
 
 __all__ = ["ServerConfig"]
@@ -15,61 +18,92 @@ __all__ = ["ServerConfig"]
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """The gRPC endpoint, request limits, ``workers`` threads for blocking disk I/O, and the
-    shared-memory socket (``shm_socket``: a path, ``auto`` for one in the temp directory named
-    after the process, or empty to turn the shared-memory data plane off) with its permission bits
-    (``shm_socket_mode``, octal: a client must be able to write the socket to connect) and its
-    bounds (connections in all and per peer uid, arena bytes one connection may hold leased or
-    reserved, 0 meaning a quarter of ``dram.capacity``, seconds a frame may take to arrive), and the
-    UCX listener for remote bulk transfers (``ucx_listen``: HOST:PORT, port 0 picks one; empty is
-    off). ``inflight_bytes`` bounds the payload bytes all calls together hold at once (Put streams
-    as they arrive, Get windows as they are read; :func:`load_config` defaults it to
+    """The gRPC endpoint (``listen``), the Prometheus endpoint (``metrics_listen``), request
+    limits, ``workers`` threads for blocking disk I/O and the shutdown grace.
+    ``inflight_bytes`` bounds the payload bytes all calls together hold at once (Put streams as
+    they arrive, Get windows as they are read; :func:`load_config` defaults it to
     :func:`default_inflight_bytes` of ``dram.capacity``); ``prefetch_queue_keys`` bounds the keys
-    of prefetches not yet finished, across all clients.
+    of prefetches not yet finished, across all clients."""
 
-    Security (:mod:`kvstore.server.auth`): ``tls_cert``/``tls_key`` (PEM files) serve gRPC over
-    TLS; ``tls_client_ca`` (PEM) then requires a client certificate signed by it;
-    ``tokens_file`` names a file of ``NAME SHA256HEX`` lines (bearer tokens, stored hashed) that
-    every call must match; ``allow_unauthenticated`` lets a server without either listen beyond
-    loopback (``listen`` or any ``ucx_listen``). ``operators``: comma-separated identities (token
-    names or certificate CNs) whose ``/metrics`` scrapes show every tenant's series; any other
-    caller of a server with tenants sees its own tenant's only."""
-
-    listen: str = "127.0.0.1:50051"
-    max_block_bytes: int = 64 * 1024**2
-    max_keys_per_request: int = 8192
-    shutdown_grace_s: float = 5.0
-    workers: int = 4
-    shm_socket: str = "auto"
-    shm_socket_mode: int = 0o660
-    shm_max_connections: int = 256
-    shm_max_connections_per_uid: int = 64
-    shm_session_bytes: int = 0
-    shm_frame_timeout_s: float = 10.0
-    ucx_listen: str = ""
-    #: Prometheus ``/metrics`` endpoint (HOST:PORT, port 0 picks one; empty is off).
-    metrics_listen: str = "127.0.0.1:9464"
-    ucx_transfer_timeout_s: float = 30.0
-    put_stream_timeout_s: float = 60.0
-    inflight_bytes: int = 256 * 1024**2
-    prefetch_queue_keys: int = 65536
-    tls_cert: str = ""
-    tls_key: str = ""
-    tls_client_ca: str = ""
-    tokens_file: str = ""
-    allow_unauthenticated: bool = False
-    operators: str = ""
-
-    @property
-    def operator_identities(self) -> frozenset[str]:
-        """The identities of ``operators``."""
-        return frozenset(part.strip() for part in self.operators.split(",") if part.strip())
+    listen: str = setting(
+        "127.0.0.1:50051",
+        help="gRPC address (`:0` picks a free port)",
+        flag="--listen",
+        metavar="HOST:PORT",
+    )
+    max_block_bytes: int = setting(
+        64 * 1024**2,
+        help="largest accepted block",
+        kind="size",
+        flag="--max-block-bytes",
+    )
+    max_keys_per_request: int = setting(
+        8192,
+        help="keys per Lookup/Put/Get/Delete",
+    )
+    shutdown_grace_s: float = setting(
+        5.0,
+        help="seconds in-flight calls get on SIGTERM",
+    )
+    workers: int = setting(
+        4,
+        help="threads doing blocking disk I/O (LMDB)",
+    )
+    metrics_listen: str = setting(
+        "127.0.0.1:9464",
+        help=(
+            "`HOST:PORT` of the Prometheus endpoint `/metrics` (`:0` picks a port, printed as "
+            "`kvstore metrics on URL`); `''` turns it off. Left unset, the default gives way to a "
+            "free port (with a warning line) when another process holds 9464; a value that was set"
+            " is used as given. Same rules as the gRPC port: with `auth.tokens_file` a scrape "
+            "needs `Authorization: Bearer <token>`, with TLS it is HTTPS with the same "
+            "certificate, and beyond loopback it needs authentication or "
+            "`auth.allow_unauthenticated`. With `[tenants]` a tenant's credentials scrape that "
+            "tenant's series only (and `kvstore_build_info`); `auth.operators` scrape all. Names: "
+            '`kvstore_tier_*` (`kvstore_tier_corrupt_blocks_total{tier="peer"}`: blocks other '
+            "nodes sent that failed verification), `kvstore_peer_untrusted_total{reason}` (nodes "
+            "not asked: `unverified_node`, `unproven`), `kvstore_misses_total{reason}`, "
+            "`kvstore_shared_*`, `kvstore_prefetch_*`, `kvstore_shm_*`, "
+            "`kvstore_request_duration_seconds{op,plane}`, `kvstore_lookups_total{plane}` (lookup "
+            "calls by data plane), all with a `tenant` label; and `kvstore_build_info{version}`"
+        ),
+        flag="--metrics-listen",
+        metavar="HOST:PORT",
+        short=(
+            "Prometheus /metrics endpoint, port 0 picks one, '' turns it off; the default one "
+            "gives way to a free port when another server holds it"
+        ),
+    )
+    put_stream_timeout_s: float = setting(
+        60.0,
+        help=(
+            "longest one gRPC `Put` stream may take from its first message to its last; past it "
+            "the call ends with `DEADLINE_EXCEEDED`, nothing of it is stored and its charge to "
+            "`server.inflight_bytes` is given back (a client stalling mid-stream cannot hold the "
+            "budget)"
+        ),
+    )
+    inflight_bytes: int = setting(
+        256 * 1024**2,
+        help=(
+            "payload bytes all gRPC calls together hold at once: Put streams are charged block by "
+            "block as they arrive (past it: `RESOURCE_EXHAUSTED`, nothing stored; one Put stream "
+            "may not exceed it; the client sends a put of more than 32 MiB as several streams), "
+            "Get reads are charged a 16 MiB window at a time (a Get waits for room)"
+        ),
+        kind="size",
+        default_doc="¼ of `dram.capacity`, ≥ `64MiB`",
+    )
+    prefetch_queue_keys: int = setting(
+        65536,
+        help=(
+            "keys of prefetches not yet finished, across all clients of a tenant (each tenant has "
+            "its own queue); past it `Prefetch` answers `RESOURCE_EXHAUSTED`. Finished prefetches "
+            "keep counts only, the last 1024 of them (older ids: `NOT_FOUND`)"
+        ),
+    )
 
     def __post_init__(self) -> None:
-        if bool(self.tls_cert) != bool(self.tls_key):
-            raise ConfigError("server.tls_cert and server.tls_key go together: set both or neither")
-        if self.tls_client_ca and not self.tls_cert:
-            raise ConfigError("server.tls_client_ca needs server.tls_cert and server.tls_key (TLS)")
         host, sep, port = self.listen.rpartition(":")
         if not sep or not host or not re.fullmatch(r"[0-9]{1,5}", port) or int(port) > 65535:
             raise ConfigError(
@@ -95,20 +129,3 @@ class ServerConfig:
             )
         if self.shutdown_grace_s < 0:
             raise ConfigError(f"server.shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
-        require_positive("server.shm_max_connections", self.shm_max_connections)
-        require_positive("server.shm_max_connections_per_uid", self.shm_max_connections_per_uid)
-        if self.shm_session_bytes < 0:
-            raise ConfigError(
-                "server.shm_session_bytes must be >= 0 (0 = a quarter of dram.capacity), "
-                f"got {self.shm_session_bytes}"
-            )
-        if not self.shm_frame_timeout_s > 0:
-            raise ConfigError(
-                f"server.shm_frame_timeout_s must be > 0, got {self.shm_frame_timeout_s}"
-            )
-        if not 0 <= self.shm_socket_mode <= 0o777:
-            # Shown in octal: a decimal 660 in TOML (not 0o660) lands here as 0o1224.
-            raise ConfigError(
-                "server.shm_socket_mode must be permission bits from 0o000 to 0o777 "
-                f'(0o660 in TOML, "0660" elsewhere), got {oct(self.shm_socket_mode)}'
-            )

@@ -5,11 +5,12 @@ loads them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvstore.errors import ConfigError
 from kvstore.policy import EVICTIONS, NVME_ADMISSIONS, SHARED_WRITES
 from kvstore.retention import DEFAULT_MAX_RETENTION_S
+from kvstore.setting_meta import setting
 from kvstore.sizes import format_size
 
 __all__ = [
@@ -35,12 +36,31 @@ class HbmConfig:
     """The accelerator-memory tier. ``capacity`` 0 (the default) disables it; it is built only
     where ``device`` exists (a CUDA device for ``cuda``)."""
 
-    capacity: int = 0
-    page_size: int = 1024**2
-    device: str = "cuda"
-    #: Reads (since it was stored) before a block is promoted into the pool: a small pool then
-    #: holds what engines reuse instead of churning on blocks read once (:mod:`kvstore.policy`).
-    promote_after_reads: int = 2
+    capacity: int = setting(
+        0,
+        help=(
+            "accelerator-memory pool for hot blocks; `0` disables it; built only where the device "
+            "exists"
+        ),
+        kind="size",
+    )
+    page_size: int = setting(
+        1 * 1024**2,
+        help="pool page",
+        kind="size",
+    )
+    device: str = setting(
+        "cuda",
+        help="torch device of the pool",
+    )
+    promote_after_reads: int = setting(
+        2,
+        help=(
+            "reads of a block (since it was stored) before it is promoted into `hbm`; below that a"
+            " read promotes it only into `dram`, so a small pool does not churn on blocks read "
+            "once; ≥ 1"
+        ),
+    )
 
     def __post_init__(self) -> None:
         if self.capacity < 0:
@@ -63,11 +83,47 @@ class DramConfig:
     ``prefault`` makes every arena page resident at start, as page-locking does, so that a
     block's first write into a page costs no page fault."""
 
-    capacity: int
-    page_size: int = 64 * 1024
-    force_cuda_check: bool = False
-    verify_reads: bool = False
-    prefault: bool = False
+    capacity: int = setting(
+        help="host arena size; `0` disables the tier",
+        kind="size",
+        flag="--dram-capacity",
+        default_doc="¼ of available memory, ≤ 16 GiB",
+        metavar="SIZE",
+    )
+    page_size: int = setting(
+        64 * 1024,
+        help="arena page (multiple of 4 KiB)",
+        kind="size",
+        flag="--dram-page-size",
+    )
+    force_cuda_check: bool = setting(
+        False,
+        help=(
+            "also ask torch for a CUDA device when `/dev/nvidiactl` is missing, to page-lock the "
+            "arena (the older `KVSTORE_FORCE_CUDA_CHECK` is still read)"
+        ),
+    )
+    verify_reads: bool = setting(
+        False,
+        help=(
+            "check each block against the xxh3-64 checksum the server recorded at put (held in the"
+            " server's memory, out of clients' reach) before the server serves it from DRAM (gRPC "
+            "gets and shm leases; a failing block is dropped, counted in dram `corrupt_blocks`, a "
+            "miss). A client's direct reads through the published index bypass the server and "
+            "cannot be verified; nor can a lease stop a process that maps the arena from rewriting"
+            " pages after the check, which is why a tenant's arena is mapped only where "
+            "`tenants.NAME.shm` says its engines trust each other (see Tenants). Costs about "
+            "0.1-0.15 ms per MiB read (`benchmarks/results/integrity.md`)"
+        ),
+    )
+    prefault: bool = setting(
+        False,
+        help=(
+            "make every arena page resident at start (as page-locking for CUDA does), so the first"
+            " write of a block into a page (a put, a promotion, a peer block received in place) "
+            "costs no page fault; the whole `dram.capacity` is then in memory from the start"
+        ),
+    )
 
     def __post_init__(self) -> None:
         if self.capacity < 0:
@@ -88,8 +144,21 @@ class NvmeConfig:
     """The LMDB tier. ``path`` empty disables the tier (:func:`load_config` defaults it to
     ``nvme`` under :func:`default_data_dir`)."""
 
-    path: str
-    capacity: int = 8 * 1024**3
+    path: str = setting(
+        help="LMDB directory; `''` disables the tier",
+        default_doc="`$XDG_DATA_HOME/kvstore/nvme`, else `~/.local/share/kvstore/nvme`",
+        flag="--nvme-path",
+        metavar="DIR",
+    )
+    capacity: int = setting(
+        8 * 1024**3,
+        help=(
+            "LMDB map size: 80% holds blocks, 20% (at least 256 KiB) stays free for LMDB's own "
+            "pages"
+        ),
+        kind="size",
+        flag="--nvme-capacity",
+    )
 
     def __post_init__(self) -> None:
         if self.path and self.capacity < 1024**2:
@@ -100,13 +169,47 @@ class NvmeConfig:
 class RedisConfig:
     """The shared ``redis`` tier. ``url`` empty disables it (``redis://``, ``redis+cluster://``)."""
 
-    url: str = ""
-    ttl_s: float = 3600.0
-    op_timeout_s: float = 0.5
-    key_prefix: str = "kvstore:v1:"
-    #: Write-throughs Redis refused (down, failover) kept to send again: bytes and blocks.
-    resend_queue_bytes: int = 256 * 1024**2
-    resend_queue_blocks: int = 16384
+    url: str = setting(
+        "",
+        help=(
+            "shared tier: `redis://HOST:PORT/DB`, `rediss://`, `unix://` or "
+            "`redis+cluster://HOST:PORT`; `''` disables it"
+        ),
+        flag="--redis-url",
+        metavar="URL",
+        short=(
+            "shared redis tier, redis://HOST:PORT/DB or redis+cluster://HOST:PORT, '' turns it off"
+        ),
+    )
+    ttl_s: float = setting(
+        3600.0,
+        help="seconds a block lives in Redis",
+        flag="--redis-ttl",
+        metavar="SECONDS",
+    )
+    op_timeout_s: float = setting(
+        0.5,
+        help=(
+            "longest any request waits on Redis; past it the tier (with Redis Cluster: the master "
+            "that did not answer) is marked down"
+        ),
+    )
+    key_prefix: str = setting(
+        "kvstore:v1:",
+        help="prefix of every Redis key",
+    )
+    resend_queue_bytes: int = setting(
+        256 * 1024**2,
+        help=(
+            "payload bytes of refused write-throughs kept to send again when Redis answers; past "
+            "it a copy is not shared (counted)"
+        ),
+        kind="size",
+    )
+    resend_queue_blocks: int = setting(
+        16384,
+        help="the same bound in blocks; `0` for either keeps nothing",
+    )
 
     def __post_init__(self) -> None:
         if self.ttl_s <= 0:
@@ -121,6 +224,10 @@ class RedisConfig:
                 )
 
 
+#: ``integrity.mac`` values, and the block header version each signs.
+INTEGRITY_MACS = {"blake3": 3, "hmac-sha256": 2}
+
+
 @dataclass(frozen=True)
 class IntegrityConfig:
     """The secrets block MACs are keyed with (:mod:`kvstore.block`). ``secrets``: comma-separated,
@@ -131,9 +238,37 @@ class IntegrityConfig:
     (header version 3) or ``hmac-sha256`` (version 2, what earlier versions wrote and read);
     either is verified."""
 
-    secrets: str = field(default="", repr=False)
-    secret_file: str = ""
-    mac: str = "blake3"
+    secrets: str = setting(
+        "",
+        secret=True,
+        help=(
+            "comma-separated secrets that key block MACs: the first signs new blocks, all verify "
+            "(rotation). Every node sharing a Redis needs the same ones: a node that shares none "
+            "with the nodes already on its Redis says so at start and runs without the shared tier"
+            " (see [How data flows](#how-data-flows))"
+        ),
+    )
+    secret_file: str = setting(
+        "",
+        help=(
+            "used when `integrity.secrets` is empty: a file of one secret per line (first signs), "
+            "must exist and be mode 0600 or stricter. Both empty: `integrity.key` in the nvme "
+            "directory, generated on first start; no nvme: a random secret per process (a warning "
+            "when Redis is on)"
+        ),
+    )
+    mac: str = setting(
+        "blake3",
+        help=(
+            "what new blocks (to NVMe, Redis and peers) are signed with: `blake3` (keyed BLAKE3, "
+            "header version 3) or `hmac-sha256` (header version 2, what versions before it wrote);"
+            " both are always verified. Versions before it refuse version-3 blocks (a miss, and "
+            "they delete them from Redis): while such nodes share the Redis or read from this "
+            "node, set `hmac-sha256` on every node, then `blake3` once all are upgraded"
+        ),
+        kind="choice",
+        choices=tuple(INTEGRITY_MACS),
+    )
 
     def __post_init__(self) -> None:
         if self.secrets and not all(part.strip() for part in self.secrets.split(",")):
@@ -143,20 +278,48 @@ class IntegrityConfig:
             raise ConfigError(f"integrity.mac must be one of {allowed}, got {self.mac!r}")
 
 
-#: ``integrity.mac`` values, and the block header version each signs.
-INTEGRITY_MACS = {"blake3": 3, "hmac-sha256": 2}
-
-
 @dataclass(frozen=True)
 class PolicyConfig:
     """Write and admission rules (see :mod:`kvstore.policy`): ``shared_write`` is ``through``
     or ``back``, ``nvme_admission`` is ``all`` or ``hit``; ``max_retention_s`` is the longest
     retention a put may ask for (:mod:`kvstore.retention`; a tenant's own replaces it)."""
 
-    shared_write: str = "through"
-    nvme_admission: str = "all"
-    eviction: str = "lru"
-    max_retention_s: float = DEFAULT_MAX_RETENTION_S
+    shared_write: str = setting(
+        "through",
+        help=(
+            "`through`: new blocks go to Redis at once (in the background); `back`: only when they"
+            " leave this node"
+        ),
+        kind="choice",
+        choices=SHARED_WRITES,
+    )
+    nvme_admission: str = setting(
+        "all",
+        help=(
+            "`all`: every block evicted from dram is demoted to nvme; `hit`: only blocks read at "
+            "least once"
+        ),
+        kind="choice",
+        choices=NVME_ADMISSIONS,
+    )
+    eviction: str = setting(
+        "lru",
+        help=(
+            "which block leaves a full tier first: `lru` (least recently used), `fifo` (stored "
+            "first), `lfu-aging` (read least often, with ageing so once-popular blocks leave too);"
+            " hit rates on a shared-prefix trace in `BENCHMARKS.md`"
+        ),
+        kind="choice",
+        choices=EVICTIONS,
+    )
+    max_retention_s: float = setting(
+        DEFAULT_MAX_RETENTION_S,
+        help=(
+            "the longest retention a put may ask for, in seconds ([Prompt "
+            "caching](#prompt-caching-retention-per-request)); a tenant's `max_retention_s` "
+            "replaces it for that tenant"
+        ),
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.max_retention_s < float("inf"):

@@ -21,7 +21,7 @@ _TENANT_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
 class TenantConfig:
     """One tenant (``[tenants.NAME]`` in the config file; there are no environment variables for
     tenants). ``identities``: the gRPC callers that act as this tenant, token names from
-    ``server.tokens_file`` or client-certificate identities (CN, else SAN); ``uids`` and
+    ``auth.tokens_file`` or client-certificate identities (CN, else SAN); ``uids`` and
     ``gids``: the local users and primary groups whose processes may connect to this tenant's
     shared-memory socket (both empty: whoever the socket's mode admits and learnt its path from an
     authenticated call). ``dram``, ``nvme`` and
@@ -55,7 +55,7 @@ class TenantConfig:
         if not self.identities:
             raise ConfigError(
                 f"{where}.identities must name at least one caller (a token name from "
-                "server.tokens_file or a client certificate's CN)"
+                "auth.tokens_file or a client certificate's CN)"
             )
         if not (self.dram or self.nvme):
             raise ConfigError(f"{where}: give dram or nvme a size (both are 0)")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up everything from a fresh clone and run the whole test suite: the one test command.
 #
-#   bash scripts/test.sh            # lint, type-check, stale-proto check, tests
+#   bash scripts/test.sh            # lint, type-check, stale generated code check, tests
 #   KVSTORE_SKIP_VLLM=1 bash scripts/test.sh   # leave out the real-vLLM suite
 #   KVSTORE_SKIP_SLOW=1 bash scripts/test.sh   # leave out the slow suite (long fuzz runs)
 #   KVSTORE_TEST_DRY_RUN=1 bash scripts/test.sh   # list the suites and their commands, run nothing
@@ -53,6 +53,11 @@ if [ "${KVSTORE_TEST_DRY_RUN:-0}" != "1" ]; then
 fi
 PY=.venv/bin/python
 
+# What is generated and committed: the protobuf modules and the README's settings table.
+generated_code() {
+    $PY scripts/gen_proto.py --check && $PY scripts/gen_settings_table.py --check
+}
+
 vllm_suite() {
     bash scripts/setup-vllm.sh &&
         KVSTORE_REQUIRE_VLLM=1 .venv-vllm/bin/python -m pytest tests/vllm -q -p no:cacheprovider
@@ -62,7 +67,7 @@ vllm_suite() {
 suite ruff .venv/bin/ruff check kvstore kernels tests benchmarks scripts
 suite ruff-format .venv/bin/ruff format --check kvstore kernels tests benchmarks scripts
 suite mypy .venv/bin/mypy kvstore kernels
-suite generated-code $PY scripts/gen_proto.py --check
+suite generated-code generated_code
 suite pytest $PY -m pytest -m "not vllm and not slow" -q -p no:cacheprovider --ignore=tests/vllm
 if [ "${KVSTORE_SKIP_SLOW:-0}" = "1" ]; then
     skip slow "KVSTORE_SKIP_SLOW=1: the longer fuzz runs left out"

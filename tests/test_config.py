@@ -22,6 +22,7 @@ from kvstore.config import (
     DramConfig,
     NvmeConfig,
     ServerConfig,
+    ShmConfig,
     default_inflight_bytes,
     format_size,
     load_config,
@@ -396,7 +397,10 @@ def test_malformed_toml_is_config_error(tmp_path: Path) -> None:
 def test_unknown_section_is_config_error(tmp_path: Path, text: str) -> None:
     with pytest.raises(ConfigError, match="unknown config section") as info:
         load_config(write_toml(tmp_path, text), env={})
-    known = "['cluster', 'dram', 'hbm', 'integrity', 'nvme', 'policy', 'redis', 'router', 'server']"
+    known = (
+        "['auth', 'cluster', 'dram', 'hbm', 'integrity', 'nvme', 'policy', 'redis', 'router', "
+        "'server', 'shm', 'ucx']"
+    )
     assert known in str(info.value)
 
 
@@ -434,7 +438,7 @@ def test_redis_section_defaults_to_disabled_and_reads_file_env_and_flags(tmp_pat
 
 
 def test_shm_socket_mode_defaults_to_owner_and_group() -> None:
-    assert load_config(env={}).server.shm_socket_mode == 0o660
+    assert load_config(env={}).shm.socket_mode == 0o660
 
 
 @pytest.mark.parametrize(
@@ -442,47 +446,48 @@ def test_shm_socket_mode_defaults_to_owner_and_group() -> None:
     [("0660", 0o660), ("660", 0o660), ("0o600", 0o600), ("0666", 0o666), (" 640 ", 0o640)],
 )
 def test_shm_socket_mode_strings_are_octal(text: str, mode: int) -> None:
-    assert load_config(env={"KVSTORE_SERVER_SHM_SOCKET_MODE": text}).server.shm_socket_mode == mode
-    overrides = {"server.shm_socket_mode": text}
-    assert load_config(env={}, overrides=overrides).server.shm_socket_mode == mode
+    assert load_config(env={"KVSTORE_SHM_SOCKET_MODE": text}).shm.socket_mode == mode
+    overrides = {"shm.socket_mode": text}
+    assert load_config(env={}, overrides=overrides).shm.socket_mode == mode
 
 
 @pytest.mark.parametrize(
     ("toml", "mode"), [("0o640", 0o640), ('"0640"', 0o640), ('"600"', 0o600), ("416", 0o640)]
 )
 def test_shm_socket_mode_in_toml(tmp_path: Path, toml: str, mode: int) -> None:
-    path = write_toml(tmp_path, f"[server]\nshm_socket_mode = {toml}\n")
-    assert load_config(path, env={}).server.shm_socket_mode == mode
+    path = write_toml(tmp_path, f"[shm]\nsocket_mode = {toml}\n")
+    assert load_config(path, env={}).shm.socket_mode == mode
 
 
 def test_shm_socket_mode_flag_reaches_the_setting() -> None:
-    from kvstore.cli import _SERVE_FLAGS, _parser
+    from kvstore.cli import _parser
+    from kvstore.cli.flags import flag_overrides
 
-    assert set(_SERVE_FLAGS.values()) <= set(config_module.setting_names())
     args = _parser().parse_args(["serve", "--shm-socket-mode", "0600"])
-    overrides = {setting: getattr(args, flag) for flag, setting in _SERVE_FLAGS.items()}
-    assert load_config(env={}, overrides=overrides).server.shm_socket_mode == 0o600
+    overrides = flag_overrides(args, args.setting_flags)
+    assert overrides == {"shm.socket_mode": "0600"}
+    assert load_config(env={}, overrides=overrides).shm.socket_mode == 0o600
 
 
 @pytest.mark.parametrize("text", ["rw-rw----", "0888", "0x1b4", "", "6 6 0"])
 def test_shm_socket_mode_that_is_not_octal_is_config_error(text: str) -> None:
-    with pytest.raises(ConfigError, match=r"server\.shm_socket_mode"):
-        load_config(env={"KVSTORE_SERVER_SHM_SOCKET_MODE": text})
+    with pytest.raises(ConfigError, match=r"shm\.socket_mode"):
+        load_config(env={"KVSTORE_SHM_SOCKET_MODE": text})
 
 
 @pytest.mark.parametrize("mode", [-1, 0o1000, 0o4755, 660])
 def test_shm_socket_mode_must_be_permission_bits(mode: int) -> None:
-    with pytest.raises(ConfigError, match=r"server\.shm_socket_mode must be permission bits"):
-        ServerConfig(shm_socket_mode=mode)
+    with pytest.raises(ConfigError, match=r"shm\.socket_mode must be permission bits"):
+        ShmConfig(socket_mode=mode)
 
 
 def test_decimal_shm_socket_mode_in_toml_is_refused_in_octal(tmp_path: Path) -> None:
     # TOML's 660 is decimal (0o1224): the error shows it in octal so the slip is visible.
-    path = write_toml(tmp_path, "[server]\nshm_socket_mode = 660\n")
+    path = write_toml(tmp_path, "[shm]\nsocket_mode = 660\n")
     with pytest.raises(ConfigError, match="got 0o1224"):
         load_config(path, env={})
-    assert ServerConfig(shm_socket_mode=0).shm_socket_mode == 0
-    assert ServerConfig(shm_socket_mode=0o777).shm_socket_mode == 0o777
+    assert ShmConfig(socket_mode=0).socket_mode == 0
+    assert ShmConfig(socket_mode=0o777).socket_mode == 0o777
 
 
 # --- invalid values -------------------------------------------------------------------------------
@@ -588,8 +593,8 @@ def test_config_is_frozen() -> None:
 
 def test_a_boolean_shm_socket_mode_in_toml_is_refused(tmp_path: Path) -> None:
     """TOML's ``true`` is an int to Python: it must not become mode 0o001."""
-    path = write_toml(tmp_path, "[server]\nshm_socket_mode = true\n")
-    with pytest.raises(ConfigError, match=r"server\.shm_socket_mode"):
+    path = write_toml(tmp_path, "[shm]\nsocket_mode = true\n")
+    with pytest.raises(ConfigError, match=r"shm\.socket_mode"):
         load_config(path, env={})
 
 
@@ -623,7 +628,7 @@ def test_memory_bounds_must_be_positive(setting: str) -> None:
                 "KVSTORE_CLUSTER_ENABLED": "1",
                 "KVSTORE_REDIS_URL": "redis://h:1/0",
                 "KVSTORE_SERVER_LISTEN": "0.0.0.0:50051",
-                "KVSTORE_SERVER_ALLOW_UNAUTHENTICATED": "1",
+                "KVSTORE_AUTH_ALLOW_UNAUTHENTICATED": "1",
             },
             "set cluster.advertise",
         ),

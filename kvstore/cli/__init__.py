@@ -3,19 +3,14 @@
 ::
 
     kvstore --version
-    kvstore serve [--config FILE] [--listen HOST:PORT] [--dram-capacity SIZE] [--nvme-path DIR]
-                  [--nvme-capacity SIZE] [--max-block-bytes SIZE] [--redis-url URL]
-                  [--redis-ttl SECONDS] [--shm-socket PATH] [--shm-socket-mode MODE]
-                  [--ucx-listen HOST:PORT] [--metrics-listen HOST:PORT]
-                  [--tls-cert FILE --tls-key FILE] [--tls-client-ca FILE] [--tokens-file FILE]
-                  [--allow-unauthenticated]
-                  [--log-level LEVEL]
+    kvstore serve [--config FILE] [--log-level LEVEL] [SETTING FLAGS ...]
     kvstore stats [--target HOST:PORT] [--json | --watch [SECONDS]] [--token TOKEN] [--tls-ca FILE]
     kvstore demo  [--target HOST:PORT] [--wait SECONDS] [--token TOKEN] [--tls-ca FILE]
-    kvstore router [--config FILE] [--listen HOST:PORT] [--replica URL=NODE_ID ...]
-                   [--namespace JSON] [--chunk-size TOKENS] [--tokenizer PATH] [--index-url URL]
+    kvstore router [--config FILE] [--log-level LEVEL] [--index-url URL] [SETTING FLAGS ...]
 
-``--token`` and ``--tls-ca`` default to ``$KVSTORE_TOKEN`` and ``$KVSTORE_TLS_CA``.
+``--token`` and ``--tls-ca`` default to ``$KVSTORE_TOKEN`` and ``$KVSTORE_TLS_CA``. The setting
+flags of ``serve`` and ``router`` come from the settings' metadata (:mod:`kvstore.cli.flags`),
+grouped by config section in ``--help``.
 
 Flags override ``KVSTORE_*`` environment variables, which override the config file; see
 :mod:`kvstore.config` for every setting. Errors are one line on stderr (exit 2), never a
@@ -41,49 +36,38 @@ from typing import Any, NoReturn
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvstore.cli.flags import add_setting_flags, flag_overrides
 from kvstore.cli.router import add_router_parser, run_router_command
 from kvstore.cli.stats import format_stats, watch
 from kvstore.cli.targets import DEFAULT_PORT, DEFAULT_TARGET, nothing_answers, parse_target
 from kvstore.client import KVStoreClient
 from kvstore.client.channel import ChannelSecurity, blocking_channel
 from kvstore.client.settings import ClientSettings
-from kvstore.config import (
-    SIZE_HINT,
-    Config,
-    env_var,
-    format_size,
-    load_config,
-    unknown_env_vars,
-)
+from kvstore.config import SIZE_HINT, Config, env_var, load_config, unknown_env_vars
 from kvstore.errors import ConfigError, KVStoreError, StoreUnavailableError
 from kvstore.keys import ChunkHasher, Namespace
 
-__all__ = ["main", "version_line", "wait_until_serving"]
+__all__ = ["SERVE_SECTIONS", "main", "version_line", "wait_until_serving"]
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 # Exit status of a process whose reader went away (128 + SIGPIPE), as shell tools end.
 EXIT_BROKEN_PIPE = 141
 
-# flag name -> dotted setting name
-_SERVE_FLAGS = {
-    "listen": "server.listen",
-    "dram_capacity": "dram.capacity",
-    "dram_page_size": "dram.page_size",
-    "nvme_path": "nvme.path",
-    "nvme_capacity": "nvme.capacity",
-    "max_block_bytes": "server.max_block_bytes",
-    "redis_url": "redis.url",
-    "redis_ttl": "redis.ttl_s",
-    "shm_socket": "server.shm_socket",
-    "shm_socket_mode": "server.shm_socket_mode",
-    "ucx_listen": "server.ucx_listen",
-    "metrics_listen": "server.metrics_listen",
-    "tls_cert": "server.tls_cert",
-    "tls_key": "server.tls_key",
-    "tls_client_ca": "server.tls_client_ca",
-    "tokens_file": "server.tokens_file",
-    "allow_unauthenticated": "server.allow_unauthenticated",
-}
+#: The config sections whose settings' flags ``kvstore serve`` takes (``router.*`` are
+#: ``kvstore router``'s).
+SERVE_SECTIONS = (
+    "server",
+    "shm",
+    "ucx",
+    "auth",
+    "hbm",
+    "dram",
+    "nvme",
+    "redis",
+    "integrity",
+    "policy",
+    "cluster",
+)
 
 
 def version_line() -> str:
@@ -126,16 +110,6 @@ def _parser() -> argparse.ArgumentParser:
 def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The ``kvstore`` parser and, by command, the parser of each command."""
     defaults = _builtin_defaults()
-
-    def default(text: str) -> str:
-        return f" (default: {text})" if defaults is not None else ""
-
-    def size(value: int) -> str:
-        for unit, name in ((1024**4, "TiB"), (1024**3, "GiB"), (1024**2, "MiB"), (1024, "KiB")):
-            if value and value % unit == 0:
-                return f"{value // unit}{name}"
-        return format_size(value).replace(" ", "")
-
     parser = _Parser(
         prog="kvstore",
         description="Tiered KV-cache store service for LLM inference engines.",
@@ -143,8 +117,6 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     )
     parser.add_argument("--version", action="version", version=version_line())
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    d = defaults
-
     serve = commands.add_parser(
         "serve",
         help="run the store server",
@@ -156,93 +128,6 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
         "--config", metavar="FILE", help="TOML config file (also KVSTORE_CONFIG; default: none)"
     )
     serve.add_argument(
-        "--listen",
-        metavar="HOST:PORT",
-        help="address to serve gRPC on" + default(d.server.listen if d else ""),
-    )
-    serve.add_argument(
-        "--dram-capacity",
-        metavar="SIZE",
-        help="host memory arena, 0 disables"
-        + default(
-            f"{size(d.dram.capacity)}, a quarter of available memory, at most 16GiB" if d else ""
-        ),
-    )
-    serve.add_argument(
-        "--dram-page-size",
-        metavar="SIZE",
-        help="arena page size" + default(size(d.dram.page_size) if d else ""),
-    )
-    serve.add_argument(
-        "--nvme-path",
-        metavar="DIR",
-        help="LMDB directory, '' disables the tier" + default(d.nvme.path if d else ""),
-    )
-    serve.add_argument(
-        "--nvme-capacity",
-        metavar="SIZE",
-        help="LMDB map size; 80%% of it holds blocks" + default(size(d.nvme.capacity) if d else ""),
-    )
-    serve.add_argument(
-        "--max-block-bytes",
-        metavar="SIZE",
-        help="largest accepted block" + default(size(d.server.max_block_bytes) if d else ""),
-    )
-    serve.add_argument(
-        "--redis-url",
-        metavar="URL",
-        help="shared redis tier, redis://HOST:PORT/DB or redis+cluster://HOST:PORT (default: off)",
-    )
-    serve.add_argument(
-        "--redis-ttl",
-        metavar="SECONDS",
-        help="seconds a block lives in redis" + default(f"{d.redis.ttl_s:g}" if d else ""),
-    )
-    serve.add_argument(
-        "--shm-socket",
-        metavar="PATH",
-        help="UNIX socket of the shared-memory data plane; 'auto' makes a private one under "
-        "$XDG_RUNTIME_DIR or the temp directory, '' turns it off (default: auto)",
-    )
-    serve.add_argument(
-        "--shm-socket-mode",
-        metavar="MODE",
-        help="octal permission bits of that socket (default: 0660, the server's user and group)",
-    )
-    serve.add_argument(
-        "--ucx-listen",
-        metavar="HOST:PORT",
-        help="UCX listener for remote clients, port 0 picks one (default: off)",
-    )
-    serve.add_argument(
-        "--metrics-listen",
-        metavar="HOST:PORT",
-        help="Prometheus /metrics endpoint, port 0 picks one, '' turns it off; the default one "
-        "gives way to a free port when another server holds it"
-        + default(d.server.metrics_listen if d else ""),
-    )
-    serve.add_argument(
-        "--tls-cert", metavar="FILE", help="PEM certificate: serve gRPC over TLS (with --tls-key)"
-    )
-    serve.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert")
-    serve.add_argument(
-        "--tls-client-ca",
-        metavar="FILE",
-        help="PEM CA: require client certificates signed by it (mTLS)",
-    )
-    serve.add_argument(
-        "--tokens-file",
-        metavar="FILE",
-        help="file of 'NAME SHA256HEX' lines: bearer tokens, stored hashed (default: none)",
-    )
-    serve.add_argument(
-        "--allow-unauthenticated",
-        action="store_const",
-        const=True,
-        default=None,
-        help="listen beyond loopback with neither tokens nor client certificates",
-    )
-    serve.add_argument(
         "--log-level",
         metavar="LEVEL",
         default="INFO",
@@ -250,6 +135,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
         choices=LOG_LEVELS,
         help=f"one of {', '.join(LOG_LEVELS)} (default: INFO)",
     )
+    serve.set_defaults(setting_flags=add_setting_flags(serve, SERVE_SECTIONS, defaults))
 
     stats = commands.add_parser(
         "stats",
@@ -303,7 +189,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
         help="seconds to wait for the server to answer (default: %(default)s)",
     )
     _client_flags(demo)
-    router = add_router_parser(commands)
+    router = add_router_parser(commands, defaults)
     return parser, {"serve": serve, "stats": stats, "demo": demo, "router": router}
 
 
@@ -327,8 +213,7 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    overrides = {setting: getattr(args, flag) for flag, setting in _SERVE_FLAGS.items()}
-    config = load_config(args.config, overrides=overrides)
+    config = load_config(args.config, overrides=flag_overrides(args, args.setting_flags))
     if not _metrics_listen_set(args):
         config = free_metrics_port(config)
     # Before anything opens (the arena, LMDB, the port): a misconfiguration leaves nothing behind.

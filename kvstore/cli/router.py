@@ -7,25 +7,18 @@ import asyncio
 import logging
 from typing import Any
 
-from kvstore.config import load_config
+from kvstore.cli.flags import add_setting_flags, flag_overrides
+from kvstore.config import Config, load_config
 
 __all__ = ["add_router_parser", "run_router_command"]
 
-#: flag name -> dotted setting name
-ROUTER_FLAGS = {
-    "listen": "router.listen",
-    "namespace": "router.namespace",
-    "chunk_size": "router.chunk_size",
-    "tokenizer": "router.tokenizer",
-    "tenant": "router.tenant",
-    "index_url": "cluster.url",
-    "policy": "router.policy",
-    "max_body_bytes": "router.max_body_bytes",
-}
+#: The one flag of ``kvstore router`` for a setting outside ``[router]``: where the index is.
+_INDEX_URL_SETTING = "cluster.url"
 
 
-def add_router_parser(commands: Any) -> argparse.ArgumentParser:
-    """Add ``router`` to the ``kvstore`` subcommands."""
+def add_router_parser(commands: Any, defaults: Config | None) -> argparse.ArgumentParser:
+    """Add ``router`` to the ``kvstore`` subcommands (``defaults``: the built-in config, for the
+    defaults its help shows)."""
     router: argparse.ArgumentParser = commands.add_parser(
         "router",
         help="route OpenAI requests to the vLLM replica that holds their prefix",
@@ -36,49 +29,7 @@ def add_router_parser(commands: Any) -> argparse.ArgumentParser:
     )
     router.add_argument("--config", metavar="FILE", help="TOML config file (also KVSTORE_CONFIG)")
     router.add_argument(
-        "--listen", metavar="HOST:PORT", help="HTTP address (default 127.0.0.1:8000)"
-    )
-    router.add_argument(
-        "--replica",
-        metavar="URL=NODE_ID",
-        action="append",
-        help="a vLLM server and the kvstore node beside it; repeat per replica (router.replicas)",
-    )
-    for role, engine in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
-        router.add_argument(
-            f"--{role}",
-            metavar="URL=NODE_ID",
-            action="append",
-            help=f"P/D mode, instead of --replica: a {role} replica (its connector's kv_role "
-            f"{engine}) and the kvstore node beside it; repeat per replica (router.{role})",
-        )
-    router.add_argument(
-        "--namespace",
-        metavar="JSON",
-        help="the engines' base namespace as a JSON object of kvstore.Namespace fields, as the "
-        "connector logs it (router.namespace)",
-    )
-    router.add_argument(
-        "--chunk-size", metavar="TOKENS", type=int, help="the connector's chunk_size"
-    )
-    router.add_argument(
-        "--tokenizer", metavar="PATH", help="Hugging Face tokenizer files of the model (optional)"
-    )
-    router.add_argument("--tenant", metavar="NAME", help="the kvstore tenant the engines use")
-    router.add_argument(
-        "--policy",
-        choices=("kv", "round_robin", "least_loaded"),
-        help="kv (default): where the prefix is cached, weighed against load; round_robin and "
-        "least_loaded ignore the cache (baselines) (router.policy)",
-    )
-    router.add_argument(
         "--index-url", metavar="URL", help="the cluster index's Redis (cluster.url)"
-    )
-    router.add_argument(
-        "--max-body-bytes",
-        metavar="SIZE",
-        help="the largest request body read, e.g. 64MiB (default 16MiB, at most 1GiB); a larger "
-        "one is answered 413 (router.max_body_bytes)",
     )
     router.add_argument(
         "--log-level",
@@ -88,6 +39,7 @@ def add_router_parser(commands: Any) -> argparse.ArgumentParser:
         choices=("DEBUG", "INFO", "WARNING", "ERROR"),
         help="default: INFO",
     )
+    router.set_defaults(setting_flags=add_setting_flags(router, ("router",), defaults))
     return router
 
 
@@ -98,12 +50,8 @@ def run_router_command(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    overrides: dict[str, Any] = {s: getattr(args, f) for f, s in ROUTER_FLAGS.items()}
-    if args.replica:
-        overrides["router.replicas"] = ",".join(args.replica)
-    for role in ("prefill", "decode"):
-        if getattr(args, role):
-            overrides[f"router.{role}"] = ",".join(getattr(args, role))
+    overrides = flag_overrides(args, args.setting_flags)
+    overrides[_INDEX_URL_SETTING] = args.index_url
     config = load_config(args.config, overrides=overrides)
 
     def ready(url: str) -> None:

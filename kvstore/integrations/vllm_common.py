@@ -101,7 +101,7 @@ class ConnectorSettings:
         secret: Key-derivation secret; defaults to the ``KVSTORE_HASH_SECRET`` environment
             variable (:func:`kvstore.config.hash_secret`). Every replica sharing a store must
             use the same one.
-        token: Bearer token for a server with ``server.tokens_file``; ``None`` leaves it to
+        token: Bearer token for a server with ``auth.tokens_file``; ``None`` leaves it to
             the client (``KVSTORE_TOKEN``).
         tls_ca: PEM file of the server's CA (TLS); ``None`` leaves it to the client
             (``KVSTORE_TLS_CA``).

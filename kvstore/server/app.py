@@ -153,7 +153,7 @@ async def _open_tenant(
         InflightBudget(server.inflight_bytes),
         uids,
         gids,
-        socket_setting=server.shm_socket,
+        socket_setting=config.shm.socket,
         keyring_record=record,
     )
 
@@ -240,9 +240,9 @@ async def start_server(config: Config) -> RunningServer:
     Security settings are checked first (a server that would listen beyond loopback with nobody
     authenticated, an unreadable certificate or tokens file): ConfigError before anything opens.
     """
-    check_exposure(config.server)
+    check_exposure(config)
     check_tenants(config)
-    credentials = server_credentials(config.server)
+    credentials = server_credentials(config.auth)
     gate: PeerGate | None = None
 
     async def peer_check(method: str, authenticator: str, request: Any, context: Any) -> None:
@@ -251,7 +251,7 @@ async def start_server(config: Config) -> RunningServer:
         await gate.check(method, authenticator, request, context)
 
     # Only a node of a cluster index admits peer reads (elsewhere an authenticator opens nothing).
-    auth = interceptors(config.server, peer_check if config.cluster.enabled else None)
+    auth = interceptors(config.auth, peer_check if config.cluster.enabled else None)
     tenants = await open_tenants(config)
     gate = PeerGate(tenants)
     # Clients and the Get stream pack messages up to a soft target plus one whole block; leave
@@ -295,9 +295,7 @@ async def start_server(config: Config) -> RunningServer:
         "kvstore serving on %s (%s, %s) with tiers %s%s",
         address,
         "TLS" if credentials is not None else "plaintext",
-        "authenticated"
-        if config.server.tokens_file or config.server.tls_client_ca
-        else "unauthenticated",
+        "authenticated" if config.auth.authenticates else "unauthenticated",
         [t.name for t in next(iter(tenants)).store.tiers],
         f" for {len(tenants)} tenants" if config.tenants else "",
     )
@@ -328,7 +326,9 @@ async def _start_metrics(config: Config, tenants: Tenants) -> MetricsServer | No
         if config.tenants
         else None
     )
-    metrics = MetricsServer(build_registry(tenants), config.server, owners)
+    metrics = MetricsServer(
+        build_registry(tenants), config.server.metrics_listen, config.auth, owners
+    )
     url = await metrics.start()
     logger.info("metrics on %s", url)
     return metrics
@@ -341,7 +341,7 @@ async def _start_shm(config: Config, tenant: Tenant) -> ShmServer | None:
     only this data plane off: the server announces no socket and clients use gRPC.
     """
     store = tenant.store
-    settings = config.server
+    settings = config.shm
     if not tenant.socket_setting or store.arena is None:
         if tenant.name and store.arena is not None:
             logger.info(
@@ -352,22 +352,22 @@ async def _start_shm(config: Config, tenant: Tenant) -> ShmServer | None:
             )
         return None
     limits = ShmLimits(
-        max_connections=settings.shm_max_connections,
-        max_connections_per_uid=settings.shm_max_connections_per_uid,
+        max_connections=settings.max_connections,
+        max_connections_per_uid=settings.max_connections_per_uid,
         session_bytes=_session_bytes(config, store),
-        frame_timeout_s=settings.shm_frame_timeout_s,
+        frame_timeout_s=settings.frame_timeout_s,
     )
     path = ""
     try:
         if tenant.name:
-            path = tenant_socket_path(tenant.socket_setting, tenant.name, settings.shm_socket_mode)
+            path = tenant_socket_path(tenant.socket_setting, tenant.name, settings.socket_mode)
         else:
-            path = shm_socket_path(tenant.socket_setting, settings.shm_socket_mode)
+            path = shm_socket_path(tenant.socket_setting, settings.socket_mode)
         shm = ShmServer(
             store,
             path,
             os.urandom(16),
-            mode=settings.shm_socket_mode,
+            mode=settings.socket_mode,
             limits=limits,
             allowed_uids=tenant.uids,
             allowed_gids=tenant.gids,
@@ -390,7 +390,7 @@ async def _start_shm(config: Config, tenant: Tenant) -> ShmServer | None:
             "process that mode %s lets in and that knows its path (only the path is secret); "
             "set tenants.%s.uids or tenants.%s.gids to admit the tenant's own users only",
             tenant.name,
-            oct(settings.shm_socket_mode),
+            oct(settings.socket_mode),
             tenant.name,
             tenant.name,
         )
@@ -405,7 +405,7 @@ def _session_bytes(config: Config, store: TieredStore) -> int | None:
     """
     if store.arena is None:
         return None
-    return config.server.shm_session_bytes or max(store.arena.capacity // 4, 1)
+    return config.shm.session_bytes or max(store.arena.capacity // 4, 1)
 
 
 async def run_server(
@@ -435,9 +435,9 @@ async def _start_ucx(
     """Serve bulk transfers to remote clients over UCX, if configured and ucxx is installed.
 
     Each call works on its caller's tenant's store, and one transfer holds at most what one
-    shared-memory connection may (``server.shm_session_bytes``) of that tenant's arena.
+    shared-memory connection may (``shm.session_bytes``) of that tenant's arena.
     """
-    if not config.server.ucx_listen:
+    if not config.ucx.listen:
         return None
     scopes = {
         tenant.name: UcxScope(
@@ -451,8 +451,8 @@ async def _start_ucx(
         ucx = await add_ucx_to_server(
             server,
             next(iter(tenants)).store,
-            config.server.ucx_listen,
-            transfer_timeout_s=config.server.ucx_transfer_timeout_s,
+            config.ucx.listen,
+            transfer_timeout_s=config.ucx.transfer_timeout_s,
             scopes=lambda: scopes[tenants.current().name],
         )
     except UcxTransportError as exc:

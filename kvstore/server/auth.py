@@ -1,9 +1,9 @@
 """Who may call the server: TLS, client certificates, bearer tokens, and where it may listen.
 
-* ``server.tls_cert``/``server.tls_key`` serve gRPC over TLS; ``server.tls_client_ca``
+* ``auth.tls_cert``/``auth.tls_key`` serve gRPC over TLS; ``auth.tls_client_ca``
   additionally requires every client to present a certificate signed by that CA (mTLS: the TLS
   handshake refuses the others before any call).
-* ``server.tokens_file`` names a text file of bearer tokens, stored hashed: one ``NAME SHA256HEX``
+* ``auth.tokens_file`` names a text file of bearer tokens, stored hashed: one ``NAME SHA256HEX``
   per line (``#`` starts a comment), where ``SHA256HEX`` is the hex SHA-256 of the token, e.g.
   ``printf %s "$TOKEN" | sha256sum``. Every call must then carry ``authorization: Bearer
   <token>`` metadata; :class:`AuthInterceptor` checks it on every service of the server (the
@@ -12,7 +12,7 @@
 * The caller's identity (the token's NAME, else the certificate's subject CN or SAN) is put in
   :data:`caller_identity` for the call; tenants will be mapped from it.
 * :func:`check_exposure`: a server without tokens or client certificates refuses to listen beyond
-  loopback unless ``server.allow_unauthenticated`` says so.
+  loopback unless ``auth.allow_unauthenticated`` says so.
 * Another node's peer read (``KVStore.Get``, ``UcxTransfer.UcxGet``) carrying an authenticator
   (:mod:`kvstore.node.peer_auth`) needs no bearer token: the interceptor hands it to the
   server's :data:`PeerCheck` instead, which verifies it against the request itself and serves the
@@ -38,7 +38,7 @@ from typing import Any
 
 import grpc
 
-from kvstore.config import ServerConfig
+from kvstore.config import AuthConfig, Config
 from kvstore.errors import AuthenticationError, ConfigError
 from kvstore.node.peer_auth import CALL_METADATA, MAX_METADATA_CHARS, PEER_METHODS
 from kvstore.server.placeholders import check_token_digest
@@ -93,7 +93,7 @@ def load_tokens(path: str) -> dict[bytes, str]:
     try:
         text = Path(path).read_text()
     except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"server.tokens_file: cannot read {path} ({exc})") from exc
+        raise ConfigError(f"auth.tokens_file: cannot read {path} ({exc})") from exc
     tokens: dict[bytes, str] = {}
     for number, line in enumerate(text.splitlines(), 1):
         words = line.split("#", 1)[0].split()
@@ -101,14 +101,14 @@ def load_tokens(path: str) -> dict[bytes, str]:
             continue
         if len(words) != 2 or not _NAME.fullmatch(words[0]) or not _HEX.fullmatch(words[1]):
             raise ConfigError(
-                f"server.tokens_file {path} line {number}: expected 'NAME SHA256HEX' (the hex "
+                f"auth.tokens_file {path} line {number}: expected 'NAME SHA256HEX' (the hex "
                 "SHA-256 of the token, 64 lowercase hex digits; never the token itself)"
             )
         digest = bytes.fromhex(words[1])
-        check_token_digest(digest, f"server.tokens_file {path} line {number} ({words[0]})")
+        check_token_digest(digest, f"auth.tokens_file {path} line {number} ({words[0]})")
         tokens[digest] = words[0]
     if not tokens:
-        raise ConfigError(f"server.tokens_file {path} holds no token: every call would be refused")
+        raise ConfigError(f"auth.tokens_file {path} holds no token: every call would be refused")
     return tokens
 
 
@@ -123,20 +123,21 @@ def is_loopback(address: str) -> bool:
         return False
 
 
-def check_exposure(server: ServerConfig) -> None:
+def check_exposure(config: Config) -> None:
     """Refuse (ConfigError, one line) to listen beyond loopback with nobody authenticated: the
     gRPC port, the UCX listener and the metrics endpoint alike."""
-    if server.tokens_file and not server.tls_cert and not is_loopback(server.listen):
+    server, auth = config.server, config.auth
+    if auth.tokens_file and not auth.tls_cert and not is_loopback(server.listen):
         logger.warning(
-            "server.tokens_file without server.tls_cert on %s: bearer tokens cross the network "
+            "auth.tokens_file without auth.tls_cert on %s: bearer tokens cross the network "
             "in clear; configure TLS",
             server.listen,
         )
-    if server.tokens_file or server.tls_client_ca or server.allow_unauthenticated:
+    if auth.authenticates or auth.allow_unauthenticated:
         return
     fix = (
-        "configure server.tokens_file or server.tls_client_ca, or set "
-        "server.allow_unauthenticated = true (--allow-unauthenticated) to serve anyone who can "
+        "configure auth.tokens_file or auth.tls_client_ca, or set "
+        "auth.allow_unauthenticated = true (--allow-unauthenticated) to serve anyone who can "
         "reach it"
     )
     if not is_loopback(server.listen):
@@ -144,10 +145,10 @@ def check_exposure(server: ServerConfig) -> None:
             f"server.listen = {server.listen} is beyond loopback and no client is authenticated: "
             + fix
         )
-    if server.ucx_listen:
+    if config.ucx.listen:
         # ucxx binds the port on every interface whatever the host says.
         raise ConfigError(
-            f"server.ucx_listen = {server.ucx_listen} listens on every interface and no client "
+            f"ucx.listen = {config.ucx.listen} listens on every interface and no client "
             "is authenticated: " + fix
         )
     if server.metrics_listen and not is_loopback(server.metrics_listen):
@@ -158,17 +159,17 @@ def check_exposure(server: ServerConfig) -> None:
         )
 
 
-def server_credentials(server: ServerConfig) -> grpc.ServerCredentials | None:
+def server_credentials(auth: AuthConfig) -> grpc.ServerCredentials | None:
     """TLS credentials of the gRPC port (``None``: plain)."""
-    if not server.tls_cert:
+    if not auth.tls_cert:
         return None
     pem: dict[str, bytes | None] = {}
     for setting in ("tls_cert", "tls_key", "tls_client_ca"):
-        path = getattr(server, setting)
+        path = getattr(auth, setting)
         try:
             pem[setting] = Path(path).read_bytes() if path else None
         except OSError as exc:
-            raise ConfigError(f"server.{setting}: cannot read {path} ({exc})") from exc
+            raise ConfigError(f"auth.{setting}: cannot read {path} ({exc})") from exc
     key, cert = pem["tls_key"], pem["tls_cert"]
     assert key is not None and cert is not None  # the config checks they come together
     return grpc.ssl_server_credentials(
@@ -179,17 +180,15 @@ def server_credentials(server: ServerConfig) -> grpc.ServerCredentials | None:
 
 
 def interceptors(
-    server: ServerConfig, peer_check: PeerCheck | None = None
+    auth: AuthConfig, peer_check: PeerCheck | None = None
 ) -> list[grpc.aio.ServerInterceptor[Any, Any]]:
     """The interceptors the server's settings call for (none without tokens, client CA or a
     check of peer reads)."""
-    tokens = load_tokens(server.tokens_file) if server.tokens_file else {}
-    if not tokens and not server.tls_client_ca and peer_check is None:
+    tokens = load_tokens(auth.tokens_file) if auth.tokens_file else {}
+    if not tokens and not auth.tls_client_ca and peer_check is None:
         return []
     return [
-        AuthInterceptor(
-            tokens, client_certificates=bool(server.tls_client_ca), peer_check=peer_check
-        )
+        AuthInterceptor(tokens, client_certificates=bool(auth.tls_client_ca), peer_check=peer_check)
     ]
 
 

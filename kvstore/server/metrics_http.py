@@ -2,15 +2,15 @@
 
 It runs on the server's own event loop, so a scrape reads the stores' counters on the thread that
 changes them (no lock, no torn reads), and it follows the gRPC port's rules: with
-``server.tokens_file`` every scrape needs ``Authorization: Bearer <token>`` of a listed token
-(401 otherwise); with ``server.tls_cert`` it is served over TLS with the same certificate (and,
-with ``server.tls_client_ca``, requires a client certificate signed by it); beyond loopback with
-neither, it is refused unless ``server.allow_unauthenticated``
+``auth.tokens_file`` every scrape needs ``Authorization: Bearer <token>`` of a listed token
+(401 otherwise); with ``auth.tls_cert`` it is served over TLS with the same certificate (and,
+with ``auth.tls_client_ca``, requires a client certificate signed by it); beyond loopback with
+neither, it is refused unless ``auth.allow_unauthenticated``
 (:func:`kvstore.server.auth.check_exposure`, the rule of every port).
 
 On a server with tenants a scrape is answered for its caller, identified as on the gRPC port
 (the token's name; without tokens, the client certificate's CN, else SAN): an identity of
-``server.operators`` sees every tenant's series, a tenant's identity sees that tenant's only
+``auth.operators`` sees every tenant's series, a tenant's identity sees that tenant's only
 (:class:`~kvstore.server.metrics.TenantView`), and any other identity is refused (403). A server
 without tenants shows everything to every caller it admits.
 """
@@ -29,7 +29,7 @@ from typing import Any
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
-from kvstore.config import ServerConfig
+from kvstore.config import AuthConfig
 from kvstore.errors import ConfigError
 from kvstore.server.auth import load_tokens
 from kvstore.server.metrics import TenantView
@@ -43,11 +43,12 @@ _MAX_REQUEST_BYTES = 16 * 1024
 _REQUEST_TIMEOUT_S = 10.0
 
 
-_FORBIDDEN = b"these credentials belong to no tenant of this server and to no server.operators\n"
+_FORBIDDEN = b"these credentials belong to no tenant of this server and to no auth.operators\n"
 
 
 class MetricsServer:
-    """Serves ``registry`` at ``/metrics`` on ``server.metrics_listen``.
+    """Serves ``registry`` at ``/metrics`` on ``listen`` (``server.metrics_listen``), with the
+    credentials of ``config``.
 
     ``owners`` maps each caller identity to its tenant (``None``: a server without tenants, whose
     callers all see everything).
@@ -56,10 +57,12 @@ class MetricsServer:
     def __init__(
         self,
         registry: Collector,
-        config: ServerConfig,
+        listen: str,
+        config: AuthConfig,
         owners: Mapping[str, str] | None = None,
     ) -> None:
         self._registry = registry
+        self._listen = listen
         self._config = config
         self._tokens = load_tokens(config.tokens_file) if config.tokens_file else None
         self._owners = owners
@@ -83,12 +86,12 @@ class MetricsServer:
                 context.load_verify_locations(config.tls_client_ca)
                 context.verify_mode = ssl.CERT_REQUIRED
         except (OSError, ssl.SSLError) as exc:
-            raise ConfigError(f"server.tls_cert / tls_key: cannot load them ({exc})") from exc
+            raise ConfigError(f"auth.tls_cert / tls_key: cannot load them ({exc})") from exc
         return context
 
     async def start(self) -> str:
         """Bind and serve; returns the URL. A port in use is an OSError naming the setting."""
-        listen = self._config.metrics_listen
+        listen = self._listen
         host, _, port = listen.rpartition(":")
         context = self._ssl()
         try:

@@ -3,7 +3,7 @@
 An example that ships a token or a secret gets deployed with it: a server started with the old
 ``k8s/base`` example accepted its published token and served blocks MAC'd under its published
 integrity secret. So a server refuses, with a :class:`ConfigError` naming the setting, any bearer
-token (``server.tokens_file``, stored hashed: compared by digest) or integrity secret
+token (``auth.tokens_file``, stored hashed: compared by digest) or integrity secret
 (``integrity.secrets``, ``integrity.secret_file``) that is one of :data:`PUBLIC_VALUES`, and any
 integrity secret that still says it is a placeholder (``REPLACE-ME``, ``CHANGE-ME``...). The k8s
 example now generates its credentials at deploy time (``k8s/generate-secrets.sh``).

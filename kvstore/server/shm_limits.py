@@ -103,13 +103,10 @@ class ConnectionCounter:
     def admit(self, uid: int | None) -> str | None:
         """Count a new connection from ``uid``; or the reason it is refused (nothing counted)."""
         if self.total >= self.limits.max_connections:
-            return f"{self.total} connections open, the limit (server.shm_max_connections)"
+            return f"{self.total} connections open, the limit (shm.max_connections)"
         held = self._per_uid.get(uid, 0)
         if held >= self.limits.max_connections_per_uid:
-            return (
-                f"uid {uid} has {held} connections open, the limit "
-                "(server.shm_max_connections_per_uid)"
-            )
+            return f"uid {uid} has {held} connections open, the limit (shm.max_connections_per_uid)"
         self.total += 1
         self._per_uid[uid] = held + 1
         return None

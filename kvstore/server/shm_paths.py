@@ -1,4 +1,4 @@
-"""Where the shared-memory sockets go: the path a ``server.shm_socket`` setting names.
+"""Where the shared-memory sockets go: the path a ``shm.socket`` setting names.
 
 A server without tenants puts its socket where the setting says: a path, or ``auto`` for
 ``shm.sock`` in a fresh private directory (:func:`shm_socket_path`).
@@ -46,7 +46,7 @@ def _auto_parent() -> str:
 
 
 def shm_socket_path(setting: str, mode: int = 0o660) -> str:
-    """The socket path a ``server.shm_socket`` setting names ("" when the data plane is off).
+    """The socket path a ``shm.socket`` setting names ("" when the data plane is off).
 
     ``auto`` creates a fresh directory with an unpredictable name (``mkdtemp``) in
     ``$XDG_RUNTIME_DIR`` (private to the user) when there is one, else the temp directory, and
@@ -58,7 +58,7 @@ def shm_socket_path(setting: str, mode: int = 0o660) -> str:
 
 
 def tenant_socket_path(setting: str, tenant: str, mode: int = 0o660) -> str:
-    """The socket path of ``tenant`` for a ``server.shm_socket`` setting ("" when off): a random
+    """The socket path of ``tenant`` for a ``shm.socket`` setting ("" when off): a random
     name in a fresh unlistable directory, beside the setting's path or where ``auto`` puts its
     own (see the module docstring)."""
     if not setting:

@@ -58,7 +58,7 @@ class Tenant:
     uids: frozenset[int] | None = None
     gids: frozenset[int] | None = None
     shm: ShmServer | None = None
-    #: Its ``server.shm_socket`` setting ("": no shared-memory data plane).
+    #: Its ``shm.socket`` setting ("": no shared-memory data plane).
     socket_setting: str = ""
     #: Its entry in its shared tier's keyring record (``None``: no shared tier configured).
     keyring_record: KeyringRecord | None = None
@@ -153,8 +153,8 @@ def tenant_config(config: Config, tenant: TenantConfig) -> Config:
             # Each tenant's requests hold at most a quarter of its own arena (at least 64 MiB),
             # and never more than the server-wide setting: one tenant cannot starve another.
             inflight_bytes=min(server.inflight_bytes, default_inflight_bytes(tenant.dram)),
-            shm_socket=server.shm_socket if tenant.shm else "",
         ),
+        shm=dataclasses.replace(config.shm, socket=config.shm.socket if tenant.shm else ""),
         policy=dataclasses.replace(
             config.policy,
             max_retention_s=(
@@ -173,36 +173,36 @@ def check_tenants(config: Config) -> None:
 
     Tenants are told apart by credentials, so a server with tenants must check them (tokens or
     client certificates); where tokens are the only credentials, every identity a tenant or
-    ``server.operators`` lists must be a token name. An operator is no tenant's identity: the
+    ``auth.operators`` lists must be a token name. An operator is no tenant's identity: the
     one sees every tenant's metrics, the other one tenant's blocks.
     """
-    server = config.server
-    operators = server.operator_identities
+    auth = config.auth
+    operators = auth.operator_identities
     if not config.tenants and not operators:
         return
-    if config.tenants and not (server.tokens_file or server.tls_client_ca):
+    if config.tenants and not auth.authenticates:
         raise ConfigError(
-            "[tenants] needs credentials to tell callers apart: set server.tokens_file "
-            "(bearer tokens) or server.tls_client_ca (client certificates)"
+            "[tenants] needs credentials to tell callers apart: set auth.tokens_file "
+            "(bearer tokens) or auth.tls_client_ca (client certificates)"
         )
-    if server.tokens_file and not server.tls_client_ca:
-        names = set(load_tokens(server.tokens_file).values())
+    if auth.tokens_file and not auth.tls_client_ca:
+        names = set(load_tokens(auth.tokens_file).values())
         for tenant in config.tenants:
             unknown = sorted(set(tenant.identities) - names)
             if unknown:
                 raise ConfigError(
                     f"tenants.{tenant.name}.identities names {unknown}, which are no token "
-                    f"names in server.tokens_file ({server.tokens_file})"
+                    f"names in auth.tokens_file ({auth.tokens_file})"
                 )
         if sorted(operators - names):
             raise ConfigError(
-                f"server.operators names {sorted(operators - names)}, which are no token names "
-                f"in server.tokens_file ({server.tokens_file})"
+                f"auth.operators names {sorted(operators - names)}, which are no token names "
+                f"in auth.tokens_file ({auth.tokens_file})"
             )
     for tenant in config.tenants:
         both = sorted(operators & set(tenant.identities))
         if both:
             raise ConfigError(
-                f"{both} are in server.operators and in tenants.{tenant.name}.identities: give "
+                f"{both} are in auth.operators and in tenants.{tenant.name}.identities: give "
                 "the operator a token (or certificate) of its own"
             )

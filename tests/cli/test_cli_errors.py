@@ -281,3 +281,18 @@ def test_help_says_which_units_are_binary_and_which_decimal() -> None:
     assert parse_size("4G") == 4 * 10**9 and parse_size("4GiB") == 4 * 1024**3
     text = " ".join(kvstore_cli("serve", "--help").stdout.split())
     assert "KiB... are powers of 1024; KB or K... powers of 1000: 4G is 4000000000 bytes" in text
+
+
+def test_an_old_setting_name_warns_once_naming_the_new_one(tmp_path: Path) -> None:
+    """``[server] shm_socket_mode`` moved to ``[shm] socket_mode``: the old variable still sets it
+    (here to a bad value, so that the command ends at once and names the new setting)."""
+    nvme = tmp_path / "nvme"
+    env = {"KVSTORE_SERVER_SHM_SOCKET_MODE": "rw-rw----"}
+    result = kvstore_cli("serve", "--nvme-path", str(nvme), env=env)
+    warnings = [line for line in result.stderr.splitlines() if "WARNING" in line]
+    assert len(warnings) == 1, result.stderr
+    assert "KVSTORE_SERVER_SHM_SOCKET_MODE is deprecated" in warnings[0]
+    assert "use KVSTORE_SHM_SOCKET_MODE" in warnings[0]
+    line = one_line_error(result)
+    assert "shm.socket_mode (from KVSTORE_SERVER_SHM_SOCKET_MODE)" in line, line
+    assert not nvme.exists()

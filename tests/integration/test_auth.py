@@ -199,7 +199,7 @@ def test_listening_beyond_loopback_without_authentication_refuses_to_start(
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     assert "Traceback" not in result.stderr
-    setting = "server.ucx_listen" if "--ucx-listen" in flags else "server.listen"
+    setting = "ucx.listen" if "--ucx-listen" in flags else "server.listen"
     assert setting in lines[0] and "allow_unauthenticated" in lines[0]
 
 

@@ -57,8 +57,8 @@ def test_running_out_of_fds_pauses_the_shm_plane_and_shutdown_still_saves_dram(
     (``sigterm-at-once``), exits cleanly having saved the DRAM-only blocks to NVMe."""
     server = server_factory(
         env={
-            "KVSTORE_SERVER_SHM_MAX_CONNECTIONS": "1000",
-            "KVSTORE_SERVER_SHM_MAX_CONNECTIONS_PER_UID": "1000",
+            "KVSTORE_SHM_MAX_CONNECTIONS": "1000",
+            "KVSTORE_SHM_MAX_CONNECTIONS_PER_UID": "1000",
         },
         dram_capacity="16MiB",
         nvme_capacity="64MiB",

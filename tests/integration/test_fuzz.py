@@ -109,7 +109,7 @@ def start_server(server_factory: ServerFactory) -> ServerProcess:
             "KVSTORE_SERVER_INFLIGHT_BYTES": str(BUDGET),
             "KVSTORE_SERVER_PREFETCH_QUEUE_KEYS": "4096",
             "KVSTORE_SERVER_MAX_KEYS_PER_REQUEST": str(MAX_KEYS),
-            "KVSTORE_SERVER_SHM_FRAME_TIMEOUT_S": "1",
+            "KVSTORE_SHM_FRAME_TIMEOUT_S": "1",
         },
     )
 

@@ -254,7 +254,7 @@ def tenants_of(samples: Samples) -> set[str | None]:
 def test_per_tenant_series_and_https_with_the_grpc_certificate(
     server_factory: ServerFactory, tmp_path: Path
 ) -> None:
-    """A tenant's token scrapes its own tenant's series only; ``server.operators`` see all; a
+    """A tenant's token scrapes its own tenant's series only; ``auth.operators`` see all; a
     token of neither is refused (issue 28: bob read 121 series of tenant a)."""
     pki = make_pki(tmp_path / "pki")
     tokens = {"alice": "token-of-alice", "bob": "token-of-bob", "ops": "ops", "carol": "carol"}
@@ -264,7 +264,7 @@ def test_per_tenant_series_and_https_with_the_grpc_certificate(
     )
     config = tmp_path / "tenants.toml"
     config.write_text(
-        f'[server]\ntokens_file = "{tokens_file}"\noperators = ["ops"]\n'
+        f'[auth]\ntokens_file = "{tokens_file}"\noperators = ["ops"]\n'
         '[tenants.a]\nidentities = ["alice"]\ndram = "16MiB"\nnvme = "16MiB"\n'
         '[tenants.b]\nidentities = ["bob"]\ndram = "16MiB"\nnvme = "16MiB"\n'
     )

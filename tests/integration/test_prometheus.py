@@ -303,7 +303,7 @@ def test_dashboard_provisioning_and_compose_agree() -> None:
     config = load_config(str(DEPLOY / "kvstore.toml"), env=dict(environment))
     assert config.server.metrics_listen == environment["KVSTORE_SERVER_METRICS_LISTEN"]
     assert config.redis.url == environment["KVSTORE_REDIS_URL"]
-    check_exposure(config.server)
+    check_exposure(config)
 
     for path in DASHBOARDS.glob("*.json"):
         board = json.loads(path.read_text())

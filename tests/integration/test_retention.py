@@ -112,7 +112,7 @@ def test_a_tenant_maximum_replaces_the_servers(
     tokens.write_text(f"alice {hashlib.sha256(token.encode()).hexdigest()}\n")
     config = tmp_path / "tenants.toml"
     config.write_text(
-        f'[server]\ntokens_file = "{tokens}"\n'
+        f'[auth]\ntokens_file = "{tokens}"\n'
         '[tenants.a]\nidentities = ["alice"]\ndram = "8MiB"\nnvme = "8MiB"\n'
         "max_retention_s = 300\n"
     )

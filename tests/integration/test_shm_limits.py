@@ -206,7 +206,7 @@ def test_a_frame_begun_and_never_finished_is_dropped_after_the_frame_timeout(
     """48 connections each send half of a legal ACQUIRE and stall: the server holds what they
     sent (read in bounded pieces), not what they declared, and hangs up on each once the frame
     timeout passes; an idle connection (no frame begun) is left alone."""
-    server = server_factory(env={"KVSTORE_SERVER_SHM_FRAME_TIMEOUT_S": "1"})
+    server = server_factory(env={"KVSTORE_SHM_FRAME_TIMEOUT_S": "1"})
     keys, values = make_blocks(2, 3, 64 * KiB)
     with KVStoreClient(server.target, namespace=NS, data_plane="grpc") as client:
         client.put(keys, values)
@@ -234,12 +234,12 @@ def test_a_frame_begun_and_never_finished_is_dropped_after_the_frame_timeout(
 def test_connections_past_the_limit_are_refused_and_logged(
     server_factory: ServerFactory, limit: str
 ) -> None:
-    """Connections beyond ``server.shm_max_connections`` (or per uid: every connection here
+    """Connections beyond ``shm.max_connections`` (or per uid: every connection here
     comes from this test's uid) are closed at once with a log line; closing one admits another,
     and those admitted keep working."""
     env = {
-        "KVSTORE_SERVER_SHM_MAX_CONNECTIONS": "6" if limit == "total" else "100",
-        "KVSTORE_SERVER_SHM_MAX_CONNECTIONS_PER_UID": "6" if limit == "per_uid" else "100",
+        "KVSTORE_SHM_MAX_CONNECTIONS": "6" if limit == "total" else "100",
+        "KVSTORE_SHM_MAX_CONNECTIONS_PER_UID": "6" if limit == "per_uid" else "100",
     }
     server = server_factory(env=env)
     keys, values = make_blocks(3, 2, 64 * KiB)
@@ -280,7 +280,7 @@ def test_one_connection_cannot_hold_more_of_the_arena_than_its_quota(
     refused RESOURCE_EXHAUSTED (changing nothing) for more; a connection holding nothing gets
     NO_ROOM, or the payload inline, for what is past the quota; other connections are not
     affected, and stored blocks stay intact."""
-    server = server_factory(env={"KVSTORE_SERVER_SHM_SESSION_BYTES": "1MiB"}, dram_capacity="4MiB")
+    server = server_factory(env={"KVSTORE_SHM_SESSION_BYTES": "1MiB"}, dram_capacity="4MiB")
     keys, values = make_blocks(4, 8, 256 * KiB)
     with KVStoreClient(server.target, namespace=NS, data_plane="grpc") as client:
         assert client.put(keys, values).stored == 8

@@ -1,6 +1,6 @@
 """The tenant leaks of issue 28, each refused by a real ``kvstore serve`` with ``[tenants]``.
 
-- Sockets: with an explicit ``server.shm_socket`` tenant sockets were ``PATH.NAME``; bob, told
+- Sockets: with an explicit ``shm.socket`` tenant sockets were ``PATH.NAME``; bob, told
   ``PATH.b``, guessed ``PATH.a`` and mapped tenant a's arena. Now a process of b's user finds
   nothing of a's, even in a directory it may list.
 - Modes: the tenants' nvme root and ``nvme/tenants`` were 0755 (tenant names listable).
@@ -86,9 +86,7 @@ def test_a_tenant_socket_cannot_be_guessed_from_another(
 ) -> None:
     configured = socket_dir / "kvstore.sock"
     # a lists no uids (the case of the issue): only the secret path keeps b's user out.
-    config = write_config(
-        tmp_path, f'shm_socket = "{configured}"', b_uids=f"[{NOBODY}]", a_uids="[]"
-    )
+    config = write_config(tmp_path, f'socket = "{configured}"', b_uids=f"[{NOBODY}]", a_uids="[]")
     server = server_factory("--config", str(config))
     a_path, b_path = (data_plane_of(server, who).shm_socket for who in ("alice", "bob"))
     assert a_path and b_path
@@ -122,7 +120,7 @@ def test_every_directory_and_file_the_server_makes_is_private(
     server_factory: ServerFactory, tmp_path: Path, socket_dir: Path
 ) -> None:
     nvme = tmp_path / "data" / "nvme"  # neither exists yet: the server makes both
-    config = write_config(tmp_path, f'shm_socket = "{socket_dir / "kvstore.sock"}"')
+    config = write_config(tmp_path, f'socket = "{socket_dir / "kvstore.sock"}"')
     # Secrets from the environment, as in k8s: no integrity.key makes the nvme root first.
     env = {"KVSTORE_INTEGRITY_SECRETS": "a-secret-of-this-test-only"}
     server = server_factory("--config", str(config), nvme_path=nvme, env=env)

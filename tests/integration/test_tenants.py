@@ -65,7 +65,7 @@ def write_config(
     )
     config = tmp_path / "tenants.toml"
     config.write_text(
-        f'[server]\ntokens_file = "{tokens}"\nshm_socket_mode = 0o666\n{extra}\n'
+        f'[auth]\ntokens_file = "{tokens}"\n[shm]\nsocket_mode = 0o666\n{extra}\n'
         f'[tenants.a]\nidentities = ["alice"]\nuids = {a_uids}\ndram = "16MiB"\nnvme = "16MiB"\n'
         f"shm = {shm}\n"
         f'[tenants.b]\nidentities = ["bob"]\nuids = {b_uids}\ndram = "16MiB"\nnvme = "16MiB"\n'
@@ -269,7 +269,7 @@ def test_tenants_keep_their_own_lmdb_directories_and_quotas(
 @pytest.mark.parametrize(
     ("extra", "tokens", "message"),
     [
-        ("", False, "server.tokens_file"),
+        ("", False, "auth.tokens_file"),
         ("", True, "no token names"),
     ],
     ids=["no-credentials", "identity-without-token"],

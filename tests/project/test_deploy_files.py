@@ -53,8 +53,8 @@ def test_local_config_serves_as_a_normal_user(tmp_path: Path) -> None:
 def test_local_config_needs_no_root_paths() -> None:
     config = load_config(str(LOCAL), env={"HOME": "/home/someone"})
     assert config.server.listen.startswith("127.0.0.1:")
-    assert config.server.shm_socket == "auto"
-    assert config.server.ucx_listen == ""
+    assert config.shm.socket == "auto"
+    assert config.ucx.listen == ""
     assert config.nvme.path == "/home/someone/.local/share/kvstore/nvme"
 
 
@@ -178,7 +178,7 @@ def test_a_server_refuses_public_and_placeholder_credentials(tmp_path: Path, cas
     flags = ["--listen", f"127.0.0.1:{free_port()}", "--metrics-listen", ""]
     if case == "public-token":
         flags += ["--tokens-file", str(tokens)]
-        setting = f"server.tokens_file {tokens} line 1 (engine)"
+        setting = f"auth.tokens_file {tokens} line 1 (engine)"
     elif case == "public-integrity-secret":
         env["KVSTORE_INTEGRITY_SECRETS"] = "example-integrity-secret-REPLACE-ME"
         setting = "integrity.secrets (KVSTORE_INTEGRITY_SECRETS), secret 1"

@@ -210,7 +210,7 @@ def test_engine_is_admitted_and_mounts_the_store_socket_directory(path: str) -> 
     pod = vllm["spec"]["template"]
     assert pod["metadata"]["labels"][ENGINE_LABEL[0]] == ENGINE_LABEL[1]
     config = tomllib.loads(one(objects, "ConfigMap", "kvstore-config")["data"]["kvstore.toml"])
-    socket_dir = str(Path(config["server"]["shm_socket"]).parent)
+    socket_dir = str(Path(config["shm"]["socket"]).parent)
 
     def host_dir(obj: dict[str, Any], container: str) -> str:
         volumes = {v["name"]: v for v in obj["spec"]["template"]["spec"]["volumes"]}
@@ -222,7 +222,7 @@ def test_engine_is_admitted_and_mounts_the_store_socket_directory(path: str) -> 
     assert host_dir(vllm, "vllm") == host_dir(daemonset, "kvstore")
     store_group = _container(daemonset, "kvstore")["securityContext"]["runAsGroup"]
     assert store_group in pod["spec"]["securityContext"]["supplementalGroups"]
-    assert config["server"]["shm_socket_mode"] & 0o060 == 0o060  # the group may connect
+    assert config["shm"]["socket_mode"] & 0o060 == 0o060  # the group may connect
     engine = _container(vllm, "vllm")
     transfer = engine["args"][engine["args"].index("--kv-transfer-config") + 1]
     grpc_port = _port(daemonset, "kvstore", "grpc")
@@ -237,15 +237,15 @@ def test_engine_is_admitted_and_mounts_the_store_socket_directory(path: str) -> 
 def test_store_listens_beyond_loopback_only_with_tokens(path: str, tmp_path: Path) -> None:
     objects = render(path)
     text = one(objects, "ConfigMap", "kvstore-config")["data"]["kvstore.toml"]
-    server = tomllib.loads(text)["server"]
-    assert "allow_unauthenticated" not in server
+    auth = tomllib.loads(text)["auth"]
+    assert "allow_unauthenticated" not in auth
     daemonset = one(objects, "DaemonSet", "kvstore")
     pod = daemonset["spec"]["template"]["spec"]
     volumes = {v["name"]: v for v in pod["volumes"]}
     (mount,) = [
         m
         for m in _container(daemonset, "kvstore")["volumeMounts"]
-        if server["tokens_file"].startswith(m["mountPath"] + "/")
+        if auth["tokens_file"].startswith(m["mountPath"] + "/")
     ]
     secret_name = volumes[mount["name"]]["secret"]["secretName"]
     secret = one(objects, "Secret", secret_name)
@@ -261,7 +261,7 @@ def test_store_listens_beyond_loopback_only_with_tokens(path: str, tmp_path: Pat
     (tmp_path / "tokens").write_text(tokens)
     config_file = tmp_path / "kvstore.toml"
     config_file.write_text(
-        text.replace(server["tokens_file"], str(tmp_path / "tokens")).replace(
+        text.replace(auth["tokens_file"], str(tmp_path / "tokens")).replace(
             "/var/lib/kvstore/nvme", str(tmp_path / "nvme")
         )
     )
@@ -270,9 +270,9 @@ def test_store_listens_beyond_loopback_only_with_tokens(path: str, tmp_path: Pat
     env["KVSTORE_INTEGRITY_SECRETS"] = integrity  # from the Secret, as the DaemonSet's env says
     config = load_config(str(config_file), env=env)
     assert not config.server.listen.startswith("127.")
-    assert config.server.tokens_file and not config.server.allow_unauthenticated
-    check_exposure(config.server)  # would raise beyond loopback without tokens
-    assert list(load_tokens(config.server.tokens_file).values()) == ["engine"]
+    assert config.auth.tokens_file and not config.auth.allow_unauthenticated
+    check_exposure(config)  # would raise beyond loopback without tokens
+    assert list(load_tokens(config.auth.tokens_file).values()) == ["engine"]
     load_keyring(config)  # would raise for a public or placeholder secret
 
 

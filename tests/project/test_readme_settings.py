@@ -1,15 +1,31 @@
-"""The README's settings table lists every setting the loader knows, each with its environment
-variable, so that the table cannot drift from :func:`kvstore.config.setting_names`."""
+"""The README's settings table is what ``scripts/gen_settings_table.py`` writes from the settings'
+metadata, and lists every setting the loader knows, each with its environment variable, so that
+the table cannot drift from :func:`kvstore.config.setting_names`."""
 
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from kvstore.config import env_var, setting_names
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
 ROW = re.compile(r"^\| `([a-z_]+\.[a-z_]+)` \| `(KVSTORE_[A-Z_]+)` \|", re.M)
+
+
+def test_the_table_is_what_the_script_writes() -> None:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gen_settings_table.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_every_setting_has_a_row_with_its_environment_variable() -> None:
@@ -20,3 +36,22 @@ def test_every_setting_has_a_row_with_its_environment_variable() -> None:
     assert wrong == {}, f"README names the wrong variable for {wrong}"
     unknown = sorted(set(rows) - set(setting_names()))
     assert unknown == [], f"README lists settings the loader does not know: {unknown}"
+    assert any(name.startswith("router.") for name in rows)
+
+
+def test_a_hand_edit_fails_the_check_with_what_to_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import gen_settings_table as script
+
+    readme = tmp_path / "README.md"
+    current = README.read_text("utf-8")
+    readme.write_text(current.replace("| `server.workers` |", "| `server.workerz` |"), "utf-8")
+    monkeypatch.setattr(script, "README", readme)
+    monkeypatch.setattr(sys, "argv", ["gen_settings_table.py", "--check"])
+    assert script.main() == 1
+    assert "run python scripts/gen_settings_table.py" in capsys.readouterr().out
+    monkeypatch.setattr(sys, "argv", ["gen_settings_table.py"])
+    assert script.main() == 0
+    assert readme.read_text("utf-8") == current

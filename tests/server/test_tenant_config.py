@@ -69,16 +69,16 @@ def test_bad_tenant_tables_name_the_tenant_and_the_rule(
 
 def test_a_tenant_gets_its_own_places_and_quotas(tmp_path: Path) -> None:
     path = tmp_path / "kvstore.toml"
-    path.write_text('[redis]\nurl = "redis://r:6379"\n[server]\nshm_socket = "/run/k.sock"\n' + A)
+    path.write_text('[redis]\nurl = "redis://r:6379"\n[shm]\nsocket = "/run/k.sock"\n' + A)
     config = load_config(path, env=ENV)
     own = tenant_config(config, config.tenants[0])
     assert own.dram.capacity == 64 * 1024**2
     assert (own.nvme.path, own.nvme.capacity) == ("/data/nvme/tenants/a", 1024**3)
     assert own.redis.key_prefix == "kvstore:v1:t:a:"
     # No shared memory unless the tenant says its engines trust each other with its arena.
-    assert own.server.shm_socket == ""
+    assert own.shm.socket == ""
     trusting = dataclasses.replace(config.tenants[0], shm=True)
-    assert tenant_config(config, trusting).server.shm_socket == "/run/k.sock"
+    assert tenant_config(config, trusting).shm.socket == "/run/k.sock"
     # A quarter of its own arena, at least 64 MiB, never above the server-wide bound.
     assert own.server.inflight_bytes == 64 * 1024**2
     assert own.tenants == ()
@@ -86,17 +86,17 @@ def test_a_tenant_gets_its_own_places_and_quotas(tmp_path: Path) -> None:
 
 def test_operators_are_a_list_in_toml_and_comma_separated_elsewhere(tmp_path: Path) -> None:
     path = tmp_path / "kvstore.toml"
-    path.write_text('[server]\noperators = ["ops", " prom "]\n' + A)
-    assert load_config(path, env=ENV).server.operator_identities == {"ops", "prom"}
-    env = {**ENV, "KVSTORE_SERVER_OPERATORS": "ops,prom"}
-    assert load_config(env=env).server.operator_identities == {"ops", "prom"}
+    path.write_text('[auth]\noperators = ["ops", " prom "]\n' + A)
+    assert load_config(path, env=ENV).auth.operator_identities == {"ops", "prom"}
+    env = {**ENV, "KVSTORE_AUTH_OPERATORS": "ops,prom"}
+    assert load_config(env=env).auth.operator_identities == {"ops", "prom"}
 
 
 @pytest.mark.parametrize(
     ("operators", "message"),
     [
-        ('["nobody-known"]', r"server.operators names \['nobody-known'\], which are no token"),
-        ('["alice"]', r"in server.operators and in tenants.a.identities"),
+        ('["nobody-known"]', r"auth.operators names \['nobody-known'\], which are no token"),
+        ('["alice"]', r"in auth.operators and in tenants.a.identities"),
     ],
     ids=["not-a-token", "also-a-tenant"],
 )
@@ -106,6 +106,6 @@ def test_operators_must_be_token_names_of_no_tenant(
     tokens = tmp_path / "tokens"
     tokens.write_text(f"alice {'a' * 64}\nops {'b' * 64}\n")
     path = tmp_path / "kvstore.toml"
-    path.write_text(f'[server]\ntokens_file = "{tokens}"\noperators = {operators}\n' + A)
+    path.write_text(f'[auth]\ntokens_file = "{tokens}"\noperators = {operators}\n' + A)
     with pytest.raises(ConfigError, match=message):
         check_tenants(load_config(path, env=ENV))
