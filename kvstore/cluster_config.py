@@ -140,12 +140,8 @@ class ClusterConfig:
             raise ConfigError(
                 f"cluster.engine_events = {self.engine_events!r} needs cluster.enabled = true"
             )
-        if not self.engine_namespace:
-            raise ConfigError(
-                "cluster.engine_events needs cluster.engine_namespace (the connector's base "
-                'namespace as JSON, e.g. \'{"model": "org/model", ...}\'), got ""'
-            )
-        namespace_from_json(self.engine_namespace, "cluster.engine_namespace")
+        if self.engine_namespace:  # deprecated: keys.namespace
+            namespace_from_json(self.engine_namespace, "cluster.engine_namespace")
         if self.engine_chunk_size < 1:
             raise ConfigError(
                 f"cluster.engine_chunk_size must be >= 1, got {self.engine_chunk_size}"

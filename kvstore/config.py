@@ -27,6 +27,7 @@ from typing import Any
 
 from kvstore.cluster_config import SHARED_DATA, ClusterConfig, check_advertise
 from kvstore.errors import ConfigError
+from kvstore.keys_config import KeysConfig, with_aliases
 from kvstore.machine_defaults import (
     available_memory,
     default_data_dir,
@@ -93,6 +94,7 @@ class Config:
     integrity: IntegrityConfig = field(default_factory=IntegrityConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
+    keys: KeysConfig = field(default_factory=KeysConfig)
     #: Empty: one store that every caller shares, as before tenants existed.
     tenants: tuple[TenantConfig, ...] = ()
 
@@ -117,6 +119,7 @@ _SECTIONS: dict[str, type[Any]] = {
     "integrity": IntegrityConfig,
     "cluster": ClusterConfig,
     "router": RouterConfig,
+    "keys": KeysConfig,
 }
 _SIZE_SETTINGS = {
     "server.max_block_bytes",
@@ -266,6 +269,7 @@ def load_config(
         )
         for section, cls in _SECTIONS.items()
     }
+    sections["keys"] = with_aliases(sections["keys"], sections["cluster"])
     return Config(**sections, tenants=tenants)
 
 
