@@ -396,7 +396,10 @@ def test_malformed_toml_is_config_error(tmp_path: Path) -> None:
 def test_unknown_section_is_config_error(tmp_path: Path, text: str) -> None:
     with pytest.raises(ConfigError, match="unknown config section") as info:
         load_config(write_toml(tmp_path, text), env={})
-    known = "['cluster', 'dram', 'hbm', 'integrity', 'keys', 'nvme', 'policy', 'redis', 'router', 'server']"
+    known = (
+        "['cluster', 'dram', 'hbm', 'integrity', 'keys', 'nvme', 'policy', 'redis', 'router', "
+        "'server']"
+    )
     assert known in str(info.value)
 
 
