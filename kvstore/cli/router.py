@@ -55,11 +55,14 @@ def add_router_parser(commands: Any) -> argparse.ArgumentParser:
     router.add_argument(
         "--namespace",
         metavar="JSON",
-        help="the engines' base namespace as a JSON object of kvstore.Namespace fields, as the "
-        "connector logs it (router.namespace)",
+        help="deprecated (the router reads the key scheme its nodes publish): the engines' base "
+        "namespace as JSON, used only while no node publishes one (router.namespace)",
     )
     router.add_argument(
-        "--chunk-size", metavar="TOKENS", type=int, help="the connector's chunk_size"
+        "--chunk-size",
+        metavar="TOKENS",
+        type=int,
+        help="deprecated, as --namespace (router.chunk_size)",
     )
     router.add_argument(
         "--tokenizer", metavar="PATH", help="Hugging Face tokenizer files of the model (optional)"
