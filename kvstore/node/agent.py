@@ -56,9 +56,11 @@ class ClusterNode:
         self.engine = engine
         #: The key schemes the node publishes.
         self.key_schemes = key_schemes
+        self.stopped = False
 
     async def stop(self) -> None:
         """Leave the index: lease first (entries stop counting at once), then the entries."""
+        self.stopped = True  # a late declaration starts no engine events
         if self.engine is not None:
             await self.engine.stop()
         for store, source in self.peers.values():
@@ -192,7 +194,7 @@ def _follow_engine(
     loop = asyncio.get_running_loop()
 
     def start() -> None:
-        if node.engine is not None:
+        if node.engine is not None or node.stopped:
             return
         scheme = next((s for s in schemes.current() if s.namespace is not None), None)
         if scheme is None:
