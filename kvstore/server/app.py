@@ -270,7 +270,8 @@ async def start_server(config: Config) -> RunningServer:
         tenants=tenants, put_stream_timeout_s=config.server.put_stream_timeout_s
     )
     # The key schemes this node serves: its [keys] settings, and the namespaces its engines'
-    # connectors declare (through the servicer); published in the cluster index.
+    # connectors declare (through the servicer's KeyScheme call, which reads
+    # servicer.key_schemes); published in the cluster index.
     key_schemes = servicer.key_schemes = NodeKeySchemes(config.keys.scheme())
     add_to_server(servicer, server)
     health = health_async.HealthServicer()

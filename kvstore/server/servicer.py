@@ -25,7 +25,6 @@ from kvstore.errors import (
     InvalidRequestError,
     PermissionDeniedError,
 )
-from kvstore.node.key_schemes import NodeKeySchemes
 from kvstore.protocol.checks import (
     check_keys,
     check_streamed_block,
@@ -105,8 +104,6 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
         self.put_stream_timeout_s = put_stream_timeout_s
         #: Where the UCX listener is; the server fills it in once it is up.
         self.ucx_address = ""
-        #: The key schemes this node serves (the server fills them in from ``[keys]``).
-        self.key_schemes: NodeKeySchemes | None = None
 
     @staticmethod
     def _decoded(request: Any) -> None:
