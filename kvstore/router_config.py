@@ -17,11 +17,14 @@ _MAX_BODY_RANGE = (1024, 1024**3)
 
 @dataclass(frozen=True)
 class RouterConfig:
-    """``kvstore router`` (:mod:`kvstore.router`): the replicas, the engines' chunk naming, scoring.
+    """``kvstore router`` (:mod:`kvstore.router`): the replicas, scoring, the index query.
 
     ``replicas``: comma-separated ``URL=NODE_ID`` (the kvstore node beside each engine).
-    ``namespace``: the engines' rank-0 base namespace as a JSON object of
-    :class:`~kvstore.keys.Namespace` fields (what the connector logs at start).
+    ``namespace``, ``chunk_size``, ``hash_algorithm``: deprecated; the router names chunks by the
+    key scheme the nodes publish in the cluster index (:mod:`kvstore.router.fleet_keys`) and
+    uses these (the engines' rank-0 base namespace as a JSON object of
+    :class:`~kvstore.keys.Namespace` fields, as the connector logs it) only while no node
+    publishes one, or without an index.
     ``prefill`` / ``decode``: P/D mode (:mod:`kvstore.router.pd`), instead of ``replicas``:
     comma-separated ``URL=NODE_ID`` of the ``kv_producer`` and the ``kv_consumer`` engines.
     ``prefill_timeout_s``: how long a prefill may take before the decode replica computes the
