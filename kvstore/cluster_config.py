@@ -159,18 +159,15 @@ class ClusterConfig:
     )
     engine_namespace: str = setting(
         "",
-        help=(
-            "with `engine_events`: the engine connector's base namespace as JSON (the same format "
-            "as `router.namespace`)"
-        ),
+        help="deprecated alias of `keys.namespace` (one WARNING line at start)",
     )
     engine_chunk_size: int = setting(
         256,
-        help="the connector's `chunk_size`",
+        help="deprecated alias of `keys.chunk_size`",
     )
     engine_hash_algorithm: str = setting(
         "xxh3_128",
-        help="the connector's `hash_algorithm` (`xxh3_128` or `sha256`)",
+        help="deprecated alias of `keys.hash_algorithm`",
     )
     engine_max_blocks: int = setting(
         200000,
@@ -238,12 +235,8 @@ class ClusterConfig:
             raise ConfigError(
                 f"cluster.engine_events = {self.engine_events!r} needs cluster.enabled = true"
             )
-        if not self.engine_namespace:
-            raise ConfigError(
-                "cluster.engine_events needs cluster.engine_namespace (the connector's base "
-                'namespace as JSON, e.g. \'{"model": "org/model", ...}\'), got ""'
-            )
-        namespace_from_json(self.engine_namespace, "cluster.engine_namespace")
+        if self.engine_namespace:  # deprecated: keys.namespace
+            namespace_from_json(self.engine_namespace, "cluster.engine_namespace")
         if self.engine_chunk_size < 1:
             raise ConfigError(
                 f"cluster.engine_chunk_size must be >= 1, got {self.engine_chunk_size}"

@@ -38,6 +38,7 @@ from kvstore.auth_config import AuthConfig
 from kvstore.cluster_config import SHARED_DATA, ClusterConfig, check_advertise
 from kvstore.data_plane_config import ShmConfig, UcxConfig
 from kvstore.errors import ConfigError
+from kvstore.keys_config import KeysConfig, with_aliases
 from kvstore.machine_defaults import (
     available_memory,
     default_data_dir,
@@ -112,6 +113,7 @@ class Config:
     integrity: IntegrityConfig = field(default_factory=IntegrityConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
+    keys: KeysConfig = field(default_factory=KeysConfig)
     #: Empty: one store that every caller shares, as before tenants existed.
     tenants: tuple[TenantConfig, ...] = ()
 
@@ -139,6 +141,7 @@ _SECTIONS: dict[str, type[Any]] = {
     "integrity": IntegrityConfig,
     "policy": PolicyConfig,
     "cluster": ClusterConfig,
+    "keys": KeysConfig,
     "router": RouterConfig,
 }
 _TRUE = frozenset({"1", "true", "yes", "on"})
@@ -285,6 +288,7 @@ def load_config(
         )
         for section, cls in _SECTIONS.items()
     }
+    sections["keys"] = with_aliases(sections["keys"], sections["cluster"])
     return Config(**sections, tenants=tenants)
 
 

@@ -18,11 +18,14 @@ _MAX_BODY_RANGE = (1024, 1024**3)
 
 @dataclass(frozen=True)
 class RouterConfig:
-    """``kvstore router`` (:mod:`kvstore.router`): the replicas, the engines' chunk naming, scoring.
+    """``kvstore router`` (:mod:`kvstore.router`): the replicas, scoring, the index query.
 
     ``replicas``: comma-separated ``URL=NODE_ID`` (the kvstore node beside each engine).
-    ``namespace``: the engines' rank-0 base namespace as a JSON object of
-    :class:`~kvstore.keys.Namespace` fields (what the connector logs at start).
+    ``namespace``, ``chunk_size``, ``hash_algorithm``: deprecated; the router names chunks by the
+    key scheme the nodes publish in the cluster index (:mod:`kvstore.router.fleet_keys`) and
+    uses these (the engines' rank-0 base namespace as a JSON object of
+    :class:`~kvstore.keys.Namespace` fields, as the connector logs it) only while no node
+    publishes one, or without an index.
     ``prefill`` / ``decode``: P/D mode (:mod:`kvstore.router.pd`), instead of ``replicas``:
     comma-separated ``URL=NODE_ID`` of the ``kv_producer`` and the ``kv_consumer`` engines.
     ``prefill_timeout_s``: how long a prefill may take before the decode replica computes the
@@ -52,21 +55,23 @@ class RouterConfig:
     namespace: str = setting(
         "",
         help=(
-            "the engines' rank-0 base namespace as JSON (what the connector logs at start); the "
-            "router names chunks exactly as the connector does"
+            "deprecated: the router names chunks by the key scheme the nodes publish (`keys.*`); "
+            "used only while no node publishes one (one WARNING line), or without an index"
         ),
+        short="deprecated: the engines' base namespace as JSON, used only while no node "
+        "publishes a key scheme",
         flag="--namespace",
         metavar="JSON",
     )
     chunk_size: int = setting(
         256,
-        help="the connector's `chunk_size`",
+        help="deprecated, as `router.namespace`",
         flag="--chunk-size",
         metavar="TOKENS",
     )
     hash_algorithm: str = setting(
         "xxh3_128",
-        help="the connector's `hash_algorithm` (`xxh3_128` or `sha256`)",
+        help="deprecated, as `router.namespace`",
     )
     tokenizer: str = setting(
         "",

@@ -398,8 +398,8 @@ def test_unknown_section_is_config_error(tmp_path: Path, text: str) -> None:
     with pytest.raises(ConfigError, match="unknown config section") as info:
         load_config(write_toml(tmp_path, text), env={})
     known = (
-        "['auth', 'cluster', 'dram', 'hbm', 'integrity', 'nvme', 'policy', 'redis', 'router', "
-        "'server', 'shm', 'ucx']"
+        "['auth', 'cluster', 'dram', 'hbm', 'integrity', 'keys', 'nvme', 'policy', 'redis', "
+        "'router', 'server', 'shm', 'ucx']"
     )
     assert known in str(info.value)
 

@@ -68,6 +68,7 @@ PARTS: dict[str, Part] = {
             "kvstore.errors",
             "kvstore.keys",
             "kvstore.key_scheme",
+            "kvstore.keys_config",
             "kvstore.types",
             "kvstore.buffers",
             "kvstore.block",

@@ -67,6 +67,7 @@ SERVE_SECTIONS = (
     "integrity",
     "policy",
     "cluster",
+    "keys",
 )
 
 

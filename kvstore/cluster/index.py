@@ -136,12 +136,13 @@ class ClusterIndex:
             for node, raw in zip(members, infos, strict=True)
             if leases[node] is not None and raw and raw.get(b"epoch") == leases[node]
         }
-        if self._ring is None:
-            return {node: NodeInfo.parse(node, raw) for node, raw in live.items()}
         believed: dict[str, NodeInfo] = {}
         for node, raw in live.items():
             try:
-                believed[node] = NodeInfo.verified(node, raw, self._ring)
+                ring = self._ring
+                believed[node] = (
+                    _parsed(node, raw) if ring is None else NodeInfo.verified(node, raw, ring)
+                )
             except RecordError as exc:
                 self._refuse(node, leases[node] or b"", str(exc))
             else:
@@ -161,3 +162,11 @@ class ClusterIndex:
                 why,
             )
         self.refused[node] = epoch
+
+
+def _parsed(node: str, raw: Any) -> NodeInfo:
+    """An unsigned reader's description (:class:`RecordError` if it does not parse)."""
+    try:
+        return NodeInfo.parse(node, raw)
+    except (ValueError, TypeError, AttributeError, UnicodeDecodeError) as exc:
+        raise RecordError(f"malformed description ({exc})") from exc

@@ -10,6 +10,13 @@ whose fields were changed (an address pointed elsewhere, a record copied to anot
 kept from an earlier boot) and one that expired (a record replayed long after). Nodes' clocks
 must agree within a fraction of :data:`RECORD_VALID_S`. The node agent that writes and renews it
 is :mod:`kvstore.node.membership`.
+
+**Key schemes.** Since record v2 a description also carries the key schemes the node serves
+(``keys``: a JSON list of :meth:`kvstore.key_scheme.KeyScheme.to_json`), under the MAC, so a
+router names chunks the way the nodes do and nobody without the secrets can make it name them
+otherwise. A v2 description is signed under another label than a v1 one: a v1 reader refuses it
+(its MAC does not verify) rather than mis-read it, and dropping ``keys`` from a v2 description
+does not pass it off as v1. A v1 description (no ``keys`` field) still parses, with no schemes.
 """
 
 from __future__ import annotations
@@ -26,7 +33,8 @@ __all__ = ["RECORD_VALID_S", "NodeInfo", "RecordError", "record_keyring"]
 
 #: How long a signed description stays valid at least (longer with a long ``lease_ttl_s``).
 RECORD_VALID_S = 120.0
-_RECORD_LABEL = b"kvstore node record v1\x00"
+_RECORD_LABEL_V1 = b"kvstore node record v1\x00"
+_RECORD_LABEL = b"kvstore node record v2\x00"
 
 
 def record_keyring(keyring: Keyring) -> Keyring:
@@ -52,15 +60,21 @@ class NodeInfo:
     capacity: Mapping[str, int] = field(default_factory=dict)
     #: Unix time (ms) after which the signed description is no longer believed (0: unsigned).
     expires_ms: int = 0
+    #: The key schemes the node serves, each a :meth:`KeyScheme.to_json` text (``None``: a v1
+    #: description, from before nodes published them).
+    keys: tuple[str, ...] | None = ()
 
     def fields(self) -> dict[str, str]:
         """The hash fields stored under :meth:`Layout.node` (unsigned)."""
-        return {
+        fields = {
             "epoch": str(self.epoch),
             "grpc": self.grpc,
             "ucx": self.ucx,
             "capacity": json.dumps(dict(self.capacity)),
         }
+        if self.keys is not None:
+            fields["keys"] = json.dumps(list(self.keys))
+        return fields
 
     def signed(self, ring: Keyring, expires_ms: int) -> dict[str, str]:
         """:meth:`fields` valid until ``expires_ms``, with their MAC under ``ring`` (a
@@ -78,12 +92,21 @@ class NodeInfo:
             sorted(dict(self.capacity).items()),
             self.expires_ms,
         ]
+        if self.keys is None:
+            return _RECORD_LABEL_V1 + json.dumps(described, separators=(",", ":")).encode()
+        described.append(list(self.keys))
         return _RECORD_LABEL + json.dumps(described, separators=(",", ":")).encode()
 
     @classmethod
     def parse(cls, node_id: str, raw: Mapping[bytes, bytes]) -> NodeInfo:
         """The inverse of :meth:`fields` (nothing verified: see :meth:`verified`)."""
         text = {k.decode(): v.decode() for k, v in raw.items()}
+        keys = None
+        if "keys" in text:
+            listed = json.loads(text["keys"])
+            if not isinstance(listed, list) or not all(isinstance(k, str) for k in listed):
+                raise ValueError("keys is not a list of strings")
+            keys = tuple(listed)
         return cls(
             node_id,
             int(text.get("epoch", "0")),
@@ -91,6 +114,7 @@ class NodeInfo:
             text.get("ucx", ""),
             json.loads(text.get("capacity", "{}")),
             int(text.get("expires_ms", "0")),
+            keys,
         )
 
     @classmethod

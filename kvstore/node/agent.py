@@ -1,7 +1,15 @@
-"""Starting and stopping a server's part in the cluster index (``cluster.enabled``)."""
+"""Starting and stopping a server's part in the cluster index (``cluster.enabled``).
+
+The node's description carries the key schemes it serves (:class:`NodeKeySchemes`: its
+``[keys]`` settings and the namespaces its engines declared), re-signed as soon as an engine
+declares a new one. With ``cluster.engine_events`` the engine's blocks are named by the first
+scheme with a namespace (``keys.namespace``, else the first an engine's connector declares);
+until one exists the events are not followed (logged once).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping
 
@@ -9,11 +17,12 @@ from kvstore.block import installed_keyring
 from kvstore.cluster.index import ClusterIndex
 from kvstore.cluster.layout import Client, Layout, connect
 from kvstore.cluster.records import NodeInfo
-from kvstore.cluster_config import ClusterConfig, namespace_from_json
-from kvstore.config import Config, hash_secret
+from kvstore.config import Config
 from kvstore.errors import ConfigError
+from kvstore.key_scheme import KeyScheme
 from kvstore.node.engine_chunks import EngineChunks, LocalPublisher
 from kvstore.node.engine_events import EngineEvents, load_event_modules
+from kvstore.node.key_schemes import NodeKeySchemes
 from kvstore.node.membership import Membership, node_id_for
 from kvstore.node.peers import PeerSource
 from kvstore.node.publisher import Publisher
@@ -35,17 +44,23 @@ class ClusterNode:
         publishers: list[Publisher],
         peers: Mapping[str, tuple[TieredStore, PeerSource]] | None = None,
         engine: EngineEvents | None = None,
+        key_schemes: NodeKeySchemes | None = None,
     ):
         self.client = client
         self.membership = membership
         self.publishers = publishers
         #: By tenant: the store and the peer source it reads through.
         self.peers = dict(peers or {})
-        #: The engine's KV events, with ``cluster.engine_events``.
+        #: The engine's KV events, with ``cluster.engine_events`` (``None`` until a key scheme
+        #: with a namespace is known).
         self.engine = engine
+        #: The key schemes the node publishes.
+        self.key_schemes = key_schemes
+        self.stopped = False
 
     async def stop(self) -> None:
         """Leave the index: lease first (entries stop counting at once), then the entries."""
+        self.stopped = True  # a late declaration starts no engine events
         if self.engine is not None:
             await self.engine.stop()
         for store, source in self.peers.values():
@@ -60,17 +75,26 @@ class ClusterNode:
 
 
 async def start_cluster(
-    config: Config, stores: Mapping[str, TieredStore], grpc: str, ucx: str = ""
+    config: Config,
+    stores: Mapping[str, TieredStore],
+    grpc: str,
+    ucx: str = "",
+    key_schemes: NodeKeySchemes | None = None,
 ) -> ClusterNode | None:
     """Register this node and publish each tenant's store (keyed by tenant name, "" for a server
-    without tenants); ``None`` unless ``cluster.enabled``. Redis being down does not fail it."""
+    without tenants) and the key schemes it serves (``key_schemes``; ``None``: those of
+    ``config.keys``); ``None`` unless ``cluster.enabled``. Redis being down does not fail it."""
     settings = config.cluster
     if not settings.enabled:
         return None
     url = settings.url or config.redis.url
     if not url:  # Config refuses this; a hand-built one may not
         raise ConfigError("cluster.enabled needs cluster.url or redis.url; both are empty")
-    engine_tenant = _engine_tenant(settings, stores)
+    schemes = key_schemes if key_schemes is not None else NodeKeySchemes(config.keys.scheme())
+    if settings.engine_events:
+        load_event_modules()
+        if schemes.configured.namespace is not None:
+            _engine_tenant(schemes.configured, stores)  # refused before anything starts
     client = connect(url, timeout_s=min(2.0, settings.lease_ttl_s / 3))
     layout = Layout(settings.key_prefix)
     node_id = node_id_for(settings.node_id, config.nvme.path)
@@ -89,25 +113,27 @@ async def start_cluster(
     membership = Membership(
         client,
         layout,
-        lambda epoch: NodeInfo(node_id, epoch, settings.grpc_target(grpc), ucx, capacity),
+        lambda epoch: NodeInfo(
+            node_id, epoch, settings.grpc_target(grpc), ucx, capacity, keys=_published(schemes)
+        ),
         settings.lease_ttl_s,
         rejoined,
         keyring,
     )
-    engine: EngineEvents | None = None
+    local: dict[str, LocalPublisher] = {}
     for tenant, store in stores.items():
-        kind = LocalPublisher if tenant == engine_tenant else Publisher
+        # With engine events any tenant may turn out to be the engine's (its namespace's).
+        kind = LocalPublisher if settings.engine_events else Publisher
         publisher = kind(
             client, layout.for_tenant(tenant), store, membership, settings.publish_interval_s
         )
         publishers.append(publisher)
         if isinstance(publisher, LocalPublisher):
-            engine = EngineEvents(settings.engine_events, _engine_chunks(settings, publisher))
+            local[tenant] = publisher
     for publisher in publishers:
         publisher.start()
     await membership.start()
-    if engine is not None:
-        engine.start()
+    schemes.add_listener(membership.changed)
     logger.info("cluster index: node %s publishing to %s", node_id, settings.key_prefix)
     peers: dict[str, tuple[TieredStore, PeerSource]] = {}
     if settings.shared_data in ("peers", "both"):
@@ -134,32 +160,74 @@ async def start_cluster(
             settings.shared_data,
             settings.peer_transport,
         )
-    return ClusterNode(client, membership, publishers, peers, engine)
+    node = ClusterNode(client, membership, publishers, peers, None, schemes)
+    if settings.engine_events:
+        _follow_engine(node, settings.engine_events, settings.engine_max_blocks, local)
+    return node
 
 
-def _engine_tenant(settings: ClusterConfig, stores: Mapping[str, TieredStore]) -> str | None:
-    """The tenant whose store the engine's connector uses (its namespace's), or ``None`` when
-    ``cluster.engine_events`` is off; checks that the event modules are installed."""
-    if not settings.engine_events:
-        return None
-    load_event_modules()
-    tenant = namespace_from_json(settings.engine_namespace, "cluster.engine_namespace").tenant
+def _published(schemes: NodeKeySchemes) -> tuple[str, ...]:
+    """The schemes a node's description carries: those it serves, else (no engine declared one
+    yet) its configured one without a namespace, so that a router still sees its chunk size."""
+    return tuple(s.to_json() for s in schemes.current() or (schemes.configured,))
+
+
+def _engine_tenant(scheme: KeyScheme, stores: Mapping[str, object]) -> str:
+    """The tenant whose store the engine's connector uses (its namespace's)."""
+    assert scheme.namespace is not None
+    tenant = scheme.namespace.tenant
     if tenant not in stores:
         raise ConfigError(
-            f"cluster.engine_namespace: tenant {tenant!r} is not served here; "
-            f"tenants: {sorted(stores)}"
+            f"the engine's key namespace (keys.namespace, or its connector's) names tenant "
+            f"{tenant!r}, which is not served here; tenants: {sorted(stores)}"
         )
     return tenant
 
 
-def _engine_chunks(settings: ClusterConfig, publisher: LocalPublisher) -> EngineChunks:
-    algorithm = settings.engine_hash_algorithm
-    return EngineChunks(
-        namespace_from_json(settings.engine_namespace, "cluster.engine_namespace"),
-        settings.engine_chunk_size,
-        hash_secret().encode(),
-        publisher.hold,
-        publisher.release,
-        algorithm="sha256" if algorithm == "sha256" else "xxh3_128",
-        max_blocks=settings.engine_max_blocks,
+def _follow_engine(
+    node: ClusterNode, endpoint: str, max_blocks: int, local: Mapping[str, LocalPublisher]
+) -> None:
+    """Follow the engine's events with the first scheme that has a namespace: now if there is
+    one, else once an engine declares one (the declaring thread hands it to the loop)."""
+    schemes = node.key_schemes
+    assert schemes is not None
+    loop = asyncio.get_running_loop()
+
+    def start() -> None:
+        if node.engine is not None or node.stopped:
+            return
+        scheme = next((s for s in schemes.current() if s.namespace is not None), None)
+        if scheme is None:
+            return
+        try:
+            publisher = local[_engine_tenant(scheme, local)]
+            secret = scheme.secret()
+        except ConfigError as exc:
+            logger.error("cluster.engine_events: not following the engine's events: %s", exc)
+            return
+        chunks = EngineChunks(
+            scheme.namespace,  # type: ignore[arg-type]
+            scheme.chunk_size,
+            secret,
+            publisher.hold,
+            publisher.release,
+            algorithm=scheme.hash_algorithm,
+            max_blocks=max_blocks,
+        )
+        node.engine = EngineEvents(endpoint, chunks)
+        node.engine.start()
+        logger.info("cluster.engine_events: naming the engine's blocks with %s", scheme.describe())
+
+    if any(s.namespace is not None for s in schemes.current()):
+        start()
+        return
+    logger.info(
+        "cluster.engine_events: waiting for an engine's connector to declare its key namespace "
+        "(or set keys.namespace); the engine's blocks are not published until then"
     )
+
+    def declared() -> None:
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(start)
+
+    schemes.add_listener(declared)

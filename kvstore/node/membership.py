@@ -9,7 +9,8 @@ logs once and keeps trying. :meth:`Membership.stop` deletes the lease, so everyt
 published stops counting at once.
 
 **Signed descriptions.** The node signs its description (:mod:`kvstore.cluster.records`:
-what is signed, how a reader verifies it) and re-signs it with its renewals.
+what is signed, how a reader verifies it) and re-signs it with its renewals, and at once when
+what it describes changed (:meth:`Membership.changed`: an engine declared a new key scheme).
 """
 
 from __future__ import annotations
@@ -87,9 +88,13 @@ class Membership:
         self._on_rejoin = on_rejoin
         self._task: asyncio.Task[None] | None = None
         self._down = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake = asyncio.Event()
+        self._changed = False
 
     async def start(self) -> None:
         """Register now if Redis answers (else keep trying in the background), then renew."""
+        self._loop = asyncio.get_running_loop()
         await self._beat()
         self._task = asyncio.create_task(self._renew_forever(), name="cluster-lease")
 
@@ -111,14 +116,26 @@ class Membership:
     def _signed(self) -> dict[str, str]:
         """This node's description, signed, valid for the next ``_valid_s``."""
         assert self.epoch is not None
+        self._changed = False  # (set again by _beat if writing it fails)
         expires_ms = int((time.time() + self._valid_s) * 1000)
         fields = self._describe(self.epoch).signed(self._ring, expires_ms)
         self._expires_ms = expires_ms
         return fields
 
+    def changed(self) -> None:
+        """What the description says changed: sign and write it again now, not at the next
+        renewal (callable from any thread; a no-op before :meth:`start`)."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._mark_changed)
+
+    def _mark_changed(self) -> None:
+        self._changed = True
+        self._wake.set()
+
     async def _resign(self) -> None:
-        """Sign the description again once half its validity is gone."""
-        if time.time() * 1000 < self._expires_ms - self._valid_s * 500:
+        """Sign the description again once half its validity is gone, or it changed."""
+        if not self._changed and time.time() * 1000 < self._expires_ms - self._valid_s * 500:
             return
         await self.client.hset(self.layout.node(self.node_id), mapping=self._signed())  # type: ignore[arg-type]
 
@@ -142,13 +159,17 @@ class Membership:
                 logger.warning("cluster index: Redis answers again; republishing")
             self._down = False
         except REDIS_ERRORS as exc:
+            self._changed = True  # write the description in full once Redis answers again
             if not self._down:
                 logger.warning("cluster index: Redis unreachable (%s); the node keeps serving", exc)
             self._down = True
 
     async def _renew_forever(self) -> None:
         while True:
-            await asyncio.sleep(self.ttl_s / 3)
+            # A change wakes it early (a timeout is the usual renewal).
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.ttl_s / 3)
+            self._wake.clear()
             await self._beat()
 
     async def stop(self) -> None:

@@ -6,11 +6,12 @@ and cache salt filled in, and the secret ``$KVSTORE_HASH_SECRET``
 (:func:`kvstore.integrations.vllm_common.make_hasher`). Those rank-0 keys are what a node stores
 for rank 0 and publishes to the cluster index, so they are what the router asks about.
 
-The router cannot read the engine's configuration, so the base namespace is given to it
-(``router.namespace``: a JSON object of :class:`~kvstore.keys.Namespace` fields, which the
-connector logs at start) together with ``router.chunk_size`` and ``router.hash_algorithm``.
-A namespace that differs from the engines' in any field only makes every lookup miss (routing
-falls back to load); it never sends a wrong answer anywhere.
+The router cannot read the engine's configuration: it reads the key scheme the nodes publish in
+the cluster index (:mod:`.fleet_keys`, which makes a :class:`RouterKeys` of it), or, deprecated,
+``router.namespace`` (a JSON object of :class:`~kvstore.keys.Namespace` fields, which the
+connector logs at start) with ``router.chunk_size`` and ``router.hash_algorithm``. A namespace
+that differs from the engines' in any field only makes every lookup miss (routing falls back to
+load); it never sends a wrong answer anywhere.
 """
 
 from __future__ import annotations

@@ -83,6 +83,18 @@ class RouterMetrics:
             ["replica", "outcome"],
             registry=r,
         )
+        self.scheme_refused = Gauge(
+            "kvstore_router_replica_scheme_refused",
+            "1 while the replica's node publishes a key scheme that differs from the fleet's "
+            "(it is then not scored by cached prefix)",
+            ["replica"],
+            registry=r,
+        )
+        self.scheme_reads = Counter(
+            "kvstore_router_key_scheme_reads",
+            "Reads of the key schemes the nodes publish (every 2 s while requests come)",
+            registry=r,
+        )
         self.in_flight = Gauge(
             "kvstore_router_in_flight", "Requests in flight per replica", ["replica"], registry=r
         )

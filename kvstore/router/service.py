@@ -37,6 +37,7 @@ from kvstore.config import Config, hash_secret
 from kvstore.errors import ConfigError
 from kvstore.router.body import ParsedBody, TokenIds, parse_body
 from kvstore.router.decision import FALLBACK_REASONS, DecisionRecord, reason_for
+from kvstore.router.fleet_keys import FleetKeys
 from kvstore.router.index_query import AdaptiveDeadline, IndexQuery
 from kvstore.router.keys import RouterKeys, parse_namespace
 from kvstore.router.lookup import ScriptIndex
@@ -116,6 +117,7 @@ class Router:
         policy: str = "kv",
         max_body_bytes: int = 16 * 1024**2,
         clock: Callable[[], float] = time.monotonic,
+        fleet_index: ClusterIndex | None = None,
     ) -> None:
         self.keys = keys  # None (P/D mode without router.namespace): routed by load
         self.index = IndexQuery(
@@ -124,6 +126,11 @@ class Router:
         self.prefill = prefill
         self.tokenizer = tokenizer
         self.metrics = RouterMetrics()
+        #: The fleet's published key schemes (with ``fleet_index``); ``keys`` is then only the
+        #: fallback while no node publishes one.
+        self.fleet: FleetKeys | None = None
+        if fleet_index is not None:
+            self.fleet = FleetKeys(fleet_index, self.metrics, keys, clock=clock)
         self.scorer = Scorer(
             replicas,
             keys.chunk_size if keys is not None else 1,
@@ -160,25 +167,35 @@ class Router:
         await asyncio.gather(*handlers, return_exceptions=True)
 
     async def decide(
-        self, tokens: Sequence[int] | TokenIds | None, cache_salt: str = "", lora_id: str = ""
+        self,
+        tokens: Sequence[int] | TokenIds | None,
+        cache_salt: str = "",
+        lora_id: str = "",
+        model: str | None = None,
     ) -> tuple[Decision, list[bytes]]:
-        """Choose a replica for a prompt (``None``: token ids unknown) and count why; only its
-        first :data:`MAX_CHUNKS` chunks count."""
+        """Choose a replica for a prompt (``None``: token ids unknown) of ``model`` and count
+        why; only its first :data:`MAX_CHUNKS` chunks count. Replicas whose node's key scheme
+        differs from the fleet's are not credited with cached prefixes (:mod:`.fleet_keys`)."""
         started = time.perf_counter()
         keys: list[bytes] = []
         holdings: Mapping[str, Holding] = {}
         fallback, asked, index_seconds = "", False, 0.0
         deadline = self.index.deadline.seconds
+        namer = self.fleet.keys_for(model) if self.fleet is not None else self.keys
         if tokens is None:
             fallback = "no_tokens"
-        elif self.keys is None:
+        elif namer is None:
             fallback = "no_namespace"
         else:
-            named = tokens[: MAX_CHUNKS * self.keys.chunk_size]
-            keys = self.keys.keys(named, lora_id, cache_salt)
+            named = tokens[: MAX_CHUNKS * namer.chunk_size]
+            keys = namer.keys(named, lora_id, cache_salt)
+            self.scorer.chunk_size = namer.chunk_size
             if keys and self.scorer.policy == "kv":  # the baselines never ask the index
                 asked = True
                 holdings, fallback, index_seconds = await self.index.holders(keys)
+                refused = self.fleet.refused if self.fleet is not None else {}
+                if refused:  # their entries name chunks otherwise: never credit them
+                    holdings = {n: h for n, h in holdings.items() if n not in refused}
         count = 0 if tokens is None else len(tokens)
         decision = self.scorer.choose(keys, count, holdings)
         m = self.metrics
@@ -260,8 +277,12 @@ class Router:
                 decode = await self.prefill.run(request, body, count)
                 if decode is not None:  # else the decode replica computes the whole prompt
                     request.body = body.encode(decode)
-            salt = body.value.get("cache_salt")
-            decision, keys = await self.decide(tokens, salt if isinstance(salt, str) else "")
+            salt, model = body.value.get("cache_salt"), body.value.get("model")
+            decision, keys = await self.decide(
+                tokens,
+                salt if isinstance(salt, str) else "",
+                model=model if isinstance(model, str) else None,
+            )
             del tokens  # not held while the response streams
             prefill = count - decision.predicted_hit_tokens
             await self._proxy(request, writer, list(decision.ranked), decision, keys, prefill)
@@ -349,22 +370,25 @@ def build_router(config: Config) -> tuple[Router, Client | None]:
         prefill, replicas = pd_replicas(settings.replicas, settings.prefill, settings.decode)
     else:
         replicas = parse_replicas(settings.replicas)
-    if not settings.namespace and not prefill:
-        raise ConfigError("router.namespace is empty; give the engines' base namespace as JSON")
+    url = config.cluster.url or config.redis.url
+    if not settings.namespace and not prefill and not url:
+        raise ConfigError(
+            "the router names chunks by the key scheme its nodes publish in the cluster index, "
+            "and has none: set cluster.url (or redis.url) to the index the nodes publish to"
+        )
     if settings.hash_algorithm not in ("xxh3_128", "sha256"):
         raise ConfigError(
             f"router.hash_algorithm: cannot use {settings.hash_algorithm!r}: "
             "one of xxh3_128, sha256"
         )
     keys = None
-    if settings.namespace:
+    if settings.namespace:  # deprecated: only while no node publishes a scheme
         keys = RouterKeys(
             parse_namespace(settings.namespace),
             settings.chunk_size,
             hash_secret(),
             "sha256" if settings.hash_algorithm == "sha256" else "xxh3_128",
         )
-    url = config.cluster.url or config.redis.url
     # The socket timeout is the cap: the adaptive deadline (index_query) cuts queries off first.
     cap_s = max(settings.index_timeout_max_s, settings.index_timeout_s)
     client = connect(url, cap_s) if url else None
@@ -387,6 +411,13 @@ def build_router(config: Config) -> tuple[Router, Client | None]:
         index_timeout_max_s=settings.index_timeout_max_s,
         policy=settings.policy,
         max_body_bytes=settings.max_body_bytes,
+        # The nodes' descriptions (all tenants share them), read unsigned: a router holds no
+        # integrity secrets.
+        fleet_index=(
+            ClusterIndex(client, Layout(config.cluster.key_prefix), timeout_s=cap_s)
+            if client is not None
+            else None
+        ),
     )
     if prefill:
         router.prefill = PrefillStage(
@@ -418,6 +449,8 @@ def pd_replicas(replicas: str, prefill: str, decode: str) -> tuple[list[Replica]
 async def run_router(config: Config, on_ready: Callable[[str], None]) -> None:
     """Serve until cancelled (SIGINT/SIGTERM end the process's loop)."""
     router, client = build_router(config)
+    if router.fleet is not None:  # name chunks as the nodes do from the first request on
+        await router.fleet.refresh()
     host, _, port = config.router.listen.rpartition(":")
     if not host or not port.isdigit():
         raise ConfigError(f"router.listen: cannot use {config.router.listen!r}: give HOST:PORT")
@@ -429,6 +462,8 @@ async def run_router(config: Config, on_ready: Callable[[str], None]) -> None:
             await server.serve_forever()
     finally:
         await router.drain()
+        if router.fleet is not None:
+            await router.fleet.aclose()
         router.close()
         if client is not None:
             await client.aclose()

@@ -24,6 +24,7 @@ from kvstore.block import Keyring, install_keyring, installed_keyring
 from kvstore.config import Config
 from kvstore.errors import AuthenticationError
 from kvstore.node.agent import ClusterNode, start_cluster
+from kvstore.node.key_schemes import NodeKeySchemes
 from kvstore.policy import Policy
 from kvstore.protocol.messages import MESSAGE_TARGET_BYTES
 from kvstore.protocol.ucx import UcxTransportError
@@ -268,6 +269,10 @@ async def start_server(config: Config) -> RunningServer:
     servicer = KVStoreServicer(
         tenants=tenants, put_stream_timeout_s=config.server.put_stream_timeout_s
     )
+    # The key schemes this node serves: its [keys] settings, and the namespaces its engines'
+    # connectors declare (through the servicer's KeyScheme call, which reads
+    # servicer.key_schemes); published in the cluster index.
+    key_schemes = servicer.key_schemes = NodeKeySchemes(config.keys.scheme())
     add_to_server(servicer, server)
     health = health_async.HealthServicer()
     add_health_to_server(health, server)
@@ -300,7 +305,7 @@ async def start_server(config: Config) -> RunningServer:
         f" for {len(tenants)} tenants" if config.tenants else "",
     )
     stores = {tenant.name: tenant.store for tenant in tenants}
-    cluster = await start_cluster(config, stores, address, servicer.ucx_address)
+    cluster = await start_cluster(config, stores, address, servicer.ucx_address, key_schemes)
     if cluster is not None:  # other nodes' reads are admitted once it has a boot epoch
         membership = cluster.membership
         gate.identity = lambda: (membership.node_id, membership.epoch)

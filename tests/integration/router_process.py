@@ -32,8 +32,8 @@ class RouterProcess:
         tmp: Path,
         replicas: list[str],
         *,
-        namespace: str,
-        chunk_size: int,
+        namespace: str = "",
+        chunk_size: int | None = None,
         index_url: str = "",
         env: Mapping[str, str] | None = None,
         log_level: str = "INFO",
@@ -44,7 +44,10 @@ class RouterProcess:
         command += ["--log-level", log_level]
         for replica in replicas:
             command += ["--replica", replica]
-        command += ["--namespace", namespace, "--chunk-size", str(chunk_size)]
+        if namespace:  # deprecated: the nodes publish their key scheme in the index
+            command += ["--namespace", namespace]
+        if chunk_size is not None:
+            command += ["--chunk-size", str(chunk_size)]
         if index_url:
             command += ["--index-url", index_url]
         self.log = (tmp / "router.log").open("w+b")

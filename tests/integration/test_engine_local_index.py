@@ -115,10 +115,10 @@ def test_engine_chunks_are_local_whole_and_withdrawn(
         "KVSTORE_CLUSTER_NODE_ID": "n",
         "KVSTORE_CLUSTER_PUBLISH_INTERVAL_S": "0.05",
         "KVSTORE_CLUSTER_ENGINE_EVENTS": endpoint,
-        "KVSTORE_CLUSTER_ENGINE_NAMESPACE": json.dumps(
+        "KVSTORE_KEYS_NAMESPACE": json.dumps(
             {"model": NS.model, "num_layers": 2, "num_kv_heads": 2, "head_size": 64}
         ),
-        "KVSTORE_CLUSTER_ENGINE_CHUNK_SIZE": str(CHUNK),
+        "KVSTORE_KEYS_CHUNK_SIZE": str(CHUNK),
         "KVSTORE_CLUSTER_ENGINE_MAX_BLOCKS": str(MAX_BLOCKS),
         "KVSTORE_HASH_SECRET": SECRET,
     }

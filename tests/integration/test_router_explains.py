@@ -45,8 +45,6 @@ def setup(tmp_path: Path, server_factory: ServerFactory) -> Iterator[Setup]:
         router = RouterProcess(
             tmp_path,
             [f"{engine_a.url}=node-a", f"{engine_b.url}=node-b"],
-            namespace=namespace_json(),
-            chunk_size=CHUNK,
             index_url=redis_server.url,
             # A floor no answer misses at load 10, but for the stalled index's.
             env={

@@ -51,6 +51,10 @@ def cluster_env(url: str, node: str) -> dict[str, str]:
         "KVSTORE_CLUSTER_URL": url,
         "KVSTORE_CLUSTER_NODE_ID": node,
         "KVSTORE_CLUSTER_PUBLISH_INTERVAL_S": "0.05",
+        # The key scheme the nodes publish, which the router names chunks by.
+        "KVSTORE_KEYS_CHUNK_SIZE": str(CHUNK),
+        "KVSTORE_KEYS_NAMESPACE": namespace_json(),
+        "KVSTORE_HASH_SECRET": "",
     }
 
 
@@ -91,8 +95,6 @@ def setup(
         router = RouterProcess(
             tmp_path,
             [f"{engine_a.url}=node-a", f"{engine_b.url}=node-b"],
-            namespace=namespace_json(),
-            chunk_size=CHUNK,
             index_url=redis_server.url,
             # The burst stays on one replica while its hit outweighs the load (see scoring).
             env={

@@ -84,8 +84,8 @@ def test_engine_settings_errors_name_the_setting() -> None:
     namespace = '{"model": "m"}'
     with pytest.raises(ConfigError, match=r"cluster\.engine_events must be empty or start with"):
         load_config(env={**base, "KVSTORE_CLUSTER_ENGINE_EVENTS": "127.0.0.1:5557"})
-    with pytest.raises(ConfigError, match=r"needs cluster\.engine_namespace"):
-        load_config(env=on)
+    # No namespace: the node waits for its engine's connector to declare one.
+    assert load_config(env=on).keys.namespace == ""
     with pytest.raises(ConfigError, match=r"cluster.engine_namespace: unknown fields \['modle'\]"):
         load_config(env={**on, "KVSTORE_CLUSTER_ENGINE_NAMESPACE": '{"modle": "m"}'})
     with pytest.raises(ConfigError, match=r"needs cluster\.enabled = true"):
@@ -106,4 +106,4 @@ def test_engine_settings_errors_name_the_setting() -> None:
         )
     config = load_config(env={**on, "KVSTORE_CLUSTER_ENGINE_NAMESPACE": namespace})
     assert config.cluster.engine_events == "tcp://127.0.0.1:5557"
-    assert config.cluster.engine_chunk_size == 256
+    assert config.keys.chunk_size == 256 and config.keys.namespace == namespace

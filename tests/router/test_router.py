@@ -207,7 +207,7 @@ def test_prompt_tokens_without_a_tokenizer() -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--replica", "http://a:1=n"], "router.namespace is empty"),
+        (["--replica", "http://a:1=n"], "set cluster.url"),
         (
             ["--replica", "a=n", "--namespace", '{"model": "m"}'],
             "router.replicas: cannot use 'a=n'",

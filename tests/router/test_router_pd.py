@@ -303,5 +303,5 @@ def test_pd_mode_needs_no_namespace_and_routes_decode_by_load() -> None:
     assert client is None and router.keys is None and router.prefill is not None
     assert [r.url for r in router.scorer.replicas] == ["http://b:1"]
     assert [r.url for r in router.prefill.scorer.replicas] == ["http://a:1"]
-    with pytest.raises(ConfigError, match=r"router\.namespace is empty"):
+    with pytest.raises(ConfigError, match=r"set cluster\.url"):
         build_router(load_config(None, env={"KVSTORE_ROUTER_REPLICAS": "http://b:1=m"}))

@@ -188,8 +188,8 @@ def test_engine_prefix_cache_is_local_in_the_index(
                 "KVSTORE_CLUSTER_NODE_ID": "beside-engine",
                 "KVSTORE_CLUSTER_PUBLISH_INTERVAL_S": "0.05",
                 "KVSTORE_CLUSTER_ENGINE_EVENTS": f"tcp://127.0.0.1:{port}",
-                "KVSTORE_CLUSTER_ENGINE_NAMESPACE": json.dumps(fields),
-                "KVSTORE_CLUSTER_ENGINE_CHUNK_SIZE": str(CHUNK),
+                "KVSTORE_KEYS_NAMESPACE": json.dumps(fields),
+                "KVSTORE_KEYS_CHUNK_SIZE": str(CHUNK),
             },
         )
         # The connector's own naming of this engine's unsalted, non-LoRA requests.
