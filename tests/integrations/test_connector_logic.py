@@ -37,6 +37,7 @@ from kvstore.integrations.vllm_common import (
 from kvstore.integrations.vllm_plan import kernel_ids, load_targets, plan_scatter
 from kvstore.integrations.vllm_scheduler import SchedulerSide
 from kvstore.integrations.vllm_worker import WorkerSide
+from kvstore.key_scheme import KeyScheme
 from kvstore.types import LookupResult
 
 BLOCK = 16
@@ -47,6 +48,9 @@ NUM_BLOCKS = 24
 
 class FakeStore(StoreStandIn):
     """Stands in for :class:`kvstore.KVStoreClient`: chunks in a dict, calls counted."""
+
+    #: A store whose node names chunks of CHUNK tokens, as the tests' settings do.
+    scheme = KeyScheme(chunk_size=CHUNK)
 
     def __init__(self) -> None:
         self.chunks: dict[bytes, torch.Tensor] = {}

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 from harness.ports import free_port
+from harness.store_scheme import store_chunk_size
 from store_process import StoreProcess
 
 from kvstore.errors import ConfigError
@@ -138,10 +139,11 @@ def _wait_stored(side: SchedulerSide, request: Any, chunks: int) -> None:
 @pytest.fixture()
 def pair(store: StoreProcess) -> Iterator[tuple[SchedulerSide, WorkerSide, _Manager]]:
     settings = _settings(store.target)
-    scheduler = SchedulerSide(settings, _vllm_config(), _kv_cache_config())
+    with store_chunk_size(CHUNK):  # the module's store is a plain ``kvstore serve``
+        scheduler = SchedulerSide(settings, _vllm_config(), _kv_cache_config())
+        worker = WorkerSide(settings, _vllm_config(), _kv_cache_config())
     manager = _Manager()
     scheduler.bind_kv_cache_manager(manager)  # type: ignore[arg-type]
-    worker = WorkerSide(settings, _vllm_config(), _kv_cache_config())
     yield scheduler, worker, manager
     worker.shutdown()
     scheduler.shutdown()
