@@ -13,9 +13,9 @@ fingerprint of its key secret) and names chunks with the answer:
   multiple of the engine's block size.
 * A store that cannot be reached at start does not stop the engine: the connector uses its
   configured values (else the defaults), logs one WARNING, and asks again once the store answers
-  (``when_reconnected``). If the answer then differs from what it named chunks with, it stops
-  loading and saving for good (its breaker held open) with one ERROR line: chunk sizes are never
-  mixed.
+  (``when_reconnected``; a store that was only slow to answer, after ``retry_after_s``). If the
+  answer then differs from what it named chunks with, it stops loading and saving for good (its
+  breaker held open) with one ERROR line: chunk sizes are never mixed.
 * The scheduler half tells the workers its chunk size in every step plan; a worker whose own
   differs (one half reached the store, the other not) stops loading and saving the same way.
 """
@@ -72,6 +72,7 @@ class SchemeCheck:
         self._block_size = block_size
         self._breaker = breaker
         self._side = side
+        self._retry_after_s = settings.retry_after_s
         self._lock = threading.Lock()
         self._stopped = False  # an ERROR about the scheme has been logged; the store is off
         self._secret_check = secret_fingerprint(settings.secret)
@@ -91,7 +92,7 @@ class SchemeCheck:
                 settings.chunk_size,
                 settings.hash_algorithm,
             )
-            self._watch()
+            self._watch(exc)
             return settings
         except _REFUSALS as exc:
             message = f"kvstore connector ({self._side}): the store refused its key scheme: {exc}"
@@ -126,8 +127,15 @@ class SchemeCheck:
             f"settings): {advice}"
         )
 
-    def _watch(self) -> None:
-        self._client.when_reconnected(self._reconnected)
+    def _watch(self, error: KVStoreError) -> None:
+        """Ask again once the store answers: when it connects afresh where it was unreachable;
+        after ``retry_after_s`` where it was only slow (its connection may stay up meanwhile)."""
+        if isinstance(error, StoreUnavailableError):
+            self._client.when_reconnected(self._reconnected)
+            return
+        timer = threading.Timer(max(self._retry_after_s, 1.0), self._recheck)
+        timer.daemon = True
+        timer.start()
 
     def _reconnected(self) -> None:
         # Called on gRPC's connectivity thread: the call it makes must not block that thread.
@@ -137,13 +145,13 @@ class SchemeCheck:
         """Ask the store again, after it was unreachable at start; stop on a difference."""
         try:
             answer = self._ask(self.settings.timeout_s)
-        except (StoreUnavailableError, DeadlineExceededError):
-            self._watch()  # lost again before it answered: wait for the next connection
+        except (StoreUnavailableError, DeadlineExceededError) as exc:
+            self._watch(exc)  # lost again before it answered: wait for the next answer
             return
         except _REFUSALS as exc:
             self._stop(f"kvstore connector ({self._side}): the store refused its key scheme: {exc}")
             return
-        except KVStoreError as exc:
+        except Exception as exc:  # on a thread of its own: a failure here would go unseen
             logger.warning("kvstore connector (%s): key scheme not checked: %s", self._side, exc)
             return
         differences = _differences(self.settings, answer, pinned_only=False)

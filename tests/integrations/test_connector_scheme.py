@@ -33,6 +33,7 @@ from test_connector_logic import (
 from kvstore.errors import (
     CapacityError,
     ConfigError,
+    DeadlineExceededError,
     KVStoreError,
     NamespaceMismatchError,
     PermissionDeniedError,
@@ -178,6 +179,21 @@ def test_an_unreachable_store_is_asked_again_when_it_answers_and_confirms(
         finally:
             side.shutdown()
     assert _scheme_lines(caplog, logging.ERROR) == []
+
+
+def test_a_store_too_slow_at_start_is_asked_again_after_retry_after_s(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    store = SchemeStore(None, DeadlineExceededError("deadline exceeded"))
+    with caplog.at_level(logging.INFO, logger=SCHEME_LOGGER):
+        side = _scheduler(_settings(retry_after_s=0), store)  # asked again after 1 s
+        try:
+            assert store.reconnect_callbacks == []  # its connection may be up all along
+            store.refusal, store.scheme = None, KeyScheme(chunk_size=CHUNK)
+            poll(lambda: _scheme_lines(caplog, logging.INFO), 10, "the store's confirmation")
+            assert len(store.asked) == 2 and not side._breaker.is_open()
+        finally:
+            side.shutdown()
 
 
 def test_a_store_that_answers_otherwise_after_a_start_without_it_stops_loads_and_saves(
