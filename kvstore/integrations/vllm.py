@@ -104,7 +104,12 @@ class KVStoreConnectorMetadata(StepPlan, KVConnectorMetadata):  # type: ignore[m
     @classmethod
     def of(cls, plan: StepPlan) -> KVStoreConnectorMetadata:
         """The same plan, typed for vLLM."""
-        return cls(loads=plan.loads, saves=plan.saves, preempted_req_ids=plan.preempted_req_ids)
+        return cls(
+            loads=plan.loads,
+            saves=plan.saves,
+            preempted_req_ids=plan.preempted_req_ids,
+            chunk_size=plan.chunk_size,
+        )
 
 
 class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]

@@ -7,6 +7,7 @@ vLLM's CPU layout. What the engine itself does with the plans is covered by test
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -279,3 +280,16 @@ def test_each_rank_stores_under_its_own_keys() -> None:
     assert rank0 == keys  # rank 0 keeps the names the scheduler looks up
     assert len(set(rank1)) == 3 and not set(rank1) & set(keys)
     assert all(len(k) == 16 for k in rank1)
+
+
+def test_the_metadata_vllm_carries_keeps_every_field_of_the_plan() -> None:
+    from kvstore.integrations.vllm import KVStoreConnectorMetadata
+
+    plan = StepPlan(
+        loads=[LoadSpec("r", [b"k" * 16], [0, 1])],
+        preempted_req_ids={"p"},
+        chunk_size=CHUNK,  # what a worker checks its own against
+    )
+    meta = KVStoreConnectorMetadata.of(plan)
+    for field in dataclasses.fields(StepPlan):
+        assert getattr(meta, field.name) == getattr(plan, field.name), field.name
