@@ -400,6 +400,11 @@ class Breaker:
         """Open for good: the store must not be used again (it names chunks otherwise)."""
         self._held = True
 
+    @property
+    def held(self) -> bool:
+        """Whether :meth:`hold` was called."""
+        return self._held
+
     def trip(self, error: BaseException) -> None:
         """Record a failure; the first one of an outage is logged."""
         with self._lock:
