@@ -37,6 +37,7 @@ from typing import Any
 import kvstore_kernels  # type: ignore[import-not-found, unused-ignore]
 import torch
 from harness.polling import poll
+from harness.store_scheme import store_chunk_size
 
 from kvstore.client import KVStoreClient
 from kvstore.integrations.kv_layout import CacheSpec, detect_layout
@@ -192,10 +193,12 @@ class Engine:
             env={},
         )
         self.settings = settings
-        self.scheduler = SchedulerSide(settings, self.vllm_config, self.kv_cache_config)
+        # The harness's store is a plain ``kvstore serve``: it names chunks of CHUNK tokens.
+        with store_chunk_size(CHUNK):
+            self.scheduler = SchedulerSide(settings, self.vllm_config, self.kv_cache_config)
+            self.worker = WorkerSide(settings, self.vllm_config, self.kv_cache_config)
         self.manager = _Manager()
         self.scheduler.bind_kv_cache_manager(self.manager)  # type: ignore[arg-type]
-        self.worker = WorkerSide(settings, self.vllm_config, self.kv_cache_config)
         gen = torch.Generator().manual_seed(seed)
         names = self.kv_cache_config.kv_cache_groups[0].layer_names
         self.caches = {name: make_cache(case, device, gen) for name in names}

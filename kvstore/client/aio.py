@@ -29,6 +29,7 @@ from kvstore.client.device_fill import DeviceFill
 from kvstore.client.settings import ClientSettings
 from kvstore.client.shm import ShmLease, ShmReservation
 from kvstore.client.transport import AsyncGrpcTransport, AsyncTransport
+from kvstore.key_scheme import KeyScheme
 from kvstore.keys import Namespace
 from kvstore.retention import KEEP, Retention
 from kvstore.types import LookupResult, PrefetchProgress, PutResult
@@ -207,6 +208,16 @@ class AsyncKVStoreClient(ClientBase):
     async def stats(self, *, timeout: float | None = None) -> dict[str, Any]:
         """Tier usage and counters (including every read this client made before the call)."""
         return await self._run(self._core.stats(timeout))
+
+    async def key_scheme(
+        self, namespace: Namespace, secret_check: str, *, timeout: float | None = None
+    ) -> KeyScheme:
+        """Declare an engine's base ``namespace`` and the fingerprint of its key secret
+        (:func:`kvstore.key_scheme.secret_fingerprint`, "" to skip the comparison); the scheme
+        the server says to name chunks with (its chunk size and hash algorithm). A secret that
+        differs from the server's is :class:`~kvstore.errors.NamespaceMismatchError`, a
+        namespace of another tenant :class:`~kvstore.errors.PermissionDeniedError`."""
+        return await self._run(self._core.key_scheme(namespace, secret_check, timeout))
 
     async def open_data_plane(self, *, timeout: float | None = None) -> str:
         """Decide the data path now rather than on the first data call: shared memory is

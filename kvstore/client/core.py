@@ -44,6 +44,7 @@ from kvstore.client.shm_link import ShmLink
 from kvstore.client.steps import Blocking, Deadline, Plan, Rpc, Sleep, Step, poll_delays
 from kvstore.client.ucx import CONNECT_SHARE, UcxDataClient
 from kvstore.errors import DeadlineExceededError, KVStoreError
+from kvstore.key_scheme import KeyScheme
 from kvstore.keys import Namespace
 from kvstore.protocol import messages as _wire
 from kvstore.protocol.checks import check_keys, check_pairs
@@ -452,6 +453,15 @@ class ClientCore:
             yield Blocking(lambda: _flush_reads(plane, deadline))
         response = yield from self._rpc("Stats", pb.StatsRequest(), deadline)
         return _wire.stats_dict(response)
+
+    def key_scheme(
+        self, namespace: Namespace, secret_check: str, timeout: float | None
+    ) -> Plan[KeyScheme]:
+        """Declare ``namespace`` (an engine's base) and the fingerprint of its key secret; the
+        scheme the server says to name its chunks with."""
+        request = _wire.key_scheme_request(namespace, secret_check)
+        response = yield from self._rpc("KeyScheme", request, self.deadline(timeout))
+        return _wire.key_scheme_result(response, namespace)
 
     def open_data_plane(self, timeout: float | None) -> Plan[str]:
         """Decide the data path now (shared memory, connected; else UCX, found) rather than on

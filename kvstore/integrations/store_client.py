@@ -15,6 +15,8 @@ from typing import Any, Protocol
 from kvstore.client.arena_registration import Registrar
 from kvstore.client.device_fill import DeviceFill
 from kvstore.client.shm import ShmLease, ShmReservation
+from kvstore.key_scheme import KeyScheme
+from kvstore.keys import Namespace
 from kvstore.retention import KEEP, Retention
 from kvstore.types import LookupResult, PutResult
 
@@ -86,6 +88,12 @@ class StoreClient(Protocol):
 
     def stats(self, *, timeout: float | None = None) -> dict[str, Any]:
         """The server's stats."""
+        ...
+
+    def key_scheme(
+        self, namespace: Namespace, secret_check: str, *, timeout: float | None = None
+    ) -> KeyScheme:
+        """Declare the engine's base namespace and secret fingerprint; the scheme to use."""
         ...
 
     def open_data_plane(self, *, timeout: float | None = None) -> str:

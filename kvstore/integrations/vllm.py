@@ -19,10 +19,11 @@ that a chunk the store cannot deliver is recomputed instead of failing the reque
 ``kv_connector_extra_config`` keys (see
 :class:`~kvstore.integrations.vllm_common.ConnectorSettings`): ``target`` (required,
 ``HOST:PORT`` of ``kvstore serve``), ``chunk_size`` (tokens per stored chunk, a multiple of the
-engine's block size, default 256), ``tenant``, ``timeout_s`` (get/put deadline, default 5),
-``lookup_timeout_s`` (longest a request waits for its lookup, default 0.5), ``retry_after_s``
-(how long a failed store is left alone, default 5; an unreachable one is tried again as soon as
-its connection comes back), ``hash_algorithm`` and ``secret`` (else
+engine's block size) and ``hash_algorithm`` (both optional: the store's by default, and refused
+if they differ from it, see :mod:`~kvstore.integrations.vllm_scheme`), ``tenant``,
+``timeout_s`` (get/put deadline, default 5), ``lookup_timeout_s`` (longest a request waits for
+its lookup, default 0.5), ``retry_after_s`` (how long a failed store is left alone, default 5;
+an unreachable one is tried again as soon as its connection comes back), ``secret`` (else
 ``$KVSTORE_HASH_SECRET``), ``handoff_wait_s`` (longest a decode request waits for a prefill
 engine's chunks to reach the store, default 2).
 
@@ -103,7 +104,12 @@ class KVStoreConnectorMetadata(StepPlan, KVConnectorMetadata):  # type: ignore[m
     @classmethod
     def of(cls, plan: StepPlan) -> KVStoreConnectorMetadata:
         """The same plan, typed for vLLM."""
-        return cls(loads=plan.loads, saves=plan.saves, preempted_req_ids=plan.preempted_req_ids)
+        return cls(
+            loads=plan.loads,
+            saves=plan.saves,
+            preempted_req_ids=plan.preempted_req_ids,
+            chunk_size=plan.chunk_size,
+        )
 
 
 class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]

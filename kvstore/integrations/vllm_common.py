@@ -87,7 +87,9 @@ class ConnectorSettings:
 
     Attributes:
         target: ``HOST:PORT`` of the ``kvstore serve`` process.
-        chunk_size: Tokens per stored chunk; a multiple of the engine's block size.
+        chunk_size: Tokens per stored chunk; a multiple of the engine's block size. The store's
+            (its node's ``keys.chunk_size``) unless in ``pinned``; see
+            :mod:`kvstore.integrations.vllm_scheme`.
         tenant: Isolates one tenant's blocks from another's (part of the namespace).
         timeout_s: Deadline of each get and put.
         lookup_timeout_s: Deadline of a scheduler lookup. A request waits at most this long for
@@ -97,7 +99,7 @@ class ConnectorSettings:
             misses, skip saves) before trying it again (an unreachable store: or until its
             connection comes back, whichever is first); after a lookup outlives
             ``lookup_timeout_s``, how long lookups answer misses (saves go on).
-        hash_algorithm: ``"xxh3_128"`` or ``"sha256"``.
+        hash_algorithm: ``"xxh3_128"`` or ``"sha256"``; the store's unless in ``pinned``.
         secret: Key-derivation secret; defaults to the ``KVSTORE_HASH_SECRET`` environment
             variable (:func:`kvstore.config.hash_secret`). Every replica sharing a store must
             use the same one.
@@ -111,6 +113,8 @@ class ConnectorSettings:
         load_policy: Which stored chunks to load (:data:`LOAD_POLICIES`): ``cost`` (the
             default) those that load faster than the engine recomputes them, ``always`` every
             hit, ``never`` none.
+        pinned: Which of ``chunk_size`` and ``hash_algorithm`` the connector's config set: the
+            store must agree with them (the others are taken from the store).
     """
 
     target: str
@@ -125,6 +129,7 @@ class ConnectorSettings:
     tls_ca: str | None = None
     handoff_wait_s: float = 2.0
     load_policy: str = "cost"
+    pinned: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if self.load_policy not in LOAD_POLICIES:
@@ -171,6 +176,7 @@ class ConnectorSettings:
                 tls_ca=str(extra["tls_ca"]) if "tls_ca" in extra else None,
                 handoff_wait_s=float(extra.get("handoff_wait_s", 2.0)),
                 load_policy=str(extra.get("load_policy", "cost")),
+                pinned=frozenset({"chunk_size", "hash_algorithm"} & set(extra)),
             )
         except (TypeError, ValueError) as exc:
             if isinstance(exc, ConfigError):
@@ -352,6 +358,9 @@ class StepPlan:
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     preempted_req_ids: set[str] = field(default_factory=set)
+    #: The scheduler's chunk size (0: not said); a worker whose own differs stops
+    #: (:meth:`kvstore.integrations.vllm_scheme.SchemeCheck.plan_agrees`).
+    chunk_size: int = 0
 
 
 class Breaker:
@@ -380,11 +389,21 @@ class Breaker:
         self._reconnected = reconnected
         self._watching = False
         self._down_until = 0.0
+        self._held = False
         self._lock = threading.Lock()
 
     def is_open(self) -> bool:
-        """True while the store is considered down."""
-        return self._clock() < self._down_until
+        """True while the store is considered down (or for good, once :meth:`hold` was called)."""
+        return self._held or self._clock() < self._down_until
+
+    def hold(self) -> None:
+        """Open for good: the store must not be used again (it names chunks otherwise)."""
+        self._held = True
+
+    @property
+    def held(self) -> bool:
+        """Whether :meth:`hold` was called."""
+        return self._held
 
     def trip(self, error: BaseException) -> None:
         """Record a failure; the first one of an outage is logged."""
@@ -410,7 +429,7 @@ class Breaker:
     def _close(self) -> None:
         with self._lock:
             self._watching = False
-            was_open = self.is_open()
+            was_open = self.is_open() and not self._held
             self._down_until = 0.0
         if was_open:
             logger.info("kvstore answers again; lookups and saves resume")

@@ -59,6 +59,7 @@ from kvstore.integrations.vllm_common import (
 from kvstore.integrations.vllm_cost import LoadDecider, hidden_size, token_bytes
 from kvstore.integrations.vllm_plan import load_targets
 from kvstore.integrations.vllm_retention import request_retention
+from kvstore.integrations.vllm_scheme import open_scheme
 from kvstore.integrations.vllm_stats import ConnectorCounters
 from kvstore.keys import ChunkHasher
 from kvstore.retention import KEEP, Retention
@@ -146,19 +147,21 @@ class SchedulerSide:
         client: StoreClient | None = None,
     ) -> None:
         """``client`` replaces the store client the scheduler would open (tests pass stand-ins)."""
-        self._settings = settings
         self.role = kv_role(vllm_config)
         self._loads = self.role != "kv_producer"
         self._saves = self.role != "kv_consumer"
         shape = engine_shape(vllm_config, kv_cache_config, pp_rank=0)
         self._block_size = shape.block_size
-        self._blocks_per_chunk = blocks_per_chunk(settings, shape)
         # Lookups use rank 0's keys: every rank saves the same chunks, and a rank whose own
         # chunk is missing reports a failed load, which vLLM recomputes.
         self._base = base_namespace(vllm_config, shape, settings, tp_rank=0)
         self._client = settings.open_client(self._base) if client is None else client
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvstore-lookup")
         self._breaker = Breaker(settings.retry_after_s, reconnected=self._client.when_reconnected)
+        # The chunk size and hash algorithm are the store's (vllm_scheme).
+        self.scheme = open_scheme(settings, self._client, self._base, shape, self._breaker)
+        self._settings = settings = self.scheme.settings
+        self._blocks_per_chunk = blocks_per_chunk(settings, shape)
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvstore-lookup")
         # A lookup that outlives its (short) deadline stops lookups only: a loaded store is not
         # a dead one, and saves, with deadlines of their own, still reach it.
         self._slow = Breaker(
@@ -395,6 +398,7 @@ class SchedulerSide:
         meta = StepPlan(
             loads=self._pending_loads,
             preempted_req_ids=set(scheduler_output.preempted_req_ids or ()),
+            chunk_size=self._settings.chunk_size,
         )
         self._pending_loads = []
         scheduled = scheduler_output.num_scheduled_tokens

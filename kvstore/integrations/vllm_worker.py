@@ -54,6 +54,7 @@ from kvstore.integrations.vllm_common import (
 from kvstore.integrations.vllm_fetch import ChunkFetcher
 from kvstore.integrations.vllm_plan import chunk_blocks, kernel_ids
 from kvstore.integrations.vllm_saves import SaveJob, SaveQueue
+from kvstore.integrations.vllm_scheme import open_scheme
 from kvstore.integrations.vllm_stats import ConnectorCounters
 
 if TYPE_CHECKING:
@@ -81,9 +82,7 @@ class WorkerSide:
         """``client`` replaces the store client the worker would open (tests pass stand-ins)."""
         tp_rank, pp_rank = _ranks(vllm_config)
         shape = engine_shape(vllm_config, kv_cache_config, pp_rank=pp_rank)
-        self._settings = settings
         self._vllm_config = vllm_config
-        self._blocks_per_chunk = blocks_per_chunk(settings, shape)
         self._num_blocks = int(kv_cache_config.num_blocks)
         self._cache_spec = _cache_spec(vllm_config, kv_cache_config)
         self._max_model_len = int(getattr(vllm_config.model_config, "max_model_len", 0) or 0)
@@ -92,6 +91,14 @@ class WorkerSide:
         self._namespace = base_namespace(vllm_config, shape, settings, tp_rank=tp_rank)
         self._client = settings.open_client(self._namespace) if client is None else client
         self._breaker = Breaker(settings.retry_after_s, reconnected=self._client.when_reconnected)
+        # The chunk size is the store's, asked here too (vllm_scheme): a worker starts before
+        # its scheduler, and every step plan says the scheduler's, checked against it.
+        side = f"worker tp{tp_rank} pp{pp_rank}"
+        self.scheme = open_scheme(
+            settings, self._client, self._namespace, shape, self._breaker, side
+        )
+        self._settings = settings = self.scheme.settings
+        self._blocks_per_chunk = blocks_per_chunk(settings, shape)
         self.counters = ConnectorCounters()
         # Every rank loads and saves the same chunks: only the first reports, or the engine's
         # figures would be multiplied by its number of ranks.
@@ -234,6 +241,7 @@ class WorkerSide:
         self._load = None
         if not meta.loads:
             return
+        self.scheme.plan_agrees(meta.chunk_size)  # if not, the breaker is held: loads fail
         pipeline = self._pipeline
         if pipeline is None:
             self._fail_loads(meta.loads)
@@ -397,6 +405,7 @@ class WorkerSide:
         """Queue this step's saves behind the forward pass's event; return at once."""
         if not self._caches:
             return
+        self.scheme.plan_agrees(meta.chunk_size)  # if not, the breaker is held: saves dropped
         if meta.saves:
             forward_done = self._device.new_event()
             forward_done.record(self._device.current_stream())

@@ -24,8 +24,16 @@ from typing import Protocol
 from kvstore.errors import CapacityError, InvalidRequestError
 from kvstore.keys import KEY_BYTES, NAMESPACE_BYTES
 
+#: The longest namespace JSON a ``KeyScheme`` request may carry (a real one is a few hundred
+#: characters: model id, revision, shape, cache layout, tenant).
+MAX_SCHEME_REQUEST_CHARS = 4096
+#: Characters of a secret fingerprint (:func:`kvstore.key_scheme.secret_fingerprint`).
+_SECRET_CHECK_CHARS = 16
+
 __all__ = [
+    "MAX_SCHEME_REQUEST_CHARS",
     "BlockHolder",
+    "check_key_scheme_request",
     "check_keys",
     "check_namespace",
     "check_pairs",
@@ -74,6 +82,26 @@ def check_keys(keys: Sequence[bytes], namespace: bytes | None, max_keys: int) ->
         raise InvalidRequestError(f"key {index} is {len(key)} bytes; keys are {KEY_BYTES} bytes")
     if namespace is not None:
         check_namespace(namespace)
+
+
+def check_key_scheme_request(namespace_json: str, secret_check: str) -> None:
+    """Refuse a ``KeyScheme`` request whose namespace JSON is empty or over
+    :data:`MAX_SCHEME_REQUEST_CHARS`, or whose secret check is neither empty nor 16 hex digits."""
+    if not namespace_json:
+        raise InvalidRequestError("the KeyScheme request names no namespace")
+    if len(namespace_json) > MAX_SCHEME_REQUEST_CHARS:
+        raise InvalidRequestError(
+            f"the KeyScheme request's namespace is {len(namespace_json)} characters; "
+            f"the limit is {MAX_SCHEME_REQUEST_CHARS}"
+        )
+    if secret_check and (
+        len(secret_check) != _SECRET_CHECK_CHARS
+        or not all(c in "0123456789abcdef" for c in secret_check)
+    ):
+        raise InvalidRequestError(
+            f"the KeyScheme request's secret_check must be empty or {_SECRET_CHECK_CHARS} "
+            "lowercase hex digits"
+        )
 
 
 def check_streamed_keys(count: int, max_keys: int) -> None:

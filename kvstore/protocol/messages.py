@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -9,15 +10,18 @@ import grpc
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.buffers import byte_view, writable_byte_view
+from kvstore.cluster_config import namespace_from_json, namespace_to_json
 from kvstore.errors import (
+    ConfigError,
     DeadlineExceededError,
     InternalStoreError,
     InvalidRequestError,
     KVStoreError,
     error_from_status,
 )
+from kvstore.key_scheme import KeyScheme
 from kvstore.keys import Namespace
-from kvstore.protocol.checks import check_pairs
+from kvstore.protocol.checks import check_key_scheme_request, check_pairs
 from kvstore.retention import KEEP, Retention
 from kvstore.types import LookupResult, PrefetchProgress, PrefetchState, PutResult
 
@@ -187,3 +191,58 @@ def prefetch_progress(response: pb.PrefetchStatusResponse) -> PrefetchProgress:
     return PrefetchProgress(
         state, response.total, response.ready, response.missing, response.failed
     )
+
+
+#: A namespace whose fields show each field's type (a declared one must match them).
+_TYPES_OF = Namespace(model="m")
+
+
+def key_scheme_request(namespace: Namespace, secret_check: str) -> pb.KeySchemeRequest:
+    """A KeyScheme request declaring ``namespace`` (its base: per-request fields dropped)."""
+    return pb.KeySchemeRequest(namespace=namespace_to_json(namespace), secret_check=secret_check)
+
+
+def declared_namespace(request: pb.KeySchemeRequest) -> Namespace:
+    """The base namespace a KeyScheme request declares; :class:`InvalidRequestError` (bounded,
+    naming the field) for one that is too long, not JSON, or not a namespace."""
+    check_key_scheme_request(request.namespace, request.secret_check)
+    try:
+        namespace = namespace_from_json(request.namespace, "KeySchemeRequest.namespace")
+    except ConfigError as exc:  # a bad request, not a bad setting of this server
+        raise InvalidRequestError(str(exc)) from exc
+    for name, value in dataclasses.asdict(namespace).items():
+        expected = type(getattr(_TYPES_OF, name))
+        if type(value) is not expected:
+            raise InvalidRequestError(
+                f"KeySchemeRequest.namespace: {name} must be a JSON "
+                f"{'string' if expected is str else 'integer'}"
+            )
+    return namespace
+
+
+def key_scheme_response(scheme: KeyScheme) -> pb.KeySchemeResponse:
+    """The answer to a KeyScheme request: the scheme the engine must use."""
+    return pb.KeySchemeResponse(
+        chunk_size=scheme.chunk_size,
+        hash_algorithm=scheme.hash_algorithm,
+        secret_env=scheme.secret_env,
+        secret_check=scheme.secret_check,
+    )
+
+
+def key_scheme_result(response: pb.KeySchemeResponse, namespace: Namespace) -> KeyScheme:
+    """The scheme a KeyScheme response names, for ``namespace`` (the one declared, as its base).
+
+    A response that is no valid scheme (an algorithm this client does not know) is
+    :class:`InternalStoreError`: the server answered something this client cannot use."""
+    base = dataclasses.replace(namespace.for_request("", ""), tp_rank=0)
+    try:
+        return KeyScheme(
+            base,
+            int(response.chunk_size),
+            response.hash_algorithm,  # type: ignore[arg-type]  # checked by KeyScheme
+            response.secret_env,
+            response.secret_check,
+        )
+    except ConfigError as exc:
+        raise InternalStoreError(f"the server answered an unusable key scheme: {exc}") from exc

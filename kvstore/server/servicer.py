@@ -25,6 +25,8 @@ from kvstore.errors import (
     InvalidRequestError,
     PermissionDeniedError,
 )
+from kvstore.key_scheme import KeyScheme
+from kvstore.node.key_schemes import NodeKeySchemes
 from kvstore.protocol.checks import (
     check_keys,
     check_streamed_block,
@@ -34,6 +36,7 @@ from kvstore.protocol.messages import MESSAGE_TARGET_BYTES, put_retention
 from kvstore.retention import KEEP
 from kvstore.server.budget import InflightBudget
 from kvstore.server.durations import DURATIONS, timed
+from kvstore.server.key_scheme_rpc import declare
 from kvstore.server.rpc import check_decoded, guard, service_handler
 from kvstore.server.tenancy import Tenant, Tenants
 from kvstore.store import GetResult, TieredStore
@@ -76,6 +79,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
     Built from one ``store`` (with its ``prefetcher`` and in-flight ``budget``), every caller
     shares it; built from ``tenants``, each call gets the store, prefetch queue and budget of the
     tenant its credentials belong to, and nothing of any other.
+
+    ``key_schemes`` answers ``KeyScheme`` calls: the node's configured chunk size and hash
+    algorithm, and the namespaces its engines declared (default: the built-in defaults, for a
+    node without ``[keys]`` settings and for tests).
     """
 
     def __init__(
@@ -86,6 +93,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
         *,
         tenants: Tenants | None = None,
         put_stream_timeout_s: float = ServerConfig.put_stream_timeout_s,
+        key_schemes: NodeKeySchemes | None = None,
     ) -> None:
         if tenants is None:
             if store is None:
@@ -104,6 +112,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
         self.put_stream_timeout_s = put_stream_timeout_s
         #: Where the UCX listener is; the server fills it in once it is up.
         self.ucx_address = ""
+        #: The schemes ``KeyScheme`` declares to and answers from.
+        self.key_schemes = key_schemes if key_schemes is not None else NodeKeySchemes(KeyScheme())
 
     @staticmethod
     def _decoded(request: Any) -> None:
@@ -372,6 +382,18 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):  # type: ignore[misc]  # generat
                 ucx_address=self.ucx_address,
                 instance_id=tenant.instance_id,
             )
+
+        return await guard(context, call)
+
+    async def KeyScheme(
+        self, request: pb.KeySchemeRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.KeySchemeResponse:
+        """Record the caller's engine namespace; answer the chunk size and hash algorithm its
+        connector must use (the node's ``[keys]`` settings)."""
+
+        async def call() -> pb.KeySchemeResponse:
+            self._decoded(request)
+            return declare(self.key_schemes, self.tenants.current().name, request)
 
         return await guard(context, call)
 

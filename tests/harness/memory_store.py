@@ -42,6 +42,8 @@ class MemoryStore:
     fail: tuple[grpc.StatusCode, str] | None = None
     #: How many status polls a prefetch stays RUNNING before it is DONE.
     prefetch_polls: int = 2
+    #: What ``KeyScheme`` answers (the node's ``keys.chunk_size``).
+    chunk_size: int = 256
     _prefetches: dict[int, _Prefetch] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -69,7 +71,17 @@ class MemoryStore:
             "Prefetch": self._prefetch,
             "PrefetchStatus": self._prefetch_status,
             "CancelPrefetch": self._cancel_prefetch,
+            "KeyScheme": self._key_scheme,
         }
+
+    def _key_scheme(self, request: pb.KeySchemeRequest) -> pb.KeySchemeResponse:
+        """A node on the default ``[keys]`` settings, taking the engine's secret as its own."""
+        return pb.KeySchemeResponse(
+            chunk_size=self.chunk_size,
+            hash_algorithm="xxh3_128",
+            secret_env="KVSTORE_HASH_SECRET",
+            secret_check=request.secret_check,
+        )
 
     def _lookup(self, request: pb.LookupRequest) -> pb.LookupResponse:
         tiers = ["dram" if (request.namespace, k) in self.blocks else "" for k in request.keys]

@@ -3,16 +3,22 @@
 The connector calls its store through :class:`kvstore.integrations.store_client.StoreClient`
 without probing for methods, so a stand-in answers every call: this base answers each as a
 client off shared memory and UCX would (``lease``/``reserve`` ``None``, data over ``grpc``), with
-nothing stored; a test's stand-in overrides what it plays.
+nothing stored; a test's stand-in overrides what it plays. Its ``key_scheme`` plays a store that
+cannot be reached (the connector goes on with its configured chunk size) unless a test sets
+``scheme`` (then it answers that scheme's chunk size and hash algorithm).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvstore.client.device_fill import DeviceFill
 from kvstore.client.shm import ShmLease, ShmReservation
+from kvstore.errors import StoreUnavailableError
+from kvstore.key_scheme import KeyScheme
+from kvstore.keys import Namespace
 from kvstore.types import LookupResult, PutResult
 
 __all__ = ["StoreStandIn"]
@@ -23,6 +29,8 @@ class StoreStandIn:
 
     #: The path its data calls take.
     data_plane = "grpc"
+    #: What ``key_scheme`` answers (``None``: the store cannot be reached).
+    scheme: KeyScheme | None = None
 
     def lookup(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
         return 0
@@ -55,6 +63,12 @@ class StoreStandIn:
 
     def stats(self, **_: Any) -> dict[str, Any]:
         return {}
+
+    def key_scheme(self, namespace: Namespace, secret_check: str, **_: Any) -> KeyScheme:
+        if self.scheme is None:
+            raise StoreUnavailableError("the stand-in plays a store that cannot be reached")
+        base = dataclasses.replace(namespace.for_request("", ""), tp_rank=0)
+        return dataclasses.replace(self.scheme, namespace=base)
 
     def open_data_plane(self, **_: Any) -> str:
         return self.data_plane

@@ -13,6 +13,7 @@ collide with the seeds), so the seeded blocks must come through untouched.
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import time
@@ -43,6 +44,7 @@ KVSTORE_METHODS = (
     "Prefetch",
     "PrefetchStatus",
     "CancelPrefetch",
+    "KeyScheme",
 )
 UCX_METHODS = ("UcxGet", "UcxPut")
 
@@ -90,6 +92,22 @@ class Requests:
         if roll < 0.85:
             return b""
         return self.rng.randbytes(self.rng.choice([1, 15, 17, 32, self.rng.randrange(64)]))
+
+    def scheme_namespace(self) -> str:
+        """A declared namespace's JSON: mostly fields of :class:`Namespace` with values of any
+        type, now and then not JSON, not an object, or past the size limit."""
+        rng = self.rng
+        roll = rng.random()
+        if roll < 0.1:
+            return rng.randbytes(rng.randrange(64)).decode("latin-1")
+        if roll < 0.15:
+            return "x" * rng.choice([4096, 4097, 70000])
+        values: list[Any] = ["m", "", 0, -1, 1, 2**70, 1.5, True, None, [], {}, "\u0000", "é" * 3]
+        names = ["model", "revision", "num_layers", "tp_size", "tenant", "lora_id", "bogus"]
+        fields: dict[str, Any] = {"model": rng.choice(["m", "m2", rng.randbytes(4).hex()])}
+        for _ in range(rng.randrange(4)):
+            fields[rng.choice(names)] = rng.choice(values)
+        return json.dumps(rng.choice([fields, fields, [fields], "text", 7]))
 
     def key(self, *, reads_seeds: bool) -> bytes:
         roll = self.rng.random()
@@ -189,6 +207,11 @@ class Requests:
             return kind, "", lambda: stub.Stats(pb.StatsRequest(), timeout=DEADLINE_S)
         if kind == "DataPlane":
             return kind, "", lambda: stub.DataPlane(pb.DataPlaneRequest(), timeout=DEADLINE_S)
+        if kind == "KeyScheme":
+            check = rng.choice(["", "0" * 16, rng.randbytes(8).hex(), "zz", "A" * 16, "0" * 99])
+            declared = pb.KeySchemeRequest(namespace=self.scheme_namespace(), secret_check=check)
+            described = f"namespace={declared.namespace[:120]!r} secret_check={check!r}"
+            return kind, described, lambda: stub.KeyScheme(declared, timeout=DEADLINE_S)
         if kind in ("Put", "PutCut"):
             return self._put(stub, cut=kind == "PutCut")
         if kind == "UcxGet":

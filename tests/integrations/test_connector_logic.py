@@ -41,6 +41,7 @@ from kvstore.integrations.vllm_common import (
 from kvstore.integrations.vllm_plan import kernel_ids, load_targets, plan_scatter
 from kvstore.integrations.vllm_scheduler import SchedulerSide
 from kvstore.integrations.vllm_worker import WorkerSide
+from kvstore.key_scheme import KeyScheme
 from kvstore.types import LookupResult
 
 BLOCK = 16
@@ -51,6 +52,9 @@ NUM_BLOCKS = 24
 
 class FakeStore(StoreStandIn):
     """Stands in for :class:`kvstore.KVStoreClient`: chunks in a dict, calls counted."""
+
+    #: A store whose node names chunks of CHUNK tokens, as the tests' settings do.
+    scheme = KeyScheme(chunk_size=CHUNK)
 
     def __init__(self) -> None:
         self.chunks: dict[bytes, torch.Tensor] = {}
@@ -561,7 +565,7 @@ class _CountingTransport(MockTransport):
 def test_both_connector_halves_resume_as_soon_as_the_store_connects_again() -> None:
     # Real clients (each half's own, as in their own processes) over one store that is down:
     # the client's mapping of UNAVAILABLE opens the breakers, its reconnect watch closes them.
-    memory = MemoryStore(fail=(grpc.StatusCode.UNAVAILABLE, "store is down"))
+    memory = MemoryStore(fail=(grpc.StatusCode.UNAVAILABLE, "store is down"), chunk_size=CHUNK)
     scheduler_link, worker_link = _CountingTransport(memory), _CountingTransport(memory)
     ns = Namespace(model="test-model")
     scheduler_client = KVStoreClient("unused", namespace=ns, transport=scheduler_link)
@@ -573,12 +577,14 @@ def test_both_connector_halves_resume_as_soon_as_the_store_connects_again() -> N
         assert _answer(side, _request("r", list(range(3 * CHUNK))), 0) == 0  # a miss, not an error
         _wait_for(lambda: side._breaker.is_open(), "the scheduler's breaker opens")
         memory.fail = None
-        # warm_up may have asked too (it shares the scheduler's breaker): one watch per outage.
-        assert scheduler_link.watches == 1
+        # Two watches each: the key-scheme agreement at start found the store down (it asks again
+        # on reconnection), and the breaker's (warm_up may have asked too, as it shares the
+        # scheduler's breaker: still one watch per outage).
+        assert scheduler_link.watches == 2
         scheduler_link.reconnect()
         assert not side._breaker.is_open()
         worker._breaker.trip(StoreUnavailableError("a save failed"))  # the worker's own breaker
-        assert worker._breaker.is_open() and worker_link.watches == 1
+        assert worker._breaker.is_open() and worker_link.watches == 2
         worker_link.reconnect()
         assert not worker._breaker.is_open()
         assert _answer(side, _request("r2", list(range(3 * CHUNK))), 0) == 0

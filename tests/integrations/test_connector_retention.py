@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from harness.store_scheme import store_chunk_size
 from serve_process import Serve
 from test_connector_logic import (
     CHUNK,
@@ -134,9 +135,10 @@ def test_a_retained_prompt_saved_by_the_connector_survives_a_flood(
     server = Serve([*args, "--dram-capacity", "4MiB", "--nvme-capacity", "4MiB"], tmp_path / "tmp")
     try:
         settings = {"target": server.target}
-        side, manager = _side(None, **settings)
-        sides.append(side)
-        worker = WorkerSide(_settings(**settings), _vllm_config(), _kv_cache_config())  # type: ignore[arg-type]
+        with store_chunk_size(CHUNK):
+            side, manager = _side(None, **settings)
+            sides.append(side)
+            worker = WorkerSide(_settings(**settings), _vllm_config(), _kv_cache_config())  # type: ignore[arg-type]
         try:
             worker.register_kv_caches(_caches(1))
             prompts = {

@@ -11,6 +11,7 @@ as separate replicas would be::
 ``IN.json`` is a list of token-id lists. ``OUT.json`` gets ``{"startup_s": ..., "results":
 [{"tokens": [...], "num_cached_tokens": N, "latency_s": S}, ...]}`` in prompt order. Sampling is
 greedy with ``ignore_eos``, so outputs are deterministic and always ``--max-tokens`` long.
+``--chunk-size 0`` leaves the chunk size to the store (its node's ``keys.chunk_size``).
 ``--sequential`` submits prompts one at a time (``latency_s`` is then that request's own
 latency; with ``--max-tokens 1`` it is its time to first token); otherwise they go as one batch.
 ``PARAMS.json`` is a list with one request's ``kv_transfer_params`` (a dict, or null) per prompt.
@@ -41,11 +42,9 @@ def kv_transfer_config(args: argparse.Namespace) -> dict[str, Any] | None:
             "kv_role": "kv_both",
             "kv_connector_extra_config": {"shared_storage_path": args.storage_path},
         }
-    extra: dict[str, Any] = {
-        "target": args.target,
-        "chunk_size": args.chunk_size,
-        "timeout_s": args.timeout_s,
-    }
+    extra: dict[str, Any] = {"target": args.target, "timeout_s": args.timeout_s}
+    if args.chunk_size:  # 0: the store's (its node's keys.chunk_size)
+        extra["chunk_size"] = args.chunk_size
     if args.load_policy:
         extra["load_policy"] = args.load_policy
     return {
@@ -65,7 +64,7 @@ def main() -> None:
     parser.add_argument("--connector", choices=["none", "kvstore", "example"], default="none")
     parser.add_argument("--target", default="127.0.0.1:50051")
     parser.add_argument("--storage-path", default="/tmp/kvstore-example-connector")
-    parser.add_argument("--chunk-size", type=int, default=256)
+    parser.add_argument("--chunk-size", type=int, default=256, help="0: the store's")
     parser.add_argument("--timeout-s", type=float, default=5.0)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--max-model-len", type=int, default=4096)

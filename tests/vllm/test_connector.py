@@ -7,6 +7,7 @@ vLLM's CPU layout. What the engine itself does with the plans is covered by test
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 from harness.ports import free_port
+from harness.store_scheme import store_chunk_size
 from store_process import StoreProcess
 
 from kvstore.errors import ConfigError
@@ -138,10 +140,11 @@ def _wait_stored(side: SchedulerSide, request: Any, chunks: int) -> None:
 @pytest.fixture()
 def pair(store: StoreProcess) -> Iterator[tuple[SchedulerSide, WorkerSide, _Manager]]:
     settings = _settings(store.target)
-    scheduler = SchedulerSide(settings, _vllm_config(), _kv_cache_config())
+    with store_chunk_size(CHUNK):  # the module's store is a plain ``kvstore serve``
+        scheduler = SchedulerSide(settings, _vllm_config(), _kv_cache_config())
+        worker = WorkerSide(settings, _vllm_config(), _kv_cache_config())
     manager = _Manager()
     scheduler.bind_kv_cache_manager(manager)  # type: ignore[arg-type]
-    worker = WorkerSide(settings, _vllm_config(), _kv_cache_config())
     yield scheduler, worker, manager
     worker.shutdown()
     scheduler.shutdown()
@@ -277,3 +280,16 @@ def test_each_rank_stores_under_its_own_keys() -> None:
     assert rank0 == keys  # rank 0 keeps the names the scheduler looks up
     assert len(set(rank1)) == 3 and not set(rank1) & set(keys)
     assert all(len(k) == 16 for k in rank1)
+
+
+def test_the_metadata_vllm_carries_keeps_every_field_of_the_plan() -> None:
+    from kvstore.integrations.vllm import KVStoreConnectorMetadata
+
+    plan = StepPlan(
+        loads=[LoadSpec("r", [b"k" * 16], [0, 1])],
+        preempted_req_ids={"p"},
+        chunk_size=CHUNK,  # what a worker checks its own against
+    )
+    meta = KVStoreConnectorMetadata.of(plan)
+    for field in dataclasses.fields(StepPlan):
+        assert getattr(meta, field.name) == getattr(plan, field.name), field.name

@@ -205,3 +205,23 @@ class CancelPrefetchResponse(_message.Message):
     CANCELLED_FIELD_NUMBER: _ClassVar[int]
     cancelled: bool
     def __init__(self, cancelled: _Optional[bool] = ...) -> None: ...
+
+class KeySchemeRequest(_message.Message):
+    __slots__ = ("namespace", "secret_check")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    SECRET_CHECK_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    secret_check: str
+    def __init__(self, namespace: _Optional[str] = ..., secret_check: _Optional[str] = ...) -> None: ...
+
+class KeySchemeResponse(_message.Message):
+    __slots__ = ("chunk_size", "hash_algorithm", "secret_env", "secret_check")
+    CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HASH_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    SECRET_ENV_FIELD_NUMBER: _ClassVar[int]
+    SECRET_CHECK_FIELD_NUMBER: _ClassVar[int]
+    chunk_size: int
+    hash_algorithm: str
+    secret_env: str
+    secret_check: str
+    def __init__(self, chunk_size: _Optional[int] = ..., hash_algorithm: _Optional[str] = ..., secret_env: _Optional[str] = ..., secret_check: _Optional[str] = ...) -> None: ...

@@ -79,6 +79,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.CancelPrefetchRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.CancelPrefetchResponse.FromString,
                 _registered_method=True)
+        self.KeyScheme = channel.unary_unary(
+                '/kvstore.v1.KVStore/KeyScheme',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.KeySchemeRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.KeySchemeResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -150,6 +155,16 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KeyScheme(self, request, context):
+        """How to name chunks (kvstore/key_scheme.py): an engine's connector declares its base namespace
+        and the fingerprint of its key secret, and learns the node's chunk size and hash algorithm.
+        FAILED_PRECONDITION: its secret differs from the node's; PERMISSION_DENIED: the namespace's
+        tenant is not the caller's; RESOURCE_EXHAUSTED: the node serves too many namespaces already.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -197,6 +212,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.CancelPrefetch,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.CancelPrefetchRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.CancelPrefetchResponse.SerializeToString,
+            ),
+            'KeyScheme': grpc.unary_unary_rpc_method_handler(
+                    servicer.KeyScheme,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.KeySchemeRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.KeySchemeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -442,6 +462,33 @@ class KVStore:
             '/kvstore.v1.KVStore/CancelPrefetch',
             kvstore_dot_v1_dot_kvstore__pb2.CancelPrefetchRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.CancelPrefetchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeyScheme(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/KeyScheme',
+            kvstore_dot_v1_dot_kvstore__pb2.KeySchemeRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.KeySchemeResponse.FromString,
             options,
             channel_credentials,
             insecure,
