@@ -22,7 +22,7 @@ REGISTER``               a size such as ``16GiB``         process page-locks for
                                                           background (see
                                                           :mod:`kvstore.client.arena_registration`)
 ``KVSTORE_TOKEN``        a bearer token (default none)    sent on every call, for a server with
-                                                          ``server.tokens_file``
+                                                          ``auth.tokens_file``
 ``KVSTORE_TLS_CA``       a PEM file (default none)        the CA of the server's certificate;
                                                           set, the client connects over TLS
 ======================== ================================ =======================================
