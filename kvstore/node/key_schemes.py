@@ -22,12 +22,20 @@ from kvstore.errors import ConfigError
 from kvstore.key_scheme import KeyScheme
 from kvstore.keys import Namespace
 
-__all__ = ["MAX_SCHEMES", "NodeKeySchemes"]
+__all__ = ["MAX_SCHEMES", "NodeKeySchemes", "SecretMismatch", "TooManySchemes"]
 
 logger = logging.getLogger(__name__)
 
 #: The most namespaces one node keeps declared.
 MAX_SCHEMES = 64
+
+
+class SecretMismatch(ConfigError):
+    """An engine declared a key secret other than the one its tenant's schemes use here."""
+
+
+class TooManySchemes(ConfigError):
+    """The node already keeps :data:`MAX_SCHEMES` namespaces."""
 
 
 class NodeKeySchemes:
@@ -49,13 +57,15 @@ class NodeKeySchemes:
     def declare(self, namespace: Namespace, secret_check: str) -> KeyScheme:
         """Record that an engine names chunks under ``namespace`` with a secret whose
         fingerprint is ``secret_check``; returns the scheme it must use (this node's chunk size
-        and algorithm). :class:`ConfigError` (one line) if its secret differs from the node's or
-        from an earlier engine's, or the node already keeps :data:`MAX_SCHEMES` namespaces."""
+        and algorithm). :class:`SecretMismatch` (one line) if its secret differs from the node's
+        (where the node has one) or from an earlier engine's of the same tenant (tenants may key
+        their chunks with secrets of their own); :class:`TooManySchemes` if the node already
+        keeps :data:`MAX_SCHEMES` namespaces."""
         base = namespace.for_request("", "")
         base = dataclasses.replace(base, tp_rank=0)
-        known = self.configured.secret_check or self._first_secret_check()
+        known = self.known_secret_check(base.tenant)
         if known and secret_check and secret_check != known:
-            raise ConfigError(
+            raise SecretMismatch(
                 f"the engine's ${self.configured.secret_env} differs from this node's "
                 "(every engine, node and router of a deployment needs the same key secret)"
             )
@@ -67,7 +77,7 @@ class NodeKeySchemes:
             if key in self._declared:
                 return scheme
             if len(self._declared) >= MAX_SCHEMES:
-                raise ConfigError(
+                raise TooManySchemes(
                     f"this node already serves {MAX_SCHEMES} declared namespaces; "
                     "refusing another (one per model an engine serves is expected)"
                 )
@@ -88,6 +98,17 @@ class NodeKeySchemes:
         with self._lock:
             self._listeners.append(listener)
 
-    def _first_secret_check(self) -> str:
+    def known_secret_check(self, tenant: str) -> str:
+        """The secret check an engine of ``tenant`` must match: the node's own, else the first
+        one an engine of that tenant declared ("" while there is none)."""
+        if self.configured.secret_check:
+            return self.configured.secret_check
         with self._lock:
-            return next((s.secret_check for s in self._declared.values() if s.secret_check), "")
+            return next(
+                (
+                    s.secret_check
+                    for s in self._declared.values()
+                    if s.secret_check and s.namespace is not None and s.namespace.tenant == tenant
+                ),
+                "",
+            )

@@ -14,11 +14,10 @@ from __future__ import annotations
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.errors import (
     CapacityError,
-    ConfigError,
     NamespaceMismatchError,
     PermissionDeniedError,
 )
-from kvstore.node.key_schemes import NodeKeySchemes
+from kvstore.node.key_schemes import NodeKeySchemes, SecretMismatch, TooManySchemes
 from kvstore.protocol.messages import declared_namespace, key_scheme_response
 
 __all__ = ["declare"]
@@ -39,18 +38,8 @@ def declare(
         )
     try:
         scheme = schemes.declare(namespace, request.secret_check)
-    except ConfigError as exc:
-        # declare refuses a different secret or one namespace too many: tell them apart.
-        if _secret_differs(schemes, request.secret_check):
-            raise NamespaceMismatchError(str(exc)) from None
+    except SecretMismatch as exc:
+        raise NamespaceMismatchError(str(exc)) from None
+    except TooManySchemes as exc:
         raise CapacityError(str(exc)) from None
     return key_scheme_response(scheme)
-
-
-def _secret_differs(schemes: NodeKeySchemes, secret_check: str) -> bool:
-    """Whether ``secret_check`` differs from the secret the node knows (its own, else the first
-    declaring engine's)."""
-    known = schemes.configured.secret_check or next(
-        (s.secret_check for s in schemes.current() if s.secret_check), ""
-    )
-    return bool(known and secret_check and secret_check != known)

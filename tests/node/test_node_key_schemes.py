@@ -82,3 +82,20 @@ async def test_a_declaration_is_published_at_once_and_starts_engine_events(
         assert caplog.text.count("waiting for an engine's connector") == 1
     finally:
         await node.stop()
+
+
+def test_each_tenant_keeps_its_own_secret_where_the_node_has_none() -> None:
+    """Tenants may key their chunks with secrets of their own: only an engine of the same tenant
+    with another secret is refused; a node with a secret of its own holds every engine to it."""
+    from kvstore.key_scheme import KeyScheme
+    from kvstore.keys import Namespace
+    from kvstore.node.key_schemes import NodeKeySchemes, SecretMismatch
+
+    schemes = NodeKeySchemes(KeyScheme(chunk_size=64))
+    schemes.declare(Namespace(model="m", tenant="a"), "a" * 16)
+    assert schemes.declare(Namespace(model="m", tenant="b"), "b" * 16).secret_check == "b" * 16
+    with pytest.raises(SecretMismatch, match="differs from this node's"):
+        schemes.declare(Namespace(model="m2", tenant="a"), "c" * 16)
+    held = NodeKeySchemes(KeyScheme(chunk_size=64, secret_check="d" * 16))
+    with pytest.raises(SecretMismatch):
+        held.declare(Namespace(model="m", tenant="b"), "b" * 16)
