@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.environ["KVSTORE_DATA_PLANE"] = args.data_plane
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from serve_process import Serve
+    from harness.serve import ServerProcess
 
     failed = 0
     with tempfile.TemporaryDirectory() as tmp:
@@ -353,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         flags += ["--nvme-path", str(Path(tmp) / "nvme"), "--nvme-capacity", "64MiB"]
         if args.data_plane == "ucx":
             flags += UCX_FLAGS
-        server = Serve(flags, tmpdir)
+        server = ServerProcess(Path(tmp) / "serve", flags, tmpdir=tmpdir).start()
         try:
             for case in CASES:
                 try:

@@ -5,9 +5,10 @@ Every server it starts is hermetic, so a user's own ``kvstore serve`` on the REA
 data under ``~/.local/share/kvstore``) and the user's ``KVSTORE_*`` variables never meet a test:
 
 * its settings come from a TOML file the launcher writes (``serve-N.toml`` in its work
-  directory): gRPC on a free loopback port, /metrics on port 0, nvme in the work directory, plus
-  the caller's ``settings`` and ``tenants`` (and the tables of a ``--config FILE`` among its
-  flags, folded in); flags given to it come after the file and win over it, as they do for users;
+  directory): the tables of a ``--config FILE`` among its flags, folded in, then gRPC on a free
+  loopback port, /metrics on port 0 and nvme in the work directory (whatever that file says),
+  then the caller's ``settings`` and ``tenants``; flags and ``env`` come after the file and win
+  over it, as they do for users;
 * its environment is the test's without any ``KVSTORE_*`` variable and without
   ``XDG_RUNTIME_DIR``, with ``TMPDIR`` a short directory of its own (the ``auto`` socket
   directory lands there: found by the test, removed by :meth:`ServerProcess.close`), plus
@@ -186,17 +187,17 @@ class ServerProcess:
     # --- the configuration -------------------------------------------------------------------
 
     def document(self, listen: str) -> dict[str, dict[str, Any]]:
-        """The generated config of a run on ``listen``: the hermetic defaults, then the tables
-        of a ``--config FILE`` among the flags, then :attr:`settings` and :attr:`tenants`."""
-        document: dict[str, dict[str, Any]] = {
-            "server": {"listen": listen, "metrics_listen": "127.0.0.1:0"},
-            "nvme": {"path": self._nvme_setting},
-        }
+        """The generated config of a run on ``listen``: the tables of a ``--config FILE`` among
+        the flags, then the hermetic addresses and nvme path (over the file's), then
+        :attr:`settings` and :attr:`tenants` (flags and ``env`` win over all of it)."""
+        document: dict[str, dict[str, Any]] = {}
         given = _config_flag(self.flags)
         if given is not None:
             with open(given, "rb") as handle:
-                for section, values in tomllib.load(handle).items():
-                    document.setdefault(section, {}).update(values)
+                document = tomllib.load(handle)
+        # Over the given file (a deployment example may name the defaults): never a user's.
+        document.setdefault("server", {}).update(listen=listen, metrics_listen="127.0.0.1:0")
+        document.setdefault("nvme", {})["path"] = self._nvme_setting
         for setting, value in self.settings.items():
             section, _, key = setting.partition(".")
             document.setdefault(section, {})[key] = value

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from serve_process import Serve
+from harness.serve import ServerProcess
 from test_connector_logic import (
     CHUNK,
     FakeStore,
@@ -131,7 +131,8 @@ def test_a_retained_prompt_saved_by_the_connector_survives_a_flood(
     one; a prompt saved with ``"none"`` never is."""
     (tmp_path / "tmp").mkdir()
     args = ["--listen", "127.0.0.1:0", "--nvme-path", str(tmp_path / "nvme")]
-    server = Serve([*args, "--dram-capacity", "4MiB", "--nvme-capacity", "4MiB"], tmp_path / "tmp")
+    flags = [*args, "--dram-capacity", "4MiB", "--nvme-capacity", "4MiB"]
+    server = ServerProcess(tmp_path / "serve", flags, tmpdir=tmp_path / "tmp").start()
     try:
         settings = {"target": server.target}
         side, manager = _side(None, **settings)

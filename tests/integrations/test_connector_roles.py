@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from serve_process import Serve
+from harness.serve import ServerProcess
 from test_connector_logic import (
     BLOCK,
     CHUNK,
@@ -193,7 +193,8 @@ def test_a_consumer_loads_a_producers_chunks_still_being_put_bit_for_bit(
 ) -> None:
     (tmp_path / "tmp").mkdir()
     args = ["--listen", "127.0.0.1:0", "--nvme-path", str(tmp_path / "nvme")]
-    server = Serve([*args, "--dram-capacity", "16MiB"], tmp_path / "tmp")
+    flags = [*args, "--dram-capacity", "16MiB"]
+    server = ServerProcess(tmp_path / "serve", flags, tmpdir=tmp_path / "tmp").start()
     try:
         settings = {"target": server.target, "handoff_wait_s": 30.0}
         producer, manager = _side(None, "kv_producer", **settings)

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from serve_process import Serve
+from harness.serve import ServerProcess
 
 from kvstore import KVStoreClient, Namespace
 
@@ -26,17 +26,9 @@ def _leftovers(tmpdir: Path) -> list[str]:
 def test_server_removes_its_socket_directory(tmp_path: Path, sig: int) -> None:
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
-    server = Serve(
-        [
-            "--listen",
-            "127.0.0.1:0",
-            "--nvme-path",
-            str(tmp_path / "nvme"),
-            "--dram-capacity",
-            "16MiB",
-        ],
-        tmpdir,
-    )
+    server = ServerProcess(
+        tmp_path / "serve", settings={"dram.capacity": "16MiB"}, tmpdir=tmpdir
+    ).start()
     try:
         # While it runs, the socket is where the automatic setting puts it: in the temp dir.
         (directory,) = _leftovers(tmpdir)
@@ -46,7 +38,7 @@ def test_server_removes_its_socket_directory(tmp_path: Path, sig: int) -> None:
             assert client.data_plane == "shm"
     finally:
         code = server.stop(sig)
-    assert code == 0, server.log()
+    assert code == 0, server.output()
     assert _leftovers(tmpdir) == []
     assert list(tmpdir.iterdir()) == []
 
