@@ -136,8 +136,10 @@ class ServerProcess:
         self.env = dict(env or {})
         self.settings = dict(settings or {})
         self.tenants = {name: dict(table) for name, table in (tenants or {}).items()}
+        #: The LMDB directory of the next run (a test may change it between runs).
         self.nvme_path = Path(nvme_path) if nvme_path else workdir / "nvme"
-        self._nvme_setting = "" if nvme_path == "" else str(self.nvme_path)
+        #: False where ``nvme_path`` was ``""``: the tier is off.
+        self.nvme_enabled = nvme_path != ""
         #: The network namespace it runs in; None: this host, loopback.
         self.host = host
         self.listen = listen or ""
@@ -197,7 +199,7 @@ class ServerProcess:
                 document = tomllib.load(handle)
         # Over the given file (a deployment example may name the defaults): never a user's.
         document.setdefault("server", {}).update(listen=listen, metrics_listen="127.0.0.1:0")
-        document.setdefault("nvme", {})["path"] = self._nvme_setting
+        document.setdefault("nvme", {})["path"] = str(self.nvme_path) if self.nvme_enabled else ""
         for setting, value in self.settings.items():
             section, _, key = setting.partition(".")
             document.setdefault(section, {})[key] = value

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 from harness.ports import free_port
-from store_process import StoreProcess
+from harness.serve import ServerProcess
 
 from kvstore.errors import ConfigError
 from kvstore.integrations.vllm_common import (
@@ -136,7 +136,7 @@ def _wait_stored(side: SchedulerSide, request: Any, chunks: int) -> None:
 
 
 @pytest.fixture()
-def pair(store: StoreProcess) -> Iterator[tuple[SchedulerSide, WorkerSide, _Manager]]:
+def pair(store: ServerProcess) -> Iterator[tuple[SchedulerSide, WorkerSide, _Manager]]:
     settings = _settings(store.target)
     scheduler = SchedulerSide(settings, _vllm_config(), _kv_cache_config())
     manager = _Manager()
