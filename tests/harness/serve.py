@@ -219,7 +219,8 @@ class ServerProcess:
 
     def start(self, *, same_address: bool = False) -> ServerProcess:
         """Start on a fresh free port (or the fixed ``listen``, or with ``same_address`` the
-        last run's address) and wait for the ready line; fail with the server's output."""
+        last run's address) and wait for the ready line; a server that exits first or misses
+        the deadline raises :class:`RuntimeError` with its config file and output."""
         assert not self.running, "already running"
         if self.listen:
             listen = self.listen
@@ -263,7 +264,8 @@ class ServerProcess:
                     else f"not ready within {START_TIMEOUT_S:.0f} s"
                 )
                 self.kill()
-                raise AssertionError(
+                # RuntimeError: a test may expect a start to be refused (pytest.raises).
+                raise RuntimeError(
                     f"kvstore serve {' '.join(self.command()[4:])} {state}\n"
                     f"--- {self.config_path.name} ---\n{_read(self.config_path)}"
                     f"{self.output()}"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import stat
@@ -11,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from harness.serve import ServerProcess
+from harness.serve import ServerProcess, clean_env
 
 from kvstore import KVStoreClient, Namespace
 
@@ -46,8 +45,7 @@ def test_server_removes_its_socket_directory(tmp_path: Path, sig: int) -> None:
 def test_server_that_cannot_listen_leaves_nothing(tmp_path: Path) -> None:
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
-    env = {**os.environ, "TMPDIR": str(tmpdir)}
-    env.pop("XDG_RUNTIME_DIR", None)
+    env = clean_env({"TMPDIR": str(tmpdir)})  # no XDG_RUNTIME_DIR: the socket goes in TMPDIR
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
