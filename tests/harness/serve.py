@@ -135,7 +135,7 @@ class ServerProcess:
         self.flags = list(flags)
         self.env = dict(env or {})
         self.settings = dict(settings or {})
-        self.tenants = {name: dict(table) for name, table in (tenants or {}).items()}
+        self.tenants = {tenant: dict(table) for tenant, table in (tenants or {}).items()}
         #: The LMDB directory of the next run (a test may change it between runs).
         self.nvme_path = Path(nvme_path) if nvme_path else workdir / "nvme"
         #: False where ``nvme_path`` was ``""``: the tier is off.
