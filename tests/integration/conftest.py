@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 from harness.ports import free_port
@@ -45,12 +46,16 @@ def _factory(root: Path) -> Iterator[ServerFactory]:
         nvme_capacity: str = "64MiB",
         nvme_path: Path | None = None,
         host: Host | None = None,
+        settings: Mapping[str, Any] | None = None,
+        tenants: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> ServerProcess:
+        sizes = {"dram.capacity": dram_capacity, "nvme.capacity": nvme_capacity}
         process = ServerProcess(
             root / f"server-{len(started)}",
             flags,
             env,
-            settings={"dram.capacity": dram_capacity, "nvme.capacity": nvme_capacity},
+            settings={**sizes, **(settings or {})},
+            tenants=tenants,
             nvme_path=nvme_path,
             host=host,
             namespace=NAMESPACE,
@@ -67,7 +72,8 @@ def _factory(root: Path) -> Iterator[ServerFactory]:
 
 @pytest.fixture
 def server_factory(tmp_path: Path) -> Iterator[ServerFactory]:
-    """``server_factory(*flags, env=..., dram_capacity=..., nvme_capacity=...)`` for one test."""
+    """``server_factory(*flags, env=..., dram_capacity=..., nvme_capacity=..., settings=...,
+    tenants=..., nvme_path=..., host=...)`` for one test (see :class:`ServerProcess`)."""
     with _factory(tmp_path) as start:
         yield start
 
