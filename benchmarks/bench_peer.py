@@ -54,9 +54,8 @@ from typing import Any
 # The benchmarks' helpers, and the tests' hosts (network namespaces), servers and redis-server.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
 
-import conftest as servers  # the integration tests' ServerProcess: real `kvstore serve`
+import harness.serve as servers  # the tests' one launcher of a real `kvstore serve`
 from _common import machine_info, markdown_table, percentile
 from harness.redis_server import RedisServer
 from netns_hosts import Hosts
@@ -105,7 +104,8 @@ def start_node(
     flags = ["--dram-capacity", dram, "--nvme-capacity", "64MiB", "--allow-unauthenticated"]
     if ucx:
         flags += ["--ucx-listen", f"{host.address}:0"]
-    return servers.ServerProcess(workdir, flags, env, host=host).start()
+    # The servers' TMPDIR (their shm socket directories) is the run's own work directory.
+    return servers.ServerProcess(workdir, flags, env, host=host, tmpdir=workdir.parent).start()
 
 
 def counters(node: servers.ServerProcess) -> dict[str, int]:
@@ -150,7 +150,6 @@ def main() -> None:
     args = parser.parse_args()
     sizes = [int(s) * MiB for s in args.sizes_mib.split(",")]
     work = Path(tempfile.mkdtemp(prefix="bench-peer-"))
-    servers._SERVER_TMPDIR = str(work)  # the servers' TMPDIR (their shm socket directories)
     started: list[servers.ServerProcess] = []
     with Hosts(2) as hosts:
         a, b = hosts[0], hosts[1]

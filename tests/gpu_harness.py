@@ -37,7 +37,6 @@ from typing import Any
 import kvstore_kernels  # type: ignore[import-not-found, unused-ignore]
 import torch
 from harness.polling import poll
-from harness.store_scheme import store_chunk_size
 
 from kvstore.client import KVStoreClient
 from kvstore.integrations.kv_layout import CacheSpec, detect_layout
@@ -193,10 +192,9 @@ class Engine:
             env={},
         )
         self.settings = settings
-        # The harness's store is a plain ``kvstore serve``: it names chunks of CHUNK tokens.
-        with store_chunk_size(CHUNK):
-            self.scheduler = SchedulerSide(settings, self.vllm_config, self.kv_cache_config)
-            self.worker = WorkerSide(settings, self.vllm_config, self.kv_cache_config)
+        # The harness's store names chunks of CHUNK tokens (keys.chunk_size): so do these.
+        self.scheduler = SchedulerSide(settings, self.vllm_config, self.kv_cache_config)
+        self.worker = WorkerSide(settings, self.vllm_config, self.kv_cache_config)
         self.manager = _Manager()
         self.scheduler.bind_kv_cache_manager(self.manager)  # type: ignore[arg-type]
         gen = torch.Generator().manual_seed(seed)
@@ -344,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.environ["KVSTORE_DATA_PLANE"] = args.data_plane
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from serve_process import Serve
+    from harness.serve import ServerProcess
 
     failed = 0
     with tempfile.TemporaryDirectory() as tmp:
@@ -354,7 +352,9 @@ def main(argv: list[str] | None = None) -> int:
         flags += ["--nvme-path", str(Path(tmp) / "nvme"), "--nvme-capacity", "64MiB"]
         if args.data_plane == "ucx":
             flags += UCX_FLAGS
-        server = Serve(flags, tmpdir)
+        server = ServerProcess(
+            Path(tmp) / "serve", flags, tmpdir=tmpdir, settings={"keys.chunk_size": CHUNK}
+        ).start()
         try:
             for case in CASES:
                 try:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from harness.ports import free_port
-from integration.conftest import ServerProcess
+from harness.serve import ServerProcess
 
 from kvstore import KVStoreClient, Namespace
 
@@ -35,7 +35,7 @@ def server(tmp_path: Path) -> Iterator[ServerProcess]:
     try:
         yield process.start()
     finally:
-        process.kill()
+        process.close()
 
 
 def _put(target: str, count: int) -> None:
@@ -150,19 +150,17 @@ def test_stats_watch_waits_for_a_server_that_is_not_there_yet(tmp_path: Path) ->
             env={**_env(), "PYTHONUNBUFFERED": "1"}, stdout=handle, stderr=subprocess.PIPE,
             text=True,
         )  # fmt: skip
-    serve: subprocess.Popen[bytes] | None = None
+    serve = ServerProcess(
+        tmp_path / "serve",
+        listen=f"127.0.0.1:{port}",
+        settings={"dram.capacity": "16MiB", "nvme.capacity": "16MiB"},
+    )
     try:
         deadline = time.monotonic() + TIMEOUT_S
         while "nothing answers" not in out.read_text() and time.monotonic() < deadline:
             assert watch.poll() is None, watch.communicate()[1]
             time.sleep(0.05)
-        serve = subprocess.Popen(
-            [sys.executable, "-m", "kvstore.cli", "serve", "--listen", f"127.0.0.1:{port}",
-             "--nvme-path", str(tmp_path / "nvme"), "--dram-capacity", "16MiB",
-             "--nvme-capacity", "16MiB", "--metrics-listen", "127.0.0.1:0"],
-            env={**_env(), "TMPDIR": str(tmp_path)}, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+        serve.start()
         while "\ndram " not in out.read_text() and time.monotonic() < deadline:
             assert watch.poll() is None, watch.communicate()[1]
             time.sleep(0.05)
@@ -170,9 +168,7 @@ def test_stats_watch_waits_for_a_server_that_is_not_there_yet(tmp_path: Path) ->
         _, stderr = watch.communicate(timeout=TIMEOUT_S)
     finally:
         watch.kill()
-        if serve is not None:
-            serve.terminate()
-            serve.wait(timeout=TIMEOUT_S)
+        serve.close()
     text = out.read_text()
     assert watch.returncode == 0, stderr
     assert "Traceback" not in stderr

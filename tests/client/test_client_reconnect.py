@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from harness.ports import free_port
-from serve_process import Serve
+from harness.serve import ServerProcess
 
 from kvstore import AsyncKVStoreClient, KVStoreClient, KVStoreError
 
@@ -29,9 +29,9 @@ def args(tmp_path: Path) -> list[str]:
     return ["--listen", f"127.0.0.1:{free_port()}", "--nvme-path", str(tmp_path / "nvme")]
 
 
-def _serve(args: list[str], tmp_path: Path, name: str) -> Serve:
+def _serve(args: list[str], tmp_path: Path, name: str) -> ServerProcess:
     (tmp_path / name).mkdir()
-    return Serve(args, tmp_path / name)
+    return ServerProcess(tmp_path / f"{name}-serve", args, tmpdir=tmp_path / name).start()
 
 
 def test_calls_succeed_within_a_second_of_serving_on_after_an_outage(
@@ -58,7 +58,7 @@ def test_calls_succeed_within_a_second_of_serving_on_after_an_outage(
                     client.stats(timeout=0.5)
                     break
                 except KVStoreError:
-                    assert time.monotonic() - serving < 10, server.log()
+                    assert time.monotonic() - serving < 10, server.output()
                     time.sleep(0.02)
             back_after = time.monotonic() - serving
         finally:
@@ -87,7 +87,7 @@ def test_the_async_client_too_and_so_the_nodes_peer_links_on_the_same_channels(
                         await client.stats(timeout=0.5)
                         return time.monotonic() - serving
                     except KVStoreError:
-                        assert time.monotonic() - serving < 10, server.log()
+                        assert time.monotonic() - serving < 10, server.output()
                         await asyncio.sleep(0.02)
             finally:
                 server.stop()
@@ -111,7 +111,7 @@ def test_when_reconnected_fires_within_a_second_of_serving_on_with_no_calls_mean
         server = _serve(args, tmp_path, "second")
         try:
             serving = time.monotonic()
-            assert fired.wait(10), server.log()
+            assert fired.wait(10), server.output()
             back_after = time.monotonic() - serving
             client.stats(timeout=1.0)
         finally:

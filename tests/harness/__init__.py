@@ -1,5 +1,6 @@
 """What the tests share, written once: free loopback ports (:mod:`.ports`), polling a condition
-with a deadline (:mod:`.polling`), real ``redis-server`` processes and a real Redis Cluster
+with a deadline (:mod:`.polling`), the one launcher of a real ``kvstore serve`` (:mod:`.serve`),
+stopping a server (:mod:`.stop_process`), real ``redis-server`` processes and a real Redis Cluster
 (:mod:`.redis_server`, :mod:`.redis_cluster`), an in-memory store that answers a real client
 through :class:`kvstore.MockTransport` (:mod:`.memory_store`), and the guard of the real-vLLM suite
 (:mod:`.vllm_guard`).

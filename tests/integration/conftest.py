@@ -1,8 +1,8 @@
 """Fixtures of the integration tests: a real ``kvstore serve`` subprocess on a free loopback port.
 
-Nothing here is mocked. :class:`ServerProcess` runs ``python -m kvstore.cli serve`` with an nvme
-directory of its own, waits for the ``kvstore serving on ADDR`` line and stops the process with a
-signal, asserting that a graceful stop exits 0. Fixtures:
+Nothing here is mocked. The servers are the harness's :class:`harness.serve.ServerProcess`
+(re-exported here, where the tests' type hints import it from): ``python -m kvstore.cli serve``
+on a generated config, with an nvme directory and a temp directory of its own. Fixtures:
 
 * ``server_factory`` / ``module_server_factory``: start servers with given flags and environment;
   every server they started is killed at the end of the test (or module) if still running.
@@ -15,187 +15,22 @@ signal, asserting that a graceful stop exits 0. Fixtures:
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
-import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 from harness.ports import free_port
 from harness.redis_server import RedisServer
+from harness.serve import ServerProcess
 from netns_hosts import Host
 
 from kvstore import KVStoreClient, Namespace
 
-READY_LINE = "kvstore serving on "
-#: What ``kvstore serve`` prints (before the ready line) when its /metrics endpoint is up.
-METRICS_LINE = "kvstore metrics on "
-START_TIMEOUT_S = 30.0
-STOP_TIMEOUT_S = 20.0
-
-# A server killed at the end of a test (SIGKILL) cannot remove its shared-memory socket
-# directory. Servers make it in this directory (their TMPDIR), which the session removes at its
-# end, instead of leaving kvstore-* directories in the machine's /tmp. Short, so socket paths stay
-# far below the 108-byte limit.
-_SERVER_TMPDIR = ""
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _server_tmpdir() -> Iterator[None]:
-    global _SERVER_TMPDIR
-    _SERVER_TMPDIR = tempfile.mkdtemp(prefix="kvt-")
-    yield
-    shutil.rmtree(_SERVER_TMPDIR, ignore_errors=True)
-
-
-#: The namespace the ``client`` fixture uses.
+#: The namespace the ``client`` fixture (and ``ServerProcess.client``) uses.
 NAMESPACE = Namespace(model="integration-test", num_layers=2, num_kv_heads=2, head_size=64)
 
-
-class ServerProcess:
-    """One ``kvstore serve`` subprocess; :meth:`start` again after a stop reuses its nvme dir."""
-
-    def __init__(
-        self,
-        workdir: Path,
-        flags: Sequence[str] = (),
-        env: Mapping[str, str] | None = None,
-        *,
-        nvme_path: Path | None = None,
-        host: Host | None = None,
-    ) -> None:
-        workdir.mkdir(parents=True, exist_ok=True)
-        #: The network namespace it runs in (tests/netns_hosts.py); None: this host, loopback.
-        self.host = host
-        self.workdir = workdir
-        self.nvme_path = nvme_path if nvme_path is not None else workdir / "nvme"
-        self.flags = list(flags)
-        self.env = dict(env or {})
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.target = ""
-        #: ``http://HOST:PORT/metrics`` of the current run ("" where metrics are off).
-        self.metrics_url = ""
-        self.returncode: int | None = None
-        self._starts = 0
-
-    @property
-    def stdout_path(self) -> Path:
-        return self.workdir / f"serve-{self._starts}.out"
-
-    @property
-    def stderr_path(self) -> Path:
-        return self.workdir / f"serve-{self._starts}.err"
-
-    def stderr(self) -> str:
-        """What the current (or last) run wrote to stderr: the server's log."""
-        with contextlib.suppress(OSError):
-            return self.stderr_path.read_text(errors="replace")
-        return ""
-
-    def start(self) -> ServerProcess:
-        """Start on a fresh free port and wait for the ready line; fail with the server's log."""
-        assert self.proc is None or self.proc.poll() is not None, "already running"
-        self._starts += 1
-        address = self.host.address if self.host is not None else "127.0.0.1"
-        listen = f"{address}:{free_port()}"
-        command = [
-            sys.executable,
-            "-m",
-            "kvstore.cli",
-            "serve",
-            "--listen",
-            listen,
-            "--nvme-path",
-            str(self.nvme_path),
-            # Port 0: many servers run at once, and the default 9464 would be fought over.
-            "--metrics-listen",
-            "127.0.0.1:0",
-            *self.flags,
-        ]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": _SERVER_TMPDIR, **self.env}
-        if "XDG_RUNTIME_DIR" not in self.env:
-            env.pop("XDG_RUNTIME_DIR", None)  # else the socket directory would go there
-        with self.stdout_path.open("wb") as out, self.stderr_path.open("wb") as err:
-            # `ip netns exec` execs the server itself: the pid and its signals are the server's.
-            argv = self.host.command(command) if self.host is not None else command
-            self.proc = subprocess.Popen(argv, stdout=out, stderr=err, env=env)
-        self.returncode = None
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            text = self.stdout_path.read_text(errors="replace")
-            if READY_LINE in text and text.endswith("\n"):
-                line = next(line for line in text.splitlines() if READY_LINE in line)
-                self.target = line.split(READY_LINE, 1)[1].strip()
-                self.metrics_url = next(
-                    (
-                        line.split(METRICS_LINE, 1)[1].strip()
-                        for line in text.splitlines()
-                        if METRICS_LINE in line
-                    ),
-                    "",
-                )
-                return self
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                state = (
-                    f"exited with {self.proc.returncode}"
-                    if self.proc.poll() is not None
-                    else f"not ready after {START_TIMEOUT_S:.0f}s"
-                )
-                self.kill()
-                raise RuntimeError(
-                    f"kvstore serve {' '.join(command[4:])} {state}\n"
-                    f"--- stdout ---\n{text}\n--- stderr ---\n{self.stderr()}"
-                )
-            time.sleep(0.02)
-
-    @property
-    def running(self) -> bool:
-        """True while the process has not exited."""
-        return self.proc is not None and self.proc.poll() is None
-
-    def stop(self, sig: int = signal.SIGTERM) -> int:
-        """Send ``sig`` and wait; SIGTERM and SIGINT must shut down gracefully with exit code 0."""
-        assert self.proc is not None, "never started"
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            self.returncode = self.proc.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise AssertionError(
-                f"kvstore serve ignored {signal.Signals(sig).name} for {STOP_TIMEOUT_S:.0f}s\n"
-                f"{self.stderr()}"
-            ) from None
-        if sig in (signal.SIGTERM, signal.SIGINT):
-            assert self.returncode == 0, (
-                f"kvstore serve exited {self.returncode} on {signal.Signals(sig).name}\n"
-                f"{self.stderr()}"
-            )
-        return self.returncode
-
-    def restart(self) -> ServerProcess:
-        """SIGTERM (asserting a clean exit), then start again on the same nvme directory."""
-        self.stop()
-        return self.start()
-
-    def kill(self) -> None:
-        """SIGKILL, no questions asked (also the cleanup of every fixture)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.returncode = self.proc.wait()
-
-    def client(
-        self, namespace: Namespace | bytes | None = NAMESPACE, **kwargs: Any
-    ) -> KVStoreClient:
-        """A blocking client on this server."""
-        return KVStoreClient(self.target, namespace=namespace, **kwargs)
-
+__all__ = ["NAMESPACE", "ServerFactory", "ServerProcess"]
 
 ServerFactory = Callable[..., ServerProcess]
 
@@ -211,13 +46,19 @@ def _factory(root: Path) -> Iterator[ServerFactory]:
         nvme_capacity: str = "64MiB",
         nvme_path: Path | None = None,
         host: Host | None = None,
+        settings: Mapping[str, Any] | None = None,
+        tenants: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> ServerProcess:
+        sizes = {"dram.capacity": dram_capacity, "nvme.capacity": nvme_capacity}
         process = ServerProcess(
             root / f"server-{len(started)}",
-            ["--dram-capacity", dram_capacity, "--nvme-capacity", nvme_capacity, *flags],
+            flags,
             env,
+            settings={**sizes, **(settings or {})},
+            tenants=tenants,
             nvme_path=nvme_path,
             host=host,
+            namespace=NAMESPACE,
         )
         started.append(process)
         return process.start()
@@ -226,12 +67,13 @@ def _factory(root: Path) -> Iterator[ServerFactory]:
         yield start
     finally:
         for process in started:
-            process.kill()
+            process.close()
 
 
 @pytest.fixture
 def server_factory(tmp_path: Path) -> Iterator[ServerFactory]:
-    """``server_factory(*flags, env=..., dram_capacity=..., nvme_capacity=...)`` for one test."""
+    """``server_factory(*flags, env=..., dram_capacity=..., nvme_capacity=..., settings=...,
+    tenants=..., nvme_path=..., host=...)`` for one test (see :class:`ServerProcess`)."""
     with _factory(tmp_path) as start:
         yield start
 

@@ -18,6 +18,7 @@ import pytest
 from certs import Pki, make_pki
 from conftest import NAMESPACE
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from harness.serve import clean_env
 
 from kvstore import AsyncKVStoreClient, KVStoreClient
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
@@ -179,6 +180,7 @@ def _serve(*flags: str, timeout: float = 30) -> subprocess.CompletedProcess[str]
         capture_output=True,
         text=True,
         timeout=timeout,
+        env=clean_env(),  # none of a user's KVSTORE_* settings
     )
 
 

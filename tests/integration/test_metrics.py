@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from conftest import ServerFactory, ServerProcess
 
 from harness.redis_server import RedisServer
+from harness.serve import clean_env
 
 NS = Namespace(model="metrics", num_layers=2, num_kv_heads=2, head_size=64)
 HASHER = ChunkHasher(chunk_size=16, namespace=NS)
@@ -212,7 +213,7 @@ def test_metrics_off_and_a_port_in_use(server_factory: ServerFactory, tmp_path: 
         done = subprocess.run(
             [sys.executable, "-m", "kvstore.cli", "serve", "--nvme-path", "",
              "--listen", "127.0.0.1:0", "--metrics-listen", f"127.0.0.1:{port}"],
-            capture_output=True, text=True, timeout=60,
+            capture_output=True, text=True, timeout=60, env=clean_env(),
         )  # fmt: skip
     assert done.returncode != 0
     lines = done.stderr.strip().splitlines()
@@ -224,7 +225,7 @@ def test_beyond_loopback_without_authentication_is_refused(tmp_path: Path) -> No
     done = subprocess.run(
         [sys.executable, "-m", "kvstore.cli", "serve", "--nvme-path", "",
          "--listen", "127.0.0.1:0", "--metrics-listen", "0.0.0.0:0"],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True, text=True, timeout=60, env=clean_env(),
     )  # fmt: skip
     assert done.returncode != 0
     assert "server.metrics_listen" in done.stderr and "Traceback" not in done.stderr

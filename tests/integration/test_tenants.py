@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from conftest import ServerFactory, ServerProcess
 
 from harness.redis_server import RedisServer
+from harness.serve import clean_env
 
 NS = Namespace(model="tenants", num_layers=2, num_kv_heads=2, head_size=64)
 OTHER_NS = Namespace(model="tenants-other", num_layers=2, num_kv_heads=2, head_size=64)
@@ -301,7 +302,7 @@ def test_tenants_that_cannot_be_told_apart_refuse_to_start(
         capture_output=True,
         text=True,
         timeout=60,
-        env={**os.environ, "KVSTORE_NVME_PATH": str(tmp_path / "nvme")},
+        env=clean_env({"KVSTORE_NVME_PATH": str(tmp_path / "nvme")}),
     )
     assert done.returncode != 0
     assert message in done.stderr and "Traceback" not in done.stderr

@@ -14,8 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from harness.store_scheme import store_chunk_size
-from serve_process import Serve
+from harness.serve import ServerProcess
 from test_connector_logic import (
     CHUNK,
     FakeStore,
@@ -132,13 +131,15 @@ def test_a_retained_prompt_saved_by_the_connector_survives_a_flood(
     one; a prompt saved with ``"none"`` never is."""
     (tmp_path / "tmp").mkdir()
     args = ["--listen", "127.0.0.1:0", "--nvme-path", str(tmp_path / "nvme")]
-    server = Serve([*args, "--dram-capacity", "4MiB", "--nvme-capacity", "4MiB"], tmp_path / "tmp")
+    flags = [*args, "--dram-capacity", "4MiB", "--nvme-capacity", "4MiB"]
+    server = ServerProcess(
+        tmp_path / "serve", flags, tmpdir=tmp_path / "tmp", settings={"keys.chunk_size": CHUNK}
+    ).start()
     try:
         settings = {"target": server.target}
-        with store_chunk_size(CHUNK):
-            side, manager = _side(None, **settings)
-            sides.append(side)
-            worker = WorkerSide(_settings(**settings), _vllm_config(), _kv_cache_config())  # type: ignore[arg-type]
+        side, manager = _side(None, **settings)
+        sides.append(side)
+        worker = WorkerSide(_settings(**settings), _vllm_config(), _kv_cache_config())  # type: ignore[arg-type]
         try:
             worker.register_kv_caches(_caches(1))
             prompts = {

@@ -19,8 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from harness.store_scheme import store_chunk_size
-from serve_process import Serve
+from harness.serve import ServerProcess
 from test_connector_logic import (
     BLOCK,
     CHUNK,
@@ -194,12 +193,14 @@ def test_a_consumer_loads_a_producers_chunks_still_being_put_bit_for_bit(
 ) -> None:
     (tmp_path / "tmp").mkdir()
     args = ["--listen", "127.0.0.1:0", "--nvme-path", str(tmp_path / "nvme")]
-    server = Serve([*args, "--dram-capacity", "16MiB"], tmp_path / "tmp")
+    flags = [*args, "--dram-capacity", "16MiB"]
+    server = ServerProcess(
+        tmp_path / "serve", flags, tmpdir=tmp_path / "tmp", settings={"keys.chunk_size": CHUNK}
+    ).start()
     try:
         settings = {"target": server.target, "handoff_wait_s": 30.0}
-        with store_chunk_size(CHUNK):
-            producer, manager = _side(None, "kv_producer", **settings)
-            consumer, _ = _side(None, "kv_consumer", **settings)
+        producer, manager = _side(None, "kv_producer", **settings)
+        consumer, _ = _side(None, "kv_consumer", **settings)
         sides += [producer, consumer]
         base = base_namespace(
             _vllm_config(), engine_shape(_vllm_config(), _kv_cache_config(), 0), _settings(), 0
@@ -207,8 +208,7 @@ def test_a_consumer_loads_a_producers_chunks_still_being_put_bit_for_bit(
         slow = _SlowPuts(KVStoreClient(server.target, namespace=base), delay_s=1.0)
         config = _vllm_config()
         config.kv_transfer_config = SimpleNamespace(kv_role="kv_producer")
-        with store_chunk_size(CHUNK):
-            writer = WorkerSide(_settings(**settings), config, _kv_cache_config(), client=slow)  # type: ignore[arg-type]
+        writer = WorkerSide(_settings(**settings), config, _kv_cache_config(), client=slow)  # type: ignore[arg-type]
         source = _caches(1)
         writer.register_kv_caches(source)
         tokens = list(range(3 * CHUNK + 5))
@@ -231,8 +231,7 @@ def test_a_consumer_loads_a_producers_chunks_still_being_put_bit_for_bit(
         )  # type: ignore[arg-type]
         load = consumer.build_connector_meta(_output([("d", 0, len(tokens))]))
         assert load.saves == []
-        with store_chunk_size(CHUNK):
-            reader = WorkerSide(_settings(**settings), _vllm_config(), _kv_cache_config())  # type: ignore[arg-type]
+        reader = WorkerSide(_settings(**settings), _vllm_config(), _kv_cache_config())  # type: ignore[arg-type]
         try:
             target = _caches(2)
             reader.register_kv_caches(target)

@@ -21,8 +21,8 @@ from typing import Any
 import cuda_stand_in
 import pytest
 import torch
-from gpu_harness import CASES, UCX_FLAGS, Case, round_trip
-from serve_process import Serve
+from gpu_harness import CASES, CHUNK, UCX_FLAGS, Case, round_trip
+from harness.serve import ServerProcess
 
 from kvstore.client.shm import ShmLease, ShmReservation
 from kvstore.integrations import device_pipeline, vllm_saves, vllm_worker
@@ -54,21 +54,26 @@ UCX_RUNS = (
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     root = tmp_path_factory.mktemp("harness")
     tmpdir = root / "tmp"
     tmpdir.mkdir()
     flags = ["--listen", "127.0.0.1:0", "--dram-capacity", "64MiB"]
     flags += ["--nvme-path", str(root / "nvme"), "--nvme-capacity", "64MiB"]
-    serve = Serve([*flags, *UCX_FLAGS] if UCX else flags, tmpdir)
-    yield serve
-    assert serve.stop() == 0, serve.log()
+    serve = ServerProcess(
+        root / "serve",
+        [*flags, *UCX_FLAGS] if UCX else flags,
+        tmpdir=tmpdir,
+        settings={"keys.chunk_size": CHUNK},  # the harness's engines take it from the store
+    )
+    yield serve.start()
+    assert serve.stop() == 0, serve.output()
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
 def test_saved_kv_loads_into_another_engine_bit_for_bit(
-    server: Serve,
+    server: ServerProcess,
     case: Case,
     device: str,
     request: pytest.FixtureRequest,
@@ -83,7 +88,7 @@ def test_saved_kv_loads_into_another_engine_bit_for_bit(
 
 @pytest.mark.parametrize(("device", "case"), UCX_RUNS)
 def test_a_worker_on_another_host_loads_over_ucx(
-    server: Serve,
+    server: ServerProcess,
     case: Case,
     device: str,
     request: pytest.FixtureRequest,
@@ -142,7 +147,7 @@ def stand_in(monkeypatch: pytest.MonkeyPatch) -> cuda_stand_in.StandInRegistrar:
 @pytest.mark.parametrize(("plane", "landed"), STAND_IN_PLANES)
 @pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
 def test_the_cuda_branches_round_trip_on_the_cpu_with_stand_in_streams(
-    server: Serve,
+    server: ServerProcess,
     case: Case,
     plane: str,
     landed: int,
@@ -177,7 +182,7 @@ def test_the_cuda_branches_round_trip_on_the_cpu_with_stand_in_streams(
 
 
 def test_a_refused_registration_loads_and_saves_through_host_staging(
-    server: Serve,
+    server: ServerProcess,
     stand_in: cuda_stand_in.StandInRegistrar,
     request: pytest.FixtureRequest,
     monkeypatch: pytest.MonkeyPatch,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from harness.ports import free_port
-from serve_process import Serve
+from harness.serve import ServerProcess
 
 from kvstore import KVStoreClient, Namespace
 from kvstore.config import load_config
@@ -31,11 +31,12 @@ def test_local_config_serves_as_a_normal_user(tmp_path: Path) -> None:
     tmpdir.mkdir()
     listen = f"127.0.0.1:{free_port()}"
     # The port and sizes are overridden for the test; the socket, mode and loopback are the file's.
-    server = Serve(
+    server = ServerProcess(
+        tmp_path / "serve",
         ["--config", str(LOCAL), "--listen", listen],
-        tmpdir,
         env={"KVSTORE_NVME_PATH": str(tmp_path / "nvme"), "KVSTORE_DRAM_CAPACITY": "16MiB"},
-    )
+        tmpdir=tmpdir,
+    ).start()
     try:
         assert server.target == listen
         (directory,) = tmpdir.iterdir()  # socket "auto": a private directory in $TMPDIR
@@ -46,7 +47,7 @@ def test_local_config_serves_as_a_normal_user(tmp_path: Path) -> None:
             assert client.get([b"k" * 16]) == [b"v" * 128]
             assert client.data_plane == "shm"
     finally:
-        assert server.stop() == 0, server.log()
+        assert server.stop() == 0, server.output()
     assert (tmp_path / "nvme" / "integrity.key").exists()
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import stat
@@ -11,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from serve_process import Serve
+from harness.serve import ServerProcess, clean_env
 
 from kvstore import KVStoreClient, Namespace
 
@@ -26,17 +25,9 @@ def _leftovers(tmpdir: Path) -> list[str]:
 def test_server_removes_its_socket_directory(tmp_path: Path, sig: int) -> None:
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
-    server = Serve(
-        [
-            "--listen",
-            "127.0.0.1:0",
-            "--nvme-path",
-            str(tmp_path / "nvme"),
-            "--dram-capacity",
-            "16MiB",
-        ],
-        tmpdir,
-    )
+    server = ServerProcess(
+        tmp_path / "serve", settings={"dram.capacity": "16MiB"}, tmpdir=tmpdir
+    ).start()
     try:
         # While it runs, the socket is where the automatic setting puts it: in the temp dir.
         (directory,) = _leftovers(tmpdir)
@@ -46,7 +37,7 @@ def test_server_removes_its_socket_directory(tmp_path: Path, sig: int) -> None:
             assert client.data_plane == "shm"
     finally:
         code = server.stop(sig)
-    assert code == 0, server.log()
+    assert code == 0, server.output()
     assert _leftovers(tmpdir) == []
     assert list(tmpdir.iterdir()) == []
 
@@ -54,8 +45,7 @@ def test_server_removes_its_socket_directory(tmp_path: Path, sig: int) -> None:
 def test_server_that_cannot_listen_leaves_nothing(tmp_path: Path) -> None:
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
-    env = {**os.environ, "TMPDIR": str(tmpdir)}
-    env.pop("XDG_RUNTIME_DIR", None)
+    env = clean_env({"TMPDIR": str(tmpdir)})  # no XDG_RUNTIME_DIR: the socket goes in TMPDIR
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

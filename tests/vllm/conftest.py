@@ -6,8 +6,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from harness.serve import ServerProcess
 from harness.vllm_guard import vllm_missing
-from store_process import StoreProcess
 
 _MISSING = vllm_missing()
 
@@ -24,8 +24,10 @@ def pytest_report_header(config: pytest.Config) -> str | None:
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StoreProcess]:
-    """A fresh store per test module, stopped at its end."""
-    server = StoreProcess(tmp_path_factory.mktemp("store"))
-    yield server
-    server.stop()
+def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A fresh store (1 GiB of dram, nvme) per test module, stopped at its end."""
+    server = ServerProcess(
+        tmp_path_factory.mktemp("store"), settings={"dram.capacity": "1GiB"}, name="store"
+    )
+    with server:
+        yield server

@@ -62,7 +62,8 @@ def main() -> None:
     parser.add_argument("--prompts", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--connector", choices=["none", "kvstore", "example"], default="none")
-    parser.add_argument("--target", default="127.0.0.1:50051")
+    # No default: a test's engine talks to the test's own store, never to a user's on 50051.
+    parser.add_argument("--target", default="", help="HOST:PORT (needed with --connector kvstore)")
     parser.add_argument("--storage-path", default="/tmp/kvstore-example-connector")
     parser.add_argument("--chunk-size", type=int, default=256, help="0: the store's")
     parser.add_argument("--timeout-s", type=float, default=5.0)
@@ -75,6 +76,8 @@ def main() -> None:
     parser.add_argument("--kvstore-log-level", default="INFO")
     parser.add_argument("--kv-transfer-params", default=None, help="JSON file: one per prompt")
     args = parser.parse_args()
+    if args.connector == "kvstore" and not args.target:
+        parser.error("--connector kvstore needs --target HOST:PORT (the store to use)")
     _configure_logging(Path(args.out).with_suffix(".logging.json"), args.kvstore_log_level)
 
     from vllm import LLM, SamplingParams

@@ -32,6 +32,7 @@ from api_server import (  # noqa: E402
 )
 from harness.ports import free_port  # noqa: E402
 from harness.redis_server import RedisServer  # noqa: E402
+from harness.serve import ServerProcess  # noqa: E402
 
 if TYPE_CHECKING:
     from kvstore.cluster import Layout
@@ -81,76 +82,40 @@ def build_model(directory: Path, **sizes: int) -> Path:
     return path
 
 
-def _wait(check: Any, what: str, timeout: float, log: Path | None = None) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:]) if log else ""
-            raise RuntimeError(f"{what} not within {timeout:.0f} s\n{tail}")
-        time.sleep(0.2)
-
-
-class Node:
-    """``kvstore serve`` with the cluster index on (each boot starts empty)."""
+class Node(ServerProcess):
+    """``kvstore serve`` with the cluster index on (each boot starts empty, on the same port:
+    the engine's connector reconnects to it)."""
 
     def __init__(self, workdir: Path, node_id: str, index_url: str) -> None:
+        settings = {
+            "dram.capacity": "1GiB",
+            "cluster.enabled": True,
+            "cluster.url": index_url,
+            "cluster.node_id": node_id,
+            "cluster.publish_interval_s": 0.05,
+        }
+        super().__init__(workdir / node_id, settings=settings, name=node_id)
         self.node_id = node_id
         self.index_url = index_url
-        self.target = f"127.0.0.1:{free_port()}"
-        self.workdir = workdir
-        self.boots = 0
-        self.proc: subprocess.Popen[bytes] | None = None
         self.start()
 
-    def start(self) -> None:
-        """Start (again, on the same port: the engine's connector reconnects to it)."""
-        self.boots += 1
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-        env |= {
-            "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
-            "KVSTORE_CLUSTER_ENABLED": "1",
-            "KVSTORE_CLUSTER_URL": self.index_url,
-            "KVSTORE_CLUSTER_NODE_ID": self.node_id,
-            "KVSTORE_CLUSTER_PUBLISH_INTERVAL_S": "0.05",
-        }
-        command = [*_KVSTORE, "serve", "--listen", self.target]
-        command += ["--metrics-listen", "127.0.0.1:0", "--dram-capacity", "1GiB"]
-        # A fresh nvme directory per boot: a restarted node holds nothing of its last life.
-        command += ["--nvme-path", str(self.workdir / f"{self.node_id}-{self.boots}-nvme")]
-        self.log = self.workdir / f"{self.node_id}-{self.boots}.log"
-        with self.log.open("wb") as log:
-            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        _wait(self._ready, f"kvstore serve {self.node_id}", 60, self.log)
+    @property
+    def boots(self) -> int:
+        """How many times it was started."""
+        return self.starts
 
-    def _ready(self) -> bool:
-        from kvstore import KVStoreClient, KVStoreError
-
-        assert self.proc is not None
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"kvstore serve exited:\n{self.log.read_text()}")
-        try:
-            with KVStoreClient(self.target, timeout=1.0) as client:
-                client.stats()
-            return True
-        except KVStoreError:
-            return False
-
-    def stats(self) -> dict[str, Any]:
-        """The node's stats."""
-        from kvstore import KVStoreClient
-
-        with KVStoreClient(self.target, timeout=5.0) as client:
-            return client.stats()
+    def start(self, *, same_address: bool = True) -> Node:
+        """Start (again, on the same port), on a fresh nvme directory per boot: a restarted node
+        holds nothing of its last life."""
+        self.nvme_path = self.workdir / f"nvme-{self.starts + 1}"
+        super().start(same_address=same_address)
+        return self
 
     def metrics(self, pattern: str) -> list[str]:
         """The non-zero samples of the node's ``/metrics`` whose line matches ``pattern``."""
-        found = re.search(r"metrics on (http://\S+)", self.log.read_text(errors="replace"))
-        if not found:
+        if not self.metrics_url:
             return ["(no metrics address in the log)"]
-        url = found.group(1).removeprefix("http://")
+        url = self.metrics_url.removeprefix("http://")
         host, _, rest = url.partition("/")
         connection = http.client.HTTPConnection(host, timeout=5)
         try:
@@ -163,21 +128,6 @@ class Node:
             for line in text.splitlines()
             if not line.startswith("#") and re.search(pattern, line) and not line.endswith(" 0.0")
         ]
-
-    def kill(self) -> None:
-        """SIGKILL: no clean stop, so its index entries stay behind (under the old epoch)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-    def stop(self) -> None:
-        """SIGTERM (the node removes its lease and entries), SIGKILL after 15 s."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.kill()
 
 
 class ApiServer(ApiServerProcess):
@@ -436,7 +386,7 @@ class Fleet:
                     parts += ["  " + line for line in node.metrics(pattern)[:30]]
             except Exception as exc:
                 parts.append(f"  stats: {exc!r}")
-            lines = node.log.read_text(errors="replace").splitlines()
+            lines = node.stderr().splitlines()
             parts += ["  | " + line[:300] for line in lines[-25:]]
         for server in self.servers:
             lines = server.log.read_text(errors="replace").splitlines()
@@ -452,5 +402,5 @@ class Fleet:
         for server in self.servers:
             server.stop()
         for node in self.nodes:
-            node.stop()
+            node.close()
         self.redis.stop()

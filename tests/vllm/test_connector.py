@@ -16,8 +16,7 @@ from typing import Any
 import pytest
 import torch
 from harness.ports import free_port
-from harness.store_scheme import store_chunk_size
-from store_process import StoreProcess
+from harness.serve import ServerProcess
 
 from kvstore.errors import ConfigError
 from kvstore.integrations.vllm_common import (
@@ -137,12 +136,24 @@ def _wait_stored(side: SchedulerSide, request: Any, chunks: int) -> None:
         time.sleep(0.02)
 
 
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """This module's store (in place of the suite's): a node whose ``keys.chunk_size`` is the
+    module's CHUNK, which the connectors take from it."""
+    server = ServerProcess(
+        tmp_path_factory.mktemp("store"),
+        settings={"dram.capacity": "1GiB", "keys.chunk_size": CHUNK},
+        name="store",
+    )
+    with server:
+        yield server
+
+
 @pytest.fixture()
-def pair(store: StoreProcess) -> Iterator[tuple[SchedulerSide, WorkerSide, _Manager]]:
+def pair(store: ServerProcess) -> Iterator[tuple[SchedulerSide, WorkerSide, _Manager]]:
     settings = _settings(store.target)
-    with store_chunk_size(CHUNK):  # the module's store is a plain ``kvstore serve``
-        scheduler = SchedulerSide(settings, _vllm_config(), _kv_cache_config())
-        worker = WorkerSide(settings, _vllm_config(), _kv_cache_config())
+    scheduler = SchedulerSide(settings, _vllm_config(), _kv_cache_config())
+    worker = WorkerSide(settings, _vllm_config(), _kv_cache_config())
     manager = _Manager()
     scheduler.bind_kv_cache_manager(manager)  # type: ignore[arg-type]
     yield scheduler, worker, manager

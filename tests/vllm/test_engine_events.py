@@ -15,10 +15,8 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
-import os
 import random
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -35,6 +33,7 @@ from kvstore.integrations.vllm_common import ConnectorSettings, make_hasher
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
 from harness.redis_server import RedisServer
+from harness.serve import ServerProcess
 from test_cluster_index import holders  # what a router learns from the index
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -113,43 +112,6 @@ class EventsEngine:
             self.proc.wait()
 
 
-class Node:
-    """``kvstore serve`` with the cluster index and the engine's events."""
-
-    def __init__(self, workdir: Path, target: str, env: dict[str, str]) -> None:
-        self.log = workdir / "node.log"
-        command = [
-            sys.executable,
-            "-c",
-            "import sys; from kvstore.cli import main; sys.exit(main())",
-            "serve",
-            "--listen",
-            target,
-            "--nvme-path",
-            str(workdir / "nvme"),
-            "--dram-capacity",
-            "512MiB",
-        ]
-        with self.log.open("wb") as log:
-            self.proc = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env}
-            )
-        wait_for(
-            lambda: "kvstore serving on" in self.text() or self.proc.poll() is not None,
-            "the node's start-up",
-            60,
-        )
-        assert self.proc.poll() is None, self.text()
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(timeout=30)
-
-
 @pytest.fixture
 def model(tmp_path: Path) -> Path:
     return build_model(tmp_path)
@@ -169,7 +131,7 @@ def test_engine_prefix_cache_is_local_in_the_index(
     secret = "engine-events-vllm"
     monkeypatch.setenv("KVSTORE_HASH_SECRET", secret)  # the connector and the node share it
     engine = EventsEngine(tmp_path, model, target, f"tcp://*:{port}")
-    node: Node | None = None
+    node: ServerProcess | None = None
     try:
         engine.wait_ready()
         base = engine.namespace()
@@ -179,19 +141,21 @@ def test_engine_prefix_cache_is_local_in_the_index(
             for f in dataclasses.fields(base)
             if f.name not in per_request
         }
-        node = Node(
-            tmp_path,
-            target,
-            {
-                "KVSTORE_CLUSTER_ENABLED": "1",
-                "KVSTORE_CLUSTER_URL": redis_server.url,
-                "KVSTORE_CLUSTER_NODE_ID": "beside-engine",
-                "KVSTORE_CLUSTER_PUBLISH_INTERVAL_S": "0.05",
-                "KVSTORE_CLUSTER_ENGINE_EVENTS": f"tcp://127.0.0.1:{port}",
-                "KVSTORE_KEYS_NAMESPACE": json.dumps(fields),
-                "KVSTORE_KEYS_CHUNK_SIZE": str(CHUNK),
+        node = ServerProcess(
+            tmp_path / "node",
+            listen=target,
+            settings={
+                "dram.capacity": "512MiB",
+                "cluster.enabled": True,
+                "cluster.url": redis_server.url,
+                "cluster.node_id": "beside-engine",
+                "cluster.publish_interval_s": 0.05,
+                "cluster.engine_events": f"tcp://127.0.0.1:{port}",
+                "keys.namespace": json.dumps(fields),
+                "keys.chunk_size": CHUNK,
             },
-        )
+            env={"KVSTORE_HASH_SECRET": secret},  # not inherited: the launcher's env is clean
+        ).start()
         # The connector's own naming of this engine's unsalted, non-LoRA requests.
         settings = ConnectorSettings.from_extra_config({"target": target, "chunk_size": CHUNK})
         hasher = make_hasher(settings, base, "", "")
@@ -219,5 +183,5 @@ def test_engine_prefix_cache_is_local_in_the_index(
     finally:
         engine.stop()
         if node is not None:
-            node.stop()
-    assert "engine events: connected to" in node.text()
+            node.close()
+    assert "engine events: connected to" in node.stderr()

@@ -18,7 +18,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from store_process import StoreProcess
+from harness.serve import ServerProcess
 from test_openai_server import CHUNK, PROMPT_WORDS, ApiServer, _poll
 from test_openai_server import model as model  # the fixture, shared
 
@@ -51,7 +51,7 @@ def failed(samples: dict[str, float], kind: str) -> dict[str, float]:
 def test_each_engine_reports_the_prompt_tokens_kvstore_saved_it(
     tmp_path: Path,
     model: Path,
-    store: StoreProcess,
+    store: ServerProcess,
 ) -> None:
     prompt = " ".join(f"t{3 + (i * 37) % 1000}" for i in range(PROMPT_WORDS))
 

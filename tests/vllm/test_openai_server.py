@@ -27,7 +27,7 @@ import pytest
 from api_server import ApiServerProcess, server_env, wait_all_healthy
 from fleet import build_model
 from harness.ports import free_port
-from store_process import StoreProcess
+from harness.serve import ServerProcess
 
 from kvstore.cluster_config import namespace_from_json
 
@@ -127,7 +127,7 @@ def _cli_stats(target: str) -> dict[str, Any]:
 
 
 def test_second_server_reports_tokens_cached_in_kvstore(
-    tmp_path: Path, model: Path, store: StoreProcess
+    tmp_path: Path, model: Path, store: ServerProcess
 ) -> None:
     prompt = " ".join(f"t{3 + (i * 37) % 1000}" for i in range(PROMPT_WORDS))
 

@@ -28,8 +28,8 @@ from typing import Any
 
 import pytest
 from fleet import build_model
+from harness.serve import ServerProcess
 from pd_servers import ApiServer, RouterProcess, post_json, start_servers
-from store_process import StoreProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -45,7 +45,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def fleet(
-    tmp_path_factory: pytest.TempPathFactory, model: Path, store: StoreProcess
+    tmp_path_factory: pytest.TempPathFactory, model: Path, store: ServerProcess
 ) -> Iterator[tuple[ApiServer, ApiServer, RouterProcess]]:
     workdir = tmp_path_factory.mktemp("pd")
     # The producer's puts are asynchronous and its answer can come back first. The defaults (a
@@ -102,9 +102,9 @@ def _reference(producer: ApiServer, model: Path, prompt: list[int]) -> list[int]
     return tokens
 
 
-def _logs(producer: ApiServer, consumer: ApiServer, store: StoreProcess) -> str:
+def _logs(producer: ApiServer, consumer: ApiServer, store: ServerProcess) -> str:
     """The last lines of every process's log, for a failure message."""
-    store_tail = "\n".join(store.log.read_text(errors="replace").splitlines()[-20:])
+    store_tail = "\n".join(store.stderr().splitlines()[-20:])
     return (
         f"--- producer\n{producer.tail()}\n--- consumer\n{consumer.tail()}\n--- store\n{store_tail}"
     )
@@ -118,7 +118,7 @@ def _metric(text: str, series: str) -> float:
 
 
 def test_decode_engine_loads_the_whole_prompt_and_matches_a_single_engine(
-    fleet: tuple[ApiServer, ApiServer, RouterProcess], model: Path, store: StoreProcess
+    fleet: tuple[ApiServer, ApiServer, RouterProcess], model: Path, store: ServerProcess
 ) -> None:
     producer, consumer, router = fleet
     prompt = _prompt(1)

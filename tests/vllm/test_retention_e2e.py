@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from fleet import build_model
-from store_process import StoreProcess
+from harness.serve import ServerProcess
 from test_vllm_e2e import CHUNK, Engine
 
 from kvstore import KVStoreClient, Namespace
@@ -44,7 +44,9 @@ def test_a_retained_prompt_outlives_a_flood_and_a_none_prompt_is_never_stored(
     tmp_path: Path,
 ) -> None:
     model = build_model(tmp_path)
-    store = StoreProcess(tmp_path / "store", "--dram-capacity", "16MiB", "--nvme-capacity", "16MiB")
+    store = ServerProcess(
+        tmp_path / "store", settings={"dram.capacity": "16MiB", "nvme.capacity": "16MiB"}
+    ).start()
     try:
         a_prompts, b_prompts = _prompts()
         params = tmp_path / "params.json"
@@ -73,4 +75,4 @@ def test_a_retained_prompt_outlives_a_flood_and_a_none_prompt_is_never_stored(
         assert plain["num_cached_tokens"] == 0  # evicted by the flood: recomputed
         assert never["num_cached_tokens"] == 0  # asked not to be stored: never was
     finally:
-        store.stop()
+        store.close()

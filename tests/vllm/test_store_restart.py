@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from store_process import StoreProcess
+from harness.serve import ServerProcess
 from test_openai_server import CHUNK, PROMPT_WORDS, ApiServer, _poll
 from test_openai_server import model as model  # the fixture, shared
 
@@ -59,7 +59,7 @@ def test_saves_resume_within_two_seconds_of_a_restarted_stores_serving_on(
     tmp_path: Path, model: Path
 ) -> None:
     workdir = tmp_path / "store"
-    store = StoreProcess(workdir)
+    store = ServerProcess(workdir, settings={"dram.capacity": "1GiB"}, name="store").start()
     server = ApiServer("engine", tmp_path, model, store.target)
     driver: _Driver | None = None
     try:
@@ -73,7 +73,7 @@ def test_saves_resume_within_two_seconds_of_a_restarted_stores_serving_on(
         time.sleep(1.0)
         store.stop()
         time.sleep(OUTAGE_S)  # the engine keeps answering (recomputing), its saves failing
-        store = StoreProcess(workdir, target=store.target, name="store-restarted")
+        store.start(same_address=True)
         serving = time.monotonic()
         before = store.stats()["blocks"]
         resumed: float | None = None
@@ -102,4 +102,4 @@ def test_saves_resume_within_two_seconds_of_a_restarted_stores_serving_on(
         if driver is not None:
             driver.stopping.set()
         server.stop()
-        store.stop()
+        store.close()

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 from fleet import build_model
-from store_process import StoreProcess
+from harness.serve import ServerProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -112,7 +112,7 @@ def reference(workdir: Path, model: Path) -> Engine:
 
 
 def test_replica_loads_shared_prefixes_from_kvstore(
-    workdir: Path, model: Path, store: StoreProcess, reference: Engine
+    workdir: Path, model: Path, store: ServerProcess, reference: Engine
 ) -> None:
     a_prompts, b_prompts = _prompts()
     engine_a = Engine(
@@ -137,7 +137,7 @@ def test_replica_loads_shared_prefixes_from_kvstore(
 
 
 def test_replica_recomputes_when_store_is_down(
-    workdir: Path, model: Path, store: StoreProcess, reference: Engine
+    workdir: Path, model: Path, store: ServerProcess, reference: Engine
 ) -> None:
     _, b_prompts = _prompts()
     store.stop()
