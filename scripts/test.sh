@@ -4,6 +4,7 @@
 #   bash scripts/test.sh            # lint, type-check, stale generated code check, tests
 #   KVSTORE_SKIP_VLLM=1 bash scripts/test.sh   # leave out the real-vLLM suite
 #   KVSTORE_SKIP_SLOW=1 bash scripts/test.sh   # leave out the slow suite (long fuzz runs)
+#   KVSTORE_TEST_WORKERS=0 bash scripts/test.sh   # the default suite in one process (default: 2)
 #   KVSTORE_TEST_DRY_RUN=1 bash scripts/test.sh   # list the suites and their commands, run nothing
 #
 # Installs redis-server, prometheus and kubectl (apt) if missing, creates .venv with the local CPU
@@ -68,7 +69,11 @@ suite ruff .venv/bin/ruff check kvstore kernels tests benchmarks scripts
 suite ruff-format .venv/bin/ruff format --check kvstore kernels tests benchmarks scripts
 suite mypy .venv/bin/mypy kvstore kernels
 suite generated-code generated_code
-suite pytest $PY -m pytest -m "not vllm and not slow" -q -p no:cacheprovider --ignore=tests/vllm
+# The default suite on KVSTORE_TEST_WORKERS processes (pytest-xdist; 0 runs it in this one): most of
+# its time is spent waiting on servers and subprocesses, so two workers on two cores take about half
+# as long. A file stays on one worker (--dist loadfile), so its module fixtures are set up once.
+suite pytest $PY -m pytest -m "not vllm and not slow" -q -p no:cacheprovider \
+    -n "${KVSTORE_TEST_WORKERS:-2}" --dist loadfile --ignore=tests/vllm
 if [ "${KVSTORE_SKIP_SLOW:-0}" = "1" ]; then
     skip slow "KVSTORE_SKIP_SLOW=1: the longer fuzz runs left out"
 else

@@ -94,17 +94,28 @@ def _fake_server(tmp_path: Path, *, hang_up: bool, stall_get: bool) -> Iterator[
             server.stop(grace=None)
 
 
-def _get_sync(target: str) -> list[bytes | None]:
+# Each getter appends how long the get itself took to ``took``: the client connects on its first
+# call, so that is the whole call, and not the event loop's start or the client's close, which
+# on a loaded machine add tenths of a second that no deadline covers.
+def _get_sync(target: str, took: list[float]) -> list[bytes | None]:
     with KVStoreClient(target, namespace=NS, timeout=TIMEOUT, data_plane="auto") as client:
-        return client.get([KEY])
+        started = time.monotonic()
+        try:
+            return client.get([KEY])
+        finally:
+            took.append(time.monotonic() - started)
 
 
-def _get_async(target: str) -> list[bytes | None]:
+def _get_async(target: str, took: list[float]) -> list[bytes | None]:
     async def get() -> list[bytes | None]:
         async with AsyncKVStoreClient(
             target, namespace=NS, timeout=TIMEOUT, data_plane="auto"
         ) as client:
-            return await client.get([KEY])
+            started = time.monotonic()
+            try:
+                return await client.get([KEY])
+            finally:
+                took.append(time.monotonic() - started)
 
     return asyncio.run(get())
 
@@ -117,13 +128,16 @@ GETTERS = {"sync": _get_sync, "async": _get_async}
 def test_a_stalled_fast_path_and_a_stalled_fallback_end_within_one_deadline(
     tmp_path: Path, flavour: str, hang_up: bool
 ) -> None:
-    with _fake_server(tmp_path, hang_up=hang_up, stall_get=True) as target:
-        started = time.monotonic()
-        with pytest.raises(DeadlineExceededError):
-            GETTERS[flavour](target)
-        elapsed = time.monotonic() - started
-    # A fresh timeout for the gRPC step would make this about 2 * TIMEOUT (1.4 with a hangup).
-    assert TIMEOUT * 0.9 < elapsed < TIMEOUT * 1.3, elapsed
+    took: list[float] = []
+    with (
+        _fake_server(tmp_path, hang_up=hang_up, stall_get=True) as target,
+        pytest.raises(DeadlineExceededError),
+    ):
+        GETTERS[flavour](target, took)
+    # A fresh timeout for the gRPC step would make this about 2 * TIMEOUT (TIMEOUT +
+    # HANGUP_AFTER_S with a hangup): the bound stays below that with room for a loaded machine.
+    limit = TIMEOUT * 1.3 if hang_up else TIMEOUT * 1.5
+    assert TIMEOUT * 0.9 < took[0] < limit, took
 
 
 @pytest.mark.parametrize("hang_up", [False, True], ids=["silent-shm", "shm-hangs-up"])
@@ -133,8 +147,7 @@ def test_the_fallback_gets_what_the_stalled_fast_path_left(
 ) -> None:
     # A silent socket is given up after half the deadline (CONNECT_SHARE), leaving gRPC the rest.
     stall = HANGUP_AFTER_S if hang_up else TIMEOUT * CONNECT_SHARE
+    took: list[float] = []
     with _fake_server(tmp_path, hang_up=hang_up, stall_get=False) as target:
-        started = time.monotonic()
-        assert GETTERS[flavour](target) == [VALUE]
-        elapsed = time.monotonic() - started
-    assert stall * 0.9 < elapsed < TIMEOUT, elapsed
+        assert GETTERS[flavour](target, took) == [VALUE]
+    assert stall * 0.9 < took[0] < TIMEOUT, took
