@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 
 import grpc
 import pytest
-from harness.keyed_node import keyed_node
+from harness.node_schemes import cluster_settings, published_schemes, wait_published
+from harness.redis_server import RedisServer
 from test_tenants import TOKENS, write_config
 
 from kvstore import AsyncKVStoreClient, KVStoreClient, Namespace
@@ -97,14 +98,23 @@ def test_a_tenant_declares_only_its_own_namespace(
         carol.key_scheme(own, SECRET)
 
 
-def test_a_configured_node_answers_its_chunk_size_and_refuses_one_namespace_too_many() -> None:
-    node = keyed_node(KeyScheme(chunk_size=128, hash_algorithm="sha256"))
-    with node as (target, schemes), KVStoreClient(target) as client:
+def test_a_configured_node_answers_its_chunk_size_and_refuses_one_namespace_too_many(
+    server_factory: ServerFactory, redis_server: RedisServer
+) -> None:
+    # What the node holds declared is read where a router reads it: its description in the index.
+    settings = {"keys.chunk_size": 128, "keys.hash_algorithm": "sha256"}
+    server = server_factory(settings={**settings, **cluster_settings(redis_server.url, "n")})
+    with KVStoreClient(server.target) as client:
         scheme = client.key_scheme(NS, SECRET)
         assert (scheme.chunk_size, scheme.hash_algorithm) == (128, "sha256")
         for index in range(1, MAX_SCHEMES):
             client.key_scheme(dataclasses.replace(NS, model=f"model-{index}"), SECRET)
-        assert len(schemes.current()) == MAX_SCHEMES
+        declared = wait_published(redis_server.url, "n", lambda seen: len(seen) == MAX_SCHEMES)
+        assert {(s.chunk_size, s.hash_algorithm) for s in declared} == {(128, "sha256")}
+        assert {s.namespace.model for s in declared if s.namespace} == {NS.model} | {
+            f"model-{index}" for index in range(1, MAX_SCHEMES)
+        }
         with pytest.raises(CapacityError, match=f"already serves {MAX_SCHEMES}"):
             client.key_scheme(dataclasses.replace(NS, model="one-too-many"), SECRET)
         assert client.key_scheme(NS, SECRET).chunk_size == 128  # a known one still answers
+        assert len(published_schemes(redis_server.url, "n") or ()) == MAX_SCHEMES

@@ -3,20 +3,24 @@
 Its halves ask the store at start, declaring the engine's base namespace and secret check, and
 use the answer; a setting of the connector's own that differs is one ERROR line and a refusal to
 start; a store unreachable at start is asked again once it answers, and a different answer then
-stops loading and saving for good. Against the tests' stand-in store, and against a real server
-whose node has ``[keys]`` settings (:mod:`harness.keyed_node`).
+stops loading and saving for good. Against the tests' stand-in store, and against a real
+``kvstore serve`` whose node has ``[keys]`` settings (:mod:`harness.serve`); what it holds
+declared is read from the cluster index in a real redis-server (:mod:`harness.node_schemes`).
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
-from harness.keyed_node import keyed_node
+from harness.node_schemes import cluster_settings, wait_published
 from harness.polling import poll
 from harness.ports import free_port
+from harness.redis_server import RedisServer
+from harness.serve import ServerProcess
 from test_connector_logic import (
     BLOCK,
     CHUNK,
@@ -262,31 +266,36 @@ def test_a_worker_told_another_chunk_size_by_its_scheduler_stops_with_one_error_
         worker.shutdown()
 
 
-def test_a_node_with_keys_settings_decides_the_chunk_size_of_both_halves() -> None:
-    with keyed_node(KeyScheme(chunk_size=8 * BLOCK)) as (target, schemes):
-        side = _scheduler(_unpinned(target))
-        worker = WorkerSide(_unpinned(target), _vllm_config(), _kv_cache_config())
-        try:
-            assert side._settings.chunk_size == worker._settings.chunk_size == 128
-            assert worker._blocks_per_chunk == 8
-            assert [s.namespace for s in schemes.current()] == [side._base]  # declared once
-        finally:
-            worker.shutdown()
-            side.shutdown()
-        with pytest.raises(ConfigError, match="chunk_size=32 differs from the store's keys"):
-            _scheduler(_settings(target=target))
+def test_a_node_with_keys_settings_decides_the_chunk_size_of_both_halves(tmp_path: Path) -> None:
+    with RedisServer(tmp_path / "redis") as redis:
+        settings = {"keys.chunk_size": 8 * BLOCK, **cluster_settings(redis.url, "n")}
+        with ServerProcess(tmp_path / "node", settings=settings) as node:
+            side = _scheduler(_unpinned(node.target))
+            worker = WorkerSide(_unpinned(node.target), _vllm_config(), _kv_cache_config())
+            try:
+                assert side._settings.chunk_size == worker._settings.chunk_size == 128
+                assert worker._blocks_per_chunk == 8
+                # Declared once (both halves name the same base namespace), as the node publishes.
+                seen = wait_published(redis.url, "n", lambda seen: any(s.namespace for s in seen))
+                assert [(s.namespace, s.chunk_size) for s in seen] == [(side._base, 128)]
+            finally:
+                worker.shutdown()
+                side.shutdown()
+            with pytest.raises(ConfigError, match="chunk_size=32 differs from the store's keys"):
+                _scheduler(_settings(target=node.target))
 
 
 @pytest.mark.parametrize(("node_chunk", "stops"), [(CHUNK, False), (2 * CHUNK, True)])
 def test_a_node_that_comes_up_after_the_engine_is_checked_on_its_first_answer(
-    caplog: pytest.LogCaptureFixture, node_chunk: int, stops: bool
+    caplog: pytest.LogCaptureFixture, tmp_path: Path, node_chunk: int, stops: bool
 ) -> None:
     port = free_port()
     with caplog.at_level(logging.INFO, logger=SCHEME_LOGGER):
         side = _scheduler(_settings(target=f"127.0.0.1:{port}"))
         try:
             assert "did not answer at start" in _scheme_lines(caplog, logging.WARNING)[0]
-            with keyed_node(KeyScheme(chunk_size=node_chunk), port=port):
+            settings = {"keys.chunk_size": node_chunk}
+            with ServerProcess(tmp_path, settings=settings, listen=f"127.0.0.1:{port}"):
                 level = logging.ERROR if stops else logging.INFO
                 poll(lambda: _scheme_lines(caplog, level), 30, "the check on reconnection")
             assert side._breaker.held is stops  # (the store down at start also tripped it)

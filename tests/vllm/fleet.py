@@ -4,8 +4,12 @@ real redis-server), and ``kvstore router`` subprocesses in front of them.
 
 Used by ``tests/vllm/test_router_fleet.py`` and ``benchmarks/bench_route_replay.py``. Start-up
 cost is the two API servers (they start side by side); everything else takes a second.
-The router's ``router.namespace`` is read from what the connector logs at start, as an operator
-would (a logging config makes vLLM's processes print kvstore's INFO lines).
+
+The chunk size is set in one place, as a deployment should: the nodes' ``keys.chunk_size``. The
+connectors set none (they ask their node), and the routers have no key settings (they read the
+scheme the nodes publish in the cluster index, with the namespace the connectors declared). The
+fleet still reads the connector's namespace from its start-up log line (a logging config makes
+vLLM's processes print kvstore's INFO lines), for tests that compute chunk keys themselves.
 """
 
 from __future__ import annotations
@@ -46,7 +50,9 @@ __all__ = [
     "build_model",
 ]
 
-CHUNK = 256
+#: Tokens per chunk: the nodes' ``keys.chunk_size`` (not the default 256, so that a part of
+#: the fleet that fell back to the default would show).
+CHUNK = 128
 _KVSTORE = [sys.executable, "-c", "import sys; from kvstore.cli import main; sys.exit(main())"]
 _LOGGING = {
     "version": 1,
@@ -83,12 +89,13 @@ def build_model(directory: Path, **sizes: int) -> Path:
 
 
 class Node(ServerProcess):
-    """``kvstore serve`` with the cluster index on (each boot starts empty, on the same port:
-    the engine's connector reconnects to it)."""
+    """``kvstore serve`` with the cluster index on and ``keys.chunk_size = chunk`` (each boot
+    starts empty, on the same port: the engine's connector reconnects to it)."""
 
-    def __init__(self, workdir: Path, node_id: str, index_url: str) -> None:
+    def __init__(self, workdir: Path, node_id: str, index_url: str, chunk: int = CHUNK) -> None:
         settings = {
             "dram.capacity": "1GiB",
+            "keys.chunk_size": chunk,
             "cluster.enabled": True,
             "cluster.url": index_url,
             "cluster.node_id": node_id,
@@ -131,7 +138,8 @@ class Node(ServerProcess):
 
 
 class ApiServer(ApiServerProcess):
-    """vLLM's OpenAI API server (CPU) with the kvstore connector, in its own process group."""
+    """vLLM's OpenAI API server (CPU) with the kvstore connector, in its own process group; the
+    connector's config names no chunk size: it takes its node's."""
 
     def __init__(
         self,
@@ -141,14 +149,11 @@ class ApiServer(ApiServerProcess):
         target: str,
         max_model_len: int,
         cpu: str,
-        chunk: int = CHUNK,
     ) -> None:
         port = free_port()
         logging_config = workdir / "vllm-logging.json"
         logging_config.write_text(json.dumps(_LOGGING))
-        command = connector_command(
-            model, port, target, extra={"chunk_size": chunk}, max_model_len=max_model_len
-        )
+        command = connector_command(model, port, target, max_model_len=max_model_len)
         env = server_env(
             # One core each: the two replicas do not fight over the same cores.
             VLLM_CPU_OMP_THREADS_BIND=cpu,
@@ -157,7 +162,8 @@ class ApiServer(ApiServerProcess):
         super().__init__(name, command, workdir / f"{name}.log", env, port)
 
     def namespace_json(self) -> str:
-        """The connector's base namespace, from its start-up log line, as ``router.namespace``."""
+        """The connector's base namespace, from its start-up log line, as JSON (what the node
+        publishes for the router; tests name chunk keys with it)."""
         found = re.search(r"namespace Namespace\((.*)\)\s*$", self.log.read_text(), re.MULTILINE)
         if not found:
             raise RuntimeError(f"{self.name} logged no kvstore namespace:\n{self.tail()}")
@@ -199,18 +205,18 @@ class Reply:
 
 
 class RouterProcess:
-    """``kvstore router`` in a subprocess in front of ``replicas`` (``URL=NODE_ID``)."""
+    """``kvstore router`` in a subprocess in front of ``replicas`` (``URL=NODE_ID``), with no
+    key settings: it names chunks by the scheme the nodes publish in the index at
+    ``index_url``."""
 
     def __init__(
         self,
         workdir: Path,
         replicas: Sequence[str],
-        namespace: str,
         index_url: str,
         *,
         policy: str = "kv",
         env: dict[str, str] | None = None,
-        chunk: int = CHUNK,
     ) -> None:
         # The engines' connectors hash with $KVSTORE_HASH_SECRET: the router must too.
         environ = {
@@ -222,7 +228,6 @@ class RouterProcess:
         command = [*_KVSTORE, "router", "--listen", "127.0.0.1:0", "--policy", policy]
         for replica in replicas:
             command += ["--replica", replica]
-        command += ["--namespace", namespace, "--chunk-size", str(chunk)]
         command += ["--index-url", index_url]
         self.log_path = workdir / f"router-{policy}.log"
         self.log = self.log_path.open("wb")
@@ -281,6 +286,10 @@ class RouterProcess:
                         usage = event
         return Reply(status, replica, usage, ttft, total, raw)
 
+    def log_text(self) -> str:
+        """What the router logged so far."""
+        return self.log_path.read_text(errors="replace")
+
     def metric(self, name: str, labels: str = "") -> float:
         """One sample of the router's ``/metrics`` (0 when absent)."""
         _, text = self.call("GET", "/metrics")
@@ -315,14 +324,12 @@ class Fleet:
         self.routers: list[RouterProcess] = []
         try:
             for number in range(2):
-                self.nodes.append(Node(workdir, f"node-{number}", self.redis.url))
+                self.nodes.append(Node(workdir, f"node-{number}", self.redis.url, chunk))
             cores = os.cpu_count() or 1
             for number, node in enumerate(self.nodes):
                 cpu = str(number % cores)
                 self.servers.append(
-                    ApiServer(
-                        f"vllm-{number}", workdir, model, node.target, max_model_len, cpu, chunk
-                    )
+                    ApiServer(f"vllm-{number}", workdir, model, node.target, max_model_len, cpu)
                 )
             wait_all_healthy(self.servers)
             self.namespace = self.servers[0].namespace_json()
@@ -340,11 +347,9 @@ class Fleet:
         router = RouterProcess(
             self.workdir,
             self.replicas,
-            self.namespace,
             self.redis.url,
             policy=policy,
             env=env,
-            chunk=self.chunk,
         )
         self.routers.append(router)
         return router

@@ -2,11 +2,14 @@
 
 Each replica is vLLM's OpenAI API server with the kvstore connector pointed at its own
 ``kvstore serve`` node; both nodes publish to the cluster index in one real redis-server; the
-router runs as a subprocess (:mod:`fleet`). The router's provisional entries are made to expire
-at once, so where a request goes depends on the index alone. In order, sharing one fleet:
+router runs as a subprocess (:mod:`fleet`). The chunk size is set in one place, the nodes'
+``keys.chunk_size`` (128, half the default): the connectors and the router have none of their
+own. The router's provisional entries are made to expire at once, so where a request goes
+depends on the index alone. In order, sharing one fleet:
 
 1. conversations whose turns extend a growing prefix go back to the replica that holds them
    (the router's ``x-kvstore-replica`` header says which answered), and that replica reuses it;
+   the router named their chunks by the scheme the nodes publish (its log line and metric);
 2. a node SIGKILLed (its entries stay in Redis) and restarted (a new epoch) is not sent work on
    the strength of its old blocks: a replica that holds a shorter prefix, live, wins;
 3. with Redis stopped, requests still succeed, routed by load, and the fallbacks are counted.
@@ -100,6 +103,7 @@ def test_conversations_go_back_to_the_replica_that_holds_them(
     fleet: Fleet, router: RouterProcess
 ) -> None:
     model = str(fleet.model)
+    assert CHUNK != 256  # not the default: a part of the fleet that used it would show
     prompts = [words(100 + c, 2 * CHUNK + 40) for c in range(CONVERSATIONS)]
     owner: dict[int, str] = {}
     cache_before = sum(
@@ -133,6 +137,12 @@ def test_conversations_go_back_to_the_replica_that_holds_them(
         for s in fleet.servers
     )
     assert cache_after - cache_before == CONVERSATIONS * (TURNS - 1)
+    # The router named those chunks by the nodes' published scheme, not by settings of its own.
+    assert router.metric("kvstore_router_key_scheme_reads_total") >= 1
+    log = router.log_text()
+    assert f"naming chunks as the fleet does: chunk_size={CHUNK} hash=xxh3_128 " in log, log
+    assert f"model={model!r}" in log, log
+    assert "deprecated router.namespace" not in log and "refused for prefix routing" not in log
 
 
 def test_a_restarted_node_is_not_trusted_on_its_old_blocks(
