@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "integrations"))
 from fake_engine import FakeEngine
 from harness.node_schemes import cluster_settings, published_schemes

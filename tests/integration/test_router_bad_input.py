@@ -15,16 +15,12 @@ from __future__ import annotations
 
 import json
 import socket
-import sys
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
 from fake_engine import FakeEngine
 from router_process import RouterProcess
 

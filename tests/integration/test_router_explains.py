@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import socket
 import struct
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -23,8 +22,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
 from fake_engine import FakeEngine
 from harness.redis_server import RedisServer
 from router_process import RouterProcess

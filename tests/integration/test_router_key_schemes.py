@@ -11,15 +11,12 @@ key secret differs logs one ERROR and routes by load.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
 from fake_engine import FakeEngine
 from harness.polling import poll
 from harness.redis_server import RedisServer

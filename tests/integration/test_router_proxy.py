@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +26,6 @@ from kvstore.cluster import ClusterIndex, Layout, connect
 if TYPE_CHECKING:
     from conftest import ServerFactory
 
-sys.path.insert(0, str(Path(__file__).parent))
 from fake_engine import FakeEngine, stream_events
 from harness.redis_server import RedisServer
 from router_process import RouterProcess
