@@ -323,7 +323,7 @@ def test_a_ucx_endpoint_serves_only_the_tenant_that_first_used_it(
     address = data_plane_of(server, "alice").ucx_address
     keys, values = blocks(7)
     with client(server, "alice", data_plane="grpc") as a, client(server, "bob") as b:
-        ucx = UcxDataClient(a._channel, address, namespace_bytes(NS))
+        ucx = UcxDataClient(a._transport.channel, address, namespace_bytes(NS))
         try:
             stored = ucx.put(keys, values)
             assert stored is not None and stored.stored == 4, ucx.last_error
@@ -339,7 +339,7 @@ def test_a_ucx_endpoint_serves_only_the_tenant_that_first_used_it(
                 transfer_id=99,
             )
             with pytest.raises(grpc.RpcError) as failure:
-                ucx_pb_grpc.UcxTransferStub(b._channel).UcxGet(request, timeout=10)
+                ucx_pb_grpc.UcxTransferStub(b._transport.channel).UcxGet(request, timeout=10)
             assert failure.value.code() == grpc.StatusCode.PERMISSION_DENIED
             # a's endpoint still serves a.
             assert ucx.get(keys) == values

@@ -93,8 +93,8 @@ def kv_client(
 def ucx_client(
     kv: KVStoreClient, address: str, namespace: Namespace = NAMESPACE, **kwargs: float
 ) -> UcxDataClient:
-    """A :class:`UcxDataClient` whose control calls use ``kv``'s channel."""
-    return UcxDataClient(kv._channel, address, namespace_bytes(namespace), **kwargs)
+    """A :class:`UcxDataClient` whose control calls use ``kv``'s channel (its gRPC transport's)."""
+    return UcxDataClient(kv._transport.channel, address, namespace_bytes(namespace), **kwargs)
 
 
 def keys_of(count: int) -> list[bytes]:
