@@ -9,6 +9,7 @@ import json
 from dataclasses import dataclass
 
 from kvstore.errors import ConfigError
+from kvstore.key_scheme import HASH_ALGORITHMS, PER_REQUEST_FIELDS
 from kvstore.keys import Namespace
 from kvstore.setting_meta import setting
 
@@ -28,9 +29,6 @@ SHARED_DATA = ("redis", "peers", "both")
 PEER_TRANSPORTS = ("auto", "ucx", "grpc")
 #: Endpoints ``cluster.engine_events`` may name (those of vLLM's ZMQ publisher).
 ENGINE_EVENT_SCHEMES = ("tcp://", "ipc://")
-#: Namespace fields filled per request (never part of an engine-wide base namespace).
-_PER_REQUEST = frozenset({"lora_id", "cache_salt", "tp_rank"})
-_HASH_ALGORITHMS = ("xxh3_128", "sha256")
 
 
 def namespace_to_json(namespace: Namespace) -> str:
@@ -39,7 +37,7 @@ def namespace_to_json(namespace: Namespace) -> str:
     fields = {
         name: value
         for name, value in dataclasses.asdict(namespace).items()
-        if name not in _PER_REQUEST
+        if name not in PER_REQUEST_FIELDS
     }
     return json.dumps(fields, sort_keys=True)
 
@@ -54,7 +52,7 @@ def namespace_from_json(text: str, setting: str) -> Namespace:
         raise ConfigError(f"{setting}: cannot use {text!r}: not JSON ({exc})") from exc
     if not isinstance(fields, dict):
         raise ConfigError(f"{setting}: cannot use {text!r}: not a JSON object")
-    known = {f.name for f in dataclasses.fields(Namespace)} - _PER_REQUEST
+    known = {f.name for f in dataclasses.fields(Namespace)} - PER_REQUEST_FIELDS
     unknown = sorted(set(fields) - known)
     if unknown:
         raise ConfigError(f"{setting}: unknown fields {unknown}; known: {sorted(known)}")
@@ -241,9 +239,9 @@ class ClusterConfig:
             raise ConfigError(
                 f"cluster.engine_chunk_size must be >= 1, got {self.engine_chunk_size}"
             )
-        if self.engine_hash_algorithm not in _HASH_ALGORITHMS:
+        if self.engine_hash_algorithm not in HASH_ALGORITHMS:
             raise ConfigError(
-                f"cluster.engine_hash_algorithm must be one of {list(_HASH_ALGORITHMS)}, "
+                f"cluster.engine_hash_algorithm must be one of {list(HASH_ALGORITHMS)}, "
                 f"got {self.engine_hash_algorithm!r}"
             )
         if self.engine_max_blocks < 1:

@@ -38,6 +38,7 @@ from kvstore.auth_config import AuthConfig
 from kvstore.cluster_config import SHARED_DATA, ClusterConfig, check_advertise
 from kvstore.data_plane_config import ShmConfig, UcxConfig
 from kvstore.errors import ConfigError
+from kvstore.key_scheme import HASH_SECRET_ENV
 from kvstore.keys_config import KeysConfig, with_aliases
 from kvstore.machine_defaults import (
     available_memory,
@@ -378,10 +379,6 @@ def unknown_env_vars(env: Mapping[str, str]) -> list[str]:
         for name in sorted(env)
         if name.startswith("KVSTORE_") and name not in known
     ]
-
-
-#: Holds the secret chunk keys are derived with (:class:`kvstore.keys.ChunkHasher`).
-HASH_SECRET_ENV = "KVSTORE_HASH_SECRET"
 
 
 def hash_secret(env: Mapping[str, str] | None = None) -> str:

@@ -15,11 +15,17 @@ import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from kvstore.cluster_config import ClusterConfig, namespace_from_json
 from kvstore.errors import ConfigError
-from kvstore.key_scheme import DEFAULT_CHUNK_SIZE, HASH_ALGORITHMS, HASH_SECRET_ENV, KeyScheme
+from kvstore.key_scheme import (
+    DEFAULT_CHUNK_SIZE,
+    HASH_ALGORITHMS,
+    HASH_SECRET_ENV,
+    KeyScheme,
+    secret_fingerprint,
+)
 from kvstore.keys import HashAlgorithm
 from kvstore.setting_meta import setting
 
@@ -73,19 +79,11 @@ class KeysConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.chunk_size < 1:
-            raise ConfigError(f"keys.chunk_size must be >= 1, got {self.chunk_size}")
-        if self.hash_algorithm not in HASH_ALGORITHMS:
-            raise ConfigError(
-                f"keys.hash_algorithm must be one of {list(HASH_ALGORITHMS)}, "
-                f"got {self.hash_algorithm!r}"
-            )
         if not self.secret_env:
             raise ConfigError(
                 "keys.secret_env must name an environment variable, e.g. KVSTORE_HASH_SECRET"
             )
-        if self.namespace:
-            namespace_from_json(self.namespace, "keys.namespace")
+        self.scheme(env={})  # KeyScheme checks the chunk size, the algorithm and the namespace
 
     def scheme(self, env: Mapping[str, str] | None = None) -> KeyScheme:
         """These settings as a :class:`KeyScheme`: its secret check that of ``$secret_env`` in
@@ -95,12 +93,11 @@ class KeysConfig:
         namespace = (
             namespace_from_json(self.namespace, "keys.namespace") if self.namespace else None
         )
-        algorithm: HashAlgorithm = "sha256" if self.hash_algorithm == "sha256" else "xxh3_128"
-        if self.secret_env in env:
-            return KeyScheme.with_secret(
-                namespace, self.chunk_size, algorithm, self.secret_env, env
-            )
-        return KeyScheme(namespace, self.chunk_size, algorithm, self.secret_env)
+        algorithm = cast(HashAlgorithm, self.hash_algorithm)  # KeyScheme refuses any other
+        scheme = KeyScheme(namespace, self.chunk_size, algorithm, self.secret_env)
+        if self.secret_env not in env:
+            return scheme
+        return dataclasses.replace(scheme, secret_check=secret_fingerprint(env[self.secret_env]))
 
 
 def with_aliases(keys: KeysConfig, cluster: ClusterConfig) -> KeysConfig:

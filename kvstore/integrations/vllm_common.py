@@ -32,6 +32,7 @@ from kvstore.errors import (
     StoreUnavailableError,
 )
 from kvstore.integrations.store_client import StoreClient
+from kvstore.key_scheme import DEFAULT_CHUNK_SIZE
 from kvstore.keys import ChunkHasher, HashAlgorithm, Namespace
 from kvstore.retention import KEEP, Retention
 
@@ -56,7 +57,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CHUNK_SIZE = 256
 _RANK_TAG = b"kvstore-rank-key-v1\x00"
 
 _KNOWN_KEYS = frozenset(
