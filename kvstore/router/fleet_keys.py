@@ -39,7 +39,7 @@ from collections.abc import Callable, Collection, Mapping
 from kvstore.cluster.index import ClusterIndex
 from kvstore.cluster.layout import REDIS_ERRORS
 from kvstore.errors import ConfigError
-from kvstore.key_scheme import KeyScheme, secret_fingerprint
+from kvstore.key_scheme import KeyScheme
 from kvstore.router.keys import RouterKeys
 from kvstore.router.metrics import RouterMetrics
 
@@ -188,8 +188,9 @@ class FleetKeys:
 
     def _router_keys(self, scheme: KeyScheme) -> RouterKeys | None:
         assert scheme.namespace is not None
-        secret = self._env.get(scheme.secret_env, "")
-        if scheme.secret_check and secret_fingerprint(secret) != scheme.secret_check:
+        try:
+            secret = scheme.secret(self._env)
+        except ConfigError:  # the fingerprint of this router's secret is not the fleet's
             logger.error(
                 "this router's $%s differs from the key secret of the fleet's nodes (model %r): "
                 "its chunk keys would match nothing; routing by load",
@@ -197,7 +198,9 @@ class FleetKeys:
                 scheme.namespace.model,
             )
             return None
-        return RouterKeys(scheme.namespace, scheme.chunk_size, secret, scheme.hash_algorithm)
+        return RouterKeys(
+            scheme.namespace, scheme.chunk_size, secret.decode(), scheme.hash_algorithm
+        )
 
     async def aclose(self) -> None:
         """Stop a read in progress."""
