@@ -209,13 +209,17 @@ class EngineShape:
     pp_size: int
 
 
+def check_whole_blocks(chunk_size: int, block_size: int, what: str = "chunk_size") -> None:
+    """Refuse a chunk size (``what`` says whose) that is not a whole number of engine blocks."""
+    if chunk_size % block_size:
+        raise ConfigError(
+            f"{what} {chunk_size} must be a multiple of the engine's block size {block_size}"
+        )
+
+
 def blocks_per_chunk(settings: ConnectorSettings, shape: EngineShape) -> int:
     """Engine blocks in one stored chunk; the chunk size must be a whole number of blocks."""
-    if settings.chunk_size % shape.block_size:
-        raise ConfigError(
-            f"chunk_size {settings.chunk_size} must be a multiple of the engine's block size "
-            f"{shape.block_size}"
-        )
+    check_whole_blocks(settings.chunk_size, shape.block_size)
     return settings.chunk_size // shape.block_size
 
 

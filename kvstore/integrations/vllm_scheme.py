@@ -37,7 +37,12 @@ from kvstore.errors import (
     StoreUnavailableError,
 )
 from kvstore.integrations.store_client import StoreClient
-from kvstore.integrations.vllm_common import Breaker, ConnectorSettings, EngineShape
+from kvstore.integrations.vllm_common import (
+    Breaker,
+    ConnectorSettings,
+    EngineShape,
+    check_whole_blocks,
+)
 from kvstore.key_scheme import KeyScheme, secret_fingerprint
 from kvstore.keys import Namespace
 
@@ -77,7 +82,8 @@ class SchemeCheck:
         self._stopped = False  # an ERROR about the scheme has been logged; the store is off
         self._secret_check = secret_fingerprint(settings.secret)
         if "chunk_size" in settings.pinned:
-            _check_blocks(settings.chunk_size, block_size, "kv_connector_extra_config chunk_size")
+            where = "kv_connector_extra_config chunk_size"
+            check_whole_blocks(settings.chunk_size, block_size, where)
         self.settings = self._resolve(settings)
 
     def _resolve(self, settings: ConnectorSettings) -> ConnectorSettings:
@@ -113,7 +119,7 @@ class SchemeCheck:
             message = self._mismatch(differences, "set it to the store's or leave it out")
             logger.error(message)
             raise ConfigError(message)
-        _check_blocks(answer.chunk_size, self._block_size, "the store's keys.chunk_size")
+        check_whole_blocks(answer.chunk_size, self._block_size, "the store's keys.chunk_size")
         return dataclasses.replace(
             settings, chunk_size=answer.chunk_size, hash_algorithm=answer.hash_algorithm
         )
@@ -212,11 +218,3 @@ def _differences(settings: ConnectorSettings, answer: KeyScheme, pinned_only: bo
             where = "kv_connector_extra_config" if pinned else "the connector's default"
             found.append(f"{where} {name}={mine!r} differs from the store's keys.{name}={theirs!r}")
     return found
-
-
-def _check_blocks(chunk_size: int, block_size: int, what: str) -> None:
-    """Refuse a chunk size that is not a whole number of the engine's blocks."""
-    if chunk_size % block_size:
-        raise ConfigError(
-            f"{what} {chunk_size} must be a multiple of the engine's block size {block_size}"
-        )
