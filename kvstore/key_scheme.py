@@ -35,6 +35,7 @@ __all__ = [
     "HASH_SECRET_ENV",
     "PER_REQUEST_FIELDS",
     "KeyScheme",
+    "engine_base",
     "secret_fingerprint",
 ]
 
@@ -48,6 +49,12 @@ HASH_SECRET_ENV = "KVSTORE_HASH_SECRET"
 PER_REQUEST_FIELDS = frozenset({"lora_id", "cache_salt", "tp_rank"})
 
 _SECRET_CHECK_LABEL = b"kvstore key scheme secret check v1\x00"
+
+
+def engine_base(namespace: Namespace) -> Namespace:
+    """``namespace`` with its per-request fields (:data:`PER_REQUEST_FIELDS`) cleared: the
+    engine-wide base a scheme carries (rank 0's, no LoRA adapter, no cache salt)."""
+    return dataclasses.replace(namespace, lora_id="", cache_salt="", tp_rank=0)
 
 
 def secret_fingerprint(secret: str | bytes) -> str:

@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable
 
 from kvstore.errors import ConfigError
-from kvstore.key_scheme import KeyScheme
+from kvstore.key_scheme import KeyScheme, engine_base
 from kvstore.keys import Namespace
 
 __all__ = ["MAX_SCHEMES", "NodeKeySchemes", "SecretMismatch", "TooManySchemes"]
@@ -61,8 +61,7 @@ class NodeKeySchemes:
         (where the node has one) or from an earlier engine's of the same tenant (tenants may key
         their chunks with secrets of their own); :class:`TooManySchemes` if the node already
         keeps :data:`MAX_SCHEMES` namespaces."""
-        base = namespace.for_request("", "")
-        base = dataclasses.replace(base, tp_rank=0)
+        base = engine_base(namespace)
         known = self.known_secret_check(base.tenant)
         if known and secret_check and secret_check != known:
             raise SecretMismatch(

@@ -19,7 +19,7 @@ from kvstore.errors import (
     KVStoreError,
     error_from_status,
 )
-from kvstore.key_scheme import KeyScheme
+from kvstore.key_scheme import KeyScheme, engine_base
 from kvstore.keys import Namespace
 from kvstore.protocol.checks import check_key_scheme_request, check_pairs
 from kvstore.retention import KEEP, Retention
@@ -235,7 +235,7 @@ def key_scheme_result(response: pb.KeySchemeResponse, namespace: Namespace) -> K
 
     A response that is no valid scheme (an algorithm this client does not know) is
     :class:`InternalStoreError`: the server answered something this client cannot use."""
-    base = dataclasses.replace(namespace.for_request("", ""), tp_rank=0)
+    base = engine_base(namespace)
     try:
         return KeyScheme(
             base,

@@ -17,7 +17,7 @@ from typing import Any
 from kvstore.client.device_fill import DeviceFill
 from kvstore.client.shm import ShmLease, ShmReservation
 from kvstore.errors import StoreUnavailableError
-from kvstore.key_scheme import KeyScheme
+from kvstore.key_scheme import KeyScheme, engine_base
 from kvstore.keys import Namespace
 from kvstore.types import LookupResult, PutResult
 
@@ -67,7 +67,7 @@ class StoreStandIn:
     def key_scheme(self, namespace: Namespace, secret_check: str, **_: Any) -> KeyScheme:
         if self.scheme is None:
             raise StoreUnavailableError("the stand-in plays a store that cannot be reached")
-        base = dataclasses.replace(namespace.for_request("", ""), tp_rank=0)
+        base = engine_base(namespace)
         return dataclasses.replace(self.scheme, namespace=base)
 
     def open_data_plane(self, **_: Any) -> str:
