@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from harness.serve import without_settings
 
 import kvstore
 from kvstore.config import load_config, parse_size
@@ -24,10 +25,9 @@ def kvstore_cli(
     *args: str, env: dict[str, str] | None = None, timeout: float = TIMEOUT_S
 ) -> subprocess.CompletedProcess[str]:
     """``python -m kvstore.cli ARGS`` with the test's environment (PYTHONPATH included)."""
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
     return subprocess.run(
         [sys.executable, "-m", "kvstore.cli", *args],
-        env={**environment, **(env or {})},
+        env=without_settings(env),
         capture_output=True,
         text=True,
         timeout=timeout,

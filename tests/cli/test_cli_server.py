@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from harness.ports import free_port
-from harness.serve import ServerProcess
+from harness.serve import ServerProcess, without_settings
 
 from kvstore import KVStoreClient, Namespace
 
@@ -24,7 +24,7 @@ TIMEOUT_S = 30
 
 
 def _env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    return without_settings()
 
 
 @pytest.fixture

@@ -60,14 +60,18 @@ class Host(Protocol):
         ...
 
 
+def without_settings(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This process's environment without ``KVSTORE_*`` variables (a user's settings), then
+    ``env`` on top: for any kvstore command a test runs."""
+    base = {name: value for name, value in os.environ.items() if not name.startswith("KVSTORE_")}
+    return {**base, **(env or {})}
+
+
 def clean_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """This process's environment without ``KVSTORE_*`` variables and ``XDG_RUNTIME_DIR`` (a
-    user's settings, and the directory an ``auto`` socket would go to), then ``env`` on top."""
-    base = {
-        name: value
-        for name, value in os.environ.items()
-        if not name.startswith("KVSTORE_") and name != "XDG_RUNTIME_DIR"
-    }
+    """:func:`without_settings` and without ``XDG_RUNTIME_DIR`` (the directory an ``auto``
+    socket would go to), then ``env`` on top: for a server."""
+    base = without_settings()
+    base.pop("XDG_RUNTIME_DIR", None)
     return {**base, **(env or {})}
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import re
 import socket
 import subprocess
@@ -20,6 +19,8 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from harness.serve import without_settings
 
 __all__ = ["RouterProcess"]
 
@@ -38,8 +39,7 @@ class RouterProcess:
         env: Mapping[str, str] | None = None,
         log_level: str = "INFO",
     ) -> None:
-        full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-        full_env.update(env or {})
+        full_env = without_settings(env)
         command = [sys.executable, "-m", "kvstore.cli", "router", "--listen", "127.0.0.1:0"]
         command += ["--log-level", log_level]
         for replica in replicas:

@@ -15,6 +15,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from harness.serve import without_settings
+
 ROOT = Path(__file__).resolve().parents[2]
 SUITES = ROOT / "scripts" / "suites.sh"
 TIMEOUT_S = 60.0
@@ -24,7 +26,7 @@ def drive(tmp_path: Path, body: str) -> subprocess.CompletedProcess[str]:
     """Run ``body`` in bash after sourcing the runner; its exit status is the summary's."""
     script = tmp_path / "drive.sh"
     script.write_text(f"set -uo pipefail\nsource {SUITES}\n{body}\nsummary\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    env = without_settings()
     return subprocess.run(
         ["bash", str(script)], capture_output=True, text=True, timeout=TIMEOUT_S, env=env
     )
@@ -102,7 +104,7 @@ def test_ctrl_c_stops_the_run_with_a_summary(tmp_path: Path) -> None:
 
 
 def run_test_sh(**env: str) -> subprocess.CompletedProcess[str]:
-    base = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    base = without_settings()
     return subprocess.run(
         ["bash", str(ROOT / "scripts" / "test.sh")],
         capture_output=True,

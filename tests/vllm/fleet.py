@@ -36,7 +36,7 @@ from api_server import (  # noqa: E402
 )
 from harness.ports import free_port  # noqa: E402
 from harness.redis_server import RedisServer  # noqa: E402
-from harness.serve import ServerProcess  # noqa: E402
+from harness.serve import ServerProcess, without_settings  # noqa: E402
 
 if TYPE_CHECKING:
     from kvstore.cluster import Layout
@@ -219,12 +219,9 @@ class RouterProcess:
         env: dict[str, str] | None = None,
     ) -> None:
         # The engines' connectors hash with $KVSTORE_HASH_SECRET: the router must too.
-        environ = {
-            k: v
-            for k, v in os.environ.items()
-            if not k.startswith("KVSTORE_") or k == "KVSTORE_HASH_SECRET"
-        }
-        environ |= {"PYTHONPATH": os.environ.get("PYTHONPATH", ""), **(env or {})}
+        environ = without_settings({"PYTHONPATH": os.environ.get("PYTHONPATH", ""), **(env or {})})
+        if "KVSTORE_HASH_SECRET" in os.environ:  # the fleet's key secret, which the router needs
+            environ.setdefault("KVSTORE_HASH_SECRET", os.environ["KVSTORE_HASH_SECRET"])
         command = [*_KVSTORE, "router", "--listen", "127.0.0.1:0", "--policy", policy]
         for replica in replicas:
             command += ["--replica", replica]

@@ -10,7 +10,6 @@ together: each start-up takes about a minute on two cores.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 import urllib.error
@@ -27,6 +26,7 @@ from api_server import (
     wait_all_healthy,
 )
 from harness.ports import free_port
+from harness.serve import without_settings
 
 __all__ = ["ApiServer", "RouterProcess", "post_json", "start_servers"]
 
@@ -75,7 +75,7 @@ class RouterProcess(GroupProcess):
             command += ["--prefill", replica]
         for replica in decode:
             command += ["--decode", replica]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+        env = without_settings()
         super().__init__(command, workdir / "router.log", env)
         deadline = time.monotonic() + 60
         self.url = ""
