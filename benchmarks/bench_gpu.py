@@ -199,8 +199,8 @@ def make_engine(
 ) -> tuple[Any, dict[str, Any]]:
     """A connector worker half over paged caches of ``shape``; ``register``: page-lock its
     mapping of the arena (else every load and save goes through host staging)."""
-    from kvstore.integrations.vllm_common import ConnectorSettings
-    from kvstore.integrations.vllm_worker import WorkerSide
+    from kvstore.integrations.vllm.common import ConnectorSettings
+    from kvstore.integrations.vllm.worker import WorkerSide
 
     torch = bench.torch
     layers, heads, head = (
@@ -265,7 +265,7 @@ def _wait(condition: Callable[[], bool], what: str) -> None:
 def save_once(worker: Any, keys: list[bytes], ids: list[int], req: str) -> tuple[float, float]:
     """Save ``keys`` from blocks ``ids``: seconds until the blocks are free (gathered and
     copied out), and until the store has committed every chunk."""
-    from kvstore.integrations.vllm_common import SaveSpec, StepPlan
+    from kvstore.integrations.vllm.common import SaveSpec, StepPlan
 
     start = time.perf_counter()
     worker.wait_for_save(StepPlan(saves=[SaveSpec(req, keys, ids)]))
@@ -319,7 +319,7 @@ def run_shape(
     bench: Bench, target: str, name: str, shape: dict[str, int], args: argparse.Namespace
 ) -> dict[str, Any]:
     """Every figure of one model shape (see the module docstring)."""
-    from kvstore.integrations.vllm_common import LoadSpec, StepPlan
+    from kvstore.integrations.vllm.common import LoadSpec, StepPlan
 
     torch = bench.torch
     prefix = args.prefix

@@ -120,7 +120,7 @@ def scatter_blocks(
 
 
 #: Integer dtypes of each element width: numpy has no bfloat16 or float8, and a copy moves bits
-#: (also the connector's numpy copies, ``kvstore.integrations.host_copies``).
+#: (also the connector's numpy copies, ``kvstore.integrations.paged.host_copies``).
 SAME_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 

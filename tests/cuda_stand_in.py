@@ -31,8 +31,8 @@ from typing import Any
 import kvstore_kernels  # type: ignore[import-not-found, unused-ignore]
 import torch
 
-from kvstore.integrations.arena_dma import RowCopy
-from kvstore.integrations.device import Device, Event, Stream
+from kvstore.integrations.paged.arena_dma import RowCopy
+from kvstore.integrations.paged.device import Device, Event, Stream
 
 __all__ = ["StandInDevice", "StandInRegistrar", "deferred_kernels", "log"]
 

@@ -2,10 +2,10 @@
 
 vLLM's GPU build cannot be installed on the GPU machine, so this harness stands in for the engine:
 paged KV caches shaped and strided the way vLLM allocates them for each layout
-:mod:`kvstore.integrations.kv_layout` knows (on the CPU or a CUDA device), a real
-:class:`~kvstore.integrations.vllm_scheduler.SchedulerSide` building the step metadata from
+:mod:`kvstore.integrations.paged.kv_layout` knows (on the CPU or a CUDA device), a real
+:class:`~kvstore.integrations.vllm.scheduler.SchedulerSide` building the step metadata from
 stand-ins for vLLM's request, block and scheduler-output objects (only the fields it reads), a real
-:class:`~kvstore.integrations.vllm_worker.WorkerSide` moving the blocks, and a real
+:class:`~kvstore.integrations.vllm.worker.WorkerSide` moving the blocks, and a real
 ``kvstore serve`` (dram + nvme). Engine A computes a prompt (random KV) and saves it; engine B,
 with other block ids, looks the prompt up, loads it layer by layer and must end up with exactly
 A's blocks, bit for bit, and nothing else written.
@@ -39,11 +39,11 @@ import torch
 from harness.polling import poll
 
 from kvstore.client import KVStoreClient
-from kvstore.integrations.kv_layout import CacheSpec, detect_layout
-from kvstore.integrations.vllm_common import ConnectorSettings, StepPlan, base_namespace
-from kvstore.integrations.vllm_common import engine_shape as _engine_shape
-from kvstore.integrations.vllm_scheduler import SchedulerSide
-from kvstore.integrations.vllm_worker import WorkerSide
+from kvstore.integrations.paged.kv_layout import CacheSpec, detect_layout
+from kvstore.integrations.vllm.common import ConnectorSettings, StepPlan, base_namespace
+from kvstore.integrations.vllm.common import engine_shape as _engine_shape
+from kvstore.integrations.vllm.scheduler import SchedulerSide
+from kvstore.integrations.vllm.worker import WorkerSide
 
 BLOCK, CHUNK, LAYERS, NUM_BLOCKS, HEADS, HEAD = 16, 32, 3, 24, 2, 16
 #: ``kvstore serve`` flags for a UCX listener on loopback (it binds every interface, which a

@@ -110,9 +110,14 @@ PARTS: dict[str, Part] = {
     #    package's front door, which re-exports the client and, lazily in ``__getattr__``,
     #    ``TieredStore`` (that importing it loads none of the server side is what (a) checks).
     "cli": Part(6, ("kvstore.cli",)),
+    #    The engine integrations are two floors: the engine-neutral machinery (paged-cache
+    #    layouts, block plans, copy pipelines, the store-client protocol) and, above it, one part
+    #    per engine, which the engine-neutral floor never imports.
     "integrations": Part(6, ("kvstore.integrations",)),
     "router": Part(6, ("kvstore.router",)),
     "front door": Part(6, ("kvstore",)),
+    # 7: each engine's own integration, over the engine-neutral one.
+    "vllm integration": Part(7, ("kvstore.integrations.vllm",)),
 }
 
 #: (importing part, imported part) of one layer allowed to import, and why.
@@ -138,7 +143,9 @@ ROUTER_NEVER = ("kvstore.store", "kvstore.tiers", "kvstore.server", "lmdb", *NOD
 FORBIDDEN: dict[str, tuple[str, ...]] = {
     # The client side (what a vLLM worker or scheduler process loads) never the server side.
     "client": SERVER_SIDE,
-    "integrations": SERVER_SIDE,
+    # The engine-neutral integrations load no engine either (an SGLang process never loads vLLM).
+    "integrations": (*SERVER_SIDE, "vllm", "sglang"),
+    "vllm integration": (*SERVER_SIDE, "sglang"),
     # The router reads the index (Redis) and proxies HTTP; the server side is another program.
     "router": ROUTER_NEVER,
 }
@@ -398,15 +405,15 @@ FRESH_PROCESS: list[tuple[str, str, tuple[str, ...]]] = [
     ),
     ("import kvstore.client", "kvstore.client", SERVER_SIDE),
     # The connector's logic (scheduler and worker halves) without vLLM itself.
-    ("import kvstore.integrations.vllm_common", "kvstore.client", (*SERVER_SIDE, "vllm")),
+    ("import kvstore.integrations.vllm.common", "kvstore.client", (*SERVER_SIDE, "vllm")),
     (
-        "import kvstore.integrations.vllm_scheduler, kvstore.integrations.vllm_worker",
+        "import kvstore.integrations.vllm.scheduler, kvstore.integrations.vllm.worker",
         "kvstore.client",
         (*SERVER_SIDE, "vllm"),
     ),
-    # ... and its figures (vLLM's side of them is kvstore.integrations.vllm_metrics).
+    # ... and its figures (vLLM's side of them is kvstore.integrations.vllm.metrics).
     (
-        "import kvstore.integrations.vllm_common, kvstore.integrations.vllm_stats",
+        "import kvstore.integrations.vllm.common, kvstore.integrations.vllm.stats",
         "kvstore.client",
         (*SERVER_SIDE, "vllm"),
     ),
@@ -499,6 +506,17 @@ PLANTED: dict[str, tuple[str, str, str]] = {
         "kvstore.node.peers",
     ),
     "forbidden/client-lmdb": ("client/sync.py", "import lmdb", "client must not import lmdb"),
+    # the engine-neutral integrations never reach up into an engine's folder, nor load an engine.
+    "upward/paged-vllm": (
+        "integrations/paged/plan.py",
+        "from kvstore.integrations.vllm.common import StepPlan",
+        "kvstore.integrations.vllm.common",
+    ),
+    "forbidden/paged-engine": (
+        "integrations/paged/kv_layout.py",
+        "import vllm",
+        "integrations must not import vllm",
+    ),
     "module_cycles": ("store/layout.py", "import kvstore.store.tiered", "kvstore.store.tiered"),
     # cli -> router is allowed (SAME_LAYER); router -> cli as well (allowed for the test) closes
     # a circle of parts.

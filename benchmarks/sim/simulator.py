@@ -41,7 +41,7 @@ __all__ = ["LOAD_POLICIES", "SHARED_DATA", "SimConfig", "simulate"]
 #: ``cluster.shared_data`` values, plus ``none``: each node reads only its own tiers.
 SHARED_DATA = ("peers", "redis", "both", "none")
 ROUTINGS = ("kv", "round-robin")
-#: The connector's ``load_policy`` values (kvstore.integrations.vllm_common.LOAD_POLICIES).
+#: The connector's ``load_policy`` values (kvstore.integrations.vllm.common.LOAD_POLICIES).
 LOAD_POLICIES = ("always", "never", "cost")
 GIB = 1024**3
 

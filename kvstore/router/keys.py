@@ -3,7 +3,7 @@
 The connector's scheduler names a request's chunks with a :class:`~kvstore.keys.ChunkHasher` over
 its rank-0 *base namespace* (model, shape, cache layout, tenant), with the request's LoRA adapter
 and cache salt filled in, and the secret ``$KVSTORE_HASH_SECRET``
-(:func:`kvstore.integrations.vllm_common.make_hasher`). Those rank-0 keys are what a node stores
+(:func:`kvstore.integrations.vllm.common.make_hasher`). Those rank-0 keys are what a node stores
 for rank 0 and publishes to the cluster index, so they are what the router asks about.
 
 The router cannot read the engine's configuration: it reads the key scheme the nodes publish in

@@ -11,7 +11,7 @@ streamed or not, passes through untouched.
 The producer's puts are asynchronous: its response may come back before every chunk is in the
 store. The decode engine's connector therefore waits, per request and without holding its
 scheduler, until the store holds the count it was given or its ``handoff_wait_s`` has passed (see
-:mod:`kvstore.integrations.vllm_scheduler`). The router does not wait itself: only the engine
+:mod:`kvstore.integrations.vllm.scheduler`). The router does not wait itself: only the engine
 asks the store the exact keys it will load.
 
 A prefill that fails (no prefill replica reachable, an error status, no answer within

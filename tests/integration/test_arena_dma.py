@@ -1,6 +1,6 @@
 """DMA between page-locked arena pages and device memory: the plan per layer and the copies.
 
-:func:`~kvstore.integrations.arena_dma.plan_rows` is pure arithmetic, tested alone. The copies
+:func:`~kvstore.integrations.paged.arena_dma.plan_rows` is pure arithmetic, tested alone. The copies
 run twice: on the CPU through the CUDA stand-in (tests/cuda_stand_in.py: queued streams, a
 registrar that locks nothing), and, marked ``gpu``, on a real CUDA device with a real mapping
 registered through the CUDA runtime, pieces small enough that rows straddle them.
@@ -17,14 +17,14 @@ import torch
 from cuda_stand_in import StandInDevice, StandInRegistrar
 
 from kvstore.client.arena_registration import ArenaRegistration
-from kvstore.integrations.arena_dma import (
+from kvstore.integrations.paged.arena_dma import (
     ArenaSource,
     RowCopy,
     arena_source,
     plan_rows,
     save_rows,
 )
-from kvstore.integrations.device import Device
+from kvstore.integrations.paged.device import Device
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -171,7 +171,7 @@ def test_the_device_hands_each_copy_to_the_runtime_as_destination_then_source(
     runtime: no CUDA here): loads write the device side, saves the host side."""
     import contextlib
 
-    from kvstore.integrations import device as device_module
+    from kvstore.integrations.paged import device as device_module
 
     calls: list[tuple[int, ...]] = []
 

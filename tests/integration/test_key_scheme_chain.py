@@ -39,9 +39,9 @@ from test_connector_logic import (
 from test_router_proxy import index_leading
 
 from kvstore import ChunkHasher
-from kvstore.integrations.vllm_common import ConnectorSettings
-from kvstore.integrations.vllm_scheduler import SchedulerSide
-from kvstore.integrations.vllm_worker import WorkerSide
+from kvstore.integrations.vllm.common import ConnectorSettings
+from kvstore.integrations.vllm.scheduler import SchedulerSide
+from kvstore.integrations.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
     from conftest import ServerFactory, ServerProcess

@@ -1,6 +1,6 @@
 """The connector's CPU saves gather straight into the store's arena (a real ``kvstore serve``).
 
-:class:`~kvstore.integrations.vllm_saves.SaveQueue` reserves arena pages for a step's chunks,
+:class:`~kvstore.integrations.vllm.saves.SaveQueue` reserves arena pages for a step's chunks,
 gathers each chunk's blocks out of the paged cache into them and commits: no host buffer and no
 put. These check the bytes stored against the reference gather, that chunks the store holds
 already are not gathered again, and that chunks without room still reach the store by a put.
@@ -16,10 +16,10 @@ import torch
 from test_shm import NS, make_blocks
 
 from kvstore import KVStoreClient
-from kvstore.integrations.device_pipeline import Device, Event
-from kvstore.integrations.vllm_common import Breaker
-from kvstore.integrations.vllm_saves import SaveJob, SaveQueue
-from kvstore.integrations.vllm_stats import ConnectorCounters
+from kvstore.integrations.paged.device_pipeline import Device, Event
+from kvstore.integrations.vllm.common import Breaker
+from kvstore.integrations.vllm.saves import SaveJob, SaveQueue
+from kvstore.integrations.vllm.stats import ConnectorCounters
 
 if TYPE_CHECKING:
     from conftest import ServerFactory

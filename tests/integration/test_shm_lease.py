@@ -19,8 +19,8 @@ from test_shm import NS, dram, make_blocks, wait_released
 
 from kvstore import KVStoreClient
 from kvstore.client.settings import ClientSettings
-from kvstore.integrations.device_pipeline import Device, LoadPipeline
-from kvstore.integrations.vllm_common import LoadSpec
+from kvstore.integrations.paged.device_pipeline import Device, LoadPipeline
+from kvstore.integrations.vllm.common import LoadSpec
 
 if TYPE_CHECKING:
     from conftest import ServerFactory
@@ -114,7 +114,7 @@ def test_a_load_copies_leased_chunks_straight_into_the_cache(
         load = pipeline.new_load([spec], torch.zeros(3, *chunk_shape, dtype=torch.bfloat16))
 
         def fetch(_: object) -> list[bool]:
-            from kvstore.integrations.device_pipeline import arena_chunk
+            from kvstore.integrations.paged.device_pipeline import arena_chunk
 
             lease = client.lease(keys)
             assert lease is not None

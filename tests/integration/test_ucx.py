@@ -34,7 +34,7 @@ from kvstore import KVStoreClient, Namespace
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.errors import InvalidRequestError, NamespaceMismatchError, StoreUnavailableError
-from kvstore.integrations.vllm_common import Breaker, warm_up
+from kvstore.integrations.vllm.common import Breaker, warm_up
 from kvstore.protocol.messages import namespace_bytes
 from kvstore.protocol.ucx import ucx_unavailable_reason
 

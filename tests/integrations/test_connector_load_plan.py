@@ -1,4 +1,4 @@
-"""The connector's load-or-recompute decision (kvstore.integrations.vllm_cost) and the scheduler
+"""The connector's load-or-recompute decision (kvstore.integrations.vllm.cost) and the scheduler
 half consulting it, without vLLM: the stand-ins of test_connector_logic.py, whose
 :class:`FakeStore` reports each chunk's tier and answers ``stats`` with the rates a test sets.
 The decision itself on rates alone is tested in tests/test_cost_model.py."""
@@ -25,8 +25,8 @@ from test_connector_logic import (
 )
 
 from kvstore.errors import ConfigError
-from kvstore.integrations.vllm_cost import LoadDecider, dtype_bytes
-from kvstore.integrations.vllm_scheduler import SchedulerSide
+from kvstore.integrations.vllm.cost import LoadDecider, dtype_bytes
+from kvstore.integrations.vllm.scheduler import SchedulerSide
 from kvstore.protocol.rates import LATENCY_KEY, RATE_KEY, Rate
 
 # One chunk of the stand-in engine: 2 layers x (K, V) x 2 heads x 8 x bf16 per token.
@@ -97,7 +97,7 @@ def test_a_decision_that_declines_logs_at_info_with_its_inputs(
     decider.take_store_stats({"tiers": {"dram": FAST, "redis": CRAWL}})
     decider.step_planned(CHUNK * 10.0, 0.0)
     decider.step_done(0.01)  # 10 chunks in 10 ms
-    with caplog.at_level(logging.DEBUG, logger="kvstore.integrations.vllm_cost"):
+    with caplog.at_level(logging.DEBUG, logger="kvstore.integrations.vllm.cost"):
         assert decider.decide("fast", ["dram"] * 3, 0).load == 3
         assert decider.decide("slow", ["dram"] * 3 + ["redis"] * 2, 0).load == 3
     levels = {r.getMessage().split(":")[0]: r.levelno for r in caplog.records}
@@ -159,7 +159,7 @@ def test_the_scheduler_loads_up_to_the_slow_tier_and_counts_the_rest_declined(
     side = sides["cost"]
     _wait_for_rates(side, "redis")
     _measure_a_step(side)
-    with caplog.at_level(logging.INFO, logger="kvstore.integrations.vllm_cost"):
+    with caplog.at_level(logging.INFO, logger="kvstore.integrations.vllm.cost"):
         assert _answer(side, _request("a", tokens), 0) == 3 * CHUNK
         # Asked again (vLLM does, e.g. after a preemption): the same decision, made once.
         assert side.get_num_new_matched_tokens(_request("a", tokens), 0) == (3 * CHUNK, False)

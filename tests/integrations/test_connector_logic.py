@@ -27,7 +27,8 @@ from harness.store_stand_in import StoreStandIn
 
 from kvstore import KVStoreClient, MockTransport, Namespace
 from kvstore.errors import ConfigError, DeadlineExceededError, StoreUnavailableError
-from kvstore.integrations.vllm_common import (
+from kvstore.integrations.paged.plan import kernel_ids, load_targets, plan_scatter
+from kvstore.integrations.vllm.common import (
     Breaker,
     ConnectorSettings,
     LoadSpec,
@@ -38,9 +39,8 @@ from kvstore.integrations.vllm_common import (
     rank_keys,
     warm_up,
 )
-from kvstore.integrations.vllm_plan import kernel_ids, load_targets, plan_scatter
-from kvstore.integrations.vllm_scheduler import SchedulerSide
-from kvstore.integrations.vllm_worker import WorkerSide
+from kvstore.integrations.vllm.scheduler import SchedulerSide
+from kvstore.integrations.vllm.worker import WorkerSide
 from kvstore.key_scheme import KeyScheme
 from kvstore.types import LookupResult
 
@@ -520,7 +520,7 @@ def test_breaker_opens_on_a_failure_for_retry_after_s_and_logs_once_per_outage(
     now = [100.0]
     breaker = Breaker(retry_after_s=5.0, clock=lambda: now[0])
     assert not breaker.is_open()
-    with caplog.at_level(logging.WARNING, logger="kvstore.integrations.vllm_common"):
+    with caplog.at_level(logging.WARNING, logger="kvstore.integrations.vllm.common"):
         breaker.trip(StoreUnavailableError("down"))
         assert breaker.is_open()
         now[0] = 103.0

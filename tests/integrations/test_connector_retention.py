@@ -29,10 +29,10 @@ from test_connector_logic import (
 )
 
 from kvstore import KVStoreClient, Retention
-from kvstore.integrations.vllm_common import base_namespace, engine_shape
-from kvstore.integrations.vllm_retention import request_retention
-from kvstore.integrations.vllm_scheduler import SchedulerSide
-from kvstore.integrations.vllm_worker import WorkerSide
+from kvstore.integrations.vllm.common import base_namespace, engine_shape
+from kvstore.integrations.vllm.retention import request_retention
+from kvstore.integrations.vllm.scheduler import SchedulerSide
+from kvstore.integrations.vllm.worker import WorkerSide
 
 
 def _side(store: FakeStore | None, **extra: Any) -> tuple[SchedulerSide, _Manager]:
@@ -77,7 +77,7 @@ def test_kv_transfer_params_give_the_retention(params: Any, expected: Retention)
 def test_a_bad_value_is_logged_and_stores_nothing(
     params: dict[str, Any], caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, "kvstore.integrations.vllm_retention"):
+    with caplog.at_level(logging.WARNING, "kvstore.integrations.vllm.retention"):
         assert request_retention(params, "r1") == Retention(tiers="none")
     assert "request r1" in caplog.text and "not storing its chunks" in caplog.text
     assert "'all', 'fast', 'none'" in caplog.text

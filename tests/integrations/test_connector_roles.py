@@ -37,9 +37,9 @@ from test_connector_logic import (
 
 from kvstore import KVStoreClient
 from kvstore.errors import ConfigError
-from kvstore.integrations.vllm_common import base_namespace, engine_shape
-from kvstore.integrations.vllm_scheduler import HANDOFF_KEY, SchedulerSide
-from kvstore.integrations.vllm_worker import WorkerSide
+from kvstore.integrations.vllm.common import base_namespace, engine_shape
+from kvstore.integrations.vllm.scheduler import HANDOFF_KEY, SchedulerSide
+from kvstore.integrations.vllm.worker import WorkerSide
 
 
 def _side(

@@ -43,13 +43,13 @@ from kvstore.errors import (
     NamespaceMismatchError,
     PermissionDeniedError,
 )
-from kvstore.integrations.vllm_common import ConnectorSettings, LoadSpec, StepPlan
-from kvstore.integrations.vllm_scheduler import SchedulerSide
-from kvstore.integrations.vllm_worker import WorkerSide
+from kvstore.integrations.vllm.common import ConnectorSettings, LoadSpec, StepPlan
+from kvstore.integrations.vllm.scheduler import SchedulerSide
+from kvstore.integrations.vllm.worker import WorkerSide
 from kvstore.key_scheme import KeyScheme, secret_fingerprint
 from kvstore.keys import ChunkHasher
 
-SCHEME_LOGGER = "kvstore.integrations.vllm_scheme"
+SCHEME_LOGGER = "kvstore.integrations.vllm.scheme"
 
 
 class SchemeStore(FakeStore):

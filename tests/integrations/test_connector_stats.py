@@ -28,11 +28,12 @@ from test_connector_logic import scheduler as scheduler  # fixtures, shared
 from test_connector_logic import store as store
 from test_connector_logic import worker as worker
 
-from kvstore.integrations import vllm_stats, vllm_worker
-from kvstore.integrations.vllm_common import LoadSpec, SaveSpec, StepPlan
-from kvstore.integrations.vllm_scheduler import SchedulerSide
-from kvstore.integrations.vllm_stats import ConnectorCounters
-from kvstore.integrations.vllm_worker import WorkerSide
+from kvstore.integrations.vllm import stats as vllm_stats
+from kvstore.integrations.vllm import worker as vllm_worker
+from kvstore.integrations.vllm.common import LoadSpec, SaveSpec, StepPlan
+from kvstore.integrations.vllm.scheduler import SchedulerSide
+from kvstore.integrations.vllm.stats import ConnectorCounters
+from kvstore.integrations.vllm.worker import WorkerSide
 
 # -- the counters ------------------------------------------------------------------------------
 

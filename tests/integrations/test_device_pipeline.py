@@ -17,10 +17,10 @@ import torch
 from harness.store_stand_in import StoreStandIn
 
 from kvstore.client.shm import ShmLease
-from kvstore.integrations import device_pipeline
-from kvstore.integrations.device_pipeline import Device, LoadPipeline, StepLoad
-from kvstore.integrations.vllm_common import ConnectorSettings, LoadSpec, StepPlan
-from kvstore.integrations.vllm_worker import WorkerSide
+from kvstore.integrations.paged import device_pipeline
+from kvstore.integrations.paged.device_pipeline import Device, LoadPipeline, StepLoad
+from kvstore.integrations.vllm.common import ConnectorSettings, LoadSpec, StepPlan
+from kvstore.integrations.vllm.worker import WorkerSide
 
 LAYERS, BLOCKS, BLOCK, CHUNK = 3, 8, 4, 8  # two blocks per chunk
 LAYOUT = kvstore_kernels.CacheLayout("vllm-packed", block_dim=0, ndim=4)
@@ -309,7 +309,7 @@ def test_cpu_loads_write_exactly_what_the_reference_scatter_writes(
 
 
 def test_copy_runs_merge_consecutive_blocks_within_a_chunk_only() -> None:
-    from kvstore.integrations.vllm_plan import copy_runs, plan_scatter
+    from kvstore.integrations.paged.plan import copy_runs, plan_scatter
 
     specs = [LoadSpec("a", [b"1", b"2", b"3"], [4, 5, 6, 7, 9, 8])]
     plan = plan_scatter(specs, [True, True, True], blocks_per_chunk=2, ratio=1)

@@ -21,10 +21,10 @@ import torch
 from cuda_stand_in import StandInDevice, StandInRegistrar
 
 from kvstore.client.arena_registration import ArenaRegistration
-from kvstore.integrations import device_pipeline
-from kvstore.integrations.arena_dma import arena_source
-from kvstore.integrations.device_pipeline import LoadPipeline, StepLoad
-from kvstore.integrations.vllm_common import LoadSpec
+from kvstore.integrations.paged import device_pipeline
+from kvstore.integrations.paged.arena_dma import arena_source
+from kvstore.integrations.paged.device_pipeline import LoadPipeline, StepLoad
+from kvstore.integrations.vllm.common import LoadSpec
 
 LAYERS, BLOCKS, BLOCK, CHUNKS = 3, 16, 4, 3
 LAYOUT = kvstore_kernels.CacheLayout("vllm-packed", block_dim=0, ndim=4)

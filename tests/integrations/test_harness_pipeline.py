@@ -1,6 +1,6 @@
 """The connector's worker half round-trips KV bit for bit through a real ``kvstore serve``.
 
-Every cache layout of :mod:`kvstore.integrations.kv_layout`, on the CPU (default suite) and on
+Every cache layout of :mod:`kvstore.integrations.paged.kv_layout`, on the CPU (default suite) and on
 CUDA (marked ``gpu``); see tests/gpu_harness.py for how the engines are stood in for. Each runs
 over shared memory (the store on the same host) and, for a worker on another host, over UCX (on
 CUDA, received straight into device memory where UCX reaches it): every layout on CUDA, two on
@@ -25,8 +25,10 @@ from gpu_harness import CASES, CHUNK, UCX_FLAGS, Case, round_trip
 from harness.serve import ServerProcess
 
 from kvstore.client.shm import ShmLease, ShmReservation
-from kvstore.integrations import device_pipeline, vllm_saves, vllm_worker
-from kvstore.integrations.device_pipeline import LoadPipeline
+from kvstore.integrations.paged import device_pipeline
+from kvstore.integrations.paged.device_pipeline import LoadPipeline
+from kvstore.integrations.vllm import saves as vllm_saves
+from kvstore.integrations.vllm import worker as vllm_worker
 from kvstore.protocol.ucx import ucx_unavailable_reason
 
 _GPU = [

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvstore.errors import ConfigError
-from kvstore.integrations.kv_layout import CacheSpec, KVLayout, detect_layout
+from kvstore.integrations.paged.kv_layout import CacheSpec, KVLayout, detect_layout
 
 BLOCKS, BLOCK, HEADS, HEAD = 6, 4, 3, 8
 SPEC = CacheSpec(BLOCKS, BLOCK, HEADS, HEAD, HEAD)

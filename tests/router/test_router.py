@@ -12,7 +12,7 @@ import pytest
 from kvstore.cluster import Holding
 from kvstore.config import load_config
 from kvstore.errors import ConfigError
-from kvstore.integrations.vllm_common import (
+from kvstore.integrations.vllm.common import (
     ConnectorSettings,
     EngineShape,
     base_namespace,

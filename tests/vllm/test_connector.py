@@ -19,7 +19,7 @@ from harness.ports import free_port
 from harness.serve import ServerProcess
 
 from kvstore.errors import ConfigError
-from kvstore.integrations.vllm_common import (
+from kvstore.integrations.vllm.common import (
     ConnectorSettings,
     LoadSpec,
     StepPlan,
@@ -27,8 +27,8 @@ from kvstore.integrations.vllm_common import (
     engine_shape,
     rank_keys,
 )
-from kvstore.integrations.vllm_scheduler import SchedulerSide
-from kvstore.integrations.vllm_worker import WorkerSide
+from kvstore.integrations.vllm.scheduler import SchedulerSide
+from kvstore.integrations.vllm.worker import WorkerSide
 
 pytestmark = pytest.mark.vllm
 

@@ -29,7 +29,7 @@ from fleet import build_model
 from harness.ports import free_port
 
 from kvstore import Namespace
-from kvstore.integrations.vllm_common import ConnectorSettings, make_hasher
+from kvstore.integrations.vllm.common import ConnectorSettings, make_hasher
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
 from harness.redis_server import RedisServer

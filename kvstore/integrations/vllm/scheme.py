@@ -37,7 +37,7 @@ from kvstore.errors import (
     StoreUnavailableError,
 )
 from kvstore.integrations.store_client import StoreClient
-from kvstore.integrations.vllm_common import (
+from kvstore.integrations.vllm.common import (
     Breaker,
     ConnectorSettings,
     EngineShape,

@@ -3,7 +3,7 @@
 Each half of the connector keeps a :class:`ConnectorCounters`; vLLM takes a snapshot every engine
 step (``get_kv_connector_stats``), sums the workers' and the scheduler's snapshots with
 :func:`merge`, sends the sum to its front end, which adds it to its Prometheus counters
-(:mod:`kvstore.integrations.vllm_metrics`) and logs :func:`summary` every log interval.
+(:mod:`kvstore.integrations.vllm.metrics`) and logs :func:`summary` every log interval.
 
 A snapshot is a plain dict (vLLM serialises it between processes) of these fields:
 
@@ -19,11 +19,11 @@ A snapshot is a plain dict (vLLM serialises it between processes) of these field
     (see :data:`LOAD_FAILURES`);
 ``loaded_tokens_by_path``
     ``{path: tokens}``: the loaded tokens by the way they came (``shm-dma``, ``shm-staged``,
-    ``shm-lease``, ``ucx-device``, ...; see :mod:`kvstore.integrations.vllm_fetch`), e.g. how
+    ``shm-lease``, ``ucx-device``, ...; see :mod:`kvstore.integrations.vllm.fetch`), e.g. how
     many loads went through host staging while the arena was being page-locked;
 ``declined_tokens``
     of the hit tokens, those the load plan chose to recompute rather than load (a slow tier:
-    see :mod:`kvstore.integrations.vllm_cost`);
+    see :mod:`kvstore.integrations.vllm.cost`);
 ``saved_tokens``
     prompt tokens this engine stored into kvstore (puts that succeeded);
 ``save_failed_tokens``

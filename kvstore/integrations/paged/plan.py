@@ -1,10 +1,10 @@
-"""The vLLM connector's block arithmetic, free of vLLM and torch so that it is tested alone.
+"""Block plans of a paged KV cache, free of any engine and of torch so that they are tested alone.
 
 A stored chunk is ``blocks_per_chunk`` engine blocks, and an engine block may be ``ratio`` kernel
-blocks (attention kernels may split it). A :class:`~kvstore.integrations.vllm_common.LoadSpec`
-names, for every block of its chunks, the engine block to write or ``-1`` for one the engine
-already holds; these functions turn requests' block lists into such specs (scheduler half) and
-specs into the kernel block ids that are written (worker half).
+blocks (attention kernels may split it). A :class:`LoadSpec` names, for every block of its
+chunks, the engine block to write or ``-1`` for one the engine already holds; these functions
+turn requests' block lists into such specs (scheduler half) and specs into the kernel block ids
+that are written (worker half).
 """
 
 from __future__ import annotations
@@ -13,10 +13,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvstore.integrations.vllm_common import LoadSpec
+from kvstore.retention import KEEP, Retention
 
 __all__ = [
     "CopyRun",
+    "LoadSpec",
+    "SaveSpec",
     "ScatterPlan",
     "chunk_blocks",
     "copy_runs",
@@ -24,6 +26,30 @@ __all__ = [
     "load_targets",
     "plan_scatter",
 ]
+
+
+@dataclass(slots=True)
+class LoadSpec:
+    """Load chunks ``keys`` of one request into its blocks.
+
+    ``block_ids[i * blocks_per_chunk + j]`` receives block ``j`` of chunk ``i``, or nothing where
+    it is ``-1`` (blocks the engine already holds from its own prefix cache).
+    """
+
+    req_id: str
+    keys: list[bytes]
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
+class SaveSpec:
+    """Store chunks ``keys`` of one request, read from ``block_ids`` (all blocks of each chunk),
+    with the request's ``retention``."""
+
+    req_id: str
+    keys: list[bytes]
+    block_ids: list[int]
+    retention: Retention = KEEP
 
 
 def load_targets(

@@ -23,7 +23,7 @@ import torch
 
 from kvstore.client.arena_registration import CudaRegistrar, Registrar
 from kvstore.client.cuda_runtime import DEVICE_TO_HOST, HOST_TO_DEVICE, cuda_runtime
-from kvstore.integrations.arena_dma import RowCopy
+from kvstore.integrations.paged.arena_dma import RowCopy
 
 __all__ = ["Device", "Event", "Stream"]
 

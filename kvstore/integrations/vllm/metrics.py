@@ -17,7 +17,7 @@ vLLM's own (``model_name``, ``engine``):
 - ``vllm:kvstore_saved_tokens_total``, ``vllm:kvstore_save_failed_tokens_total{reason}``
 - ``vllm:kvstore_lookup_seconds``, ``vllm:kvstore_load_seconds`` (histograms)
 
-The figures themselves are kept and summed by :mod:`kvstore.integrations.vllm_stats`.
+The figures themselves are kept and summed by :mod:`kvstore.integrations.vllm.stats`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from kvstore.integrations import vllm_stats
+from kvstore.integrations.vllm import stats as vllm_stats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -11,10 +11,10 @@ registration is its own pinned range to the driver.
 
 :func:`arena_source` decides whether a step's leased chunks can take this path (every one whole
 and inside registered pieces of the mapping); the load pipeline
-(:mod:`kvstore.integrations.device_pipeline`) issues the copies on its DMA stream, layer by layer,
-and the saves (:mod:`kvstore.integrations.vllm_saves`) gather a job's chunks on the device in one
-launch and DMA each chunk straight into its reserved arena pages (:func:`save_rows`: one strided
-copy per chunk, its layers being rows of the gathered buffer).
+(:mod:`kvstore.integrations.paged.device_pipeline`) issues the copies on its DMA stream, layer by
+layer, and the saves (:mod:`kvstore.integrations.vllm.saves`) gather a job's chunks on the device
+in one launch and DMA each chunk straight into its reserved arena pages (:func:`save_rows`: one
+strided copy per chunk, its layers being rows of the gathered buffer).
 """
 
 from __future__ import annotations

@@ -43,8 +43,9 @@ from kvstore.errors import (
     KVStoreError,
     StoreUnavailableError,
 )
+from kvstore.integrations.paged.plan import load_targets
 from kvstore.integrations.store_client import StoreClient
-from kvstore.integrations.vllm_common import (
+from kvstore.integrations.vllm.common import (
     Breaker,
     ConnectorSettings,
     LoadSpec,
@@ -56,11 +57,10 @@ from kvstore.integrations.vllm_common import (
     make_hasher,
     warm_up,
 )
-from kvstore.integrations.vllm_cost import LoadDecider, hidden_size, token_bytes
-from kvstore.integrations.vllm_plan import load_targets
-from kvstore.integrations.vllm_retention import request_retention
-from kvstore.integrations.vllm_scheme import open_scheme
-from kvstore.integrations.vllm_stats import ConnectorCounters
+from kvstore.integrations.vllm.cost import LoadDecider, hidden_size, token_bytes
+from kvstore.integrations.vllm.retention import request_retention
+from kvstore.integrations.vllm.scheme import open_scheme
+from kvstore.integrations.vllm.stats import ConnectorCounters
 from kvstore.keys import ChunkHasher
 from kvstore.retention import KEEP, Retention
 
@@ -174,7 +174,7 @@ class SchedulerSide:
         self._recent_saves: OrderedDict[bytes, float] = OrderedDict()
         self._kv_cache_manager: KVCacheManager | None = None
         self.counters = ConnectorCounters()
-        # Load or recompute (kvstore.integrations.vllm_cost).
+        # Load or recompute (kvstore.integrations.vllm.cost).
         self._bytes_per_token = token_bytes(shape)
         self._scale = context_scale(hidden_size(vllm_config))
         self.decider = LoadDecider(

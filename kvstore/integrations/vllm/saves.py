@@ -3,7 +3,7 @@
 :meth:`SaveQueue.submit` is called from ``wait_for_save`` with the event that marks the end of
 the step's forward pass (a no-op stand-in on CPU) and returns at once. A gather thread makes a side
 stream wait for that event, copies the planned blocks into page-locked host buffers
-(:meth:`~kvstore.integrations.device.Device.gather_to_host`) and waits for that copy only;
+(:meth:`~kvstore.integrations.paged.device.Device.gather_to_host`) and waits for that copy only;
 after it the engine's blocks are no longer needed (requests waiting on that are reported by
 :meth:`SaveQueue.finished`); a put thread sends the buffers to the store. A slow or dead store
 therefore never holds engine blocks, and the put backlog is bounded in bytes.
@@ -35,11 +35,11 @@ import torch
 
 from kvstore.client.shm_reserve import ShmReservation
 from kvstore.errors import DeadlineExceededError, KVStoreError, StoreUnavailableError
-from kvstore.integrations.arena_dma import plan_rows, save_rows
-from kvstore.integrations.device import Device, Event, Stream
+from kvstore.integrations.paged.arena_dma import plan_rows, save_rows
+from kvstore.integrations.paged.device import Device, Event, Stream
 from kvstore.integrations.store_client import StoreClient
-from kvstore.integrations.vllm_common import Breaker
-from kvstore.integrations.vllm_stats import ConnectorCounters
+from kvstore.integrations.vllm.common import Breaker
+from kvstore.integrations.vllm.stats import ConnectorCounters
 from kvstore.retention import KEEP, Retention
 
 __all__ = ["SaveJob", "SaveQueue", "failure_reason"]

@@ -1,9 +1,9 @@
 """The worker half of the vLLM connector: moves chunks between the paged KV cache and the store.
 
 Loads (:meth:`WorkerSide.start_load_kv`, :meth:`WorkerSide.wait_for_layer_load`) are layer-wise
-(:mod:`kvstore.integrations.device_pipeline`): the step's chunks are fetched in ONE batched call on
-a background thread while the forward pass starts (:mod:`kvstore.integrations.vllm_fetch`: over
-shared memory a lease on the chunks in the store's arena, else a get). On CUDA the same thread
+(:mod:`kvstore.integrations.paged.device_pipeline`): the step's chunks are fetched in ONE batched
+call on a background thread while the forward pass starts (:mod:`kvstore.integrations.vllm.fetch`:
+over shared memory a lease on the chunks in the store's arena, else a get). On CUDA the same thread
 then queues every layer's DMA (straight out of the leased chunks where this process's mapping of
 the arena is page-locked: :meth:`kvstore.KVStoreClient.register_arena_with`, started here) and
 scatters them layer by layer on a load stream, with an event per layer; on CPU each layer is
@@ -13,12 +13,12 @@ be fetched (store down, evicted since the lookup, wrong size) leaves its blocks 
 reported by :meth:`WorkerSide.get_block_ids_with_load_errors`, so vLLM recomputes those tokens.
 
 Saves (:meth:`WorkerSide.wait_for_save`): the step's save plans are queued with the event that
-ends the forward pass and the forward goes on (:mod:`kvstore.integrations.vllm_saves`).
+ends the forward pass and the forward goes on (:mod:`kvstore.integrations.vllm.saves`).
 
 The block copies go through :mod:`kvstore_kernels` (``gather_blocks`` / ``scatter_blocks``):
 whole blocks along the cache's block dimension, never single tokens, because the order inside a
 block belongs to the attention kernel. Which dimension that is comes from
-:mod:`kvstore.integrations.kv_layout`, from the cache's shape and vLLM's attention backend.
+:mod:`kvstore.integrations.paged.kv_layout`, from the cache's shape and vLLM's attention backend.
 
 Nothing here imports vLLM (its objects are read duck-typed), so tests and the GPU harness drive
 this half without it.
@@ -36,11 +36,12 @@ import torch
 
 from kvstore.client.cuda_runtime import CudaRuntimeUnavailable
 from kvstore.errors import ConfigError
-from kvstore.integrations.device import Device
-from kvstore.integrations.device_pipeline import LoadPipeline, StepLoad
-from kvstore.integrations.kv_layout import CacheSpec, detect_layout
+from kvstore.integrations.paged.device import Device
+from kvstore.integrations.paged.device_pipeline import LoadPipeline, StepLoad
+from kvstore.integrations.paged.kv_layout import CacheSpec, detect_layout
+from kvstore.integrations.paged.plan import chunk_blocks, kernel_ids
 from kvstore.integrations.store_client import StoreClient
-from kvstore.integrations.vllm_common import (
+from kvstore.integrations.vllm.common import (
     Breaker,
     ConnectorSettings,
     LoadSpec,
@@ -51,11 +52,10 @@ from kvstore.integrations.vllm_common import (
     rank_keys,
     warm_up,
 )
-from kvstore.integrations.vllm_fetch import ChunkFetcher
-from kvstore.integrations.vllm_plan import chunk_blocks, kernel_ids
-from kvstore.integrations.vllm_saves import SaveJob, SaveQueue
-from kvstore.integrations.vllm_scheme import open_scheme
-from kvstore.integrations.vllm_stats import ConnectorCounters
+from kvstore.integrations.vllm.fetch import ChunkFetcher
+from kvstore.integrations.vllm.saves import SaveJob, SaveQueue
+from kvstore.integrations.vllm.scheme import open_scheme
+from kvstore.integrations.vllm.stats import ConnectorCounters
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

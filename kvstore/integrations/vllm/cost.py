@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvstore.client.cost_model import LoadPlan, plan_loads
-from kvstore.integrations.vllm_common import EngineShape
+from kvstore.integrations.vllm.common import EngineShape
 from kvstore.protocol.rates import UNKNOWN, Rate, RateMeter, rate_from_stats
 
 __all__ = ["RATES_REFRESH_S", "LoadDecider", "dtype_bytes", "hidden_size", "token_bytes"]

@@ -1,6 +1,6 @@
 """Block moves between the store and the paged KV cache: one code path for CPU and CUDA.
 
-The device's streams, events and buffers are :mod:`kvstore.integrations.device`'s (no-ops on
+The device's streams, events and buffers are :mod:`kvstore.integrations.paged.device`'s (no-ops on
 CPU, where every copy has finished when its call returns).
 
 **Loads are layer-wise** (:class:`LoadPipeline`). A stored chunk holds every layer of its
@@ -10,7 +10,7 @@ the store reads whole values. Over shared memory the worker does not read them a
 
 - **CUDA over shared memory** (``shm-dma``): where the worker's mapping of the arena is
   page-locked (:mod:`kvstore.client.arena_registration`), each layer is ONE strided DMA per run
-  of chunks at equal distances in the arena (:mod:`kvstore.integrations.arena_dma`) into the
+  of chunks at equal distances in the arena (:mod:`kvstore.integrations.paged.arena_dma`) into the
   layer's device staging, on a DMA stream; the layer's scatter into the paged cache runs on the
   load stream after the layer's DMA event, so layer n+1's DMA runs while layer n scatters and
   the forward computes layer n-1. The lease is held until the step's last DMA has *completed*.
@@ -25,7 +25,7 @@ the store reads whole values. Over shared memory the worker does not read them a
   buffer (:meth:`LoadPipeline.device_landing`, through
   :meth:`kvstore.KVStoreClient.get_into_device`) and each layer's scatter reads its slice there.
 - **CPU**: each layer's slice of each chunk is copied straight into the cache's blocks, one
-  slice copy per run of consecutive blocks (:func:`~kvstore.integrations.vllm_plan.copy_runs`),
+  slice copy per run of consecutive blocks (:func:`~kvstore.integrations.paged.plan.copy_runs`),
   from the leased arena (or the staging a get filled). The connector's worker copies each layer
   on the forward's own thread when its attention asks for it (``copy_on_wait``: torch's
   parallel ``copy_`` there, chunks at equal distances merged into one strided copy); otherwise
@@ -36,7 +36,7 @@ the store reads whole values. Over shared memory the worker does not read them a
 compute stream wait on the layer's event (CUDA); on CPU it returns once the layer is copied.
 Where no lease is possible (gRPC, UCX) the first layer waits for the whole fetch.
 
-**Saves** are :mod:`kvstore.integrations.vllm_saves`'s.
+**Saves** are :mod:`kvstore.integrations.vllm.saves`'s.
 """
 
 from __future__ import annotations
@@ -53,9 +53,9 @@ from typing import Any
 import kvstore_kernels  # type: ignore[import-not-found, unused-ignore]
 import torch
 
-from kvstore.integrations.arena_dma import ArenaSource
-from kvstore.integrations.device import Device, Event, Stream
-from kvstore.integrations.host_copies import (
+from kvstore.integrations.paged.arena_dma import ArenaSource
+from kvstore.integrations.paged.device import Device, Event, Stream
+from kvstore.integrations.paged.host_copies import (
     SAME_WIDTH,
     arena_chunk,
     as_torch,
@@ -64,9 +64,9 @@ from kvstore.integrations.host_copies import (
     strided_groups,
     width_of,
 )
-from kvstore.integrations.vllm_common import LoadSpec
-from kvstore.integrations.vllm_plan import (
+from kvstore.integrations.paged.plan import (
     CopyRun,
+    LoadSpec,
     ScatterPlan,
     chunk_blocks,
     copy_runs,
@@ -128,7 +128,7 @@ class StepLoad:
     fetch_s: float = 0.0  # the get, on the loader thread
     waited_s: float = 0.0  # the forward's waits, all layers together
     scatter_s: float = 0.0  # the loader's copies and scatters, all layers (overlapping the forward)
-    reason: str = "missing"  # why its failed chunks failed (see vllm_stats.LOAD_FAILURES)
+    reason: str = "missing"  # why its failed chunks failed (an engine's load-failure reasons)
     reported: bool = False  # its failed chunks are in the load errors
 
 

@@ -1,7 +1,7 @@
 """What both halves of the vLLM connector share: settings, the step plan, namespaces, a breaker.
 
-The scheduler half (:mod:`kvstore.integrations.vllm_scheduler`) decides, and the worker half
-(:mod:`kvstore.integrations.vllm_worker`) moves bytes; the only thing that travels between them is
+The scheduler half (:mod:`kvstore.integrations.vllm.scheduler`) decides, and the worker half
+(:mod:`kvstore.integrations.vllm.worker`) moves bytes; the only thing that travels between them is
 one :class:`StepPlan` per engine step, so everything in it is plain picklable data.
 
 Nothing here imports vLLM (its configuration objects are only read, duck-typed), so this logic is
@@ -15,9 +15,7 @@ the engine's per-layer paged cache along its block dimension, copied whole.
 from __future__ import annotations
 
 import logging
-import threading
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -27,14 +25,11 @@ from kvstore.client import KVStoreClient
 from kvstore.config import hash_secret
 from kvstore.errors import (
     ConfigError,
-    DeadlineExceededError,
-    KVStoreError,
-    StoreUnavailableError,
 )
-from kvstore.integrations.store_client import StoreClient
+from kvstore.integrations.breaker import Breaker, warm_up
+from kvstore.integrations.paged.plan import LoadSpec, SaveSpec
 from kvstore.key_scheme import DEFAULT_CHUNK_SIZE
 from kvstore.keys import ChunkHasher, HashAlgorithm, Namespace
-from kvstore.retention import KEEP, Retention
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -89,7 +84,7 @@ class ConnectorSettings:
         target: ``HOST:PORT`` of the ``kvstore serve`` process.
         chunk_size: Tokens per stored chunk; a multiple of the engine's block size. The store's
             (its node's ``keys.chunk_size``) unless in ``pinned``; see
-            :mod:`kvstore.integrations.vllm_scheme`.
+            :mod:`kvstore.integrations.vllm.scheme`.
         tenant: Isolates one tenant's blocks from another's (part of the namespace).
         timeout_s: Deadline of each get and put.
         lookup_timeout_s: Deadline of a scheduler lookup. A request waits at most this long for
@@ -331,30 +326,6 @@ def rank_keys(
     return [xxhash.xxh3_128_digest(salt + key) for key in keys]
 
 
-@dataclass(slots=True)
-class LoadSpec:
-    """Load chunks ``keys`` of one request into its blocks.
-
-    ``block_ids[i * blocks_per_chunk + j]`` receives block ``j`` of chunk ``i``, or nothing where
-    it is ``-1`` (blocks the engine already holds from its own prefix cache).
-    """
-
-    req_id: str
-    keys: list[bytes]
-    block_ids: list[int]
-
-
-@dataclass(slots=True)
-class SaveSpec:
-    """Store chunks ``keys`` of one request, read from ``block_ids`` (all blocks of each chunk),
-    with the request's ``retention``."""
-
-    req_id: str
-    keys: list[bytes]
-    block_ids: list[int]
-    retention: Retention = KEEP
-
-
 @dataclass
 class StepPlan:
     """The plan for one engine step, built by the scheduler half for the workers."""
@@ -363,100 +334,5 @@ class StepPlan:
     saves: list[SaveSpec] = field(default_factory=list)
     preempted_req_ids: set[str] = field(default_factory=set)
     #: The scheduler's chunk size (0: not said); a worker whose own differs stops
-    #: (:meth:`kvstore.integrations.vllm_scheme.SchemeCheck.plan_agrees`).
+    #: (:meth:`kvstore.integrations.vllm.scheme.SchemeCheck.plan_agrees`).
     chunk_size: int = 0
-
-
-class Breaker:
-    """Remembers that the store failed, so that for a while nothing waits on it again.
-
-    A dead store must cost the engine nothing: without this, every lookup would wait for its
-    own connection attempt and every save for its own deadline. An unreachable store
-    (:class:`~kvstore.errors.StoreUnavailableError`) is watched through ``reconnected`` (the
-    client's :meth:`~kvstore.KVStoreClient.when_reconnected`): the breaker closes as soon as
-    the channel connects again, rather than ``retry_after_s`` after the last failure, so that
-    saves resume within a second of a restarted store's ``serving on``.
-    """
-
-    def __init__(
-        self,
-        retry_after_s: float,
-        clock: Callable[[], float] = time.monotonic,
-        *,
-        warning: str = "kvstore unavailable (%s); treating it as down for %.1f s",
-        reconnected: Callable[[Callable[[], None]], None] | None = None,
-    ) -> None:
-        self._retry_after_s = retry_after_s
-        self._clock = clock
-        #: The warning of an outage's first failure (the error, then ``retry_after_s``).
-        self._warning = warning
-        self._reconnected = reconnected
-        self._watching = False
-        self._down_until = 0.0
-        self._held = False
-        self._lock = threading.Lock()
-
-    def is_open(self) -> bool:
-        """True while the store is considered down (or for good, once :meth:`hold` was called)."""
-        return self._held or self._clock() < self._down_until
-
-    def hold(self) -> None:
-        """Open for good: the store must not be used again (it names chunks otherwise)."""
-        self._held = True
-
-    @property
-    def held(self) -> bool:
-        """Whether :meth:`hold` was called."""
-        return self._held
-
-    def trip(self, error: BaseException) -> None:
-        """Record a failure; the first one of an outage is logged."""
-        with self._lock:
-            if not self.is_open():
-                logger.warning(self._warning, error, self._retry_after_s)
-            self._down_until = self._clock() + self._retry_after_s
-            watch = (
-                self._reconnected is not None
-                and isinstance(error, StoreUnavailableError)
-                and not self._watching
-            )
-            self._watching = self._watching or watch
-        if watch:
-            assert self._reconnected is not None
-            try:
-                self._reconnected(self._close)
-            except Exception:  # the breaker still closes after retry_after_s
-                with self._lock:
-                    self._watching = False
-                logger.warning("kvstore: cannot watch the connection", exc_info=True)
-
-    def _close(self) -> None:
-        with self._lock:
-            self._watching = False
-            was_open = self.is_open() and not self._held
-            self._down_until = 0.0
-        if was_open:
-            logger.info("kvstore answers again; lookups and saves resume")
-
-
-def warm_up(client: StoreClient, breaker: Breaker, timeout: float) -> None:
-    """Open the client's connection and its data path; a dead store opens the breaker.
-
-    Run it on a background thread at start-up: the first call on a fresh gRPC channel pays for
-    the connection, which would otherwise land on the first request's critical path. The data
-    path (shared memory, else UCX) is settled too: the worker's first load picks how to load
-    from it (on CUDA, straight into device memory only over UCX). A first call that outlives its
-    deadline is a slow start (an engine starting on a loaded host), not an outage: opening the
-    breaker then would drop every save of the next ``retry_after_s``.
-    """
-    try:
-        client.stats(timeout=timeout)
-        client.open_data_plane(timeout=timeout)
-    except StoreUnavailableError as exc:
-        breaker.trip(exc)
-    except DeadlineExceededError as exc:
-        logger.warning("kvstore: the first call outlived its %.1f s deadline (%s)", timeout, exc)
-    except KVStoreError as exc:
-        logger.warning("kvstore: first call failed: %s", exc)
-    except Exception:  # it runs on a pool thread: an error there would go unseen
-        logger.warning("kvstore: first call failed", exc_info=True)

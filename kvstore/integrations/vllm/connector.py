@@ -17,10 +17,10 @@ that a chunk the store cannot deliver is recomputed instead of failing the reque
     })
 
 ``kv_connector_extra_config`` keys (see
-:class:`~kvstore.integrations.vllm_common.ConnectorSettings`): ``target`` (required,
+:class:`~kvstore.integrations.vllm.common.ConnectorSettings`): ``target`` (required,
 ``HOST:PORT`` of ``kvstore serve``), ``chunk_size`` (tokens per stored chunk, a multiple of the
 engine's block size) and ``hash_algorithm`` (both optional: the store's by default, and refused
-if they differ from it, see :mod:`~kvstore.integrations.vllm_scheme`), ``tenant``,
+if they differ from it, see :mod:`~kvstore.integrations.vllm.scheme`), ``tenant``,
 ``timeout_s`` (get/put deadline, default 5), ``lookup_timeout_s`` (longest a request waits for
 its lookup, default 0.5), ``retry_after_s`` (how long a failed store is left alone, default 5;
 an unreachable one is tried again as soon as its connection comes back), ``secret`` (else
@@ -35,8 +35,8 @@ How it works: only whole ``chunk_size`` chunks of prompt tokens are stored, each
 key of :class:`kvstore.ChunkHasher` in a namespace built from the engine's configuration (model,
 revision, layers, KV heads, head size, dtype, cache layout and block size, TP rank and size,
 pipeline stage, tenant) and the request's LoRA adapter and cache salt. The scheduler half
-(:mod:`~kvstore.integrations.vllm_scheduler`) looks chunks up without blocking the scheduler and
-plans loads and saves; the worker half (:mod:`~kvstore.integrations.vllm_worker`) moves blocks.
+(:mod:`~kvstore.integrations.vllm.scheduler`) looks chunks up without blocking the scheduler and
+plans loads and saves; the worker half (:mod:`~kvstore.integrations.vllm.worker`) moves blocks.
 """
 
 from __future__ import annotations
@@ -51,10 +51,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvstore.integrations.vllm_common import ConnectorSettings, StepPlan
-from kvstore.integrations.vllm_metrics import KVStoreConnectorStats, KVStorePromMetrics
-from kvstore.integrations.vllm_scheduler import SchedulerSide
-from kvstore.integrations.vllm_worker import WorkerSide
+from kvstore.integrations.vllm.common import ConnectorSettings, StepPlan
+from kvstore.integrations.vllm.metrics import KVStoreConnectorStats, KVStorePromMetrics
+from kvstore.integrations.vllm.scheduler import SchedulerSide
+from kvstore.integrations.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
     import torch
@@ -98,7 +98,7 @@ def _log_through_vllm() -> None:
 
 @dataclass
 class KVStoreConnectorMetadata(StepPlan, KVConnectorMetadata):  # type: ignore[misc, unused-ignore]  # untyped base
-    """One engine step's :class:`~kvstore.integrations.vllm_common.StepPlan` as the connector
+    """One engine step's :class:`~kvstore.integrations.vllm.common.StepPlan` as the connector
     metadata vLLM carries from the scheduler to the workers."""
 
     @classmethod
@@ -116,8 +116,8 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
     """A ``KVConnectorBase_V1`` that shares prompt KV between engines through kvstore.
 
     vLLM creates one per process: the scheduler's instance delegates to a
-    :class:`~kvstore.integrations.vllm_scheduler.SchedulerSide`, each worker's to a
-    :class:`~kvstore.integrations.vllm_worker.WorkerSide`.
+    :class:`~kvstore.integrations.vllm.scheduler.SchedulerSide`, each worker's to a
+    :class:`~kvstore.integrations.vllm.worker.WorkerSide`.
     """
 
     def __init__(
@@ -197,7 +197,7 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """A step's output: ends the step's timing and passes the workers' loads on to the
-        load-or-recompute decision (kvstore.integrations.vllm_cost)."""
+        load-or-recompute decision (kvstore.integrations.vllm.cost)."""
         super().update_connector_output(connector_output)
         stats = connector_output.kv_connector_stats
         data = stats.data if stats is not None else {}
@@ -249,7 +249,7 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
         """Blocks whose load failed this step, for vLLM to recompute."""
         return self._worker_side().get_block_ids_with_load_errors()
 
-    # -- figures (see kvstore.integrations.vllm_metrics) ---------------------------------------
+    # -- figures (see kvstore.integrations.vllm.metrics) ---------------------------------------
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """This half's figures since the last call; vLLM sums the scheduler's and the workers'."""

@@ -3,7 +3,7 @@
 numpy has no bfloat16 or float8, and a copy moves bits: each tensor is viewed as integers of its
 element's width, and numpy copies those (releasing the GIL, and never entering OpenMP, which a
 torch ``copy_`` off the main thread of vLLM's CPU worker would; see ``kernels/reference.py``).
-Used by :mod:`kvstore.integrations.device_pipeline` for CPU loads.
+Used by :mod:`kvstore.integrations.paged.device_pipeline` for CPU loads.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from kvstore_kernels.reference import SAME_WIDTH  # type: ignore[import-not-found, unused-ignore]
 
-from kvstore.integrations.vllm_plan import CopyRun
+from kvstore.integrations.paged.plan import CopyRun
 
 __all__ = [
     "SAME_WIDTH",

@@ -12,7 +12,7 @@
   else ``ucx-pinned``);
 - otherwise a get into the page-locked host staging (``grpc``, ``ucx``).
 
-See :mod:`kvstore.integrations.device_pipeline` for what the layers do with each.
+See :mod:`kvstore.integrations.paged.device_pipeline` for what the layers do with each.
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ import time
 
 from kvstore.client.shm import ShmLease
 from kvstore.errors import DeadlineExceededError, KVStoreError, StoreUnavailableError
-from kvstore.integrations.arena_dma import arena_source
-from kvstore.integrations.device_pipeline import LoadPipeline, StepLoad, arena_chunk, in_place
-from kvstore.integrations.host_copies import stage_views
+from kvstore.integrations.paged.arena_dma import arena_source
+from kvstore.integrations.paged.device_pipeline import LoadPipeline, StepLoad, arena_chunk, in_place
+from kvstore.integrations.paged.host_copies import stage_views
 from kvstore.integrations.store_client import StoreClient
-from kvstore.integrations.vllm_common import Breaker
-from kvstore.integrations.vllm_saves import failure_reason
+from kvstore.integrations.vllm.common import Breaker
+from kvstore.integrations.vllm.saves import failure_reason
 
 __all__ = ["ChunkFetcher"]
 
