@@ -13,8 +13,10 @@ The public surface::
     KVStoreError and subclasses     the one exception tree (see :mod:`kvstore.errors`)
 """
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
+from kvstore import deprecation
 from kvstore.client import AsyncKVStoreClient, KVStoreClient, MockTransport
 from kvstore.config import Config, load_config
 from kvstore.errors import (
@@ -38,6 +40,9 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
+# The old import paths of moved modules (kvstore.store_config, ...) still work, with a warning.
+deprecation.install()
+
 
 def __getattr__(name: str) -> Any:
     # The store (and with it LMDB, Redis and every tier) loads only when someone embeds it.
@@ -45,6 +50,8 @@ def __getattr__(name: str) -> Any:
         from kvstore.store import TieredStore
 
         return TieredStore
+    if f"kvstore.{name}" in deprecation.MOVED_MODULES:  # ``kvstore.sizes`` as an attribute
+        return importlib.import_module(f"kvstore.{name}")
     raise AttributeError(f"module 'kvstore' has no attribute {name!r}")
 
 

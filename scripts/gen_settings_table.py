@@ -1,4 +1,4 @@
-"""Write the README's settings table from the settings' metadata (kvstore/setting_meta.py).
+"""Write the README's settings table from the settings' metadata (kvstore/config/meta.py).
 
 Run after adding or changing a setting, and commit the result::
 
@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from kvstore.cli.flags import format_default  # noqa: E402
 from kvstore.config import deprecated_names, env_var, setting_fields  # noqa: E402
-from kvstore.setting_meta import meta_of  # noqa: E402
+from kvstore.config.meta import meta_of  # noqa: E402
 
 README = ROOT / "README.md"
 BEGIN = "<!-- settings table: written by scripts/gen_settings_table.py, do not edit by hand -->"

@@ -20,8 +20,8 @@ from kvstore.config import (
     setting_names,
     unknown_env_vars,
 )
+from kvstore.config.meta import KINDS, SettingMeta, setting
 from kvstore.errors import ConfigError
-from kvstore.setting_meta import KINDS, SettingMeta, setting
 
 # The machine-dependent defaults, pinned: nothing here depends on this machine.
 ENV = {"KVSTORE_DRAM_CAPACITY": "64MiB", "KVSTORE_NVME_PATH": ""}

@@ -1,4 +1,4 @@
-"""The ``[keys]`` settings (:mod:`kvstore.keys_config`) and their deprecated ``cluster.engine_*``
+"""The ``[keys]`` settings (:mod:`kvstore.config.keys`) and their deprecated ``cluster.engine_*``
 aliases."""
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def test_bad_values_name_the_setting(env: dict[str, str], message: str) -> None:
 def test_old_engine_settings_are_aliases_with_one_warning_line(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.WARNING, "kvstore.keys_config")
+    caplog.set_level(logging.WARNING, "kvstore.config.keys")
     config = load_config(
         env={
             **CLUSTER,
@@ -76,7 +76,7 @@ def test_old_engine_settings_are_aliases_with_one_warning_line(
 
 
 def test_a_keys_setting_wins_over_its_old_alias(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, "kvstore.keys_config")
+    caplog.set_level(logging.WARNING, "kvstore.config.keys")
     config = load_config(
         env={"KVSTORE_CLUSTER_ENGINE_CHUNK_SIZE": "64", "KVSTORE_KEYS_CHUNK_SIZE": "128"}
     )
@@ -85,6 +85,6 @@ def test_a_keys_setting_wins_over_its_old_alias(caplog: pytest.LogCaptureFixture
 
 
 def test_no_warning_without_old_settings(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, "kvstore.keys_config")
+    caplog.set_level(logging.WARNING, "kvstore.config.keys")
     load_config(env={"KVSTORE_KEYS_CHUNK_SIZE": "128"})
     assert not caplog.records

@@ -1,6 +1,6 @@
 """The flags of ``kvstore serve`` and ``kvstore router``, made from the settings' metadata.
 
-Each setting whose :class:`~kvstore.setting_meta.SettingMeta` names a ``flag`` gets it (and its
+Each setting whose :class:`~kvstore.config.meta.SettingMeta` names a ``flag`` gets it (and its
 older spellings, ``flag_aliases``), in a group per config section so that ``--help`` reads by
 concern; :func:`flag_overrides` turns what was given into the dotted names
 :func:`~kvstore.config.load_config` takes. No flag of a setting is written by hand, so the flags,
@@ -13,8 +13,8 @@ import argparse
 from typing import Any
 
 from kvstore.config import Config, setting_fields
-from kvstore.setting_meta import SettingMeta, meta_of
-from kvstore.sizes import format_size
+from kvstore.config.meta import SettingMeta, meta_of
+from kvstore.config.sizes import format_size
 
 __all__ = ["add_setting_flags", "flag_overrides", "format_default"]
 

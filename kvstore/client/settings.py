@@ -34,8 +34,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from kvstore.config.sizes import parse_size
 from kvstore.errors import ConfigError
-from kvstore.sizes import parse_size
 
 __all__ = [
     "CUDA_REGISTER_ENV",

@@ -72,7 +72,7 @@ from kvstore.block import Keyring, installed_keyring
 from kvstore.cluster.index import ClusterIndex
 from kvstore.cluster.layout import REDIS_ERRORS
 from kvstore.cluster.records import NodeInfo
-from kvstore.cluster_config import PEER_TRANSPORTS
+from kvstore.config.cluster import PEER_TRANSPORTS
 from kvstore.errors import (
     AuthenticationError,
     ConfigError,
@@ -165,7 +165,7 @@ class PeerSource:
             raise ConfigError(f"cluster.peer_transport = 'ucx' needs ucxx here: {unavailable}")
         if unavailable is not None:
             logger.info("peer fetch: UCX unavailable (%s); reading peers over gRPC", unavailable)
-        #: ``auto``, ``ucx`` or ``grpc`` (:data:`~kvstore.cluster_config.PEER_TRANSPORTS`).
+        #: ``auto``, ``ucx`` or ``grpc`` (:data:`~kvstore.config.cluster.PEER_TRANSPORTS`).
         self.transport = transport
         self._ucx_ok = transport != "grpc" and unavailable is None
         self.index = index

@@ -10,7 +10,7 @@ import grpc
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.buffers import byte_view, writable_byte_view
-from kvstore.cluster_config import namespace_from_json, namespace_to_json
+from kvstore.config.cluster import namespace_from_json, namespace_to_json
 from kvstore.errors import (
     ConfigError,
     DeadlineExceededError,

@@ -27,9 +27,9 @@ from pathlib import Path
 
 from kvstore.block import Keyring
 from kvstore.config import Config
+from kvstore.config.store import INTEGRITY_MACS
 from kvstore.errors import ConfigError
 from kvstore.server.placeholders import check_secret
-from kvstore.store_config import INTEGRITY_MACS
 from kvstore.tiers.nvme import private_directory
 
 __all__ = ["DEFAULT_KEY_FILE", "load_keyring"]

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvstore.client.cost_model import context_scale, prefill_work
-from kvstore.cluster_config import namespace_to_json
+from kvstore.config.cluster import namespace_to_json
 from kvstore.errors import (
     ConfigError,
     DeadlineExceededError,

@@ -17,7 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
-from kvstore.cluster_config import ClusterConfig, namespace_from_json
+from kvstore.config.cluster import ClusterConfig, namespace_from_json
+from kvstore.config.meta import setting
 from kvstore.errors import ConfigError
 from kvstore.key_scheme import (
     DEFAULT_CHUNK_SIZE,
@@ -27,7 +28,6 @@ from kvstore.key_scheme import (
     secret_fingerprint,
 )
 from kvstore.keys import HashAlgorithm
-from kvstore.setting_meta import setting
 
 __all__ = ["KeysConfig", "with_aliases"]
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvstore.config.meta import setting
+from kvstore.config.store import require_positive
 from kvstore.errors import ConfigError
-from kvstore.setting_meta import setting
-from kvstore.store_config import require_positive
 
 __all__ = ["ShmConfig", "UcxConfig"]
 

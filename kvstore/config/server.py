@@ -1,7 +1,7 @@
 """The settings of the ``kvstore serve`` process itself (``[server]``): its gRPC endpoint, its
 metrics endpoint, request limits, threads and timeouts. The shared-memory and UCX data planes
-(``[shm]``, ``[ucx]``, :mod:`kvstore.data_plane_config`) and security (``[auth]``,
-:mod:`kvstore.auth_config`) have sections of their own. A plain frozen dataclass that checks its
+(``[shm]``, ``[ucx]``, :mod:`kvstore.config.data_plane`) and security (``[auth]``,
+:mod:`kvstore.config.auth`) have sections of their own. A plain frozen dataclass that checks its
 own values; :mod:`kvstore.config` loads it."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from kvstore.config.meta import setting
+from kvstore.config.store import require_positive
 from kvstore.errors import ConfigError
-from kvstore.setting_meta import setting
-from kvstore.store_config import require_positive
 
 __all__ = ["ServerConfig"]
 

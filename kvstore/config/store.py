@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvstore.config.meta import setting
+from kvstore.config.sizes import format_size
 from kvstore.errors import ConfigError
 from kvstore.policy import EVICTIONS, NVME_ADMISSIONS, SHARED_WRITES
 from kvstore.retention import DEFAULT_MAX_RETENTION_S
-from kvstore.setting_meta import setting
-from kvstore.sizes import format_size
 
 __all__ = [
     "INTEGRITY_MACS",

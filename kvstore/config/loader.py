@@ -9,14 +9,14 @@ Every setting has one dotted name (``dram.capacity``), one environment variable
 Sizes accept plain bytes or ``KiB/MiB/GiB/TiB`` (and ``KB/MB/GB/TB``, decimal) suffixes.
 
 The sections are plain frozen dataclasses, each in the module of its concern
-(:mod:`kvstore.server_config`, :mod:`kvstore.data_plane_config` for ``[shm]`` and ``[ucx]``,
-:mod:`kvstore.auth_config`, :mod:`kvstore.store_config`, :mod:`kvstore.cluster_config`,
-:mod:`kvstore.router_config`, :mod:`kvstore.tenant_config`) and all offered here; the defaults
+(:mod:`kvstore.config.server`, :mod:`kvstore.config.data_plane` for ``[shm]`` and ``[ucx]``,
+:mod:`kvstore.config.auth`, :mod:`kvstore.config.store`, :mod:`kvstore.config.cluster`,
+:mod:`kvstore.config.router`, :mod:`kvstore.config.tenants`) and all offered here; the defaults
 that depend on the machine (``dram.capacity`` from its memory, ``nvme.path`` under its home
 directory) come from :func:`machine_defaults`, and the loader is the only reader of environment
 variables.
 
-Each field says what it is once, in its metadata (:func:`kvstore.setting_meta.setting`): help,
+Each field says what it is once, in its metadata (:func:`kvstore.config.meta.setting`): help,
 kind (size, octal mode, list, choice), flag, and the names it had before. The loader takes its
 kinds from there, ``kvstore serve`` / ``kvstore router`` their flags (:mod:`kvstore.cli.flags`)
 and the README its settings table (``scripts/gen_settings_table.py``). A setting's old name (in
@@ -34,24 +34,22 @@ from collections.abc import Callable, Mapping
 from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
-from kvstore.auth_config import AuthConfig
-from kvstore.cluster_config import SHARED_DATA, ClusterConfig, check_advertise
-from kvstore.data_plane_config import ShmConfig, UcxConfig
-from kvstore.errors import ConfigError
-from kvstore.key_scheme import HASH_SECRET_ENV
-from kvstore.keys_config import KeysConfig, with_aliases
-from kvstore.machine_defaults import (
+from kvstore.config.auth import AuthConfig
+from kvstore.config.cluster import SHARED_DATA, ClusterConfig, check_advertise
+from kvstore.config.data_plane import ShmConfig, UcxConfig
+from kvstore.config.keys import KeysConfig, with_aliases
+from kvstore.config.machine import (
     available_memory,
     default_data_dir,
     default_dram_capacity,
     default_inflight_bytes,
     machine_defaults,
 )
-from kvstore.router_config import RouterConfig
-from kvstore.server_config import ServerConfig
-from kvstore.setting_meta import SettingMeta, meta_of
-from kvstore.sizes import SIZE_HINT, format_size, parse_size
-from kvstore.store_config import (
+from kvstore.config.meta import SettingMeta, meta_of
+from kvstore.config.router import RouterConfig
+from kvstore.config.server import ServerConfig
+from kvstore.config.sizes import SIZE_HINT, format_size, parse_size
+from kvstore.config.store import (
     DramConfig,
     HbmConfig,
     IntegrityConfig,
@@ -59,7 +57,9 @@ from kvstore.store_config import (
     PolicyConfig,
     RedisConfig,
 )
-from kvstore.tenant_config import TenantConfig, tenant_tables
+from kvstore.config.tenants import TenantConfig, tenant_tables
+from kvstore.errors import ConfigError
+from kvstore.key_scheme import HASH_SECRET_ENV
 
 __all__ = [
     "SHARED_DATA",
@@ -157,7 +157,7 @@ def setting_fields() -> dict[str, Field[Any]]:
 
 
 def setting_metas() -> dict[str, SettingMeta]:
-    """Every setting's :class:`~kvstore.setting_meta.SettingMeta` by dotted name: the one source
+    """Every setting's :class:`~kvstore.config.meta.SettingMeta` by dotted name: the one source
     of the loader's kinds, the flags and the README's settings table."""
     return {name: meta_of(f) for name, f in setting_fields().items()}
 

@@ -8,10 +8,10 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
+from kvstore.config.meta import setting
 from kvstore.errors import ConfigError
 from kvstore.key_scheme import HASH_ALGORITHMS, PER_REQUEST_FIELDS
 from kvstore.keys import Namespace
-from kvstore.setting_meta import setting
 
 __all__ = [
     "ENGINE_EVENT_SCHEMES",

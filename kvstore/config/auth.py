@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvstore.config.meta import setting
 from kvstore.errors import ConfigError
-from kvstore.setting_meta import setting
 
 __all__ = ["AuthConfig"]
 

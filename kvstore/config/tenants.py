@@ -9,8 +9,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from kvstore.config.sizes import parse_size
 from kvstore.errors import ConfigError
-from kvstore.sizes import parse_size
 
 __all__ = ["TenantConfig", "tenant_tables"]
 
