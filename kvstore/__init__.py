@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore import deprecation
 from kvstore.client import AsyncKVStoreClient, KVStoreClient, MockTransport
-from kvstore.config import Config, load_config
 from kvstore.errors import (
     AuthenticationError,
     CapacityError,
@@ -36,6 +35,7 @@ from kvstore.retention import Retention
 from kvstore.types import LookupResult, PutResult
 
 if TYPE_CHECKING:
+    from kvstore.config import Config, load_config
     from kvstore.store import TieredStore
 
 __version__ = "0.1.0"
@@ -44,12 +44,18 @@ __version__ = "0.1.0"
 deprecation.install()
 
 
-def __getattr__(name: str) -> Any:
-    # The store (and with it LMDB, Redis and every tier) loads only when someone embeds it.
-    if name == "TieredStore":
-        from kvstore.store import TieredStore
+#: Names loaded on first use: the store (and with it LMDB, Redis and every tier) only when
+#: someone embeds it, the configuration sections only when someone loads a configuration.
+_LAZY = {
+    "TieredStore": "kvstore.store",
+    "Config": "kvstore.config",
+    "load_config": "kvstore.config",
+}
 
-        return TieredStore
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
     if f"kvstore.{name}" in deprecation.MOVED_MODULES:  # ``kvstore.sizes`` as an attribute
         return importlib.import_module(f"kvstore.{name}")
     raise AttributeError(f"module 'kvstore' has no attribute {name!r}")

@@ -36,6 +36,9 @@ __all__ = [
     "PER_REQUEST_FIELDS",
     "KeyScheme",
     "engine_base",
+    "hash_secret",
+    "namespace_from_json",
+    "namespace_to_json",
     "secret_fingerprint",
 ]
 
@@ -55,6 +58,47 @@ def engine_base(namespace: Namespace) -> Namespace:
     """``namespace`` with its per-request fields (:data:`PER_REQUEST_FIELDS`) cleared: the
     engine-wide base a scheme carries (rank 0's, no LoRA adapter, no cache salt)."""
     return dataclasses.replace(namespace, lora_id="", cache_salt="", tp_rank=0)
+
+
+def namespace_to_json(namespace: Namespace) -> str:
+    """``namespace`` as :func:`namespace_from_json` reads it: what an engine's connector logs at
+    start, for ``keys.namespace`` (and the deprecated ``router.namespace`` and
+    ``cluster.engine_namespace``), and what a key-scheme message carries."""
+    fields = {
+        name: value
+        for name, value in dataclasses.asdict(namespace).items()
+        if name not in PER_REQUEST_FIELDS
+    }
+    return json.dumps(fields, sort_keys=True)
+
+
+def namespace_from_json(text: str, setting: str) -> Namespace:
+    """An engine's rank-0 base namespace from ``setting``'s value: a JSON object of
+    :class:`~kvstore.keys.Namespace` fields (what the connector logs at start), without the
+    per-request ones. Used by every setting that holds one (``keys.namespace`` and its
+    deprecated aliases) and by the key-scheme messages."""
+    try:
+        fields = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{setting}: cannot use {text!r}: not JSON ({exc})") from exc
+    if not isinstance(fields, dict):
+        raise ConfigError(f"{setting}: cannot use {text!r}: not a JSON object")
+    known = {f.name for f in dataclasses.fields(Namespace)} - PER_REQUEST_FIELDS
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ConfigError(f"{setting}: unknown fields {unknown}; known: {sorted(known)}")
+    try:
+        return Namespace(**fields, tp_rank=0)
+    except (ConfigError, TypeError) as exc:
+        raise ConfigError(f"{setting}: cannot use {text!r}: {exc}") from exc
+
+
+def hash_secret(env: Mapping[str, str] | None = None) -> str:
+    """The key-derivation secret of processes that name chunks (the vLLM connector's default
+    ``secret``): ``$KVSTORE_HASH_SECRET`` of ``env`` (the process environment if ``None``), empty
+    when unset. Every replica sharing a store must use the same one. Here, not in the loader: a
+    connector process reads it without loading a single config section."""
+    return (os.environ if env is None else env).get(HASH_SECRET_ENV, "")
 
 
 def secret_fingerprint(secret: str | bytes) -> str:

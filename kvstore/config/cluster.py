@@ -4,14 +4,13 @@ loader stays small)."""
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass
 
 from kvstore.config.meta import setting
 from kvstore.errors import ConfigError
-from kvstore.key_scheme import HASH_ALGORITHMS, PER_REQUEST_FIELDS
-from kvstore.keys import Namespace
+
+# The Namespace JSON codec lives with the key scheme; offered here too, where it used to be.
+from kvstore.key_scheme import HASH_ALGORITHMS, namespace_from_json, namespace_to_json
 
 __all__ = [
     "ENGINE_EVENT_SCHEMES",
@@ -29,37 +28,6 @@ SHARED_DATA = ("redis", "peers", "both")
 PEER_TRANSPORTS = ("auto", "ucx", "grpc")
 #: Endpoints ``cluster.engine_events`` may name (those of vLLM's ZMQ publisher).
 ENGINE_EVENT_SCHEMES = ("tcp://", "ipc://")
-
-
-def namespace_to_json(namespace: Namespace) -> str:
-    """``namespace`` as :func:`namespace_from_json` reads it: what an engine's connector logs at
-    start, for ``kvstore router --namespace`` and ``cluster.engine_namespace``."""
-    fields = {
-        name: value
-        for name, value in dataclasses.asdict(namespace).items()
-        if name not in PER_REQUEST_FIELDS
-    }
-    return json.dumps(fields, sort_keys=True)
-
-
-def namespace_from_json(text: str, setting: str) -> Namespace:
-    """An engine's rank-0 base namespace from ``setting``'s value: a JSON object of
-    :class:`~kvstore.keys.Namespace` fields (what the connector logs at start), without the
-    per-request ones. Used by ``router.namespace`` and ``cluster.engine_namespace`` alike."""
-    try:
-        fields = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{setting}: cannot use {text!r}: not JSON ({exc})") from exc
-    if not isinstance(fields, dict):
-        raise ConfigError(f"{setting}: cannot use {text!r}: not a JSON object")
-    known = {f.name for f in dataclasses.fields(Namespace)} - PER_REQUEST_FIELDS
-    unknown = sorted(set(fields) - known)
-    if unknown:
-        raise ConfigError(f"{setting}: unknown fields {unknown}; known: {sorted(known)}")
-    try:
-        return Namespace(**fields, tp_rank=0)
-    except (ConfigError, TypeError) as exc:
-        raise ConfigError(f"{setting}: cannot use {text!r}: {exc}") from exc
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
-from kvstore.config.cluster import ClusterConfig, namespace_from_json
+from kvstore.config.cluster import ClusterConfig
 from kvstore.config.meta import setting
 from kvstore.errors import ConfigError
 from kvstore.key_scheme import (
@@ -25,6 +25,7 @@ from kvstore.key_scheme import (
     HASH_ALGORITHMS,
     HASH_SECRET_ENV,
     KeyScheme,
+    namespace_from_json,
     secret_fingerprint,
 )
 from kvstore.keys import HashAlgorithm

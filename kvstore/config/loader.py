@@ -59,7 +59,7 @@ from kvstore.config.store import (
 )
 from kvstore.config.tenants import TenantConfig, tenant_tables
 from kvstore.errors import ConfigError
-from kvstore.key_scheme import HASH_SECRET_ENV
+from kvstore.key_scheme import hash_secret
 
 __all__ = [
     "SHARED_DATA",
@@ -379,10 +379,3 @@ def unknown_env_vars(env: Mapping[str, str]) -> list[str]:
         for name in sorted(env)
         if name.startswith("KVSTORE_") and name not in known
     ]
-
-
-def hash_secret(env: Mapping[str, str] | None = None) -> str:
-    """The key-derivation secret of processes that name chunks (the vLLM connector's default
-    ``secret``): ``$KVSTORE_HASH_SECRET`` of ``env`` (the process environment if ``None``), empty
-    when unset. Every replica sharing a store must use the same one."""
-    return (os.environ if env is None else env).get(HASH_SECRET_ENV, "")

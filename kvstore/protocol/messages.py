@@ -10,7 +10,6 @@ import grpc
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.buffers import byte_view, writable_byte_view
-from kvstore.config.cluster import namespace_from_json, namespace_to_json
 from kvstore.errors import (
     ConfigError,
     DeadlineExceededError,
@@ -19,7 +18,7 @@ from kvstore.errors import (
     KVStoreError,
     error_from_status,
 )
-from kvstore.key_scheme import KeyScheme, engine_base
+from kvstore.key_scheme import KeyScheme, engine_base, namespace_from_json, namespace_to_json
 from kvstore.keys import Namespace
 from kvstore.protocol.checks import check_key_scheme_request, check_pairs
 from kvstore.retention import KEEP, Retention

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvstore.config.cluster import namespace_from_json
+from kvstore.key_scheme import namespace_from_json
 from kvstore.keys import ChunkHasher, HashAlgorithm, Namespace
 
 __all__ = ["RouterKeys", "parse_namespace"]

@@ -24,7 +24,7 @@ from router_process import RouterProcess
 from test_router_proxy import cluster_env, index_leading
 
 from kvstore import ChunkHasher, Namespace
-from kvstore.config.cluster import namespace_to_json
+from kvstore.key_scheme import namespace_to_json
 
 if TYPE_CHECKING:
     from conftest import ServerFactory

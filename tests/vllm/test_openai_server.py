@@ -29,7 +29,7 @@ from fleet import build_model
 from harness.ports import free_port
 from harness.serve import ServerProcess
 
-from kvstore.config.cluster import namespace_from_json
+from kvstore.key_scheme import namespace_from_json
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

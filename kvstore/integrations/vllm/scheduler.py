@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvstore.client.cost_model import context_scale, prefill_work
-from kvstore.config.cluster import namespace_to_json
 from kvstore.errors import (
     ConfigError,
     DeadlineExceededError,
@@ -61,6 +60,7 @@ from kvstore.integrations.vllm.cost import LoadDecider, hidden_size, token_bytes
 from kvstore.integrations.vllm.retention import request_retention
 from kvstore.integrations.vllm.scheme import open_scheme
 from kvstore.integrations.vllm.stats import ConnectorCounters
+from kvstore.key_scheme import namespace_to_json
 from kvstore.keys import ChunkHasher
 from kvstore.retention import KEEP, Retention
 
