@@ -60,9 +60,11 @@ NODE_AGENT = ("kvstore.node",)
 #: The parts, lowest layer first. A module imports modules of its own part, or of parts of lower
 #: layers; of another part of its own layer only as :data:`SAME_LAYER` allows.
 PARTS: dict[str, Part] = {
-    # 0: leaf modules both sides use; they import nothing of kvstore but each other.
-    "leaves": Part(
-        0,
+    # -1: the vocabulary, the words of the system both sides use; they import nothing of kvstore
+    #     but each other. (Numbered -1 so that the layers above kept their numbers when the
+    #     configuration came in between.)
+    "vocabulary": Part(
+        -1,
         (
             "kvstore._proto",  # generated gRPC code
             "kvstore.errors",
@@ -71,13 +73,16 @@ PARTS: dict[str, Part] = {
             "kvstore.types",
             "kvstore.buffers",
             "kvstore.block",
-            "kvstore.config",
             "kvstore.deprecation",
             "kvstore.policy",
             "kvstore.retention",
             "kvstore.deadline",
         ),
     ),
+    # 0: the configuration: one frozen dataclass per section, their metadata and the loader,
+    #    over the vocabulary (a section checks its values with the vocabulary's words: hash
+    #    algorithms, eviction policies, the key scheme).
+    "config": Part(0, ("kvstore.config",)),
     # 1: what both sides agree on: gRPC message conversion, shm frames, the published dram index
     #    format, UCX conventions.
     "protocol": Part(1, ("kvstore.protocol",)),
@@ -124,6 +129,23 @@ SERVER_SIDE = (
     "kvstore.server",
     "lmdb",
     "redis",
+)
+#: The configuration's sections and loader: what only a process that loads a configuration needs.
+CONFIG_SECTIONS = tuple(
+    f"kvstore.config.{name}"
+    for name in (
+        "loader",
+        "server",
+        "data_plane",
+        "auth",
+        "store",
+        "cluster",
+        "router",
+        "tenants",
+        "keys",
+        "meta",
+        "machine",
+    )
 )
 #: What a router must never load: it is a client of the index, nothing more.
 ROUTER_NEVER = ("kvstore.store", "kvstore.tiers", "kvstore.server", "lmdb", *NODE_AGENT)
@@ -407,6 +429,12 @@ FRESH_PROCESS: list[tuple[str, str, tuple[str, ...]]] = [
         "kvstore.client",
         (*SERVER_SIDE, "vllm"),
     ),
+    # A connector process reads its hash secret and sizes without loading a config section.
+    (
+        "import kvstore.integrations.vllm.common; from kvstore.config import hash_secret",
+        "kvstore.key_scheme",
+        CONFIG_SECTIONS,
+    ),
     # The router: the index's reader and an HTTP proxy (issue 29's done-when).
     ("import kvstore.router", "kvstore.cluster.index", ROUTER_NEVER),
     ("from kvstore.cluster import ClusterIndex, Layout", "kvstore.cluster.index", ROUTER_NEVER),
@@ -481,6 +509,17 @@ def test_every_exception_is_still_needed() -> None:
 PLANTED: dict[str, tuple[str, str, str]] = {
     "unplaced": ("newpart/__init__.py", "", "kvstore.newpart"),
     "upward": ("store/tiered.py", "import kvstore.server.app", "kvstore.server.app"),
+    # the vocabulary stands below the configuration, the configuration below the protocol.
+    "upward/vocabulary-config": (
+        "keys.py",
+        "from kvstore.config.sizes import parse_size",
+        "kvstore.config.sizes",
+    ),
+    "upward/config-protocol": (
+        "config/cluster.py",
+        "from kvstore.protocol.messages import namespace_bytes",
+        "kvstore.protocol.messages",
+    ),
     # client and tiers, store and index: two halves of one layer.
     "same_layer": ("client/core.py", "import kvstore.tiers.dram", "client -> tiers"),
     "same_layer/store-index": (
