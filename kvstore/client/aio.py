@@ -225,6 +225,15 @@ class AsyncKVStoreClient(ClientBase):
         ``"ucx"`` or ``"grpc"``: the one data calls will take."""
         return await self._run(self._core.open_data_plane(timeout))
 
+    def when_reconnected(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once, on this event loop (call it from a coroutine), when the channel
+        connects to the server afresh after a loss (within about half a second of the server
+        answering again); for a caller that stopped calling a server it saw fail. The channel
+        keeps trying meanwhile; :meth:`aclose` drops a callback still waiting. (With a
+        ``transport`` given, the transport says when.) The twin of
+        :meth:`KVStoreClient.when_reconnected <kvstore.KVStoreClient.when_reconnected>`."""
+        self._transport.when_reconnected(callback)
+
     async def aclose(self) -> None:
         """Close the shared-memory and UCX paths and the channels (or the given transport)."""
         await asyncio.to_thread(self._core.close)

@@ -209,6 +209,23 @@ class ReconnectWatch:
         self._end()
 
 
+async def await_reconnect(channel: grpc.aio.Channel, callback: Callable[[], None]) -> None:
+    """Call ``callback`` once when the ``grpc.aio`` ``channel`` next connects afresh: the rules
+    of :class:`ReconnectWatch` (it keeps the channel trying; a connection up when asked does not
+    count), awaited on the channel's event loop instead of on a gRPC thread."""
+    ready = grpc.ChannelConnectivity.READY
+    state = channel.get_state(try_to_connect=True)
+    seen_down = state is not ready
+    while not (seen_down and state is ready):
+        await channel.wait_for_state_change(state)
+        state = channel.get_state(try_to_connect=True)
+        seen_down = seen_down or state is not ready
+    try:
+        callback()
+    except Exception:  # in a task nobody awaits, an error would vanish
+        logger.exception("reconnect callback failed")
+
+
 def when_reconnected(channel: grpc.Channel, callback: Callable[[], None]) -> ReconnectWatch:
     """Watch ``channel`` for its next fresh connection (see :class:`ReconnectWatch`)."""
     return ReconnectWatch(channel, callback)

@@ -20,6 +20,7 @@ and UCX data planes need a real server: a client given a transport of its own ru
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -31,6 +32,7 @@ from kvstore.client.channel import (
     ChannelSecurity,
     ReconnectWatch,
     aio_channel,
+    await_reconnect,
     blocking_channel,
     settle_watches,
     when_reconnected,
@@ -72,6 +74,10 @@ class AsyncTransport(Protocol):
         each: Callable[[Any], None] | None = None,
     ) -> Any:
         """Make the RPC ``method`` within ``timeout`` seconds (see the module docstring)."""
+        ...
+
+    def when_reconnected(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once, on the running event loop, when the server answers again."""
         ...
 
     async def aclose(self) -> None:
@@ -134,6 +140,7 @@ class AsyncGrpcTransport:
         self._channel = aio_channel(target, security)
         self._stub = pb_grpc.KVStoreStub(self._channel)
         self._control: grpc.Channel | None = None
+        self._watches: set[asyncio.Task[None]] = set()
 
     def control_channel(self) -> grpc.Channel:
         """A blocking channel to the same server, opened on first use."""
@@ -156,8 +163,17 @@ class AsyncGrpcTransport:
             each(message)
         return None
 
+    def when_reconnected(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once, on the running event loop (call this from it), when the
+        channel connects afresh after a loss (:func:`~kvstore.client.channel.await_reconnect`)."""
+        watch = asyncio.get_running_loop().create_task(await_reconnect(self._channel, callback))
+        self._watches.add(watch)  # held: the loop keeps only a weak reference to a task
+        watch.add_done_callback(self._watches.discard)
+
     async def aclose(self) -> None:
-        """Close both channels."""
+        """Stop the reconnect watches (their callbacks are not called), close both channels."""
+        for watch in list(self._watches):
+            watch.cancel()
         if self._control is not None:
             self._control.close()
         await self._channel.close(grace=None)

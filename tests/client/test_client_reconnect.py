@@ -133,6 +133,41 @@ def test_when_reconnected_waits_for_a_new_connection_not_the_one_that_is_up(
         server.stop()
 
 
+def test_the_async_clients_when_reconnected_fires_on_its_loop_after_serving_on(
+    tmp_path: Path, args: list[str]
+) -> None:
+    async def scenario() -> tuple[float, bool]:
+        server = _serve(args, tmp_path, "first")
+        async with AsyncKVStoreClient(server.target, timeout=1.0, data_plane="grpc") as client:
+            await client.stats()
+            fired = asyncio.Event()
+            # a connection that is up does not count
+            client.when_reconnected(fired.set)
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(fired.wait(), 1.0)
+            server.stop()
+            with pytest.raises(KVStoreError):
+                await client.stats(timeout=0.5)  # the failure a circuit breaker would see
+            with pytest.raises(TimeoutError):  # nothing answers: it keeps waiting
+                await asyncio.wait_for(fired.wait(), 2.0)
+            server = _serve(args, tmp_path, "second")
+            try:
+                serving = time.monotonic()
+                await asyncio.wait_for(fired.wait(), 10)
+                back_after = time.monotonic() - serving
+                await client.stats(timeout=1.0)
+                # one still waiting when the client closes is dropped, never called
+                late = asyncio.Event()
+                client.when_reconnected(late.set)
+            finally:
+                server.stop()
+        return back_after, late.is_set()
+
+    back_after, late = asyncio.run(scenario())
+    assert back_after < BACK_WITHIN_S, f"reconnected {back_after:.2f} s after serving on"
+    assert not late
+
+
 def test_closing_a_client_that_still_waits_leaves_no_failing_grpc_thread() -> None:
     # gRPC's connectivity thread dies with "Channel closed!" if it polls a channel closed under
     # it (seen once in tests/vllm at shutdown with the store down); close() cancels pending

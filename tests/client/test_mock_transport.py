@@ -171,6 +171,17 @@ def test_when_reconnected_and_close_go_to_the_transport() -> None:
         client.lookup(KEYS)
 
 
+async def test_the_async_clients_when_reconnected_goes_to_the_transport_too() -> None:
+    transport = MockTransport(MemoryStore())
+    fired: list[str] = []
+    async with AsyncKVStoreClient("unused", namespace=NS, transport=transport) as client:
+        client.when_reconnected(lambda: fired.append("back"))
+        transport.reconnect()
+        transport.reconnect()
+        assert fired == ["back"]
+    assert transport.closed
+
+
 def test_a_client_given_a_transport_opens_no_channel(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a channel was opened")
