@@ -2,15 +2,24 @@
 
 The public surface::
 
-    Namespace, ChunkHasher          name KV blocks by chained prefix-chunk keys
+    Namespace, ChunkHasher, BlockKey    name KV blocks by chained prefix-chunk keys
+    KeyScheme                           how a deployment names chunks (``key_scheme()``)
     KVStoreClient, AsyncKVStoreClient   talk to a ``kvstore serve`` process
-    MockTransport                   a client's transport answered by a function, for tests
-    TieredStore                     the store core, for embedding (loaded on first use: a
-                                    client process never pays for LMDB or Redis)
-    LookupResult, PutResult         results of client and store calls
-    Retention                       what a put asks: keep N seconds, memory only, not at all
-    Config, load_config             configuration
-    KVStoreError and subclasses     the one exception tree (see :mod:`kvstore.errors`)
+    MockTransport                       a client's transport answered by a function, for
+                                        tests (with the in-memory store: :mod:`kvstore.testing`)
+    TieredStore                         the store core, for embedding (loaded on first use: a
+                                        client process never pays for LMDB or Redis)
+    LookupResult, PutResult             results of client and store calls
+    PrefetchProgress, PrefetchState     where a prefetch stands (``prefetch_status()``)
+    ShmLease, ShmReservation            blocks lent or reserved in the shared-memory arena
+                                        (``lease()``, ``reserve()``)
+    DeviceFill                          a copy into device memory under way
+                                        (``get_into_device()``)
+    Retention                           what a put asks: keep N seconds, memory only, not at all
+    Config, load_config                 configuration (loaded on first use)
+    KVStoreError and subclasses         the one exception tree (see :mod:`kvstore.errors`)
+
+Every type a client's public method returns is here, and every error it raises.
 """
 
 import importlib
@@ -18,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore import deprecation
 from kvstore.client import AsyncKVStoreClient, KVStoreClient, MockTransport
+from kvstore.client.device_fill import DeviceFill
+from kvstore.client.shm import ShmLease, ShmReservation
 from kvstore.errors import (
     AuthenticationError,
     CapacityError,
@@ -27,12 +38,15 @@ from kvstore.errors import (
     InvalidRequestError,
     KVStoreError,
     NamespaceMismatchError,
+    PermissionDeniedError,
     StoreUnavailableError,
     UnknownPrefetchError,
 )
+from kvstore.key_scheme import KeyScheme
 from kvstore.keys import BlockKey, ChunkHasher, Namespace
+from kvstore.protocol.shm_frames import ProtocolError
 from kvstore.retention import Retention
-from kvstore.types import LookupResult, PutResult
+from kvstore.types import LookupResult, PrefetchProgress, PrefetchState, PutResult
 
 if TYPE_CHECKING:
     from kvstore.config import Config, load_config
@@ -42,7 +56,6 @@ __version__ = "0.1.0"
 
 # The old import paths of moved modules (kvstore.store_config, ...) still work, with a warning.
 deprecation.install()
-
 
 #: Names loaded on first use: the store (and with it LMDB, Redis and every tier) only when
 #: someone embeds it, the configuration sections only when someone loads a configuration.
@@ -70,16 +83,24 @@ __all__ = [
     "Config",
     "ConfigError",
     "DeadlineExceededError",
+    "DeviceFill",
     "InternalStoreError",
     "InvalidRequestError",
     "KVStoreClient",
     "KVStoreError",
+    "KeyScheme",
     "LookupResult",
     "MockTransport",
     "Namespace",
     "NamespaceMismatchError",
+    "PermissionDeniedError",
+    "PrefetchProgress",
+    "PrefetchState",
+    "ProtocolError",
     "PutResult",
     "Retention",
+    "ShmLease",
+    "ShmReservation",
     "StoreUnavailableError",
     "TieredStore",
     "UnknownPrefetchError",

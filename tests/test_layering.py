@@ -94,6 +94,8 @@ PARTS: dict[str, Part] = {
     #    (its Redis layout, ClusterIndex: what a router reads), which know nothing of each other.
     "store": Part(3, ("kvstore.store",)),
     "index": Part(3, ("kvstore.cluster",)),
+    #    And over the client, what a user's tests need (MockTransport, the in-memory store).
+    "testing": Part(3, ("kvstore.testing",)),
     # 4: the node agent over the store and the index (membership, publishing, engine events,
     #    peer reads).
     "node agent": Part(4, NODE_AGENT),
@@ -155,6 +157,8 @@ ROUTER_NEVER = ("kvstore.store", "kvstore.tiers", "kvstore.server", "lmdb", *NOD
 FORBIDDEN: dict[str, tuple[str, ...]] = {
     # The client side (what a vLLM worker or scheduler process loads) never the server side.
     "client": SERVER_SIDE,
+    # nor does a test of code that uses a client
+    "testing": SERVER_SIDE,
     # The engine-neutral integrations load no engine either (an SGLang process never loads vLLM).
     "integrations": (*SERVER_SIDE, "vllm", "sglang"),
     "vllm integration": (*SERVER_SIDE, "sglang"),
@@ -416,6 +420,7 @@ FRESH_PROCESS: list[tuple[str, str, tuple[str, ...]]] = [
         SERVER_SIDE,
     ),
     ("import kvstore.client", "kvstore.client", SERVER_SIDE),
+    ("import kvstore.testing", "kvstore.client.mock_transport", SERVER_SIDE),
     # The connector's logic (scheduler and worker halves) without vLLM itself.
     ("import kvstore.integrations.vllm.common", "kvstore.client", (*SERVER_SIDE, "vllm")),
     (

@@ -12,7 +12,7 @@ before the handler returns fails with ``DEADLINE_EXCEEDED``, as over gRPC. It is
 
     import grpc
     from kvstore import KVStoreClient, MockTransport, Namespace
-    from kvstore.client.mock_transport import pb
+    from kvstore.testing import pb
 
     def handler(method, request):
         if method == "Lookup":  # none of the keys is stored

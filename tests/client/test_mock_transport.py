@@ -17,7 +17,6 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from harness.memory_store import MemoryStore
 
 import kvstore.client.core as core
 import kvstore.client.transport as transport_module
@@ -36,6 +35,7 @@ from kvstore.errors import (
     StoreUnavailableError,
     UnknownPrefetchError,
 )
+from kvstore.testing import MemoryStore
 from kvstore.types import PrefetchState
 
 NS = Namespace(model="mock-transport")
