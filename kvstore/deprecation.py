@@ -21,7 +21,14 @@ import warnings
 from collections.abc import Sequence
 from types import ModuleType
 
-__all__ = ["MOVED_MODULES", "REMOVED_IN", "MovedModules", "install", "removal_note"]
+__all__ = [
+    "MOVED_MODULES",
+    "REMOVED_IN",
+    "MovedModules",
+    "deprecated",
+    "install",
+    "removal_note",
+]
 
 #: The release that removes what is deprecated today (the package is at 0.1.0).
 REMOVED_IN = "0.2.0"
@@ -42,9 +49,15 @@ MOVED_MODULES: dict[str, str] = {
 }
 
 
-def removal_note() -> str:
-    """The words every deprecation warning ends with."""
-    return f"it is removed in kvstore {REMOVED_IN}"
+def removal_note(several: bool = False) -> str:
+    """The words every deprecation warning ends with (``several``: of a list of names)."""
+    return f"{'they are' if several else 'it is'} removed in kvstore {REMOVED_IN}"
+
+
+def deprecated(what: str, instead: str) -> str:
+    """The one wording of a deprecation warning: what is deprecated, what to do instead, and the
+    release that removes it (``"X is deprecated: use Y; it is removed in kvstore 0.2.0"``)."""
+    return f"{what} is deprecated: {instead}; {removal_note()}"
 
 
 class MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):

@@ -21,6 +21,7 @@ from kvstore.config import (
     unknown_env_vars,
 )
 from kvstore.config.meta import KINDS, SettingMeta, setting
+from kvstore.deprecation import REMOVED_IN
 from kvstore.errors import ConfigError
 
 # The machine-dependent defaults, pinned: nothing here depends on this machine.
@@ -64,7 +65,7 @@ def test_an_old_variable_still_sets_the_new_setting_with_one_warning(
     assert value_of(config, new) == value
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == [
-        f"{env_var(old)} is deprecated and will be removed in the next release; use {env_var(new)}"
+        f"{env_var(old)} is deprecated: use {env_var(new)}; it is removed in kvstore {REMOVED_IN}"
     ]
 
 
@@ -79,10 +80,10 @@ def test_an_old_key_in_the_file_still_works_and_the_warning_names_the_new_one(
     assert config.auth.operator_identities == {"ops"}
     warnings = sorted(r.getMessage() for r in caplog.records)
     assert warnings == [
-        f"[server] operators in {path} is deprecated and will be removed in the next release; "
-        "use [auth] operators",
-        f"[server] shm_socket in {path} is deprecated and will be removed in the next release; "
-        "use [shm] socket",
+        f"[server] operators in {path} is deprecated: use [auth] operators; "
+        f"it is removed in kvstore {REMOVED_IN}",
+        f"[server] shm_socket in {path} is deprecated: use [shm] socket; "
+        f"it is removed in kvstore {REMOVED_IN}",
     ]
 
 

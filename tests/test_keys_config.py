@@ -8,6 +8,7 @@ import logging
 import pytest
 
 from kvstore.config import load_config
+from kvstore.deprecation import REMOVED_IN
 from kvstore.errors import ConfigError
 from kvstore.key_scheme import secret_fingerprint
 from kvstore.keys import Namespace
@@ -73,6 +74,7 @@ def test_old_engine_settings_are_aliases_with_one_warning_line(
         ("engine_hash_algorithm", "hash_algorithm"),
     ):
         assert f"cluster.{old} (set keys.{new} instead)" in lines[0]
+    assert lines[0].endswith(f"; they are removed in kvstore {REMOVED_IN}")
 
 
 def test_a_keys_setting_wins_over_its_old_alias(caplog: pytest.LogCaptureFixture) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvstore.config.meta import setting
+from kvstore.deprecation import deprecated
 from kvstore.errors import ConfigError
 
 # The Namespace JSON codec lives with the key scheme; offered here too, where it used to be.
@@ -14,6 +15,7 @@ from kvstore.key_scheme import HASH_ALGORITHMS, namespace_from_json, namespace_t
 
 __all__ = [
     "ENGINE_EVENT_SCHEMES",
+    "PEER_TOKEN_DEPRECATED",
     "PEER_TRANSPORTS",
     "SHARED_DATA",
     "ClusterConfig",
@@ -26,6 +28,12 @@ __all__ = [
 SHARED_DATA = ("redis", "peers", "both")
 #: How a node reads its peers' blocks: UCX where offered (else gRPC), only UCX, only gRPC.
 PEER_TRANSPORTS = ("auto", "ucx", "grpc")
+#: The warning a node logs at start where ``cluster.peer_token`` is set.
+PEER_TOKEN_DEPRECATED = deprecated(
+    "cluster.peer_token",
+    "it is no longer sent to any node (nodes prove themselves to each other with keys derived "
+    "from the integrity secrets); remove it",
+)
 #: Endpoints ``cluster.engine_events`` may name (those of vLLM's ZMQ publisher).
 ENGINE_EVENT_SCHEMES = ("tcp://", "ipc://")
 

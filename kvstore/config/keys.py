@@ -19,6 +19,7 @@ from typing import Any, cast
 
 from kvstore.config.cluster import ClusterConfig
 from kvstore.config.meta import setting
+from kvstore.deprecation import removal_note
 from kvstore.errors import ConfigError
 from kvstore.key_scheme import (
     DEFAULT_CHUNK_SIZE,
@@ -115,5 +116,5 @@ def with_aliases(keys: KeysConfig, cluster: ClusterConfig) -> KeysConfig:
         if getattr(keys, new) == getattr(defaults, new):
             changes[new] = value
     if used:
-        logger.warning("deprecated settings: %s", "; ".join(used))
+        logger.warning("deprecated settings: %s; %s", "; ".join(used), removal_note(several=True))
     return dataclasses.replace(keys, **changes) if changes else keys

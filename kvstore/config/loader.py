@@ -58,6 +58,7 @@ from kvstore.config.store import (
     RedisConfig,
 )
 from kvstore.config.tenants import TenantConfig, tenant_tables
+from kvstore.deprecation import deprecated
 from kvstore.errors import ConfigError
 from kvstore.key_scheme import hash_secret
 
@@ -264,6 +265,7 @@ def load_config(
     known = setting_names()
     for variable, setting in _LEGACY_FLAGS.items():
         if variable in env:
+            logger.warning("%s", deprecated(variable, f"set {env_var(setting)} instead"))
             merged[setting] = bool(env[variable])
     from_env = {s: env[env_var(s)] for s in [*deprecated_names(), *known] if env_var(s) in env}
     _merge(merged, origins, from_env, "", _deprecated_variable)
@@ -307,10 +309,8 @@ def _merge(
     aliases = deprecated_names()
     for setting, value in layer.items():
         if setting in aliases:
-            logger.warning(
-                "%s is deprecated and will be removed in the next release; use %s",
-                *renamed(setting, aliases[setting]),
-            )
+            old, new = renamed(setting, aliases[setting])
+            logger.warning("%s", deprecated(old, f"use {new}"))
             if aliases[setting] in layer:
                 continue
         name = aliases.get(setting, setting)

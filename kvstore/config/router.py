@@ -6,9 +6,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvstore.config.meta import setting
+from kvstore.deprecation import deprecated
 from kvstore.errors import ConfigError
 
-__all__ = ["RouterConfig"]
+__all__ = ["ROUTER_KEYS_DEPRECATED", "RouterConfig"]
+
+#: How the router's warning names the deprecated settings it falls back to.
+ROUTER_KEYS_DEPRECATED = deprecated(
+    "router.namespace/router.chunk_size/router.hash_algorithm",
+    "set keys.* on the nodes instead, which publish the scheme the router reads",
+)
 
 # The same tuple as kvstore.router.scoring.POLICIES (this leaf module imports nothing above it).
 _POLICIES = ("kv", "round_robin", "least_loaded")

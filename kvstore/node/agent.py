@@ -18,6 +18,7 @@ from kvstore.cluster.index import ClusterIndex
 from kvstore.cluster.layout import Client, Layout, connect
 from kvstore.cluster.records import NodeInfo
 from kvstore.config import Config
+from kvstore.config.cluster import PEER_TOKEN_DEPRECATED
 from kvstore.errors import ConfigError
 from kvstore.key_scheme import KeyScheme
 from kvstore.node.engine_chunks import EngineChunks, LocalPublisher
@@ -138,10 +139,7 @@ async def start_cluster(
     peers: dict[str, tuple[TieredStore, PeerSource]] = {}
     if settings.shared_data in ("peers", "both"):
         if settings.peer_token:
-            logger.warning(
-                "cluster.peer_token is deprecated and no longer sent to any node: nodes prove "
-                "themselves to each other with keys derived from the integrity secrets; remove it"
-            )
+            logger.warning("%s", PEER_TOKEN_DEPRECATED)
         for tenant, store in stores.items():
             source = PeerSource(
                 ClusterIndex(client, layout.for_tenant(tenant), keyring),

@@ -38,6 +38,7 @@ from collections.abc import Callable, Collection, Mapping
 
 from kvstore.cluster.index import ClusterIndex
 from kvstore.cluster.layout import REDIS_ERRORS
+from kvstore.config.router import ROUTER_KEYS_DEPRECATED
 from kvstore.errors import ConfigError
 from kvstore.key_scheme import KeyScheme
 from kvstore.router.keys import RouterKeys
@@ -122,9 +123,8 @@ class FleetKeys:
             if self.fallback is not None and not self._warned_fallback:
                 self._warned_fallback = True
                 logger.warning(
-                    "no node publishes a key scheme yet: naming chunks by the deprecated "
-                    "router.namespace/router.chunk_size/router.hash_algorithm (set keys.* on "
-                    "the nodes instead)"
+                    "no node publishes a key scheme yet: naming chunks by the old settings; %s",
+                    ROUTER_KEYS_DEPRECATED,
                 )
             return self.fallback
         if len(self._keys) == 1:

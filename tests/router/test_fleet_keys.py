@@ -9,6 +9,7 @@ import logging
 
 import pytest
 
+from kvstore.deprecation import REMOVED_IN
 from kvstore.key_scheme import KeyScheme
 from kvstore.keys import Namespace
 from kvstore.router.fleet_keys import FleetKeys, agreed_schemes
@@ -81,7 +82,11 @@ async def test_the_old_settings_are_a_fallback_warned_once(
     old = RouterKeys(Namespace(model="m1"), 32, "s")
     keys = fleet(fallback=old)
     assert keys.keys_for("m1") is old and keys.keys_for("m1") is old
-    assert caplog.text.count("deprecated router.namespace") == 1
+    assert (
+        caplog.text.count("router.namespace/router.chunk_size/router.hash_algorithm is deprecated")
+        == 1
+    )
+    assert f"removed in kvstore {REMOVED_IN}" in caplog.text
     keys._update({"a": [M1]})
     new = keys.keys_for("m1")
     assert new is not None and new.chunk_size == 128
