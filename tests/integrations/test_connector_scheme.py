@@ -101,7 +101,7 @@ def test_both_halves_take_the_stores_chunk_size_and_algorithm_when_the_config_se
         worker = WorkerSide(_unpinned(), _vllm_config(), _kv_cache_config(), client=store)  # type: ignore[arg-type]
     try:
         assert (side._settings.chunk_size, side._settings.hash_algorithm) == (64, "sha256")
-        assert (side._blocks_per_chunk, worker._blocks_per_chunk) == (4, 4)
+        assert (side.layout.blocks_per_chunk(0), worker._blocks_per_chunk) == (4, 4)
         # Declared: the engine's base namespace and the fingerprint of its (empty) secret.
         namespace, check = store.asked[0]
         assert namespace == side._base and check == secret_fingerprint("")

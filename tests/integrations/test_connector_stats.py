@@ -48,6 +48,9 @@ def test_take_returns_what_was_recorded_once_then_nothing() -> None:
     counters.record_save_failed("backlog_full", 256)
     counters.record_declined(0)
     counters.record_declined(128)
+    counters.record_group_bytes("sliding/1", 4096)
+    counters.record_group_bytes("sliding/1", 0)
+    counters.record_unsupported(["state"])
     data = counters.take()
     assert data == {
         "lookup_tokens": 512,
@@ -58,6 +61,8 @@ def test_take_returns_what_was_recorded_once_then_nothing() -> None:
         "load_failed_tokens": {"missing": 256},
         "save_failed_tokens": {"backlog_full": 256},
         "loaded_tokens_by_path": {"shm-dma": 256},
+        "loaded_bytes_by_group": {"sliding/1": 4096},
+        "unsupported_group_requests": {"state": 1},
         "lookup_seconds": [0.002],
         "load_seconds": [0.01],
     }

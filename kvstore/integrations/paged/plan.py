@@ -33,23 +33,27 @@ class LoadSpec:
     """Load chunks ``keys`` of one request into its blocks.
 
     ``block_ids[i * blocks_per_chunk + j]`` receives block ``j`` of chunk ``i``, or nothing where
-    it is ``-1`` (blocks the engine already holds from its own prefix cache).
+    it is ``-1`` (blocks the engine already holds from its own prefix cache, and placeholder
+    blocks such as vLLM's null block). ``group`` is the KV cache group the blocks belong to
+    (:mod:`kvstore.integrations.paged.groups`).
     """
 
     req_id: str
     keys: list[bytes]
     block_ids: list[int]
+    group: int = 0
 
 
 @dataclass(slots=True)
 class SaveSpec:
     """Store chunks ``keys`` of one request, read from ``block_ids`` (all blocks of each chunk),
-    with the request's ``retention``."""
+    with the request's ``retention``, in KV cache group ``group``."""
 
     req_id: str
     keys: list[bytes]
     block_ids: list[int]
     retention: Retention = KEEP
+    group: int = 0
 
 
 def load_targets(

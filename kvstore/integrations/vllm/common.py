@@ -27,6 +27,7 @@ from kvstore.errors import (
     ConfigError,
 )
 from kvstore.integrations.breaker import Breaker, warm_up
+from kvstore.integrations.paged.groups import GroupSpec, groups_fingerprint
 from kvstore.integrations.paged.plan import LoadSpec, SaveSpec
 from kvstore.key_scheme import DEFAULT_CHUNK_SIZE
 from kvstore.keys import ChunkHasher, HashAlgorithm, Namespace
@@ -44,6 +45,7 @@ __all__ = [
     "LoadSpec",
     "SaveSpec",
     "StepPlan",
+    "engine_groups",
     "engine_shape",
     "make_hasher",
     "rank_keys",
@@ -202,6 +204,9 @@ class EngineShape:
     tp_size: int
     pp_rank: int
     pp_size: int
+    #: :func:`~kvstore.integrations.paged.groups.groups_fingerprint` of a hybrid engine's
+    #: groups ("" for one group: its namespace is the one engines had before groups).
+    groups: str = ""
 
 
 def check_whole_blocks(chunk_size: int, block_size: int, what: str = "chunk_size") -> None:
@@ -218,36 +223,89 @@ def blocks_per_chunk(settings: ConnectorSettings, shape: EngineShape) -> int:
     return settings.chunk_size // shape.block_size
 
 
-def engine_shape(
-    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, pp_rank: int
-) -> EngineShape:
-    """Describe the engine's KV cache from its configuration (the same on both halves).
+def engine_groups(kv_cache_config: KVCacheConfig) -> list[GroupSpec]:
+    """The engine's KV cache groups, each a :class:`~kvstore.integrations.paged.groups.GroupSpec`.
 
-    Raises:
-        ConfigError: for caches this connector cannot store safely (several cache groups, as
-            hybrid models have, or a non-attention spec).
+    The kind is read from the spec's type (duck-typed: vLLM is not imported): ``SlidingWindow*``
+    is ``sliding`` (window: ``sliding_window`` plus any ``extra_retained_tokens`` vLLM keeps),
+    ``ChunkedLocalAttentionSpec`` ``local``, ``MambaSpec`` ``state``, ``UniformTypeKVCacheSpecs``
+    (layers of several page sizes in one group) ``mixed``; any other spec with attention's
+    fields is ``full`` (with the hybrid manager off vLLM makes every layer full attention), and
+    the rest (cross or encoder-only attention, draft-model and non-transferable groups)
+    ``other``.
+    """
+    groups = []
+    for index, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec: Any = group.kv_cache_spec
+        kind, window = _group_kind(group, spec)
+        try:
+            page = int(spec.page_size_bytes)
+        except Exception:  # a duck-typed stand-in without it: the fields below still name it
+            page = 0
+        detail = "/".join(
+            f"{name}={getattr(spec, name)}"
+            for name in ("num_kv_heads", "head_size", "head_size_v", "dtype", "shapes", "dtypes")
+            if hasattr(spec, name)
+        )
+        groups.append(
+            GroupSpec(
+                index=index,
+                kind=kind,
+                block_size=int(spec.block_size),
+                window=window,
+                layers=tuple(group.layer_names),
+                page_bytes=page,
+                detail=f"{type(spec).__name__}/{detail}",
+            )
+        )
+    return groups
+
+
+def _group_kind(group: Any, spec: Any) -> tuple[str, int]:
+    name = type(spec).__name__
+    if getattr(group, "is_eagle_group", False) or not getattr(group, "enable_kv_transfer", True):
+        return "other", 0
+    if hasattr(spec, "kv_cache_specs"):
+        return "mixed", 0
+    if name.startswith("Mamba") or hasattr(spec, "shapes"):
+        return "state", 0
+    if name.startswith("SlidingWindow"):
+        extra = int(getattr(spec, "extra_retained_tokens", 0) or 0)
+        return "sliding", int(spec.sliding_window) + extra
+    if name == "ChunkedLocalAttentionSpec":
+        return "local", int(spec.attention_chunk_size)
+    if name in ("CrossAttentionSpec", "EncoderOnlyAttentionSpec"):
+        return "other", 0
+    if all(hasattr(spec, f) for f in ("num_kv_heads", "head_size", "dtype", "block_size")):
+        return "full", 0
+    return "other", 0
+
+
+def engine_shape(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, pp_rank: int, group: int = 0
+) -> EngineShape:
+    """Describe group ``group`` of the engine's KV cache (the same on both halves).
+
+    ``num_layers`` counts every group's layers. A group without attention's fields (recurrent
+    state) gets 0 heads and head size: such an engine's connector stores nothing.
     """
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ConfigError(
-            f"KVStoreConnector supports one KV cache group, this model has {len(groups)}"
-        )
-    # Only attention specs have these fields; checked below, as the base type lacks them.
-    spec: Any = groups[0].kv_cache_spec
-    for name in ("num_kv_heads", "head_size", "dtype", "block_size"):
-        if not hasattr(spec, name):
-            raise ConfigError(f"KVStoreConnector needs an attention KV cache, got {spec!r}")
+    # Only attention specs have these fields; the base type lacks them.
+    spec: Any = groups[group].kv_cache_spec
     parallel = vllm_config.parallel_config
+    attention = all(hasattr(spec, f) for f in ("num_kv_heads", "head_size", "dtype"))
+    dtypes = getattr(spec, "dtypes", None) or ("unknown",)
     return EngineShape(
         block_size=int(spec.block_size),
-        num_layers=len(groups[0].layer_names),
-        num_kv_heads=int(spec.num_kv_heads),
-        head_size=int(spec.head_size),
-        dtype=str(spec.dtype).removeprefix("torch."),
-        layout=_cache_layout(vllm_config, spec),
+        num_layers=sum(len(g.layer_names) for g in groups),
+        num_kv_heads=int(spec.num_kv_heads) if attention else 0,
+        head_size=int(spec.head_size) if attention else 0,
+        dtype=str(spec.dtype if attention else dtypes[0]).removeprefix("torch."),
+        layout=_cache_layout(vllm_config, spec) if attention else "state",
         tp_size=int(parallel.tensor_parallel_size),
         pp_rank=pp_rank,
         pp_size=int(parallel.pipeline_parallel_size),
+        groups=groups_fingerprint(engine_groups(kv_cache_config)) if len(groups) > 1 else "",
     )
 
 
@@ -290,7 +348,8 @@ def base_namespace(
         head_size=shape.head_size,
         dtype=shape.dtype,
         # Pipeline stages hold different layers; naming the stage keeps them apart.
-        cache_layout=f"{shape.layout}/pp{shape.pp_rank}of{shape.pp_size}",
+        cache_layout=f"{shape.layout}/pp{shape.pp_rank}of{shape.pp_size}"
+        + (f"/groups-{shape.groups}" if shape.groups else ""),
         tp_rank=tp_rank,
         tp_size=shape.tp_size,
         tenant=settings.tenant,

@@ -49,12 +49,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from kvstore.integrations.vllm.common import ConnectorSettings, StepPlan
 from kvstore.integrations.vllm.metrics import KVStoreConnectorStats, KVStorePromMetrics
 from kvstore.integrations.vllm.scheduler import SchedulerSide
-from kvstore.integrations.vllm.worker import WorkerSide
+from kvstore.integrations.vllm.workers import GroupWorkers
 
 if TYPE_CHECKING:
     import torch
@@ -112,12 +114,18 @@ class KVStoreConnectorMetadata(StepPlan, KVConnectorMetadata):  # type: ignore[m
         )
 
 
-class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
+class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unused-ignore]
     """A ``KVConnectorBase_V1`` that shares prompt KV between engines through kvstore.
 
     vLLM creates one per process: the scheduler's instance delegates to a
     :class:`~kvstore.integrations.vllm.scheduler.SchedulerSide`, each worker's to a
-    :class:`~kvstore.integrations.vllm.worker.WorkerSide`.
+    :class:`~kvstore.integrations.vllm.workers.GroupWorkers` (one
+    :class:`~kvstore.integrations.vllm.worker.WorkerSide` per KV cache group).
+
+    It supports vLLM's hybrid KV cache manager (``SupportsHMA``), so vLLM keeps it on with
+    kvstore configured: every KV cache group's blocks are planned with that group's hit rule
+    (:mod:`kvstore.integrations.vllm.hybrid`), and a model with a group kvstore does not store
+    (recurrent state) runs with nothing loaded or saved.
     """
 
     def __init__(
@@ -131,7 +139,7 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
         transfer = self._kv_transfer_config
         settings = ConnectorSettings.from_extra_config(dict(transfer.kv_connector_extra_config))
         self._scheduler: SchedulerSide | None = None
-        self._worker: WorkerSide | None = None
+        self._worker: GroupWorkers | None = None
         if role == KVConnectorRole.SCHEDULER:
             if getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
                 logger.warning(
@@ -141,7 +149,7 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
                 )
             self._scheduler = SchedulerSide(settings, vllm_config, kv_cache_config)
         else:
-            self._worker = WorkerSide(settings, vllm_config, kv_cache_config)
+            self._worker = GroupWorkers(settings, vllm_config, kv_cache_config)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -153,7 +161,7 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
             raise RuntimeError("scheduler-side call on a worker-side KVStoreConnector")
         return self._scheduler
 
-    def _worker_side(self) -> WorkerSide:
+    def _worker_side(self) -> GroupWorkers:
         if self._worker is None:
             raise RuntimeError("worker-side call on a scheduler-side KVStoreConnector")
         return self._worker
@@ -193,6 +201,12 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         """Whether the request's blocks must stay until a save has read them."""
+        return self._scheduler_side().request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """:meth:`request_finished` with every group's blocks (the hybrid manager calls this)."""
         return self._scheduler_side().request_finished(request, block_ids)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -242,8 +256,18 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
         self._worker_side().wait_for_save(self._meta())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Finished requests whose blocks no pending save reads any more."""
+        """Finished requests whose blocks no pending save reads any more, and finished loads."""
         return self._worker_side().get_finished(finished_req_ids)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """:meth:`get_finished`, and the requests whose load failed (several KV cache groups:
+        vLLM recomputes them; one group reports blocks instead)."""
+        results = self._worker_side().get_transfer_results(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=results.finished_sending,
+            finished_recving=results.finished_recving,
+            failed_recving=results.failed_recving,
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed this step, for vLLM to recompute."""

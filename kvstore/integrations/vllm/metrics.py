@@ -15,6 +15,10 @@ vLLM's own (``model_name``, ``engine``):
   ``shm-dma`` straight from the arena, ``shm-staged`` through host staging)
 - ``vllm:kvstore_load_failed_tokens_total{reason}``
 - ``vllm:kvstore_saved_tokens_total``, ``vllm:kvstore_save_failed_tokens_total{reason}``
+- ``vllm:kvstore_loaded_bytes_by_group_total{group}`` (bytes loaded into each KV cache group,
+  ``kind/index``: a sliding-window group loads only its window)
+- ``vllm:kvstore_unsupported_group_total{kind}`` (requests answered 0 tokens because the model
+  has a KV cache group of a kind kvstore does not store, such as recurrent ``state``)
 - ``vllm:kvstore_lookup_seconds``, ``vllm:kvstore_load_seconds`` (histograms)
 
 The figures themselves are kept and summed by :mod:`kvstore.integrations.vllm.stats`.
@@ -53,8 +57,23 @@ _BY_REASON = {
     "load_failed_tokens": "Prompt tokens planned for loading from kvstore that failed, by reason.",
     "save_failed_tokens": "Prompt tokens planned for saving to kvstore that never got there.",
 }
-_BY_PATH = {
-    "loaded_tokens_by_path": "Prompt tokens loaded from kvstore, by the path they took.",
+# data field -> (series name, label, help)
+_LABELLED = {
+    "loaded_tokens_by_path": (
+        "loaded_tokens_by_path",
+        "path",
+        "Prompt tokens loaded from kvstore, by the path they took.",
+    ),
+    "loaded_bytes_by_group": (
+        "loaded_bytes_by_group",
+        "group",
+        "Bytes loaded from kvstore into each KV cache group (kind/index).",
+    ),
+    "unsupported_group_requests": (
+        "unsupported_group",
+        "kind",
+        "Requests answered 0 tokens for a KV cache group kind kvstore does not store.",
+    ),
 }
 _HISTOGRAMS = {
     "lookup_seconds": "Latency of the kvstore connector's lookups.",
@@ -116,10 +135,10 @@ class KVStorePromMetrics(KVConnectorPromMetrics):  # type: ignore[misc, unused-i
             for name, doc in _BY_REASON.items()
         }
         self._by_path: dict[str, Any] = {
-            name: self._counter_cls(
-                name=f"vllm:kvstore_{name}", documentation=doc, labelnames=[*labelnames, "path"]
+            field: self._counter_cls(
+                name=f"vllm:kvstore_{name}", documentation=doc, labelnames=[*labelnames, label]
             )
-            for name, doc in _BY_PATH.items()
+            for field, (name, label, doc) in _LABELLED.items()
         }
         self._histograms: dict[str, dict[int, Any]] = {
             name: create_metric_per_engine(

@@ -26,6 +26,7 @@ many leading chunks or ``handoff_wait_s`` has passed, then loads what is there.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -37,27 +38,27 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore.client.cost_model import context_scale, prefill_work
 from kvstore.errors import (
-    ConfigError,
     DeadlineExceededError,
     KVStoreError,
     StoreUnavailableError,
 )
-from kvstore.integrations.paged.plan import load_targets
+from kvstore.integrations.paged.groups import anchor_group
 from kvstore.integrations.store_client import StoreClient
 from kvstore.integrations.vllm.common import (
     Breaker,
     ConnectorSettings,
     LoadSpec,
-    SaveSpec,
     StepPlan,
     base_namespace,
-    blocks_per_chunk,
+    engine_groups,
     engine_shape,
     make_hasher,
     warm_up,
 )
 from kvstore.integrations.vllm.cost import LoadDecider, hidden_size, token_bytes
+from kvstore.integrations.vllm.hybrid import GroupLayout, null_block_id, scheme_block_size
 from kvstore.integrations.vllm.retention import request_retention
+from kvstore.integrations.vllm.roles import HANDOFF_KEY, KV_ROLES, _handoff_chunks, kv_role
 from kvstore.integrations.vllm.scheme import open_scheme
 from kvstore.integrations.vllm.stats import ConnectorCounters
 from kvstore.key_scheme import namespace_to_json
@@ -87,39 +88,13 @@ _RECENT_SAVE_MAX = 1 << 16
 # While a hand-off waits for the producer's chunks, the store is asked again this often.
 _HANDOFF_RETRY_S = 0.01
 
-#: ``kv_transfer_config.kv_role`` values the connector takes.
-KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
-#: The ``kv_transfer_params`` key of a producer's output (and of the decode request that carries
-#: it on): the request's leading whole prompt chunks that are stored or being stored.
-HANDOFF_KEY = "kvstore_saved_chunks"
-
-
-def kv_role(vllm_config: Any) -> str:
-    """The engine's ``kv_role``; none set (no transfer config) is ``kv_both``."""
-    role = getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_role", None)
-    if role is None:
-        return "kv_both"
-    if role not in KV_ROLES:
-        raise ConfigError(
-            f"kv_transfer_config.kv_role: cannot use {role!r}: one of {', '.join(KV_ROLES)}"
-        )
-    return str(role)
-
-
-def _handoff_chunks(request: Any) -> int:
-    """The producer's saved-chunk count a request carries (0: none, or not a count)."""
-    params = getattr(request, "kv_transfer_params", None)
-    value = params.get(HANDOFF_KEY) if isinstance(params, dict) else None
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return value
-    return 0
-
 
 @dataclass(slots=True)
 class _RequestState:
     """What the scheduler half knows about one request."""
 
     keys: list[bytes]  # every full prompt chunk
+    group_keys: list[list[bytes]]  # each KV cache group's keys of them
     loadable: int  # chunks that may be loaded: at least one prompt token is always computed
     future: Future[int] | None = None
     deadline: float = 0.0
@@ -150,17 +125,19 @@ class SchedulerSide:
         self.role = kv_role(vllm_config)
         self._loads = self.role != "kv_producer"
         self._saves = self.role != "kv_consumer"
-        shape = engine_shape(vllm_config, kv_cache_config, pp_rank=0)
-        self._block_size = shape.block_size
+        groups = engine_groups(kv_cache_config)
+        shape = engine_shape(vllm_config, kv_cache_config, 0, anchor_group(groups))
         # Lookups use rank 0's keys: every rank saves the same chunks, and a rank whose own
         # chunk is missing reports a failed load, which vLLM recomputes.
         self._base = base_namespace(vllm_config, shape, settings, tp_rank=0)
         self._client = settings.open_client(self._base) if client is None else client
         self._breaker = Breaker(settings.retry_after_s, reconnected=self._client.when_reconnected)
         # The chunk size and hash algorithm are the store's (vllm_scheme).
-        self.scheme = open_scheme(settings, self._client, self._base, shape, self._breaker)
+        scheme_shape = dataclasses.replace(shape, block_size=scheme_block_size(groups))
+        self.scheme = open_scheme(settings, self._client, self._base, scheme_shape, self._breaker)
         self._settings = settings = self.scheme.settings
-        self._blocks_per_chunk = blocks_per_chunk(settings, shape)
+        #: The engine's KV cache groups and their hit rules (kvstore.integrations.vllm.hybrid).
+        self.layout = GroupLayout(groups, settings.chunk_size)
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvstore-lookup")
         # A lookup that outlives its (short) deadline stops lookups only: a loaded store is not
         # a dead one, and saves, with deadlines of their own, still reach it.
@@ -206,6 +183,11 @@ class SchedulerSide:
     ) -> tuple[int | None, bool]:
         """Tokens beyond ``num_computed_tokens`` the store can supply; ``None`` = not known yet."""
         state = self._state(request)  # a producer still needs it: saves are planned from it
+        if not self.layout.active:
+            if state.keys:
+                self.counters.record_unsupported(self.layout.unsupported)
+                state.keys = []  # counted once; nothing of it is looked up or saved
+            return 0, False
         if state.loadable == 0 or not self._loads:
             return 0, False
         if self.decider.rates_due(time.monotonic()):
@@ -217,7 +199,9 @@ class SchedulerSide:
         if hit_tokens <= num_computed_tokens:
             return 0, False
         state.load_from = num_computed_tokens
-        return hit_tokens - num_computed_tokens, False
+        # A hybrid engine's loads are asynchronous: vLLM cannot map a block id that failed to
+        # load back to a request when ids are per group, only a failed request (worker half).
+        return hit_tokens - num_computed_tokens, self.layout.hybrid
 
     def _planned(
         self, request: Request, state: _RequestState, hits: int, num_computed_tokens: int
@@ -265,6 +249,7 @@ class SchedulerSide:
             chunk = self._settings.chunk_size
             state = _RequestState(
                 keys=keys,
+                group_keys=self.layout.keys(keys),
                 loadable=min(len(keys), max(prompt_len - 1, 0) // chunk),
                 prompt_len=prompt_len,
                 expect=_handoff_chunks(request) if self._loads else 0,
@@ -307,7 +292,7 @@ class SchedulerSide:
                 self.counters.record_lookup(state.loadable * self._settings.chunk_size, 0, None)
                 return 0
             timeout = self._settings.lookup_timeout_s
-            keys = state.keys[: state.loadable]
+            keys = self.layout.lookup_keys(state.group_keys, state.loadable)
             state.future = self._pool.submit(self._lookup, state, keys, timeout)
             # The RPC's own deadline normally ends it; this covers a call stuck before it.
             state.deadline = time.monotonic() + 2 * timeout
@@ -361,8 +346,8 @@ class SchedulerSide:
     def _lookup(self, state: _RequestState, keys: list[bytes], timeout: float) -> int:
         started = time.perf_counter()
         answer = self._client.lookup_tiers(keys, timeout=timeout)
-        hits = answer.hits
-        state.tiers = list(answer.tiers[:hits])  # read once the future is done
+        hits, tiers = self.layout.hit(answer, state.loadable)
+        state.tiers = tiers  # read once the future is done
         seconds = time.perf_counter() - started
         self.counters.record_lookup_latency(seconds)
         logger.debug(
@@ -381,17 +366,16 @@ class SchedulerSide:
         state = self._requests.get(request.request_id)
         if state is None:  # vLLM asked another connector; nothing of ours to load
             return
-        (block_ids,) = blocks.get_block_ids()
-        chunks, targets = load_targets(
-            block_ids,
-            state.load_from,
-            state.load_from + num_external_tokens,
-            self._settings.chunk_size,
-            self._block_size,
-            self._blocks_per_chunk,
+        self._pending_loads.extend(
+            self.layout.load_specs(
+                request.request_id,
+                state.group_keys,
+                blocks.get_block_ids(),
+                state.load_from,
+                state.load_from + num_external_tokens,
+                null_block_id(self._kv_cache_manager),
+            )
         )
-        keys = state.keys[chunks.start : chunks.stop]
-        self._pending_loads.append(LoadSpec(request.request_id, keys, targets))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StepPlan:
         """This step's loads (recorded since the last call) and saves; resets the loads."""
@@ -444,12 +428,9 @@ class SchedulerSide:
         ready = min(ready, len(state.keys))
         if ready <= state.saved:
             return
-        (block_ids,) = self._kv_cache_manager.get_block_ids(req_id)
-        if len(block_ids) < ready * self._blocks_per_chunk:
-            return  # cannot happen for computed tokens; never save from blocks we lack
-        keys: list[bytes] = []
-        ids: list[int] = []
-        bpc = self._blocks_per_chunk
+        # The block table as it is now: blocks a sliding window dropped (null) are not saved.
+        block_ids = self._kv_cache_manager.get_block_ids(req_id)
+        chunks: list[int] = []
         for index in range(state.saved, ready):
             key = state.keys[index]
             # A retained request puts again what another just saved: the store retains it then.
@@ -457,11 +438,18 @@ class SchedulerSide:
             if recent and state.retention.is_default:
                 continue
             self._remember_save(key, now)
-            keys.append(key)
-            ids.extend(block_ids[index * bpc : (index + 1) * bpc])
+            chunks.append(index)
         state.saved = ready
-        if keys:
-            meta.saves.append(SaveSpec(req_id, keys, ids, state.retention))
+        specs = self.layout.save_specs(
+            req_id,
+            state.group_keys,
+            block_ids,
+            chunks,
+            state.retention,
+            null_block_id(self._kv_cache_manager),
+        )
+        if specs:
+            meta.saves.extend(specs)
             state.has_saves = True
 
     def _remember_save(self, key: bytes, now: float) -> None:
@@ -471,7 +459,7 @@ class SchedulerSide:
             self._recent_saves.popitem(last=False)
 
     def request_finished(
-        self, request: Request, block_ids: list[int]
+        self, request: Request, block_ids: object
     ) -> tuple[bool, dict[str, Any] | None]:
         """True while the workers may still read this request's blocks for a save; a
         producer's output also says how many leading chunks it stored (:data:`HANDOFF_KEY`)."""

@@ -29,6 +29,13 @@ A snapshot is a plain dict (vLLM serialises it between processes) of these field
 ``save_failed_tokens``
     ``{reason: tokens}`` planned for saving that never reached kvstore (see
     :data:`SAVE_FAILURES`);
+``loaded_bytes_by_group``
+    ``{kind/index: bytes}`` loaded into each KV cache group (``full/0``, ``sliding/1``, ...):
+    a sliding-window group loads only its window's chunks
+    (:mod:`kvstore.integrations.paged.groups`);
+``unsupported_group_requests``
+    ``{kind: requests}`` answered 0 tokens because the model has a group of a kind kvstore does
+    not store (``state``, ``mixed``, ``other``; :mod:`kvstore.integrations.vllm.hybrid`);
 ``lookup_seconds``, ``load_seconds``
     the latency of each lookup and of each step's batched get.
 """
@@ -67,7 +74,13 @@ LOAD_FAILURES = (
 SAVE_FAILURES = ("backlog_full", "store_down", "unavailable", "deadline", "error")
 
 _COUNTS = ("lookup_tokens", "hit_tokens", "declined_tokens", "loaded_tokens", "saved_tokens")
-_BY_REASON = ("load_failed_tokens", "save_failed_tokens", "loaded_tokens_by_path")
+_BY_REASON = (
+    "load_failed_tokens",
+    "save_failed_tokens",
+    "loaded_tokens_by_path",
+    "loaded_bytes_by_group",
+    "unsupported_group_requests",
+)
 _LATENCIES = ("lookup_seconds", "load_seconds")
 
 
@@ -122,9 +135,12 @@ def summary(data: dict[str, Any]) -> dict[str, int | float]:
         ("loaded_tokens_by_path", "loaded"),
         ("load_failed_tokens", "load failed"),
         ("save_failed_tokens", "save failed"),
+        ("loaded_bytes_by_group", "loaded bytes"),
+        ("unsupported_group_requests", "unsupported group requests"),
     ):
         for reason, tokens in sorted((data.get(name) or {}).items()):
-            out[f"kvstore {label} tokens ({reason})"] = int(tokens)
+            unit = "" if label.endswith(("bytes", "requests")) else " tokens"
+            out[f"kvstore {label}{unit} ({reason})"] = int(tokens)
     out["kvstore avg lookup ms"] = _mean_ms(list(data.get("lookup_seconds") or ()))
     out["kvstore avg load ms"] = _mean_ms(list(data.get("load_seconds") or ()))
     return out
@@ -170,6 +186,16 @@ class ConnectorCounters:
             _add(self._data["load_failed_tokens"], failed)
             if seconds is not None:
                 self._data["load_seconds"].append(seconds)
+
+    def record_group_bytes(self, group: str, nbytes: int) -> None:
+        """``nbytes`` loaded into KV cache group ``group`` (its ``kind/index`` label)."""
+        with self._lock:
+            _add(self._data["loaded_bytes_by_group"], {group: nbytes})
+
+    def record_unsupported(self, kinds: list[str]) -> None:
+        """A request answered 0 tokens for the model's unsupported group ``kinds``."""
+        with self._lock:
+            _add(self._data["unsupported_group_requests"], dict.fromkeys(kinds, 1))
 
     def record_save(self, tokens: int) -> None:
         """``tokens`` stored into kvstore."""

@@ -26,6 +26,7 @@ this half without it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Sequence
@@ -38,7 +39,8 @@ from kvstore.client.cuda_runtime import CudaRuntimeUnavailable
 from kvstore.errors import ConfigError
 from kvstore.integrations.paged.device import Device
 from kvstore.integrations.paged.device_pipeline import LoadPipeline, StepLoad
-from kvstore.integrations.paged.kv_layout import CacheSpec, detect_layout
+from kvstore.integrations.paged.groups import anchor_group
+from kvstore.integrations.paged.kv_layout import detect_layout
 from kvstore.integrations.paged.plan import chunk_blocks, kernel_ids
 from kvstore.integrations.store_client import StoreClient
 from kvstore.integrations.vllm.common import (
@@ -48,14 +50,17 @@ from kvstore.integrations.vllm.common import (
     StepPlan,
     base_namespace,
     blocks_per_chunk,
+    engine_groups,
     engine_shape,
     rank_keys,
     warm_up,
 )
 from kvstore.integrations.vllm.fetch import ChunkFetcher
+from kvstore.integrations.vllm.hybrid import scheme_block_size
 from kvstore.integrations.vllm.saves import SaveJob, SaveQueue
 from kvstore.integrations.vllm.scheme import open_scheme
 from kvstore.integrations.vllm.stats import ConnectorCounters
+from kvstore.integrations.vllm.worker_config import _backend_name, _cache_spec, _ranks
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -78,24 +83,33 @@ class WorkerSide:
         vllm_config: VllmConfig,
         kv_cache_config: KVCacheConfig,
         client: StoreClient | None = None,
+        group: int = 0,
     ) -> None:
-        """``client`` replaces the store client the worker would open (tests pass stand-ins)."""
+        """``client`` replaces the store client the worker would open (tests pass stand-ins);
+        ``group`` is the KV cache group whose layers this worker moves (see
+        :mod:`kvstore.integrations.vllm.workers` for an engine with several)."""
         tp_rank, pp_rank = _ranks(vllm_config)
-        shape = engine_shape(vllm_config, kv_cache_config, pp_rank=pp_rank)
+        groups = engine_groups(kv_cache_config)
+        self.group = groups[group]
+        shape = engine_shape(vllm_config, kv_cache_config, pp_rank, group)
         self._vllm_config = vllm_config
         self._num_blocks = int(kv_cache_config.num_blocks)
-        self._cache_spec = _cache_spec(vllm_config, kv_cache_config)
+        self._cache_spec = _cache_spec(vllm_config, kv_cache_config, group)
         self._max_model_len = int(getattr(vllm_config.model_config, "max_model_len", 0) or 0)
-        self._layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
+        self._layer_names = list(kv_cache_config.kv_cache_groups[group].layer_names)
         self._tp_rank, self._pp_rank = tp_rank, pp_rank
-        self._namespace = base_namespace(vllm_config, shape, settings, tp_rank=tp_rank)
+        # Every group stores under the engine's one namespace (the scheduler's): the anchor
+        # group's shape names it; each group's keys differ (kvstore.integrations.paged.groups).
+        anchor = engine_shape(vllm_config, kv_cache_config, pp_rank, anchor_group(groups))
+        self._namespace = base_namespace(vllm_config, anchor, settings, tp_rank=tp_rank)
         self._client = settings.open_client(self._namespace) if client is None else client
         self._breaker = Breaker(settings.retry_after_s, reconnected=self._client.when_reconnected)
         # The chunk size is the store's, asked here too (vllm_scheme): a worker starts before
         # its scheduler, and every step plan says the scheduler's, checked against it.
         side = f"worker tp{tp_rank} pp{pp_rank}"
+        scheme_shape = dataclasses.replace(shape, block_size=scheme_block_size(groups))
         self.scheme = open_scheme(
-            settings, self._client, self._namespace, shape, self._breaker, side
+            settings, self._client, self._namespace, scheme_shape, self._breaker, side
         )
         self._settings = settings = self.scheme.settings
         self._blocks_per_chunk = blocks_per_chunk(settings, shape)
@@ -121,6 +135,10 @@ class WorkerSide:
         self._fetch_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-load")
         self._load: StepLoad | None = None
         self._load_errors: set[int] = set()
+        self._failed_requests: set[str] = set()  # requests with a chunk that failed to load
+        # Requests with saves from a sliding or local group: vLLM frees such blocks while the
+        # request runs, so their gathers end before the next step's forward can write them.
+        self._windowed_saves: set[str] = set()
         # The loads' landing buffer, kept across steps: a fresh one would page-fault on every
         # byte the get writes, which costs about as much as the copy itself (and on CUDA,
         # page-locking is slower still).
@@ -288,6 +306,7 @@ class WorkerSide:
             for index in range(len(spec.keys)):
                 if not load.ok[chunk]:
                     self._load_errors.update(self._targets(spec, index))
+                    self._failed_requests.add(spec.req_id)
                 chunk += 1
         if not all(load.ok):
             logger.warning(
@@ -295,6 +314,10 @@ class WorkerSide:
                 load.ok.count(False),
                 len(load.ok),
             )
+
+    def _chunk_bytes_loaded(self, spec: LoadSpec, index: int) -> int:
+        per_block = self._chunk_nbytes() // max(1, self._blocks_per_chunk)
+        return len(self._targets(spec, index)) * per_block
 
     def _targets(self, spec: LoadSpec, index: int) -> list[int]:
         return [b for b in chunk_blocks(spec.block_ids, index, self._blocks_per_chunk) if b >= 0]
@@ -311,13 +334,14 @@ class WorkerSide:
         if skipped is not None or load.ok is None:
             self.counters.record_load(0, {skipped or "error": self._load_tokens(load.specs)}, None)
             return
-        loaded, failed = 0, 0
+        loaded, failed, nbytes = 0, 0, 0
         chunk = 0
         for spec in load.specs:
             for index in range(len(spec.keys)):
                 tokens = self._chunk_tokens(spec, index)
                 if load.ok[chunk]:
                     loaded += tokens
+                    nbytes += self._chunk_bytes_loaded(spec, index)
                 else:
                     failed += tokens
                 chunk += 1
@@ -325,6 +349,7 @@ class WorkerSide:
         path = load.path or self._client.data_plane
         seconds = load.fetch_s if asked else None
         self.counters.record_load(loaded, {load.reason: failed}, seconds, path)
+        self.counters.record_group_bytes(self.group.label, nbytes)
 
     def _end_load(self) -> None:
         """Close the step's load: anything the forward may have read unwritten is recomputed."""
@@ -387,8 +412,25 @@ class WorkerSide:
 
     def _fail_loads(self, specs: list[LoadSpec]) -> None:
         for spec in specs:
+            self._failed_requests.add(spec.req_id)
             for index in range(len(spec.keys)):
                 self._load_errors.update(self._targets(spec, index))
+
+    def take_failed_requests(self) -> set[str]:
+        """Requests with a chunk that failed to load since the last call (the form vLLM takes
+        load failures in for an engine with several KV cache groups)."""
+        failed, self._failed_requests = self._failed_requests, set()
+        return failed
+
+    @property
+    def client(self) -> StoreClient:
+        """The store client (the other groups' workers share it)."""
+        return self._client
+
+    @property
+    def layer_names(self) -> list[str]:
+        """The layers this worker moves, in the engine's order."""
+        return list(self._layer_names)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call (vLLM recomputes their tokens)."""
@@ -399,7 +441,8 @@ class WorkerSide:
 
     def handle_preemptions(self, meta: StepPlan) -> None:
         """Finish reading the blocks of preempted requests before vLLM reuses them."""
-        self._saves.wait_gathered(meta.preempted_req_ids, self._settings.timeout_s)
+        windowed, self._windowed_saves = self._windowed_saves, set()
+        self._saves.wait_gathered(meta.preempted_req_ids | windowed, self._settings.timeout_s)
 
     def wait_for_save(self, meta: StepPlan) -> None:
         """Queue this step's saves behind the forward pass's event; return at once."""
@@ -414,6 +457,8 @@ class WorkerSide:
                 self._saves.submit(
                     SaveJob(spec.req_id, self._keys(spec.keys), ids, forward_done, spec.retention)
                 )
+                if self.group.kind != "full":
+                    self._windowed_saves.add(spec.req_id)
         self._end_load()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
@@ -421,54 +466,13 @@ class WorkerSide:
         done = self._saves.finished(finished_req_ids)
         return (done or None), None
 
-    def shutdown(self) -> None:
-        """Let queued saves reach the store (bounded), then stop the threads and the client."""
+    def shutdown(self, close_client: bool = True) -> None:
+        """Let queued saves reach the store (bounded), then stop the threads and (unless
+        another group's worker still uses it) the client."""
         if self._saves.shutdown():
             logger.info("kvstore connector (worker) shut down; all queued saves sent")
         else:
             logger.warning("kvstore: saves still queued at shutdown were dropped")
         self._fetch_pool.shutdown(wait=False, cancel_futures=True)
-        self._client.close()
-
-
-def _cache_spec(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> CacheSpec:
-    """What the engine's configuration says one layer's cache holds (see ``kv_layout``)."""
-    spec: Any = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-    head_size = int(spec.head_size)
-    head_size_v = getattr(spec, "head_size_v", None)
-    return CacheSpec(
-        num_blocks=int(kv_cache_config.num_blocks),
-        block_size=int(spec.block_size),
-        # vLLM >= 0.2x may pack heads differently (num_head_slots); else one slot per KV head.
-        num_kv_heads=int(getattr(spec, "num_head_slots", None) or spec.num_kv_heads),
-        head_size=head_size,
-        head_size_v=head_size if head_size_v is None else int(head_size_v),
-        mla=bool(getattr(vllm_config.model_config, "use_mla", False)),
-    )
-
-
-def _backend_name(vllm_config: VllmConfig, layer_name: str) -> str | None:
-    """The attention backend of ``layer_name`` as vLLM names it, or ``None`` if not exposed."""
-    compilation = getattr(vllm_config, "compilation_config", None)
-    layers = getattr(compilation, "static_forward_context", None) or {}
-    layer = layers.get(layer_name)
-    get_backend = getattr(layer, "get_attn_backend", None)
-    if get_backend is None:
-        return None
-    try:
-        return str(get_backend().get_name())
-    except Exception as exc:  # only narrows what is accepted: a 4-D cache needs no name
-        logger.warning("cannot tell the attention backend of %s: %s", layer_name, exc)
-        return None
-
-
-def _ranks(vllm_config: VllmConfig) -> tuple[int, int]:
-    """This worker's tensor- and pipeline-parallel ranks."""
-    parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size == 1 and parallel.pipeline_parallel_size == 1:
-        return 0, 0
-    # With several ranks a wrong rank would make ranks share keys (silent corruption), so a
-    # failure here must stop the engine rather than fall back to 0.
-    from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
-
-    return int(get_tensor_model_parallel_rank()), int(get_pp_group().rank_in_group)
+        if close_client:
+            self._client.close()
