@@ -9,6 +9,7 @@ import json
 from dataclasses import dataclass
 
 from kvstore.errors import ConfigError
+from kvstore.formats import WRITE_FORMATS
 from kvstore.key_scheme import HASH_ALGORITHMS, PER_REQUEST_FIELDS
 from kvstore.keys import Namespace
 from kvstore.setting_meta import setting
@@ -190,7 +191,25 @@ class ClusterConfig:
         ),
     )
 
+    write_formats: str = setting(
+        "previous",
+        help=(
+            "`previous`: write node descriptions and index entries in the newest versions the "
+            "previous release reads, so that nodes not yet upgraded read them (a rolling upgrade);"
+            " `latest`: the newest versions, once every node runs this release (see "
+            "[docs/upgrades.md](docs/upgrades.md)). Either way every version of this and the "
+            "previous release is read"
+        ),
+        kind="choice",
+        choices=WRITE_FORMATS,
+    )
+
     def __post_init__(self) -> None:
+        if self.write_formats not in WRITE_FORMATS:
+            raise ConfigError(
+                f"cluster.write_formats must be one of {', '.join(WRITE_FORMATS)}, "
+                f"got {self.write_formats!r}"
+            )
         if self.lease_ttl_s < 0.1:
             raise ConfigError(f"cluster.lease_ttl_s must be >= 0.1, got {self.lease_ttl_s}")
         if not 0 < self.publish_interval_s <= self.lease_ttl_s:

@@ -72,6 +72,7 @@ PARTS: dict[str, Part] = {
             "kvstore.types",
             "kvstore.buffers",
             "kvstore.block",
+            "kvstore.formats",
             "kvstore.config",
             "kvstore.server_config",
             "kvstore.data_plane_config",

@@ -4,12 +4,14 @@ Each block is one atomic Redis string, ``header ‖ payload`` (see :mod:`kvstore
 ``key_prefix + key.hex()``, written with ``SET ... PX ttl``. A batch of reads is one ``MGET`` (in
 cluster mode, one pipeline of ``GET`` per master) and every value is verified with
 :func:`kvstore.block.decode_value`, keyed MAC included: anyone able to write to Redis can change a
-value but cannot sign one without the cluster's integrity secret, so a value that fails (forged,
-old unkeyed format, rotted) is deleted, counted in ``corrupt_blocks`` and reported as a miss; it is
-never served. Every node sharing the Redis needs the same integrity secrets. The MAC is computed
-when a block is written (write-through or write-back) and verified on reads, in a worker thread for
-batches over 64 KiB so that the event loop keeps serving. Batched writes and existence checks are
-non-transactional pipelines.
+value but cannot sign one without the cluster's integrity secret, so a value that fails (forged, old
+unkeyed format, rotted) is deleted, counted in ``corrupt_blocks`` and reported as a miss; it is
+never served. A value in a header version newer than this release reads (a later release's, during a
+rolling upgrade or after a downgrade: :mod:`kvstore.formats`) is a miss too, counted in
+``newer_format_blocks``, and left in Redis for the nodes that read it. Every node sharing the Redis
+needs the same integrity secrets. The MAC is computed when a block is written (write-through or
+write-back) and verified on reads, in a worker thread for batches over 64 KiB so that the event loop
+keeps serving. Batched writes and existence checks are non-transactional pipelines.
 
 The URL picks the client: ``redis://``, ``rediss://`` and ``unix://`` give one server
 (:class:`redis.asyncio.Redis`); ``redis+cluster://host:port`` (or ``rediss+cluster://``) gives a
@@ -61,6 +63,7 @@ from typing import Any, TypeVar
 
 from kvstore.block import HEADER_BYTES, BlockHeader, CorruptBlockError, Keyring, decode_value
 from kvstore.buffers import byte_view
+from kvstore.formats import NewerFormatError
 from kvstore.tiers.base import Buffer, SharedTier, SizeLedger, StoredBlock
 from kvstore.tiers.redis_link import SKIPPED, Failed, RedisLink
 
@@ -136,6 +139,8 @@ class RedisTier(SharedTier):
         self.reads_skipped = 0
         self.read_errors = 0
         self.corrupt_blocks = 0
+        #: Values found in a header version newer than this release reads (left in Redis).
+        self.newer_format_blocks = 0
         self.blocks_written = 0
         #: Blocks written with a retention TTL (:meth:`write_many`'s ``ttl_s``).
         self.retained_blocks_written = 0
@@ -271,6 +276,12 @@ class RedisTier(SharedTier):
         blocks: list[StoredBlock | None] = []
         corrupt: list[bytes] = []
         for key, block in zip(keys, decoded, strict=True):
+            if isinstance(block, NewerFormatError):
+                # A later release's block: not ours to judge, and its readers still want it.
+                logger.debug("redis block %s: %s", key.hex(), block)
+                self.newer_format_blocks += 1
+                blocks.append(None)
+                continue
             if isinstance(block, CorruptBlockError):
                 logger.error("dropping corrupt redis block %s: %s", key.hex(), block)
                 corrupt.append(key)
@@ -326,6 +337,7 @@ class RedisTier(SharedTier):
             "reads_skipped": self.reads_skipped,
             "read_errors": self.read_errors,
             "corrupt_blocks": self.corrupt_blocks,
+            "newer_format_blocks": self.newer_format_blocks,
         }
 
     async def close(self) -> None:
@@ -364,16 +376,16 @@ def _seal_all(
 
 def _decode_all(
     keys: list[bytes], values: list[Any], keyring: Keyring | None
-) -> list[StoredBlock | CorruptBlockError | None]:
+) -> list[StoredBlock | CorruptBlockError | NewerFormatError | None]:
     """Per value, the verified block, the reason it failed, or ``None`` where there was none."""
-    out: list[StoredBlock | CorruptBlockError | None] = []
+    out: list[StoredBlock | CorruptBlockError | NewerFormatError | None] = []
     for key, value in zip(keys, values, strict=True):
         if value is None:
             out.append(None)
             continue
         try:
             header, payload = decode_value(key, value, keyring)
-        except CorruptBlockError as exc:
+        except (CorruptBlockError, NewerFormatError) as exc:
             out.append(exc)
             continue
         out.append(StoredBlock(header, payload))
