@@ -3,7 +3,8 @@
 What one node writes another reads: block headers on nvme, in Redis and between peers
 (:mod:`kvstore.block`), node descriptions in the cluster index
 (:mod:`kvstore.cluster.records`), index entries (:mod:`kvstore.cluster.layout`,
-:mod:`kvstore.node.publisher`) and the RPCs (the ``kvstore.v1`` protobuf package). Each carries
+:mod:`kvstore.node.publisher`), the RPCs (the ``kvstore.v1`` protobuf package), and, on one node
+across a restart, retention records (:mod:`kvstore.tiers.nvme_retention`). Each carries
 a version, and every release keeps one promise (the N-1 promise):
 
 * it **reads and keeps** everything the previous release writes (versions N-1 and N);
@@ -33,6 +34,7 @@ __all__ = [
     "PREVIOUS",
     "PREVIOUS_RELEASE",
     "RECORD",
+    "RETENTION",
     "RPC_PACKAGE",
     "WRITE_FORMATS",
     "Format",
@@ -92,8 +94,12 @@ RECORD = Format("node description", reads=(1, 2, 3), latest=3, previous=2)
 #: reader of version 1 skips (it still learns the tier).
 INDEX = Format("index entry", reads=(1,), latest=1, previous=1)
 
+#: Retention records beside the nvme tier's blocks (:mod:`kvstore.tiers.nvme_retention`): node-
+#: local, but a downgrade reads them too.
+RETENTION = Format("retention record", reads=(1,), latest=1, previous=1)
+
 #: Every format by the name a node description's ``formats`` field gives it.
-FORMATS = {"block": BLOCK, "record": RECORD, "index": INDEX}
+FORMATS = {"block": BLOCK, "record": RECORD, "index": INDEX, "retention": RETENTION}
 
 
 class NewerFormatError(Exception):

@@ -42,8 +42,9 @@ from kvstore.block import HEADER_BYTES, BlockHeader, CorruptBlockError, WireHead
 from kvstore.buffers import byte_view
 from kvstore.formats import NewerFormatError
 from kvstore.keys import KEY_BYTES
-from kvstore.tiers.base import Buffer, SizeLedger, StoredBlock, Tier
+from kvstore.tiers.base import Buffer, RetentionKeeper, SizeLedger, StoredBlock, Tier
 from kvstore.tiers.dir_lock import DirLock
+from kvstore.tiers.nvme_retention import RetentionRecords
 
 __all__ = ["NvmeTier", "private_directory"]
 
@@ -96,6 +97,8 @@ class NvmeTier(Tier):
             max_workers=io_threads, thread_name_prefix="kvstore-nvme"
         )
         self._env = self._open()
+        # Beside the blocks, under the same directory lock (kvstore.tiers.nvme_retention).
+        self._retention = RetentionRecords(self.path / "retention")
 
     def _open(self) -> Any:
         private_directory(self.path)
@@ -274,6 +277,10 @@ class NvmeTier(Tier):
         )
         return iter(headers)
 
+    def retention_records(self) -> RetentionKeeper:
+        """The retention records kept beside the blocks (:mod:`kvstore.tiers.nvme_retention`)."""
+        return self._retention
+
     def stats(self) -> dict[str, int]:
         """Capacity, usage, blocks and error counters."""
         return {
@@ -292,4 +299,5 @@ class NvmeTier(Tier):
         """Wait for pending LMDB calls, then close the environment."""
         self._executor.shutdown(wait=True)
         self._env.close()
+        self._retention.close()
         self._lock.release()

@@ -144,6 +144,8 @@ class RedisTier(SharedTier):
         self.blocks_written = 0
         #: Blocks written with a retention TTL (:meth:`write_many`'s ``ttl_s``).
         self.retained_blocks_written = 0
+        #: Blocks whose TTL a retained put of an already stored block lengthened.
+        self.retained_blocks_extended = 0
 
     @property
     def up(self) -> bool:
@@ -307,6 +309,21 @@ class RedisTier(SharedTier):
         await self._link.pipelined("remove", names, lambda pipe, name: pipe.unlink(name))
         return True
 
+    async def extend(self, keys: Sequence[bytes], ttl_s: float) -> int:
+        """``PEXPIRE ... GT`` per key: the blocks Redis holds live at least ``ttl_s`` more (a
+        longer TTL, or none, is kept); returns how many it lengthened. Skipped while down."""
+        if not keys or not self.up:
+            return 0
+        names = [self._name(key) for key in keys]
+        ttl = max(1, round(ttl_s * 1000))
+        replies = await self._link.pipelined(
+            "extend", names, lambda pipe, name: pipe.pexpire(name, ttl, gt=True)
+        )
+        # 1 where lengthened; 0 where absent or already living longer (GT), or Failed.
+        extended = sum(1 for reply in replies if reply is True or reply == 1)
+        self.retained_blocks_extended += extended
+        return extended
+
     async def exists(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each block is in Redis now (from any node); False while down."""
         if not keys or not self.up:
@@ -334,6 +351,7 @@ class RedisTier(SharedTier):
             "blocks_written": self.blocks_written,
             "writes_dropped": self.writes_dropped,
             "retained_blocks_written": self.retained_blocks_written,
+            "retained_blocks_extended": self.retained_blocks_extended,
             "reads_skipped": self.reads_skipped,
             "read_errors": self.read_errors,
             "corrupt_blocks": self.corrupt_blocks,
