@@ -55,7 +55,10 @@ HMAC-SHA256 with the SHA extensions and 1.07 for keyed BLAKE2b, one run at load 
 (``benchmarks/results/integrity.md``).
 Version 2 blocks (HMAC-SHA256/128) written before still verify, under the same secrets; version 1
 carried an unkeyed xxh3-64 and is never accepted. The version is inside what the MAC covers, so a
-header cannot be relabelled without the secret. A keyring signs in its
+header cannot be relabelled without the secret. A header of a later version (above 3, with the
+right magic) is neither: :func:`decode_value` and :func:`verify_sealed` raise
+:class:`~kvstore.formats.NewerFormatError`, which every tier and the peer read treat as a miss
+they leave in place (:mod:`kvstore.formats`: the N-1 promise). A keyring signs in its
 :attr:`~Keyring.sign_version` (setting ``integrity.mac``: ``hmac-sha256`` keeps signing version 2
 while older nodes still share the Redis or read from this one, as they refuse version 3). A process
 without ``blake3`` signs version 2 and treats version-3 blocks as corrupt misses (never an error).
@@ -81,6 +84,7 @@ from typing import Any
 
 import xxhash
 
+from kvstore.formats import BLOCK, NewerFormatError
 from kvstore.keys import KEY_BYTES, NAMESPACE_BYTES
 
 _blake3: Any
@@ -95,6 +99,7 @@ __all__ = [
     "BlockHeader",
     "CorruptBlockError",
     "Keyring",
+    "NewerFormatError",
     "WireHeader",
     "block_mac",
     "checksum_of",
@@ -319,10 +324,13 @@ class WireHeader:
 
     @classmethod
     def unpack(cls, data: Buffer) -> WireHeader:
-        """Parse a header; raises :class:`CorruptBlockError` if it is not one (old versions too)."""
+        """Parse a header; raises :class:`CorruptBlockError` if it is not one (old versions too),
+        :class:`~kvstore.formats.NewerFormatError` if a later release wrote it."""
         if len(data) < HEADER_BYTES:
             raise CorruptBlockError(f"value of {len(data)} bytes is shorter than a header")
         magic, version, flags, key, namespace, length, mac = _LAYOUT.unpack_from(data)
+        if magic == MAGIC and BLOCK.is_newer(version):
+            raise NewerFormatError(BLOCK, version)
         if magic != MAGIC or version not in (HMAC_VERSION, BLAKE3_VERSION):
             # Version 1 blocks carry an unkeyed checksum anyone could recompute: never trusted.
             raise CorruptBlockError(f"bad magic {magic!r} or version {version}")

@@ -10,8 +10,10 @@ and with a vLLM request's ``kv_transfer_params``. What the store does with it:
   that itself asks for retention, and finds a tier holding nothing but retained and pinned
   blocks, may evict the retained block whose time runs out first (*evicted early*: the tenant's
   quota, its tier sizes, is full of retained blocks). In Redis a retained block is written with a
-  TTL of at least ``seconds``. At most the tenant's ``max_retention_s`` (else the server's
-  ``policy.max_retention_s``).
+  TTL of at least ``seconds``, and one found stored has its Redis TTL lengthened to that. The
+  deadlines survive a restart where the store has an nvme tier
+  (:mod:`kvstore.store.retention_journal`). At most the tenant's ``max_retention_s`` (else the
+  server's ``policy.max_retention_s``).
 * ``tiers = "fast"``: store only in memory tiers (dram, hbm): never written to nvme or Redis,
   dropped instead of demoted out of memory, not copied down at shutdown.
 * ``tiers = "none"``: store nothing anywhere; the put is counted (``put_not_stored``) and answered

@@ -20,6 +20,7 @@ from kvstore.block import (
     BlockHeader,
     CorruptBlockError,
     Keyring,
+    NewerFormatError,
     decode_value,
     encode_header,
     verify_sealed,
@@ -74,9 +75,11 @@ def test_a_header_relabelled_to_another_version_is_refused(to_version: int) -> N
     ring = Keyring([SECRET])
     raw = bytearray(encode_header(KEY, NS, PAYLOAD, ring))
     struct.pack_into("<H", raw, 4, to_version)
-    with pytest.raises(CorruptBlockError):
+    # A version past those read is a later release's (a miss left in place, tests/test_formats.py).
+    refused = NewerFormatError if to_version > 3 else CorruptBlockError
+    with pytest.raises(refused):
         verify_sealed(KEY, NS, bytes(raw), PAYLOAD, ring)
-    with pytest.raises(CorruptBlockError):
+    with pytest.raises(refused):
         decode_value(KEY, bytes(raw) + PAYLOAD, ring)
 
 

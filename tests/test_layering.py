@@ -74,6 +74,7 @@ PARTS: dict[str, Part] = {
             "kvstore.buffers",
             "kvstore.block",
             "kvstore.deprecation",
+            "kvstore.formats",
             "kvstore.policy",
             "kvstore.retention",
             "kvstore.deadline",

@@ -7,7 +7,11 @@ is alive and carries the entry's epoch (see :mod:`kvstore.cluster`).
 
 Built with the cluster's integrity ``keyring``, :meth:`ClusterIndex.nodes` believes only node
 descriptions signed under it (:meth:`~kvstore.cluster.records.NodeInfo.verified`); the others
-are left out and remembered in :attr:`ClusterIndex.refused`, logged once per node.
+are left out and remembered in :attr:`ClusterIndex.refused`, logged once per node. A description
+in a version newer than this release reads (:mod:`kvstore.formats`: its node runs a later
+release) is left out too, but as :attr:`ClusterIndex.newer`, not as a refusal. An index entry
+``EPOCH:TIER`` may carry ``;``-separated fields after the tier (a later entry version): they are
+skipped and the tier still counts.
 
 Every round trip runs under :func:`kvstore.deadline.within`: it ends at ``timeout_s`` and, when
 the caller's own deadline (a ``wait_for``) cancels it, returns at once instead of waiting for
@@ -25,6 +29,7 @@ from kvstore.block import Keyring
 from kvstore.cluster.layout import Client, Layout
 from kvstore.cluster.records import NodeInfo, RecordError, record_keyring
 from kvstore.deadline import within
+from kvstore.formats import NewerFormatError
 
 __all__ = ["ONE_TRIP_NODES", "ClusterIndex", "Holding"]
 
@@ -69,6 +74,8 @@ class ClusterIndex:
         self.refused: dict[str, int] = {}
         #: How many times a (node, epoch) was found without a valid description.
         self.refused_count = 0
+        #: Nodes whose description is in a version newer than this release reads, with it.
+        self.newer: dict[str, int] = {}
         self._known: set[str] = set()
         #: The boot epoch of each node with a live lease, as of the last :meth:`holders`
         #: answer (a reader's cached address of a node whose epoch moved is stale).
@@ -110,7 +117,8 @@ class ClusterIndex:
                 holding = found.get(field.decode())
                 if holding is None:
                     holding = found[field.decode()] = Holding(0, [""] * count)
-                holding.tiers[index] = value[len(prefix) :].decode()
+                # Version 1 is EPOCH:TIER; later versions may append ;fields, not ours to read.
+                holding.tiers[index] = value[len(prefix) :].split(b";", 1)[0].decode()
         for holding in found.values():
             tiers = holding.tiers
             holding.leading = next((i for i, tier in enumerate(tiers) if not tier), count)
@@ -143,10 +151,15 @@ class ClusterIndex:
                 believed[node] = (
                     _parsed(node, raw) if ring is None else NodeInfo.verified(node, raw, ring)
                 )
+            except NewerFormatError as exc:
+                if self.newer.get(node) != exc.version:
+                    logger.warning("cluster index: not reading node %r yet: %s", node, exc)
+                self.newer[node] = exc.version
             except RecordError as exc:
                 self._refuse(node, leases[node] or b"", str(exc))
             else:
                 self.refused.pop(node, None)
+                self.newer.pop(node, None)
         return believed
 
     def _refuse(self, node: str, lease: bytes, why: str) -> None:

@@ -17,6 +17,15 @@ router names chunks the way the nodes do and nobody without the secrets can make
 otherwise. A v2 description is signed under another label than a v1 one: a v1 reader refuses it
 (its MAC does not verify) rather than mis-read it, and dropping ``keys`` from a v2 description
 does not pass it off as v1. A v1 description (no ``keys`` field) still parses, with no schemes.
+
+**Versions** (:data:`kvstore.formats.RECORD`). Since record v3 a description names its version
+(``v``) and the versions of every shared format the node reads (``formats``: a JSON object,
+format name → list of versions), both under the MAC and another label again. A node writes the
+version ``cluster.write_formats`` picks (v2, which the previous release reads, until the fleet is
+upgraded). A description whose ``v`` is newer than this release reads raises
+:class:`~kvstore.formats.NewerFormatError`, not :class:`RecordError`: its node runs a later
+release, which is not the same as a forged record (nor is it deleted: nobody deletes another
+node's description).
 """
 
 from __future__ import annotations
@@ -28,13 +37,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvstore.block import Keyring
+from kvstore.formats import FORMATS, RECORD, NewerFormatError
 
-__all__ = ["RECORD_VALID_S", "NodeInfo", "RecordError", "record_keyring"]
+__all__ = ["RECORD_VALID_S", "NodeInfo", "RecordError", "reads_now", "record_keyring"]
 
 #: How long a signed description stays valid at least (longer with a long ``lease_ttl_s``).
 RECORD_VALID_S = 120.0
 _RECORD_LABEL_V1 = b"kvstore node record v1\x00"
 _RECORD_LABEL = b"kvstore node record v2\x00"
+_RECORD_LABEL_V3 = b"kvstore node record v3\x00"
+
+
+def reads_now() -> dict[str, tuple[int, ...]]:
+    """What a v3 description written by this release says its node reads."""
+    return {name: fmt.reads for name, fmt in FORMATS.items()}
 
 
 def record_keyring(keyring: Keyring) -> Keyring:
@@ -63,6 +79,11 @@ class NodeInfo:
     #: The key schemes the node serves, each a :meth:`KeyScheme.to_json` text (``None``: a v1
     #: description, from before nodes published them).
     keys: tuple[str, ...] | None = ()
+    #: The description's version (:data:`kvstore.formats.RECORD`): 1 and 2 are told apart by
+    #: ``keys``; 3 names itself and carries :attr:`formats`.
+    version: int = RECORD.previous
+    #: Since v3: per shared format, the versions the node reads (empty in v1 and v2).
+    formats: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
     def fields(self) -> dict[str, str]:
         """The hash fields stored under :meth:`Layout.node` (unsigned)."""
@@ -74,7 +95,13 @@ class NodeInfo:
         }
         if self.keys is not None:
             fields["keys"] = json.dumps(list(self.keys))
+        if self.version >= 3 and self.keys is not None:
+            fields["v"] = str(self.version)
+            fields["formats"] = json.dumps(self._formats())
         return fields
+
+    def _formats(self) -> dict[str, list[int]]:
+        return {name: sorted(versions) for name, versions in sorted(self.formats.items())}
 
     def signed(self, ring: Keyring, expires_ms: int) -> dict[str, str]:
         """:meth:`fields` valid until ``expires_ms``, with their MAC under ``ring`` (a
@@ -92,15 +119,35 @@ class NodeInfo:
             sorted(dict(self.capacity).items()),
             self.expires_ms,
         ]
-        if self.keys is None:
+        if self.keys is None:  # v1, whatever version says: it had neither
             return _RECORD_LABEL_V1 + json.dumps(described, separators=(",", ":")).encode()
         described.append(list(self.keys))
-        return _RECORD_LABEL + json.dumps(described, separators=(",", ":")).encode()
+        if self.version == 2:
+            return _RECORD_LABEL + json.dumps(described, separators=(",", ":")).encode()
+        if self.version != 3:
+            raise ValueError(f"no node description version {self.version}")
+        described.append(self._formats())
+        return _RECORD_LABEL_V3 + json.dumps(described, separators=(",", ":")).encode()
 
     @classmethod
     def parse(cls, node_id: str, raw: Mapping[bytes, bytes]) -> NodeInfo:
-        """The inverse of :meth:`fields` (nothing verified: see :meth:`verified`)."""
+        """The inverse of :meth:`fields` (nothing verified: see :meth:`verified`);
+        :class:`~kvstore.formats.NewerFormatError` for a version this release does not read."""
         text = {k.decode(): v.decode() for k, v in raw.items()}
+        version = int(text["v"]) if "v" in text else (2 if "keys" in text else 1)
+        if RECORD.is_newer(version):
+            raise NewerFormatError(RECORD, version)
+        if "v" in text and version < 3:
+            raise ValueError(f"a v{version} description names no version")
+        formats: dict[str, tuple[int, ...]] = {}
+        if version >= 3:
+            listed_formats = json.loads(text.get("formats", "{}"))
+            if not isinstance(listed_formats, dict) or not all(
+                isinstance(v, list) and all(isinstance(i, int) for i in v)
+                for v in listed_formats.values()
+            ):
+                raise ValueError("formats is not an object of version lists")
+            formats = {str(name): tuple(v) for name, v in listed_formats.items()}
         keys = None
         if "keys" in text:
             listed = json.loads(text["keys"])
@@ -115,6 +162,8 @@ class NodeInfo:
             json.loads(text.get("capacity", "{}")),
             int(text.get("expires_ms", "0")),
             keys,
+            version,
+            formats,
         )
 
     @classmethod
@@ -122,7 +171,8 @@ class NodeInfo:
         cls, node_id: str, raw: Mapping[bytes, bytes], ring: Keyring, now: float | None = None
     ) -> NodeInfo:
         """The description stored under ``node_id`` if a node holding ``ring``'s secret signed
-        exactly it for that id and it has not expired; :class:`RecordError` otherwise."""
+        exactly it for that id and it has not expired; :class:`RecordError` otherwise
+        (:class:`~kvstore.formats.NewerFormatError`: written by a later release)."""
         try:
             info = cls.parse(node_id, raw)
             mac = bytes.fromhex(raw.get(b"mac", b"").decode())

@@ -10,6 +10,8 @@ from kvstore.config.meta import setting
 from kvstore.deprecation import deprecated
 from kvstore.errors import ConfigError
 
+from kvstore.formats import WRITE_FORMATS
+
 # The Namespace JSON codec lives with the key scheme; offered here too, where it used to be.
 from kvstore.key_scheme import HASH_ALGORITHMS, namespace_from_json, namespace_to_json
 
@@ -166,7 +168,25 @@ class ClusterConfig:
         ),
     )
 
+    write_formats: str = setting(
+        "previous",
+        help=(
+            "`previous`: write node descriptions and index entries in the newest versions the "
+            "previous release reads, so that nodes not yet upgraded read them (a rolling upgrade);"
+            " `latest`: the newest versions, once every node runs this release (see "
+            "[docs/upgrades.md](docs/upgrades.md)). Either way every version of this and the "
+            "previous release is read"
+        ),
+        kind="choice",
+        choices=WRITE_FORMATS,
+    )
+
     def __post_init__(self) -> None:
+        if self.write_formats not in WRITE_FORMATS:
+            raise ConfigError(
+                f"cluster.write_formats must be one of {', '.join(WRITE_FORMATS)}, "
+                f"got {self.write_formats!r}"
+            )
         if self.lease_ttl_s < 0.1:
             raise ConfigError(f"cluster.lease_ttl_s must be >= 0.1, got {self.lease_ttl_s}")
         if not 0 < self.publish_interval_s <= self.lease_ttl_s:

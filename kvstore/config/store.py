@@ -262,9 +262,10 @@ class IntegrityConfig:
         help=(
             "what new blocks (to NVMe, Redis and peers) are signed with: `blake3` (keyed BLAKE3, "
             "header version 3) or `hmac-sha256` (header version 2, what versions before it wrote);"
-            " both are always verified. Versions before it refuse version-3 blocks (a miss, and "
-            "they delete them from Redis): while such nodes share the Redis or read from this "
-            "node, set `hmac-sha256` on every node, then `blake3` once all are upgraded"
+            " both are always verified, here and by the previous release. Releases from before "
+            "version 3 refuse version-3 blocks (and delete them from Redis): upgrading from one, "
+            "set `hmac-sha256` on every node, then `blake3` once all are upgraded (see "
+            "[docs/upgrades.md](docs/upgrades.md))"
         ),
         kind="choice",
         choices=tuple(INTEGRITY_MACS),

@@ -16,10 +16,11 @@ from collections.abc import Mapping
 from kvstore.block import installed_keyring
 from kvstore.cluster.index import ClusterIndex
 from kvstore.cluster.layout import Client, Layout, connect
-from kvstore.cluster.records import NodeInfo
+from kvstore.cluster.records import NodeInfo, reads_now
 from kvstore.config import Config
 from kvstore.config.cluster import PEER_TOKEN_DEPRECATED
 from kvstore.errors import ConfigError
+from kvstore.formats import RECORD
 from kvstore.key_scheme import KeyScheme
 from kvstore.node.engine_chunks import EngineChunks, LocalPublisher
 from kvstore.node.engine_events import EngineEvents, load_event_modules
@@ -115,7 +116,14 @@ async def start_cluster(
         client,
         layout,
         lambda epoch: NodeInfo(
-            node_id, epoch, settings.grpc_target(grpc), ucx, capacity, keys=_published(schemes)
+            node_id,
+            epoch,
+            settings.grpc_target(grpc),
+            ucx,
+            capacity,
+            keys=_published(schemes),
+            version=RECORD.writes(settings.write_formats),
+            formats=reads_now(),
         ),
         settings.lease_ttl_s,
         rejoined,

@@ -7,7 +7,9 @@ key, namespace, length and payload under the cluster's integrity secret bound to
 (:mod:`kvstore.block`). :func:`verify_blocks` is the one check both transports' answers go
 through, against the reader's own keyring, before a byte is installed or served: a block that
 fails it (no header, a header for another key or namespace, a MAC under another secret, a length
-out of bounds) is never used, and its holder is suspect (:mod:`kvstore.node.peers`).
+out of bounds) is never used, and its holder is suspect (:mod:`kvstore.node.peers`). A block
+sealed in a header version newer than this release reads (:func:`sealed_newer`, a peer running a
+later release: :mod:`kvstore.formats`) is not used either, but its holder is not suspect.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from kvstore.block import CorruptBlockError, Keyring, verify_sealed
+from kvstore.block import CorruptBlockError, Keyring, WireHeader, verify_sealed
+from kvstore.formats import NewerFormatError
 
-__all__ = ["PeerAnswerError", "SealedBlock", "verify_blocks"]
+__all__ = ["PeerAnswerError", "SealedBlock", "sealed_newer", "verify_blocks"]
 
 
 class SealedBlock(NamedTuple):
@@ -59,8 +62,20 @@ def verify_blocks(
             continue
         try:
             verify_sealed(key, namespace, block.header, block.payload, keyring)
-        except CorruptBlockError:
+        except (CorruptBlockError, NewerFormatError):
             verdicts.append(False)
         else:
             verdicts.append(True)
     return verdicts
+
+
+def sealed_newer(header: bytes) -> bool:
+    """Whether a refused block's ``header`` is one of a later release (a newer header version
+    this release cannot verify), rather than forged or damaged."""
+    try:
+        WireHeader.unpack(header)
+    except NewerFormatError:
+        return True
+    except CorruptBlockError:
+        return False
+    return False

@@ -39,16 +39,19 @@ failing verification is alive and renews its lease: it is asked again only once 
 
 **Checks.** An index entry proves nothing (anyone able to write to the index Redis can register a
 node), so every block comes *sealed*, over either transport: with its wire header, whose keyed MAC
-covers key, namespace, length and payload under the cluster's integrity secret bound to the
-tenant (the keyring this node's store verifies its nvme and redis blocks with). Each is verified
-(:mod:`kvstore.node.peer_blocks`, off the event loop) before it is installed or served; one
-that fails (no header, another key or namespace, a MAC under another secret, a length out of
+covers key, namespace, length and payload under the cluster's integrity secret bound to the tenant
+(the keyring this node's store verifies its nvme and redis blocks with). Each is verified
+(:mod:`kvstore.node.peer_blocks`, off the event loop) before it is installed or served; one that
+fails (no header, another key or namespace, a MAC under another secret, a length out of
 ``server.max_block_bytes``) is a ``corrupt`` miss, counted in ``peer_corrupt_blocks`` (the
 ``tier="peer"`` series of ``kvstore_tier_corrupt_blocks``), its holder is suspect (below) and the
-key goes to the next holder. The store checksums a verified block as it places it here (like a
-promotion). For a promotion (a shared-memory or UCX reader's acquire), UCX receives straight into
-reserved pages of the host tier (:mod:`kvstore.store.landing`), which become the block in place
-once verified; pages of a block refused are abandoned to the landing, never installed.
+key goes to the next holder. A block sealed in a header version newer than this release reads (a
+peer already upgraded, :mod:`kvstore.formats`) is a ``newer_format`` miss, counted in
+``peer_newer_format_blocks``, and its holder is not suspect. The store checksums a verified block as
+it places it here (like a promotion). For a promotion (a shared-memory or UCX reader's acquire), UCX
+receives straight into reserved pages of the host tier (:mod:`kvstore.store.landing`), which become
+the block in place once verified; pages of a block refused are abandoned to the landing, never
+installed.
 
 **Tenants.** Each tenant's peer source signs with that tenant's peer key (the cluster secrets
 bound to its name) and names the tenant; the holder serves from the tenant the authenticator
@@ -80,7 +83,7 @@ from kvstore.errors import (
     PermissionDeniedError,
 )
 from kvstore.node.peer_auth import PeerAuthError, PeerSigner, peer_keyring
-from kvstore.node.peer_blocks import SealedBlock, verify_blocks
+from kvstore.node.peer_blocks import SealedBlock, sealed_newer, verify_blocks
 from kvstore.node.peer_grpc import GrpcPeerLink
 from kvstore.node.peer_ucx import UcxPeerLink
 from kvstore.protocol.ucx import UcxTransportError, ucx_unavailable_reason
@@ -413,9 +416,15 @@ class PeerSource:
         elif got:  # verified where they arrived (UCX): no second thread hop
             verdicts = verify_blocks(wanted, namespace, got, keyring, self.max_block_bytes)
         refused: list[bytes] = []
+        newer: list[bytes] = []
         for position, block, verified in zip(positions, got, verdicts, strict=True):
             if block is None:
                 continue  # the peer no longer holds it (evicted since it published): a miss
+            if not verified and sealed_newer(block.header):
+                # A later release's seal: a miss, and no sign of a rogue (a rolling upgrade).
+                newer.append(keys[position])
+                why[position] = "newer_format"
+                continue
             if not verified:  # never installed nor served; the next holder may have it
                 refused.append(keys[position])
                 why[position] = "corrupt"
@@ -425,6 +434,10 @@ class PeerSource:
             self.counters.add("peer_hits")
             self.counters.add(f"peer_hits_{transport}")
             self.counters.add("peer_bytes", len(block.payload))
+        if newer:
+            if landing is not None:
+                landing.abandon(newer)
+            self.counters.add("peer_newer_format_blocks", len(newer))
         if refused:
             if landing is not None:
                 landing.abandon(refused)  # pages they were received into are not reused yet

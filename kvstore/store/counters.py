@@ -20,7 +20,8 @@ __all__ = ["MISS_REASONS", "StoreCounters"]
 #: it is stored under another namespace; the server adds ``deadline`` (the
 #: call ran out of time) and ``denied`` (the caller's credentials were refused); peer fetch adds
 #: ``peer_timeout`` (the peer holding it did not answer in time) and ``peer_down`` (it refused or
-#: failed, or is suspect since it last did).
+#: failed, or is suspect since it last did) and ``newer_format`` (the peer sealed it in a header
+#: version newer than this release reads: :mod:`kvstore.formats`).
 MISS_REASONS = (
     "absent",
     "evicted",
@@ -31,6 +32,7 @@ MISS_REASONS = (
     "namespace",
     "peer_timeout",
     "peer_down",
+    "newer_format",
 )
 
 # Keys remembered as evicted from the store, to tell an ``evicted`` miss from an ``absent`` one

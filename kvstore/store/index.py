@@ -86,6 +86,9 @@ class BlockIndex:
         #: Retained keys: key -> (until, seconds), ``time.monotonic()`` seconds; a read moves
         #: ``until`` to ``seconds`` from then. Entries whose time ran out stay until the key goes.
         self.retained: dict[bytes, tuple[float, float]] = {}
+        #: Called with a key whose entry in :attr:`retained` was set, moved or dropped (the
+        #: retention journal listens, :mod:`kvstore.store.retention_journal`).
+        self.on_retention: Callable[[bytes], None] | None = None
         #: Keys stored with ``tiers="fast"``: never written to a persistent or shared tier.
         self.fast_only: set[bytes] = set()
         self._policy = policy
@@ -143,7 +146,8 @@ class BlockIndex:
         if level is not None:
             return False
         self.meta.pop(key, None)
-        self.retained.pop(key, None)
+        if self.retained.pop(key, None) is not None and self.on_retention is not None:
+            self.on_retention(key)
         self.fast_only.discard(key)
         return True
 
@@ -187,6 +191,8 @@ class BlockIndex:
             self.retained[key] = (until, seconds)
         else:
             self.retained[key] = (max(until, old[0]), max(seconds, old[1]))
+        if self.on_retention is not None:
+            self.on_retention(key)
 
     def retained_until(self, key: bytes) -> float:
         """When ``key``'s retention runs out (``-inf``: not retained)."""

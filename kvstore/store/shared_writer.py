@@ -118,6 +118,26 @@ class SharedTierWriter:
         self._in_flight_bytes += size
         self._spawn(blocks, size, ttl_s=ttl_s)
 
+    def extend(self, keys: Sequence[bytes], ttl_s: float) -> None:
+        """Keep the shared tier's copies of ``keys`` (blocks already stored, put again with
+        retention ``ttl_s``) at least that long, in the background: after any copy of them still
+        on its way there, and for copies waiting to be sent again."""
+        tier = self.tier
+        if tier is None or not keys:
+            return
+        for key in keys:
+            if key in self._queue:
+                self._queued_ttl[key] = max(ttl_s, self._queued_ttl.get(key, 0.0))
+        pending = {self._by_key[key] for key in keys if key in self._by_key}
+        wanted = list(keys)
+
+        async def lengthen() -> None:
+            if pending:  # the SET of a copy under way would otherwise undo the longer TTL
+                await asyncio.wait(pending)
+            await tier.extend(wanted, ttl_s)
+
+        self._tasks.spawn(lengthen())
+
     def _spawn(
         self, blocks: list[_Block], size: int, resent: bool = False, ttl_s: float | None = None
     ) -> asyncio.Task[None]:

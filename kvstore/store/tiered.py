@@ -62,6 +62,7 @@ from kvstore.store.layout import TierStack
 from kvstore.store.mover import BlockMover
 from kvstore.store.reads import BlockReader, GetResult, Promotion
 from kvstore.store.remote import RemoteSource
+from kvstore.store.retention_journal import RetentionJournal
 from kvstore.store.shared_writer import SharedTierWriter
 from kvstore.store.writes import BlockWriter
 from kvstore.tiers.base import Tier
@@ -108,14 +109,26 @@ class TieredStore:
         self._writer = BlockWriter(*parts, self._shared)
         self._arena = ArenaSessions(*parts, self._reader, self._writer)
         self._listeners: list[Callable[[bytes, str | None], None]] = []
+        # Retention survives a restart where a persistent tier keeps its records (nvme).
+        keepers = [t.retention_records() for t in self.tiers]
+        records = next((keeper for keeper in keepers if keeper is not None), None)
+        self._journal = (
+            None
+            if records is None
+            else RetentionJournal(self._index, records, self.policy.max_retention_s)
+        )
 
     def load_index(self) -> int:
         """Rebuild the index from tiers that kept their blocks across a restart.
 
-        Returns the number of blocks found. Call once, before serving.
+        Returns the number of blocks found; their retention is restored too, where a
+        persistent tier kept it (:mod:`kvstore.store.retention_journal`). Call once, before
+        serving.
         """
         found = self._index.load(self.tiers)
         logger.info("index rebuilt: %d block(s) on restartable tiers", found)
+        if self._journal is not None:
+            self._journal.restore()  # the retention of the blocks found
         return found
 
     @property
@@ -417,5 +430,7 @@ class TieredStore:
         """Let background moves finish, then close every tier."""
         await self.drain()
         await self._shared.close()
+        if self._journal is not None:
+            await self._journal.close()
         for tier in self.tiers:
             await tier.close()

@@ -4,7 +4,8 @@ client into reserved arena pages (``commit``).
 Both run under the mover's lock, leave keys already stored as they are (chained keys name
 content), age the request's chain, send what they stored to the shared tier (write-through) and
 count it the same way (:meth:`BlockWriter._stored`). Both apply the request's
-:class:`~kvstore.retention.Retention` to every block they store or find stored.
+:class:`~kvstore.retention.Retention` to every block they store or find stored, the shared tier's
+copy of a block found stored included (its TTL lengthened, :meth:`SharedTierWriter.extend`).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class BlockWriter:
         stack, index = self._stack, self._index
         stored = present = dropped = 0
         through: list[tuple[BlockHeader, Buffer]] = []
+        found: list[bytes] = []
         stop = self._stop(retention)
         force = retention.seconds > 0
         shares = self._writer.writes_through and not retention.fast_only
@@ -68,6 +70,7 @@ class BlockWriter:
             for key, view in zip(keys, views, strict=True):
                 if key in index:
                     present += 1
+                    found.append(key)
                     index.touch(key)
                     index.apply(key, retention, fresh=False)
                     continue
@@ -85,6 +88,7 @@ class BlockWriter:
             PutResult(stored, present, dropped),
             sum(len(view) for view in views),
             retention,
+            found,
         )
         self._counters.add("put_dropped", dropped)
         return result
@@ -100,6 +104,7 @@ class BlockWriter:
         index = self._index
         stored = present = dropped = 0
         through: list[tuple[BlockHeader, Buffer]] = []
+        found: list[bytes] = []
         shares = self._writer.writes_through and not retention.fast_only
         async with self._mover.lock:
             for key, reservation in written:
@@ -108,6 +113,7 @@ class BlockWriter:
                     arena.cancel(reservation)
                     if meta.namespace == namespace:
                         present += 1
+                        found.append(key)
                         index.apply(key, retention, fresh=False)
                     else:
                         dropped += 1
@@ -125,7 +131,7 @@ class BlockWriter:
                 stored += 1
             index.age_chain([key for key, _ in written])
         size = sum(reservation.length for _, reservation in written)
-        return self._stored(through, PutResult(stored, present, dropped), size, retention)
+        return self._stored(through, PutResult(stored, present, dropped), size, retention, found)
 
     def _stop(self, retention: Retention) -> int:
         """The level a put's blocks may not reach: the first persistent tier for memory-only
@@ -143,11 +149,17 @@ class BlockWriter:
         result: PutResult,
         size: int,
         retention: Retention,
+        found: Sequence[bytes] = (),
     ) -> PutResult:
-        """Send the new blocks to the shared tier and count the request; returns ``result``."""
+        """Send the new blocks to the shared tier and count the request; returns ``result``.
+        ``found``: keys the request found stored, whose shared copies a retention lengthens."""
         if through and self._writer.writes_through:
             # A retained block outlives the shared tier's usual TTL there too.
             self._writer.send(through, retention.seconds or None)
+        if found and retention.seconds > 0 and not retention.fast_only:
+            # Found stored: its copy in the shared tier (written through, or demoted there)
+            # must live as long as the retention asked now, not the first put's.
+            self._writer.extend(found, retention.seconds)
         self._counters.add("puts")
         self._counters.add("blocks_put", result.stored)
         self._counters.add("bytes_put", size)

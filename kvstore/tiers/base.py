@@ -9,6 +9,7 @@ when to promote it. :class:`kvstore.store.TieredStore` makes those decisions and
     await read(keys)               verified blocks (or None) for a batch of keys
     await remove(keys)             delete blocks; False if the medium refused (they remain)
     scan()                         headers of blocks that survived a restart (persistent tiers)
+    retention_records()            where retention deadlines survive a restart (nvme), or None
     stats()                        counters for ``Stats``
     await close()
 
@@ -22,12 +23,13 @@ checksum) the store gives them and hand it back with the block.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvstore.block import BlockHeader, Keyring
 
-__all__ = ["Buffer", "SizeLedger", "StoredBlock", "Tier"]
+__all__ = ["Buffer", "RetentionKeeper", "SizeLedger", "StoredBlock", "Tier"]
 
 Buffer = bytes | bytearray | memoryview
 """A contiguous, byte-addressed payload (``memoryview(x).cast("B")`` works on it)."""
@@ -39,6 +41,19 @@ class StoredBlock:
 
     header: BlockHeader
     payload: bytes | memoryview
+
+
+class RetentionKeeper(Protocol):
+    """Where a persistent tier keeps retention deadlines across restarts (blocking calls, made
+    from a worker thread one at a time; see :mod:`kvstore.tiers.nvme_retention`)."""
+
+    def write(self, changes: Mapping[bytes, tuple[float, float] | None]) -> bool:
+        """Save key → (deadline in Unix seconds, window in seconds), ``None`` forgets."""
+        ...
+
+    def load(self) -> dict[bytes, tuple[float, float]]:
+        """Every record saved."""
+        ...
 
 
 class Tier(ABC):
@@ -106,6 +121,11 @@ class Tier(ABC):
         """
         return iter(())
 
+    def retention_records(self) -> RetentionKeeper | None:
+        """Where this tier keeps the retention of its blocks across restarts (``None``: it
+        does not; only persistent tiers can)."""
+        return None
+
     @abstractmethod
     def stats(self) -> dict[str, int]:
         """Counters of this tier (``capacity``, ``used``, ``blocks`` and tier-specific ones)."""
@@ -145,6 +165,12 @@ class SharedTier(Tier):
         """Store several blocks in one round trip; per block ``True`` (stored), ``False``
         (refused or down: worth sending again) or ``None`` (never storable). ``ttl_s``: keep
         them at least that long (a retention a request asked for), else the tier's own."""
+
+    @abstractmethod
+    async def extend(self, keys: Sequence[bytes], ttl_s: float) -> int:
+        """Keep the blocks it holds under ``keys`` at least ``ttl_s`` from now (a retained put
+        of blocks already stored), never shortening a longer life; returns how many it
+        lengthened."""
 
     async def write_many(
         self, items: Sequence[tuple[BlockHeader, Buffer]], ttl_s: float | None = None

@@ -3,7 +3,10 @@
 Each block is one LMDB value, ``header ‖ payload`` (see :mod:`kvstore.block`), under its 16-byte
 key. Every read verifies the header and its keyed MAC; a value that fails (rotted on disk, written
 into the file by someone without the integrity secret, or in the old unkeyed format) is deleted,
-counted in ``corrupt_blocks`` and reported as a miss, so such bytes are never returned. The
+counted in ``corrupt_blocks`` and reported as a miss, so such bytes are never returned. A value in
+a header version newer than this release reads (left by a later release before a downgrade:
+:mod:`kvstore.formats`) is neither indexed nor deleted, counted in ``newer_format_blocks``: the
+upgrade back finds it where it was. The
 directory is created private (0700) and LMDB's files 0600: other users of the machine can neither
 read cached payloads nor write blocks.
 
@@ -37,9 +40,11 @@ import lmdb
 
 from kvstore.block import HEADER_BYTES, BlockHeader, CorruptBlockError, WireHeader, decode_value
 from kvstore.buffers import byte_view
+from kvstore.formats import NewerFormatError
 from kvstore.keys import KEY_BYTES
-from kvstore.tiers.base import Buffer, SizeLedger, StoredBlock, Tier
+from kvstore.tiers.base import Buffer, RetentionKeeper, SizeLedger, StoredBlock, Tier
 from kvstore.tiers.dir_lock import DirLock
+from kvstore.tiers.nvme_retention import RetentionRecords
 
 __all__ = ["NvmeTier", "private_directory"]
 
@@ -83,6 +88,8 @@ class NvmeTier(Tier):
         self.capacity = capacity - headroom
         self._ledger = SizeLedger(self.footprint)
         self.corrupt_blocks = 0
+        #: Values in a header version newer than this release reads, found and left in place.
+        self.newer_format_blocks = 0
         self.write_errors = 0
         self.read_errors = 0
         self.delete_errors = 0
@@ -90,6 +97,8 @@ class NvmeTier(Tier):
             max_workers=io_threads, thread_name_prefix="kvstore-nvme"
         )
         self._env = self._open()
+        # Beside the blocks, under the same directory lock (kvstore.tiers.nvme_retention).
+        self._retention = RetentionRecords(self.path / "retention")
 
     def _open(self) -> Any:
         private_directory(self.path)
@@ -169,11 +178,12 @@ class NvmeTier(Tier):
     async def read(self, keys: Sequence[bytes]) -> list[StoredBlock | None]:
         """Read and verify a batch in one read transaction; corrupt values become misses."""
         try:
-            blocks, corrupt = await self._run(self._get_many, list(keys))
+            blocks, corrupt, newer = await self._run(self._get_many, list(keys))
         except lmdb.Error as exc:
             self.read_errors += 1
             logger.warning("nvme read failed: %s", exc)
             return [None] * len(keys)
+        self.newer_format_blocks += newer
         if corrupt:
             corrupt = sorted(set(corrupt))  # a key asked for twice is still one bad block
             self.corrupt_blocks += len(corrupt)
@@ -181,9 +191,10 @@ class NvmeTier(Tier):
             await self.remove([bytes.fromhex(key) for key in corrupt])
         return blocks  # type: ignore[no-any-return]
 
-    def _get_many(self, keys: list[bytes]) -> tuple[list[StoredBlock | None], list[str]]:
+    def _get_many(self, keys: list[bytes]) -> tuple[list[StoredBlock | None], list[str], int]:
         blocks: list[StoredBlock | None] = []
         corrupt: list[str] = []
+        newer = 0
         with self._env.begin(buffers=True) as txn:
             for key in keys:
                 value = txn.get(key)
@@ -192,12 +203,16 @@ class NvmeTier(Tier):
                     continue
                 try:
                     header, payload = decode_value(key, value, self.keyring)
+                except NewerFormatError:
+                    newer += 1  # a later release's block: a miss, kept for it
+                    blocks.append(None)
+                    continue
                 except CorruptBlockError:
                     corrupt.append(key.hex())
                     blocks.append(None)
                     continue
                 blocks.append(StoredBlock(header, bytes(payload)))
-        return blocks, corrupt
+        return blocks, corrupt, newer
 
     async def remove(self, keys: Sequence[bytes]) -> bool:
         """Delete values; keys that are absent are ignored."""
@@ -218,8 +233,10 @@ class NvmeTier(Tier):
                 txn.delete(key)
 
     def scan(self) -> Iterator[BlockHeader]:
-        """Headers of the blocks on disk; values with a broken header are deleted on the way."""
+        """Headers of the blocks on disk; values with a broken header are deleted on the way,
+        values in a newer header version skipped (left on disk, not indexed)."""
         broken: list[bytes] = []
+        newer = 0
         headers: list[BlockHeader] = []
         started = time.monotonic()
         # A big directory takes a while to read: say so before, and how long it took after.
@@ -233,6 +250,9 @@ class NvmeTier(Tier):
                     wire = WireHeader.unpack(value[:HEADER_BYTES])
                     if wire.key != key or len(value) != HEADER_BYTES + wire.length:
                         raise CorruptBlockError("header does not match the stored value")
+                except NewerFormatError:
+                    newer += 1
+                    continue
                 except CorruptBlockError:
                     broken.append(key)
                     continue
@@ -242,6 +262,11 @@ class NvmeTier(Tier):
             self.corrupt_blocks += len(broken)
             logger.error("dropping %d nvme value(s) with a broken header", len(broken))
             self._delete_many(broken)
+        if newer:
+            self.newer_format_blocks += newer
+            logger.warning(
+                "leaving %d nvme value(s) written by a later release in place (not indexed)", newer
+            )
         for header in headers:
             self._ledger.add(header.key, header.length)
         logger.info(
@@ -252,6 +277,10 @@ class NvmeTier(Tier):
         )
         return iter(headers)
 
+    def retention_records(self) -> RetentionKeeper:
+        """The retention records kept beside the blocks (:mod:`kvstore.tiers.nvme_retention`)."""
+        return self._retention
+
     def stats(self) -> dict[str, int]:
         """Capacity, usage, blocks and error counters."""
         return {
@@ -259,6 +288,7 @@ class NvmeTier(Tier):
             "used": self._ledger.used,
             "blocks": len(self._ledger),
             "corrupt_blocks": self.corrupt_blocks,
+            "newer_format_blocks": self.newer_format_blocks,
             "write_errors": self.write_errors,
             "read_errors": self.read_errors,
             "delete_errors": self.delete_errors,
@@ -269,4 +299,5 @@ class NvmeTier(Tier):
         """Wait for pending LMDB calls, then close the environment."""
         self._executor.shutdown(wait=True)
         self._env.close()
+        self._retention.close()
         self._lock.release()

@@ -4,12 +4,14 @@ Each block is one atomic Redis string, ``header ‖ payload`` (see :mod:`kvstore
 ``key_prefix + key.hex()``, written with ``SET ... PX ttl``. A batch of reads is one ``MGET`` (in
 cluster mode, one pipeline of ``GET`` per master) and every value is verified with
 :func:`kvstore.block.decode_value`, keyed MAC included: anyone able to write to Redis can change a
-value but cannot sign one without the cluster's integrity secret, so a value that fails (forged,
-old unkeyed format, rotted) is deleted, counted in ``corrupt_blocks`` and reported as a miss; it is
-never served. Every node sharing the Redis needs the same integrity secrets. The MAC is computed
-when a block is written (write-through or write-back) and verified on reads, in a worker thread for
-batches over 64 KiB so that the event loop keeps serving. Batched writes and existence checks are
-non-transactional pipelines.
+value but cannot sign one without the cluster's integrity secret, so a value that fails (forged, old
+unkeyed format, rotted) is deleted, counted in ``corrupt_blocks`` and reported as a miss; it is
+never served. A value in a header version newer than this release reads (a later release's, during a
+rolling upgrade or after a downgrade: :mod:`kvstore.formats`) is a miss too, counted in
+``newer_format_blocks``, and left in Redis for the nodes that read it. Every node sharing the Redis
+needs the same integrity secrets. The MAC is computed when a block is written (write-through or
+write-back) and verified on reads, in a worker thread for batches over 64 KiB so that the event loop
+keeps serving. Batched writes and existence checks are non-transactional pipelines.
 
 The URL picks the client: ``redis://``, ``rediss://`` and ``unix://`` give one server
 (:class:`redis.asyncio.Redis`); ``redis+cluster://host:port`` (or ``rediss+cluster://``) gives a
@@ -61,6 +63,7 @@ from typing import Any, TypeVar
 
 from kvstore.block import HEADER_BYTES, BlockHeader, CorruptBlockError, Keyring, decode_value
 from kvstore.buffers import byte_view
+from kvstore.formats import NewerFormatError
 from kvstore.tiers.base import Buffer, SharedTier, SizeLedger, StoredBlock
 from kvstore.tiers.redis_link import SKIPPED, Failed, RedisLink
 
@@ -136,9 +139,13 @@ class RedisTier(SharedTier):
         self.reads_skipped = 0
         self.read_errors = 0
         self.corrupt_blocks = 0
+        #: Values found in a header version newer than this release reads (left in Redis).
+        self.newer_format_blocks = 0
         self.blocks_written = 0
         #: Blocks written with a retention TTL (:meth:`write_many`'s ``ttl_s``).
         self.retained_blocks_written = 0
+        #: Blocks whose TTL a retained put of an already stored block lengthened.
+        self.retained_blocks_extended = 0
 
     @property
     def up(self) -> bool:
@@ -271,6 +278,12 @@ class RedisTier(SharedTier):
         blocks: list[StoredBlock | None] = []
         corrupt: list[bytes] = []
         for key, block in zip(keys, decoded, strict=True):
+            if isinstance(block, NewerFormatError):
+                # A later release's block: not ours to judge, and its readers still want it.
+                logger.debug("redis block %s: %s", key.hex(), block)
+                self.newer_format_blocks += 1
+                blocks.append(None)
+                continue
             if isinstance(block, CorruptBlockError):
                 logger.error("dropping corrupt redis block %s: %s", key.hex(), block)
                 corrupt.append(key)
@@ -295,6 +308,21 @@ class RedisTier(SharedTier):
         names = [self._name(key) for key in keys]
         await self._link.pipelined("remove", names, lambda pipe, name: pipe.unlink(name))
         return True
+
+    async def extend(self, keys: Sequence[bytes], ttl_s: float) -> int:
+        """``PEXPIRE ... GT`` per key: the blocks Redis holds live at least ``ttl_s`` more (a
+        longer TTL, or none, is kept); returns how many it lengthened. Skipped while down."""
+        if not keys or not self.up:
+            return 0
+        names = [self._name(key) for key in keys]
+        ttl = max(1, round(ttl_s * 1000))
+        replies = await self._link.pipelined(
+            "extend", names, lambda pipe, name: pipe.pexpire(name, ttl, gt=True)
+        )
+        # 1 where lengthened; 0 where absent or already living longer (GT), or Failed.
+        extended = sum(1 for reply in replies if reply is True or reply == 1)
+        self.retained_blocks_extended += extended
+        return extended
 
     async def exists(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each block is in Redis now (from any node); False while down."""
@@ -323,9 +351,11 @@ class RedisTier(SharedTier):
             "blocks_written": self.blocks_written,
             "writes_dropped": self.writes_dropped,
             "retained_blocks_written": self.retained_blocks_written,
+            "retained_blocks_extended": self.retained_blocks_extended,
             "reads_skipped": self.reads_skipped,
             "read_errors": self.read_errors,
             "corrupt_blocks": self.corrupt_blocks,
+            "newer_format_blocks": self.newer_format_blocks,
         }
 
     async def close(self) -> None:
@@ -364,16 +394,16 @@ def _seal_all(
 
 def _decode_all(
     keys: list[bytes], values: list[Any], keyring: Keyring | None
-) -> list[StoredBlock | CorruptBlockError | None]:
+) -> list[StoredBlock | CorruptBlockError | NewerFormatError | None]:
     """Per value, the verified block, the reason it failed, or ``None`` where there was none."""
-    out: list[StoredBlock | CorruptBlockError | None] = []
+    out: list[StoredBlock | CorruptBlockError | NewerFormatError | None] = []
     for key, value in zip(keys, values, strict=True):
         if value is None:
             out.append(None)
             continue
         try:
             header, payload = decode_value(key, value, keyring)
-        except CorruptBlockError as exc:
+        except (CorruptBlockError, NewerFormatError) as exc:
             out.append(exc)
             continue
         out.append(StoredBlock(header, payload))

@@ -46,6 +46,7 @@ async def test_misses_by_reason_bytes_and_moves_per_tier() -> None:
             "miss_namespace": 1,
             "miss_peer_timeout": 0,
             "miss_peer_down": 0,
+            "miss_newer_format": 0,
         }
         dram = store.stats()["tiers"]["dram"]
         assert dram["evictions"] == 2 and dram["hits"] == 1

@@ -261,3 +261,21 @@ async def test_metrics_export_retained_blocks_and_early_evictions(store: TieredS
     assert f'kvstore_tier_retained_bytes{{tenant="",tier="dram"}} {4.0 * PAGE}' in text
     assert 'kvstore_tier_retained_evicted_early_total{tenant="",tier="dram"} 1.0' in text
     assert 'kvstore_tier_retained_blocks{tenant="",tier="nvme"} 1.0' in text
+
+
+async def test_a_retained_put_of_a_stored_block_lengthens_its_redis_ttl(
+    shared: TieredStore, redis_server: RedisServer
+) -> None:
+    await put(shared, [3])  # plain: the tier's TTL
+    await shared.drain()
+    client = redis_server.client()
+    assert 0 < client.pttl(redis_name(3)) <= 60_000
+    result = await put(shared, [3], Retention(900))  # found stored: nothing written again
+    assert (result.stored, result.already_present) == (0, 1)
+    await shared.drain()
+    assert 600_000 < client.pttl(redis_name(3)) <= 900_000
+    assert shared.stats()["tiers"]["redis"]["retained_blocks_extended"] == 1
+    # A shorter retention later never shortens it.
+    await put(shared, [3], Retention(120))
+    await shared.drain()
+    assert client.pttl(redis_name(3)) > 600_000

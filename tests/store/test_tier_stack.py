@@ -38,6 +38,9 @@ class _NotRedis(SharedTier):
     async def exists(self, keys: Sequence[bytes]) -> list[bool]:
         return [False] * len(keys)
 
+    async def extend(self, keys: Sequence[bytes], ttl_s: float) -> int:
+        return 0
+
     async def write_outcomes(
         self, items: Sequence[tuple[BlockHeader, Buffer]], ttl_s: float | None = None
     ) -> list[bool | None]:
