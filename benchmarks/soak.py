@@ -1,0 +1,382 @@
+"""A soak: mixed load with churn and faults against real processes, watched per interval.
+
+Exact command of the one-hour run (repository root; needs ``redis-server`` and ``redis-cli``;
+not part of any test suite; it stops by itself)::
+
+    nohup .venv/bin/python benchmarks/soak.py --minutes 60 \
+        --out benchmarks/results/soak_1h.json > benchmarks/results/soak_1h.log 2>&1 &
+
+The short version runs in the slow suite (``tests/integration/test_soak.py``, ``--minutes 3``).
+
+What runs, all on loopback: a Redis Cluster of 3 masters with a replica each
+(``tests/harness/redis_cluster.py``) and two ``kvstore serve`` nodes on it (``tests/harness/
+serve.py``; a small ``dram`` arena, a small ``nvme`` LMDB and the shared ``redis`` tier, so blocks
+are evicted, demoted and promoted all the time). ``--workers`` load processes per node
+(:mod:`_soak_worker`: half over shared memory, half over gRPC) put and get blocks of a sliding key
+window; a get on one node finds what the other stored through Redis, and every byte it returns is
+checked against what the key says it must be.
+
+Every ``--fault-every-s`` seconds one fault, in turn: a load process SIGKILLed (and started again
+at once); node 1 restarted (SIGTERM, and every other time SIGKILL, on the same LMDB directory and
+port); a Redis master SIGKILLed, its replica promoted, the old master started again (it rejoins as
+a replica). Node 0 and the first load process of node 0 are never restarted: their RSS and open
+descriptors are what "flat" is judged on.
+
+Every ``--sample-s`` seconds the driver samples RSS (and its anonymous, file and shared-memory
+parts) and open descriptors of both nodes and of that load process, and the LMDB files' size; per
+``--interval-s`` it reports those, the calls, hits, misses, errors and p50/p99 latency of gets and
+puts, and wrong blocks and bytes (which must be 0), plus the load average. "Flat" compares every
+sample after ``--warmup-s`` with the first one after it: RSS within ``--tolerance`` (10 %), and
+descriptors within the tolerance or 4 descriptors, whichever is more (a few sockets come and go).
+The JSON goes to ``--out`` (``benchmarks/results/soak_*.json``); the exit status is 1 when wrong
+bytes were seen or a watched figure was not flat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' harness
+from _common import exit_on_sigterm, machine_info, percentile
+from harness.redis_cluster import RedisCluster
+from harness.serve import ServerProcess
+
+ROOT = Path(__file__).resolve().parents[1]
+
+WORKER = ROOT / "benchmarks" / "_soak_worker.py"
+FAULTS = ("client_kill", "store_restart", "redis_failover")
+
+
+def proc_figures(pid: int) -> dict[str, int]:
+    """RSS and its parts (KiB) and open descriptors of process ``pid`` (empty once it is gone)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        fds = len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return {}
+    out = {"fds": fds}
+    for line in status.splitlines():
+        name, _, value = line.partition(":")
+        if name in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
+            out[name.lower() + "_kib"] = int(value.split()[0])
+    return out
+
+
+def lmdb_figures(path: Path) -> dict[str, int]:
+    """Apparent and allocated bytes of the files in an LMDB directory."""
+    size = allocated = 0
+    for entry in path.glob("**/*"):
+        if entry.is_file():
+            info = entry.stat()
+            size += info.st_size
+            allocated += info.st_blocks * 512
+    return {"lmdb_bytes": size, "lmdb_allocated_bytes": allocated}
+
+
+class Soak:
+    """The processes of one soak and what happened to them."""
+
+    def __init__(self, args: argparse.Namespace, workdir: Path, cluster: RedisCluster) -> None:
+        self.args = args
+        self.workdir = workdir
+        self.cluster = cluster
+        self.rng = random.Random(args.seed)
+        self.start = time.time()
+        self.end = self.start + args.minutes * 60
+        flags = ["--dram-capacity", args.dram, "--nvme-capacity", args.nvme]
+        flags += ["--redis-url", cluster.url, "--redis-ttl", str(args.redis_ttl_s)]
+        flags += ["--log-level", "WARNING"]
+        self.nodes = [ServerProcess(workdir / f"node{i}", flags, name=f"node{i}") for i in range(2)]
+        self.workers: list[dict[str, Any]] = []
+        self.faults: list[dict[str, Any]] = []
+        self.samples: list[dict[str, Any]] = []
+        self.crashes: list[str] = []
+        self.restarts = 0
+
+    # -- processes ------------------------------------------------------------------------------
+
+    def start_all(self) -> None:
+        for node in self.nodes:
+            node.start()
+        for node_index in range(2):
+            for slot in range(self.args.workers):
+                plane = "shm" if slot % 2 == 0 else "grpc"
+                self.workers.append({"node": node_index, "plane": plane, "slot": slot, "runs": 0})
+        for worker in self.workers:
+            self.spawn(worker)
+
+    def spawn(self, worker: dict[str, Any]) -> None:
+        worker["runs"] += 1
+        name = f"worker-{worker['node']}-{worker['slot']}"
+        worker["stats"] = self.workdir / f"{name}.jsonl"
+        log = (self.workdir / f"{name}-{worker['runs']}.log").open("wb")
+        argv = [sys.executable, str(WORKER), self.nodes[worker["node"]].target, worker["plane"]]
+        argv += [str(self.rng.randrange(2**31)), repr(self.end), str(worker["stats"])]
+        argv += ["--rate", str(self.args.rate), "--window-s", str(self.args.window_s)]
+        argv += ["--ops-per-s", str(self.args.ops_per_s), "--timeout-s", str(self.args.timeout_s)]
+        worker["proc"] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        worker["log"] = log
+
+    def respawn_dead(self) -> None:
+        for worker in self.workers:
+            proc = worker["proc"]
+            if proc.poll() is not None and time.time() < self.end - 5:
+                worker["log"].close()
+                tail = Path(worker["log"].name).read_text(errors="replace")[-1500:]
+                self.crashes.append(
+                    f"{worker['node']}/{worker['slot']} exited {proc.returncode}: {tail}"
+                )
+                self.spawn(worker)
+
+    @property
+    def steady(self) -> dict[str, Any]:
+        """The load process that is never killed (node 0's first)."""
+        return self.workers[0]
+
+    # -- faults ---------------------------------------------------------------------------------
+
+    def fault(self, kind: str) -> None:
+        began = time.time()
+        detail = ""
+        if kind == "client_kill":
+            victim = self.rng.choice(self.workers[1:])
+            victim["proc"].kill()
+            victim["proc"].wait()
+            victim["log"].close()
+            self.spawn(victim)
+            detail = f"worker {victim['node']}/{victim['slot']} ({victim['plane']})"
+        elif kind == "store_restart":
+            node = self.nodes[1]
+            self.restarts += 1
+            if self.restarts % 2:
+                node.stop()
+                detail = "node1 SIGTERM"
+            else:
+                node.kill()
+                detail = "node1 SIGKILL"
+            node.start(same_address=True)
+        else:
+            masters = [p for p, (role, _) in self.cluster.roles().items() if role == "master"]
+            killed = self.cluster.kill_master(self.cluster.node(self.rng.choice(masters)))
+            heir = self.cluster.wait_promoted(killed, within=60)
+            self.cluster._launch(killed)  # same nodes.conf: it rejoins as the heir's replica
+            self.cluster.wait_ok(60)
+            detail = f"master {killed.port} killed, {heir.port} promoted, {killed.port} back"
+        self.faults.append(
+            {
+                "t": round(began - self.start, 1),
+                "kind": kind,
+                "seconds": round(time.time() - began, 2),
+                "detail": detail,
+            }
+        )
+
+    # -- sampling -------------------------------------------------------------------------------
+
+    def sample(self) -> None:
+        row: dict[str, Any] = {"t": round(time.time() - self.start, 1), "load": os.getloadavg()[0]}
+        for index, node in enumerate(self.nodes):
+            if node.proc is not None:
+                row[f"node{index}"] = proc_figures(node.proc.pid) | lmdb_figures(node.nvme_path)
+        row["steady_worker"] = proc_figures(self.steady["proc"].pid)
+        self.samples.append(row)
+
+    def run(self) -> None:
+        next_sample = next_fault = time.time()
+        next_fault += self.args.fault_every_s
+        turn = 0
+        while time.time() < self.end:
+            now = time.time()
+            if now >= next_sample:
+                self.sample()
+                next_sample = now + self.args.sample_s
+            if now >= next_fault and now < self.end - self.args.fault_every_s / 2:
+                self.fault(FAULTS[turn % len(FAULTS)])
+                turn += 1
+                next_fault = time.time() + self.args.fault_every_s
+            self.respawn_dead()
+            time.sleep(0.5)
+        self.sample()
+
+    def stop_all(self) -> None:
+        for worker in self.workers:
+            proc = worker.get("proc")
+            if proc is None:
+                continue
+            try:
+                proc.wait(timeout=self.args.timeout_s * 3)  # they stop by themselves at the end
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            worker["log"].close()
+        for node in self.nodes:
+            if node.running:
+                node.stop(signal.SIGTERM)
+            node.close()
+
+    # -- the report -----------------------------------------------------------------------------
+
+    def report(self) -> dict[str, Any]:
+        interval = self.args.interval_s
+        lines: list[dict[str, Any]] = []
+        for worker in self.workers:
+            path = worker.get("stats")
+            if path is not None and Path(path).exists():
+                for text in Path(path).read_text().splitlines():
+                    try:
+                        lines.append(json.loads(text) | {"plane": worker["plane"]})
+                    except json.JSONDecodeError:  # a line cut short by a kill
+                        continue
+        count = max(1, round(self.args.minutes * 60 / interval))
+        intervals = []
+        for index in range(count):
+            low, high = index * interval, (index + 1) * interval
+            mine = [x for x in lines if low <= x["t"] - self.start < high]
+            samples = [s for s in self.samples if low <= s["t"] < high]
+            intervals.append(_interval(index, low, high, mine, samples))
+        totals = {
+            name: sum(x.get(name, 0) for x in lines)
+            for name in (
+                "puts",
+                "gets",
+                "hits",
+                "misses",
+                "errors",
+                "wrong_blocks",
+                "wrong_bytes",
+                "put_bytes",
+                "get_bytes",
+            )
+        }
+        flat = self.flatness()
+        return {
+            "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "machine": machine_info(),
+            "settings": {
+                k: (str(v) if isinstance(v, Path) else v) for k, v in vars(self.args).items()
+            },
+            "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.start)),
+            "load_average_end": os.getloadavg(),
+            "totals": totals,
+            "wrong_bytes": totals["wrong_bytes"],
+            "flat": flat,
+            "ok": totals["wrong_bytes"] == 0
+            and totals["wrong_blocks"] == 0
+            and all(v["flat"] for v in flat.values()),
+            "faults": self.faults,
+            "worker_crashes": self.crashes,
+            "intervals": intervals,
+            "samples": self.samples,
+        }
+
+    def flatness(self) -> dict[str, dict[str, Any]]:
+        after = [s for s in self.samples if s["t"] >= self.args.warmup_s]
+        out: dict[str, dict[str, Any]] = {}
+        for process in ("node0", "steady_worker"):
+            for figure, slack in (("vmrss_kib", 0), ("fds", 4)):
+                values = [s[process][figure] for s in after if figure in s.get(process, {})]
+                if not values:
+                    out[f"{process}.{figure}"] = {"flat": False, "why": "no samples"}
+                    continue
+                base = values[0]
+                allowed = max(base * self.args.tolerance, slack)
+                out[f"{process}.{figure}"] = {
+                    "baseline": base,
+                    "max": max(values),
+                    "last": values[-1],
+                    "max_ratio": round(max(values) / base, 4) if base else None,
+                    "flat": max(values) <= base + allowed,
+                }
+        return out
+
+
+def _interval(
+    index: int, low: float, high: float, lines: list[dict[str, Any]], samples: list[dict[str, Any]]
+) -> dict[str, Any]:
+    row: dict[str, Any] = {"interval": index, "from_s": low, "to_s": high}
+    for name in ("puts", "gets", "hits", "misses", "errors", "wrong_blocks", "wrong_bytes"):
+        row[name] = sum(x.get(name, 0) for x in lines)
+    for op in ("get", "put"):
+        for plane in ("shm", "grpc"):
+            values = [v for x in lines if x["plane"] == plane for v in x.get(f"{op}_ms", [])]
+            if values:
+                row[f"{op}_{plane}_p50_ms"] = round(percentile(values, 50), 2)
+                row[f"{op}_{plane}_p99_ms"] = round(percentile(values, 99), 2)
+    moved = sum(x.get("put_bytes", 0) + x.get("get_bytes", 0) for x in lines)
+    row["mb_per_s"] = round(moved / (high - low) / 1e6, 2)
+    if samples:
+        last = samples[-1]
+        row["load_average_1m"] = round(last["load"], 2)
+        for process in ("node0", "node1", "steady_worker"):
+            figures = last.get(process, {})
+            row[process] = {k: figures[k] for k in figures}
+            rss = [s[process]["vmrss_kib"] for s in samples if "vmrss_kib" in s.get(process, {})]
+            if rss:
+                row[process]["vmrss_kib_max"] = max(rss)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=60.0)
+    parser.add_argument("--interval-s", type=float, default=None, help="default: 300, or a sixth")
+    parser.add_argument("--warmup-s", type=float, default=None, help="default: one interval")
+    parser.add_argument("--sample-s", type=float, default=10.0)
+    parser.add_argument("--fault-every-s", type=float, default=None, help="default: 60, or 20")
+    parser.add_argument("--workers", type=int, default=2, help="load processes per node")
+    parser.add_argument("--dram", default="48MiB")
+    parser.add_argument("--nvme", default="96MiB")
+    parser.add_argument("--rate", type=float, default=20.0, help="new block ids per second")
+    parser.add_argument("--window-s", type=float, default=60.0)
+    parser.add_argument("--ops-per-s", type=float, default=10.0, help="per load process")
+    parser.add_argument("--redis-ttl-s", type=float, default=300.0)
+    parser.add_argument("--timeout-s", type=float, default=5.0)
+    parser.add_argument("--tolerance", type=float, default=0.10)
+    parser.add_argument("--seed", type=int, default=41)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    span = args.minutes * 60
+    args.interval_s = args.interval_s or min(300.0, span / 6)
+    args.warmup_s = args.interval_s if args.warmup_s is None else args.warmup_s
+    args.fault_every_s = args.fault_every_s or (60.0 if span >= 1800 else 20.0)
+    out = args.out or ROOT / "benchmarks" / "results" / f"soak_{int(args.minutes)}m.json"
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    )
+    exit_on_sigterm()
+    with tempfile.TemporaryDirectory(prefix="kvsoak-") as tmp:
+        workdir = Path(tmp)
+        with RedisCluster(workdir / "redis", masters=3, replicas=1) as cluster:
+            soak = Soak(args, workdir, cluster)
+            try:
+                soak.start_all()
+                soak.run()
+            finally:
+                soak.stop_all()
+            result = soak.report()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    totals = result["totals"]
+    print(
+        f"soak {args.minutes:g} min: {totals['gets']} gets, {totals['puts']} puts, "
+        f"{totals['errors']} errors, {totals['wrong_bytes']} wrong bytes, "
+        f"{len(result['faults'])} faults; flat: "
+        + ", ".join(f"{k} {v.get('max_ratio')}" for k, v in result["flat"].items())
+        + f"; wrote {out}"
+    )
+    sys.exit(0 if result["ok"] else 1)
+
+
+if __name__ == "__main__":
+    main()
