@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from kvstore.config.meta import setting
 from kvstore.deprecation import deprecated
 from kvstore.errors import ConfigError
-
 from kvstore.formats import WRITE_FORMATS
 
 # The Namespace JSON codec lives with the key scheme; offered here too, where it used to be.
