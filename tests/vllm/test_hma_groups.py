@@ -299,6 +299,7 @@ def test_a_sliding_window_hit_loads_only_the_window_and_never_the_null_block(
         stats = b.workers.take_stats()
         assert stats is not None
         block_bytes = HEADS * BLOCK * 2 * HEAD * 4
+        assert stats["loaded_tokens"] == hit  # prompt tokens, once (not once per group)
         assert stats["loaded_bytes_by_group"] == {
             "full/0": 12 * block_bytes,  # 192 tokens
             "sliding/1": 3 * block_bytes,  # blocks 9..11 of chunks 4 and 5 (block 8 is null)
