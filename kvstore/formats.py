@@ -31,6 +31,7 @@ __all__ = [
     "FORMATS",
     "INDEX",
     "LATEST",
+    "PEER_CALL",
     "PREVIOUS",
     "PREVIOUS_RELEASE",
     "RECORD",
@@ -94,12 +95,20 @@ RECORD = Format("node description", reads=(1, 2, 3), latest=3, previous=2)
 #: reader of version 1 skips (it still learns the tier).
 INDEX = Format("index entry", reads=(1,), latest=1, previous=1)
 
+#: The authenticator a node's peer read carries (:mod:`kvstore.node.peer_auth`, gRPC metadata).
+PEER_CALL = Format("peer authenticator", reads=(1,), latest=1, previous=1)
 #: Retention records beside the nvme tier's blocks (:mod:`kvstore.tiers.nvme_retention`): node-
 #: local, but a downgrade reads them too.
 RETENTION = Format("retention record", reads=(1,), latest=1, previous=1)
 
 #: Every format by the name a node description's ``formats`` field gives it.
-FORMATS = {"block": BLOCK, "record": RECORD, "index": INDEX, "retention": RETENTION}
+FORMATS = {
+    "block": BLOCK,
+    "record": RECORD,
+    "index": INDEX,
+    "peer_call": PEER_CALL,
+    "retention": RETENTION,
+}
 
 
 class NewerFormatError(Exception):

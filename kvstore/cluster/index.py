@@ -74,7 +74,8 @@ class ClusterIndex:
         self.refused: dict[str, int] = {}
         #: How many times a (node, epoch) was found without a valid description.
         self.refused_count = 0
-        #: Nodes whose description is in a version newer than this release reads, with it.
+        #: Nodes whose description is in a version newer than this release reads (a later
+        #: release's, :mod:`kvstore.formats`), with their epoch: left out, but not refused.
         self.newer: dict[str, int] = {}
         self._known: set[str] = set()
         #: The boot epoch of each node with a live lease, as of the last :meth:`holders`
@@ -152,9 +153,11 @@ class ClusterIndex:
                     _parsed(node, raw) if ring is None else NodeInfo.verified(node, raw, ring)
                 )
             except NewerFormatError as exc:
-                if self.newer.get(node) != exc.version:
+                lease = leases[node] or b""
+                epoch = int(lease) if lease.isdigit() else -1
+                if self.newer.get(node) != epoch:
                     logger.warning("cluster index: not reading node %r yet: %s", node, exc)
-                self.newer[node] = exc.version
+                self.newer[node] = epoch
             except RecordError as exc:
                 self._refuse(node, leases[node] or b"", str(exc))
             else:

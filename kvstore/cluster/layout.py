@@ -8,7 +8,9 @@ server without tenants):
 * ``P node:NODE``: a hash of the node's addresses and capacity (:class:`~.membership.NodeInfo`);
 * ``P nodes``: the set of node ids that ever registered (for listing members);
 * ``P T k:KEY``: one hash per chunk key (the raw key bytes), field ``NODE`` → ``EPOCH:TIER``
-  (``TIER``: a kvstore tier's name, or :data:`LOCAL` for the engine's own prefix cache).
+  (``TIER``: a kvstore tier's name, or :data:`LOCAL` for the engine's own prefix cache). That is
+  index entry version 1 (:data:`kvstore.formats.INDEX`); a later version may append
+  ``;``-separated fields, which readers of version 1 skip (:meth:`.ClusterIndex.holders`).
 
 One hash per chunk key makes a router's question ("which nodes hold these keys") one pipeline
 of ``HGETALL``, whatever the number of nodes; with Redis Cluster the keys spread over slots and

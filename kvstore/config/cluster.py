@@ -101,7 +101,8 @@ class ClusterConfig:
             " next live holder while the deadline allows; a peer that fails or times out is a miss"
             " and is not asked again until its lease renews. Every block from a peer is verified "
             "against its keyed MAC before it is installed or served (every node needs the same "
-            "integrity secrets and this version); one that fails is a `corrupt` miss counted in "
+            "integrity secrets, and this release or the one before: see "
+            "[docs/upgrades.md](docs/upgrades.md)); one that fails is a `corrupt` miss counted in "
             "`peer_corrupt_blocks`, and its holder is not asked again until it restarts"
         ),
         kind="choice",

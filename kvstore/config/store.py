@@ -190,9 +190,28 @@ class RedisConfig:
     op_timeout_s: float = setting(
         0.5,
         help=(
-            "longest any request waits on Redis; past it the tier (with Redis Cluster: the master "
+            "longest a request moving few bytes waits on Redis (the floor of every deadline); a "
+            "request moving B bytes waits up to this + B / rate (see `redis.min_rate`), at most "
+            "`redis.op_timeout_max_s`. Past its deadline the tier (with Redis Cluster: the master "
             "that did not answer) is marked down"
         ),
+    )
+    op_timeout_max_s: float = setting(
+        30.0,
+        help=(
+            "longest any request waits on Redis, however many bytes it moves (the cap of every "
+            "deadline); at least `redis.op_timeout_s`"
+        ),
+    )
+    min_rate: int = setting(
+        4 * 1024**2,
+        help=(
+            "bytes per second a request's deadline assumes the link moves at least: a request "
+            "slower than this counts as an outage, unless this node measured the link slower, "
+            "when half the measured rate is assumed instead (`rate_bytes_per_s` in the tier's "
+            "stats). `8MiB` over the default 4 MiB/s: 0.5 + 2 s"
+        ),
+        kind="size",
     )
     key_prefix: str = setting(
         "kvstore:v1:",
@@ -216,6 +235,15 @@ class RedisConfig:
             raise ConfigError(f"redis.ttl_s must be > 0, got {self.ttl_s}")
         if self.op_timeout_s <= 0:
             raise ConfigError(f"redis.op_timeout_s must be > 0, got {self.op_timeout_s}")
+        if self.op_timeout_max_s < self.op_timeout_s:
+            raise ConfigError(
+                f"redis.op_timeout_max_s must be >= redis.op_timeout_s ({self.op_timeout_s}), "
+                f"got {self.op_timeout_max_s}"
+            )
+        if self.min_rate <= 0:
+            raise ConfigError(
+                f"redis.min_rate must be > 0 bytes per second (e.g. 4MiB), got {self.min_rate}"
+            )
         for name in ("resend_queue_bytes", "resend_queue_blocks"):
             if getattr(self, name) < 0:
                 raise ConfigError(

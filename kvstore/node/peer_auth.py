@@ -42,6 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvstore.block import Keyring
+from kvstore.formats import PEER_CALL, NewerFormatError
 
 __all__ = [
     "CALL_METADATA",
@@ -145,6 +146,14 @@ class PeerCall:
         if len(text) > MAX_METADATA_CHARS:
             raise PeerAuthError(f"the {CALL_METADATA} metadata is over {MAX_METADATA_CHARS} chars")
         words = text.split(" ")
+        named = words[0][1:] if words[0].startswith("v") else ""
+        if named.isdigit() and PEER_CALL.is_newer(int(named)):
+            # Refused all the same (it cannot be checked), but said for what it is.
+            newer = NewerFormatError(PEER_CALL, int(named))
+            raise PeerAuthError(
+                f"the {CALL_METADATA} metadata is a {words[0]} authenticator, of a later release "
+                f"than this node's (which reads {_VERSION}): {newer}"
+            )
         if len(words) != 9 or words[0] != _VERSION:
             raise PeerAuthError(
                 f"the {CALL_METADATA} metadata is not a {_VERSION} authenticator (nodes of one "

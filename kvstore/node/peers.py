@@ -222,6 +222,9 @@ class PeerSource:
             if self.transport == "ucx":  # UCX only: a peer without a listener is not asked
                 usable = [node for node in usable if self._nodes[node].ucx]
             if not usable:
+                if all(node in self.index.newer for node in names):  # a later release's nodes
+                    why[position] = "newer_format"
+                    continue
                 why[position] = "peer_down"
                 self.counters.add("peer_skipped_suspect")
                 continue
@@ -268,12 +271,15 @@ class PeerSource:
         # from it (its lease lapsed meanwhile) counts as moved, never as a KeyError.
         epochs = self.index.epochs
         refused = self.index.refused  # not again for a description already refused at its epoch
+        newer = self.index.newer
         now_ms = time.time() * 1000
         recheck = time.monotonic() >= self._recheck_at
 
         def stale(node: str) -> bool:
             if node in refused:  # a description fixed since (re-signed) counts again
                 return refused[node] != epochs.get(node) or recheck
+            if node in newer:  # a later release's: read again as seldom as a refused one
+                return newer[node] != epochs.get(node) or recheck
             known = self._nodes.get(node)
             return known is None or known.epoch != epochs.get(node) or known.expires_ms <= now_ms
 

@@ -94,6 +94,8 @@ def _redis_tier(config: Config) -> Tier | None:
         ttl_s=redis.ttl_s,
         key_prefix=redis.key_prefix,
         op_timeout_s=redis.op_timeout_s,
+        op_timeout_max_s=redis.op_timeout_max_s,
+        min_rate=redis.min_rate,
         resend_queue_bytes=redis.resend_queue_bytes,
         resend_queue_blocks=redis.resend_queue_blocks,
     )

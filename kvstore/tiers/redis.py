@@ -24,18 +24,20 @@ remove blocks behind its back; a read that misses a block this node wrote forget
 run it with ``maxmemory`` and ``maxmemory-policy allkeys-lru``; the TTL bounds what a departed node
 leaves behind.
 
-**Outages.** The store must never wait on Redis longer than ``op_timeout_s``: every command runs
+**Outages.** The store never waits on Redis longer than a call's deadline, which grows with the
+bytes the call moves (:mod:`kvstore.tiers.redis_rate`: ``op_timeout_s`` for a call moving few bytes,
+plus the bytes over the rate the link is trusted or measured to keep up, at most
+``op_timeout_max_s``; the measured rate is ``rate_bytes_per_s`` in the stats): every command runs
 under :func:`kvstore.deadline.within` (which returns at the deadline even when redis-py takes long
-to wind a cancelled call down) and socket timeouts of the same length, and client-side retries
-are off (a retry would multiply the wait). A connection error or timeout marks the tier *down*;
-while down, reads are misses, writes fail at once (``writes_dropped``: the store keeps them for
-re-sending, see :mod:`kvstore.store.shared_writer`) and removes are skipped (the TTL cleans up),
-all without touching the network. A background task pings a fresh client with capped, jittered
+to wind a cancelled call down) and socket timeouts no shorter, and client-side retries are
+off (a retry would multiply the wait). A connection error or timeout marks the tier *down*; while
+down, reads are misses, writes fail at once (``writes_dropped``: the store keeps them for
+re-sending, see :mod:`kvstore.store.shared_writer`) and removes are skipped (the TTL cleans up), all
+without touching the network. A background task pings a fresh client with capped, jittered
 exponential backoff and marks the tier *up* again. Other Redis errors (e.g. ``OOM`` under
 ``maxmemory-policy noeviction``) fail that one call and leave the tier up. No Redis trouble ever
-raises to the caller. The timeout covers a whole batch, so size it for the largest batch a call
-moves (redis-py reads ~0.5 GB/s: 64 MiB take ~130 ms); too short a timeout turns a big read into
-an outage.
+raises to the caller. So a large batch over a slow link is slow, not an outage, while a stalled
+Redis still fails a small call (PING, EXISTS) within ``op_timeout_s``.
 
 **Redis Cluster.** A batch is split by the primary that serves each key's slot and each primary
 gets its own pipeline, concurrently, within the one deadline. A primary that stops answering
@@ -58,6 +60,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -67,7 +70,13 @@ from kvstore.formats import NewerFormatError
 from kvstore.tiers.base import Buffer, SharedTier, SizeLedger, StoredBlock
 from kvstore.tiers.redis_link import SKIPPED, Failed, RedisLink
 
-__all__ = ["DEFAULT_RESEND_QUEUE_BLOCKS", "DEFAULT_RESEND_QUEUE_BYTES", "RedisTier"]
+__all__ = [
+    "DEFAULT_MIN_RATE",
+    "DEFAULT_OP_TIMEOUT_MAX_S",
+    "DEFAULT_RESEND_QUEUE_BLOCKS",
+    "DEFAULT_RESEND_QUEUE_BYTES",
+    "RedisTier",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +87,13 @@ _T = TypeVar("_T")
 DEFAULT_RESEND_QUEUE_BYTES = 256 * 1024**2
 DEFAULT_RESEND_QUEUE_BLOCKS = 16384
 
+
+#: Defaults of ``redis.op_timeout_max_s`` and ``redis.min_rate`` (:mod:`.redis_rate`): no call
+#: waits longer than 30 s, and a link is trusted to move at least 4 MiB/s (8 MiB: 2.5 s).
+DEFAULT_OP_TIMEOUT_MAX_S = 30.0
+DEFAULT_MIN_RATE = 4 * 1024**2
+# What a value read is assumed to weigh before any was seen.
+_TYPICAL_VALUE = 1024**2
 
 _SINGLE_SCHEMES = ("redis://", "rediss://", "unix://")
 _CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
@@ -99,6 +115,8 @@ class RedisTier(SharedTier):
         reconnect_backoff_s: tuple[float, float] = (0.1, 5.0),
         resend_queue_bytes: int = DEFAULT_RESEND_QUEUE_BYTES,
         resend_queue_blocks: int = DEFAULT_RESEND_QUEUE_BLOCKS,
+        op_timeout_max_s: float = DEFAULT_OP_TIMEOUT_MAX_S,
+        min_rate: int = DEFAULT_MIN_RATE,
     ) -> None:
         if capacity < 0:
             raise ValueError(f"capacity must be >= 0, got {capacity}")
@@ -133,7 +151,16 @@ class RedisTier(SharedTier):
         if not url.startswith((*_SINGLE_SCHEMES, *_CLUSTER_SCHEMES)):
             allowed = ", ".join([*_SINGLE_SCHEMES, *_CLUSTER_SCHEMES])
             raise ValueError(f"unsupported Redis URL {url!r}; use one of {allowed}")
-        self._link = RedisLink(url, op_timeout_s, (low, high))
+        if op_timeout_max_s < op_timeout_s:
+            raise ValueError(
+                f"op_timeout_max_s ({op_timeout_max_s}) must be >= op_timeout_s ({op_timeout_s})"
+            )
+        self._link = RedisLink(
+            url, op_timeout_s, (low, high), max_timeout_s=op_timeout_max_s, min_rate=min_rate
+        )
+        # The mean size of a value read or written here, for the deadline of a read (whose
+        # reply sizes are known only once it has arrived).
+        self._typical_value = float(_TYPICAL_VALUE)
         self._ledger = SizeLedger(self.footprint)
         self.writes_dropped = 0
         self.reads_skipped = 0
@@ -217,12 +244,18 @@ class RedisTier(SharedTier):
         ttl = self._ttl_ms
         if ttl_s and ttl is not None:
             ttl = max(ttl, round(ttl_s * 1000))
+        sent = sum(len(values[i] or b"") for i in chosen)
+        started = time.monotonic()
         results = await self._link.pipelined(
             "write",
             names,
             lambda pipe, name: pipe.set(name, by_name[name], px=ttl),
             replicated=True,
+            size=sent,
         )
+        if not any(isinstance(result, (Failed, Exception)) for result in results):
+            self._link.rate.observe(sent, time.monotonic() - started)
+            self._typical_value += 0.2 * (sent / len(names) - self._typical_value)
         refusal: Exception | None = None
         for i, result in zip(chosen, results, strict=True):
             header = items[i][0]
@@ -251,12 +284,18 @@ class RedisTier(SharedTier):
             return [None] * len(keys)
         names = [self._name(key) for key in keys]
         replies: list[Any]
+        # The deadline grows with what the batch should bring back (kvstore.tiers.redis_rate).
+        expected = round(len(keys) * self._typical_value)
+        started = time.monotonic()
         if self._link.cluster:
-            replies = await self._link.pipelined("read", names, lambda pipe, name: pipe.get(name))
+            replies = await self._link.pipelined(
+                "read", names, lambda pipe, name: pipe.get(name), size=expected
+            )
         else:
             # One MGET: 10-20% faster than a pipeline of GETs for 32 KiB-1 MiB values.
-            answer = await self._link.call("read", lambda client: client.mget(names))
+            answer = await self._link.call("read", lambda client: client.mget(names), size=expected)
             replies = [answer] * len(names) if isinstance(answer, Failed) else answer
+        elapsed = time.monotonic() - started
         values: list[Any] = []
         failed = 0
         for key, reply in zip(keys, replies, strict=True):
@@ -274,6 +313,10 @@ class RedisTier(SharedTier):
         if failed:
             self.read_errors += 1
         size = sum(len(value) for value in values if value is not None)
+        found = sum(1 for value in values if value is not None)
+        if found and not failed:
+            self._link.rate.observe(size, elapsed)
+            self._typical_value += 0.2 * (size / found - self._typical_value)
         decoded = await _off_loop(size, _decode_all, list(keys), values, self.keyring)
         blocks: list[StoredBlock | None] = []
         corrupt: list[bytes] = []
@@ -356,6 +399,9 @@ class RedisTier(SharedTier):
             "read_errors": self.read_errors,
             "corrupt_blocks": self.corrupt_blocks,
             "newer_format_blocks": self.newer_format_blocks,
+            # What deadlines assume (kvstore.tiers.redis_rate): measured, 0 before any.
+            "rate_bytes_per_s": round(self._link.rate.measured or 0),
+            "slow_calls_timed_out": self._link.rate.misses,
         }
 
     async def close(self) -> None:

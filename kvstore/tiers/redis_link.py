@@ -1,8 +1,11 @@
 """``RedisLink``: the client of the shared tier, its deadline on every call, and its outages.
 
 Every call runs under :func:`kvstore.deadline.within` (it returns at the deadline even when
-redis-py takes long to wind a cancelled call down) with socket timeouts of the same length and
-client-side retries off (a retry would multiply the wait). A connection error or timeout marks
+redis-py takes long to wind a cancelled call down), a deadline that grows with the bytes the call
+moves (:mod:`kvstore.tiers.redis_rate`: ``op_timeout_s`` for a call moving few bytes, up to
+``max_timeout_s``), with client-side retries off (a retry would multiply the wait). Sockets time
+out connecting after ``op_timeout_s`` and reading after ``max_timeout_s`` (a large reply arrives
+over one read, which the call's own deadline bounds). A connection error or timeout marks
 the link *down* (a single server) or one cluster primary down (only the keys of its slots are
 skipped); a background task pings fresh clients with capped, jittered exponential backoff and
 swaps one in once it answers: for a cluster, once every primary answers PING, which is when a
@@ -40,6 +43,7 @@ from redis.exceptions import (
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvstore.deadline import within
+from kvstore.tiers.redis_rate import TransferRate
 
 __all__ = ["FAILED", "SKIPPED", "Failed", "RedisLink"]
 
@@ -86,10 +90,19 @@ class RedisLink:
     """One Redis or Redis Cluster reached through :attr:`url`, with outage handling."""
 
     def __init__(
-        self, url: str, op_timeout_s: float, reconnect_backoff_s: tuple[float, float]
+        self,
+        url: str,
+        op_timeout_s: float,
+        reconnect_backoff_s: tuple[float, float],
+        *,
+        max_timeout_s: float | None = None,
+        min_rate: float = 4 * 1024**2,
     ) -> None:
         self.url = url
         self.op_timeout_s = op_timeout_s
+        self.max_timeout_s = op_timeout_s if max_timeout_s is None else max_timeout_s
+        #: The deadline of a call by the bytes it moves, and the rate measured on this link.
+        self.rate = TransferRate(op_timeout_s, self.max_timeout_s, min_rate)
         self.reconnect_backoff_s = reconnect_backoff_s
         # Every cluster node a client has seen ("host", port): a fresh client bootstraps from
         # them too, not only from the URL's node, which may be the master that just died.
@@ -115,7 +128,7 @@ class RedisLink:
     def _make_client(self) -> _Client:
         """A new client for :attr:`url`; it connects lazily, on its first command."""
         options: dict[str, Any] = {
-            "socket_timeout": self.op_timeout_s,
+            "socket_timeout": self.max_timeout_s,
             "socket_connect_timeout": self.op_timeout_s,
             # No client-side retries: one attempt per call, and the reconnect loop does the rest.
             "retry": Retry(NoBackoff(), 0),
@@ -157,14 +170,19 @@ class RedisLink:
         client: _Client | None = None,
         node: str = "",
         deadline: float | None = None,
+        size: int = 0,
     ) -> _T | Failed:
-        """Run ``fn`` against the client until ``deadline`` (default: ``op_timeout_s`` from now);
-        ``FAILED`` on Redis trouble. An outage on a cluster ``node`` marks only that node down."""
+        """Run ``fn`` against the client until ``deadline`` (default: what a call moving ``size``
+        bytes may take, from now); ``FAILED`` on Redis trouble. An outage on a cluster ``node``
+        marks only that node down."""
         client = self._client if client is None else client
-        timeout = self.op_timeout_s if deadline is None else deadline - time.monotonic()
+        started = time.monotonic()
+        timeout = self.rate.timeout(size) if deadline is None else deadline - started
         try:
             return await within(fn(client), timeout, self._abandoned)
         except _OUTAGE_ERRORS as exc:
+            if isinstance(exc, TimeoutError) and deadline is None:
+                self.rate.missed(size, time.monotonic() - started)
             self._mark_down(client, op, exc, node)
         except RedisError as exc:
             logger.warning("redis %s failed: %s", op, exc)
@@ -304,6 +322,7 @@ class RedisLink:
         command: Callable[[Any, bytes], object],
         *,
         replicated: bool = False,
+        size: int = 0,
     ) -> list[Any]:
         """Per name, the reply to ``command(pipeline, name)`` (an exception where that command
         failed), :data:`SKIPPED` where its cluster node is down, or :data:`FAILED` where the
@@ -316,8 +335,12 @@ class RedisLink:
         call (the writes are then sent again); where no replica acknowledges in time the
         replies are :data:`FAILED` too (counted in :attr:`unreplicated`), and a fresh view of
         the cluster is taken, which leaves out a replica the cluster has flagged failed.
+
+        ``size``: the bytes the batch moves (sent and expected back), which set its deadline
+        (:mod:`kvstore.tiers.redis_rate`); a batch that runs out of it lowers the rate assumed.
         """
-        deadline = time.monotonic() + self.op_timeout_s
+        started = time.monotonic()
+        deadline = started + self.rate.timeout(size)
         replies: list[Any] = [FAILED] * len(names)
         split = await self._split(names, deadline)
         if isinstance(split, Failed):
@@ -358,6 +381,8 @@ class RedisLink:
                 replies[position] = answer
 
         await asyncio.gather(*(run(node, positions) for node, positions in groups.items()))
+        if size and time.monotonic() >= deadline and FAILED in replies:
+            self.rate.missed(size, time.monotonic() - started)
         return replies
 
     async def close(self) -> None:

@@ -50,11 +50,16 @@ def previous_release(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]
     if shutil.which("git") is None or not (REPO / ".git").exists():
         pytest.fail("the mixed-version test needs git and this repository's history")
     where = tmp_path_factory.mktemp("previous") / "release"
-    subprocess.run(
+    made = subprocess.run(
         ["git", "-C", str(REPO), "worktree", "add", "--detach", str(where), PREVIOUS_RELEASE],
-        check=True,
         capture_output=True,
+        text=True,
     )
+    if made.returncode != 0:
+        pytest.fail(
+            f"cannot check out the previous release {PREVIOUS_RELEASE} (a shallow clone? "
+            f"`git fetch --unshallow`): {made.stderr.strip()}"
+        )
     try:
         yield where
     finally:

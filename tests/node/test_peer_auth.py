@@ -155,3 +155,12 @@ def test_derived_keys_are_apart_from_the_block_keys_and_each_other() -> None:
         mac = signer.sign(message, ())
         assert [ring.verify(message, (), mac) for ring in rings].count(True) == 1
     assert peer_keyring(CLUSTER).verify(message, (), rings[1].sign(message, ()))
+
+
+def test_an_authenticator_of_a_later_release_is_refused_for_what_it_is() -> None:
+    from kvstore.node.peer_auth import PeerAuthError, PeerCall
+
+    with pytest.raises(PeerAuthError, match="v2 authenticator, of a later release"):
+        PeerCall.parse("v2 Get 61 62 63 1 2 00 00 extra")
+    with pytest.raises(PeerAuthError, match="not a v1 authenticator"):
+        PeerCall.parse("x1 Get")

@@ -25,6 +25,7 @@ class _InterleavedIndex:
     def __init__(self) -> None:
         self.epochs: dict[str, int] = {"two": 5}
         self.refused: dict[str, int] = {}  # no unsigned descriptions met
+        self.newer: dict[str, int] = {}  # nor descriptions of a later release
         self.refused_count = 0
         self.asked_nodes = 0
 
