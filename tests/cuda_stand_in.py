@@ -123,12 +123,16 @@ class StandInRegistrar:
         self.fail, self.delay_s = fail, delay_s
         self.registered: list[tuple[int, int]] = []
         self.unregistered: list[int] = []
+        #: The ``(address, nbytes)`` registered for reading only (a read-only mapping).
+        self.read_only: list[tuple[int, int]] = []
 
-    def register(self, address: int, nbytes: int) -> int:
+    def register(self, address: int, nbytes: int, read_only: bool = False) -> int:
         time.sleep(self.delay_s)
         if self.fail:
             return self.fail
         self.registered.append((address, nbytes))
+        if read_only:
+            self.read_only.append((address, nbytes))
         return 0
 
     def unregister(self, address: int) -> None:

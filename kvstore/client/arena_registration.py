@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
-from kvstore.client.cuda_runtime import CudaRuntime, cuda_runtime
+from kvstore.client.cuda_runtime import PORTABLE, READ_ONLY, CudaRuntime, cuda_runtime
 
 __all__ = ["PIECE_BYTES", "ArenaRegistration", "CudaRegistrar", "Registrar"]
 
@@ -46,8 +46,9 @@ PIECE_BYTES = 256 << 20
 class Registrar(Protocol):
     """What page-locks host memory for a device: the CUDA runtime, or a test's stand-in."""
 
-    def register(self, address: int, nbytes: int) -> int:
-        """Page-lock the range; 0 when done, else an error code for :meth:`describe`."""
+    def register(self, address: int, nbytes: int, read_only: bool = False) -> int:
+        """Page-lock the range (``read_only``: for DMA out of it only, as a read-only mapping
+        allows); 0 when done, else an error code for :meth:`describe`."""
         ...
 
     def unregister(self, address: int) -> None:
@@ -68,9 +69,10 @@ class CudaRegistrar:
     def __init__(self, runtime: CudaRuntime | None = None) -> None:
         self._runtime = runtime if runtime is not None else cuda_runtime()
 
-    def register(self, address: int, nbytes: int) -> int:
+    def register(self, address: int, nbytes: int, read_only: bool = False) -> int:
         """Page-lock the range; the CUDA error code."""
-        return self._runtime.host_register(address, nbytes)
+        flags = PORTABLE | (READ_ONLY if read_only else 0)
+        return self._runtime.host_register(address, nbytes, flags)
 
     def unregister(self, address: int) -> None:
         """Unlock the range registered at ``address``."""
@@ -93,9 +95,12 @@ class ArenaRegistration:
         limit: int | None = None,
         piece_bytes: int = PIECE_BYTES,
         hints: Callable[[], Iterable[tuple[int, int]]] | None = None,
+        read_only: bool = False,
     ) -> None:
         """Register ``[base, base + size)``; ``limit``: at most that many bytes (None: all);
-        ``hints``: ``(offset, length)`` of blocks to cover first, read once on the thread."""
+        ``hints``: ``(offset, length)`` of blocks to cover first, read once on the thread;
+        ``read_only``: a mapping the device only reads (loads), registered as such."""
+        self.read_only = read_only
         if piece_bytes <= 0:
             raise ValueError(f"piece_bytes must be > 0, got {piece_bytes}")
         self.base, self.size, self.piece_bytes = base, size, piece_bytes
@@ -247,7 +252,11 @@ class ArenaRegistration:
                 return
             began = time.perf_counter()
             try:
-                code = self._registrar.register(start, nbytes)
+                code = (
+                    self._registrar.register(start, nbytes, read_only=True)
+                    if self.read_only
+                    else self._registrar.register(start, nbytes)
+                )
                 reason = "" if code == 0 else self._registrar.describe(code)
             except Exception as exc:
                 reason = f"{type(exc).__name__}: {exc}"

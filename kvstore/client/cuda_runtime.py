@@ -24,6 +24,7 @@ __all__ = [
     "DEVICE_TO_HOST",
     "HOST_TO_DEVICE",
     "PORTABLE",
+    "READ_ONLY",
     "CudaRuntime",
     "CudaRuntimeError",
     "CudaRuntimeUnavailable",
@@ -38,6 +39,9 @@ HOST_TO_DEVICE = 1
 DEVICE_TO_HOST = 2
 #: ``cudaHostRegisterPortable``: page-locked for every CUDA context, not only the current one's.
 PORTABLE = 1
+#: ``cudaHostRegisterReadOnly`` (CUDA 11.1): the device only reads the range, which may then be a
+#: read-only mapping (the store's sealed arena, as engines map it).
+READ_ONLY = 8
 
 _RUNTIME_NAME = re.compile(r"\s(/\S*/libcudart\.so[.\d]*)$")
 

@@ -8,8 +8,10 @@ change meanwhile (:mod:`kvstore.protocol.dram_index`); the server hears of those
 later, in a one-way ``TOUCH`` that a background thread sends (:mod:`kvstore.client.shm_touch`).
 The remaining keys take the leased path: acquire leases on their pages (which promotes them from
 lower tiers first), copy each block once, release. A write reserves pages, copies each value once
-into them and commits; :meth:`ShmDataPlane.reserve` lets a caller that produces the bytes write
-them into the reserved pages itself (:mod:`kvstore.client.shm_reserve`). The clients in
+into this client's write window and commits, and the server copies it into the pages
+(:mod:`kvstore.client.shm_writes`: the arena is mapped read-only); :meth:`ShmDataPlane.reserve`
+lets a caller that produces the bytes write them into the window itself
+(:mod:`kvstore.client.shm_reserve`). The clients in
 :mod:`kvstore.client` use it by themselves when the server is on the same host and fall back to
 gRPC when it is not.
 
@@ -20,7 +22,6 @@ thread-safe like it (each call borrows one socket of its pool).
 
 from __future__ import annotations
 
-import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -28,19 +29,18 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.buffers import byte_view, writable_byte_view
+from kvstore.buffers import writable_byte_view
 from kvstore.client.arena_registration import ArenaRegistration
-from kvstore.client.shm_attach import ShmAttachment
-from kvstore.client.shm_reserve import ShmReservation, SlotState
+from kvstore.client.shm_reserve import ShmReservation
 from kvstore.client.shm_socket import ShmConnection, ShmUnavailableError, closed_on_failure
 from kvstore.client.shm_touch import TouchSender
-from kvstore.errors import DeadlineExceededError, InvalidRequestError
+from kvstore.client.shm_writes import ShmWrites
+from kvstore.errors import DeadlineExceededError
 from kvstore.keys import KEY_BYTES
 from kvstore.protocol.checks import check_pairs
 from kvstore.protocol.dram_index import IndexReader
-from kvstore.protocol.shm_frames import Cursor, Op, Slot, pack_ids, pack_keys, pack_retention
-from kvstore.retention import KEEP, Retention
-from kvstore.types import LookupResult, PutResult
+from kvstore.protocol.shm_frames import Cursor, Op, Slot, pack_ids, pack_keys
+from kvstore.types import LookupResult
 
 __all__ = ["ShmDataPlane", "ShmLease", "ShmReservation", "ShmUnavailableError"]
 
@@ -93,7 +93,7 @@ class ShmLease:
         self.release()
 
 
-class ShmDataPlane(ShmAttachment):
+class ShmDataPlane(ShmWrites):
     """A co-located client's direct path to a server's arena (see the module docstring).
 
     Construct it as :class:`~kvstore.client.shm_attach.ShmAttachment` (the socket's path, the
@@ -226,6 +226,8 @@ class ShmDataPlane(ShmAttachment):
         for hit in hits:
             view = arena[hit[2] : hit[2] + hit[3]]
             view.flags.writeable = False
+            if not index.intact(hit, [view]):  # verified reads: the server decides on this one
+                return None
             views.append(view)
         try:
             touches.add(keys)
@@ -306,15 +308,19 @@ class ShmDataPlane(ShmAttachment):
         copied: list[bool],
     ) -> list[int]:
         """Copy the keys found in the index, note them for the next TOUCH; the indices left."""
-        arena_size = len(self._arena)
+        arena = self._arena
         pending: list[int] = []
         for i, key in enumerate(keys):
             hit = index.find(key, self.namespace)
-            # A torn entry can hold any offset: stay inside the arena; keep only verified copies.
+            # A torn entry can hold any offset: stay inside the arena; keep only copies of an
+            # entry that did not change (so the pages held its block throughout) and, where the
+            # server verifies reads, whose bytes match its checksum. Any other goes the leased
+            # way, where the server checks the block itself (and drops and counts a bad one).
             if (
                 hit is not None
-                and hit[2] + hit[3] <= arena_size
+                and hit[2] + hit[3] <= len(arena)
                 and copy(i, [(hit[2], hit[3])])
+                and index.intact(hit, [arena[hit[2] : hit[2] + hit[3]]])
                 and index.unchanged(hit)
             ):
                 copied[i] = True
@@ -328,116 +334,3 @@ class ShmDataPlane(ShmAttachment):
             except ConnectionError as exc:
                 raise ShmUnavailableError(str(exc)) from exc
         return pending
-
-    def put(
-        self,
-        keys: Sequence[bytes],
-        values: Sequence[Any],
-        timeout: float | None = None,
-        retention: Retention = KEEP,
-    ) -> tuple[PutResult, list[int]]:
-        """Write blocks through the arena, stored with ``retention``.
-
-        Returns the result and the indices of values the arena had no room for, which the caller
-        sends another way.
-        """
-        check_pairs(keys, values, "values")
-        views = [byte_view(value) for value in values]
-        lengths = struct.pack(f"<{len(views)}Q", *(len(view) for view in views))
-        present = 0
-        no_room: list[int] = []
-        deadline = self._deadline(timeout)
-        with self._connection(deadline) as conn:
-            asked = pack_keys(keys) + lengths + pack_retention(retention)
-            reply = Cursor(conn.call(Op.RESERVE, asked, deadline))
-            reserved: list[int] = []
-            try:
-                for index, view in enumerate(views):
-                    kind = reply.u8()
-                    if kind == Slot.RESERVED:
-                        reserved.append(reply.u64())
-                        self._write(reply.ranges(), view)
-                    elif kind == Slot.PRESENT:
-                        present += 1
-                    else:
-                        no_room.append(index)
-            except BaseException:
-                if reserved:
-                    conn.send(Op.CANCEL, pack_ids(reserved))
-                raise
-            if not reserved:
-                return PutResult(0, present, 0), no_room
-            if time.monotonic() > deadline:
-                conn.send(Op.CANCEL, pack_ids(reserved))
-                raise DeadlineExceededError("deadline exceeded while writing blocks")
-            body = pack_ids(reserved) + pack_retention(retention)
-            counts = Cursor(conn.call(Op.COMMIT, body, deadline)).unpack("III")
-        stored, already, dropped = counts
-        return PutResult(stored, present + already, dropped), no_room
-
-    def reserve(
-        self,
-        keys: Sequence[bytes],
-        sizes: Sequence[int],
-        timeout: float | None = None,
-        retention: Retention = KEEP,
-    ) -> ShmReservation:
-        """Reserve arena pages for blocks of ``sizes`` bytes that the caller writes in place and
-        then commits (:class:`~kvstore.client.shm_reserve.ShmReservation`), stored with
-        ``retention``; the socket stays with the reservation until then."""
-        if len(sizes) != len(keys):
-            raise InvalidRequestError(f"got {len(sizes)} sizes for {len(keys)} keys")
-        if any(size < 0 for size in sizes):
-            raise InvalidRequestError("block sizes must be >= 0")
-        deadline = self._deadline(timeout)
-        conn = self._take(deadline)
-        states: list[SlotState] = []
-        ids: list[int | None] = []
-        ranges: list[_Ranges] = []
-        # A failure closes the socket, and the server then gives back whatever it reserved.
-        with closed_on_failure(conn):
-            lengths = struct.pack(f"<{len(sizes)}Q", *sizes)
-            asked = pack_keys(keys) + lengths + pack_retention(retention)
-            reply = Cursor(conn.call(Op.RESERVE, asked, deadline))
-            for _ in keys:
-                kind = reply.u8()
-                if kind == Slot.RESERVED:
-                    ids.append(reply.u64())
-                    ranges.append(reply.ranges())
-                    states.append("reserved")
-                else:
-                    ids.append(None)
-                    ranges.append([])
-                    states.append("present" if kind == Slot.PRESENT else "no_room")
-        with self._lock:
-            self._reserving.append(conn)
-
-        def finish(commit: list[int], cancel: list[int]) -> PutResult:
-            return self._finish_reservation(conn, commit, cancel, retention)
-
-        return ShmReservation(self._arena, states, ids, ranges, finish, self.registration)
-
-    def _finish_reservation(
-        self, conn: ShmConnection, commit: list[int], cancel: list[int], retention: Retention
-    ) -> PutResult:
-        """Commit and cancel a :meth:`reserve`'s slots, then give its socket back."""
-        result = PutResult()
-        with self._lock:
-            if conn in self._reserving:
-                self._reserving.remove(conn)
-        with closed_on_failure(conn):
-            if cancel:
-                conn.send(Op.CANCEL, pack_ids(cancel))
-            if commit:
-                body = pack_ids(commit) + pack_retention(retention)
-                reply = conn.call(Op.COMMIT, body, self._deadline(None))
-                result = PutResult(*Cursor(reply).unpack("III"))
-        self._give_back(conn)
-        return result
-
-    def _write(self, ranges: _Ranges, view: memoryview) -> None:
-        source = np.frombuffer(view, dtype=np.uint8)
-        at = 0
-        for offset, size in ranges:
-            self._arena[offset : offset + size] = source[at : at + size]
-            at += size

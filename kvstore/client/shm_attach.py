@@ -15,6 +15,7 @@ closed, never reused, and the server then gives back whatever that socket held.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import mmap
 import select
@@ -30,6 +31,7 @@ from kvstore.client.arena_registration import ArenaRegistration, Registrar
 from kvstore.client.shm_prefault import ArenaPrefaulter
 from kvstore.client.shm_socket import ShmConnection, ShmUnavailableError, closed_on_failure
 from kvstore.client.shm_touch import TouchSender
+from kvstore.client.shm_window import WINDOW_BYTES, ClientWindow
 from kvstore.errors import DeadlineExceededError
 from kvstore.protocol.dram_index import DIRECT_READS_SUPPORTED, IndexReader
 from kvstore.protocol.shm_frames import ABSENT_TIER, Hello, Op, ProtocolError, pack_keys
@@ -39,6 +41,7 @@ __all__ = ["ShmAttachment"]
 logger = logging.getLogger(__name__)
 
 _HANGUP = select.POLLHUP | select.POLLERR | select.POLLRDHUP
+_SEAL_FUTURE_WRITE = 0x0010  # F_SEAL_FUTURE_WRITE: the server's arena takes no client writes
 
 
 def _index_reader(fd: int, size: int) -> IndexReader | None:
@@ -90,7 +93,11 @@ class ShmAttachment:
             raise ShmUnavailableError("the store sent no arena descriptor")
         self._index: IndexReader | None = None
         try:
-            self._mapping = mmap.mmap(first.fds[0], first.hello.arena_size)
+            #: Whether the server sealed its arena against writes: then it is mapped read-only
+            #: here and blocks are written through :attr:`window` (``COMMIT_FROM``).
+            self.sealed = bool(fcntl.fcntl(first.fds[0], fcntl.F_GET_SEALS) & _SEAL_FUTURE_WRITE)
+            prot = mmap.PROT_READ if self.sealed else mmap.PROT_READ | mmap.PROT_WRITE
+            self._mapping = mmap.mmap(first.fds[0], first.hello.arena_size, prot=prot)
             if direct_reads and DIRECT_READS_SUPPORTED and first.hello.index_size and first.fds[1:]:
                 self._index = _index_reader(first.fds[1], first.hello.index_size)
         except (OSError, ValueError) as exc:
@@ -127,6 +134,9 @@ class ShmAttachment:
         self._prefaulter: ArenaPrefaulter | None = None  # started by the first read
         #: This mapping page-locked for DMA, once a CUDA caller asked (:meth:`register_with`).
         self.registration: ArenaRegistration | None = None
+        self._window: ClientWindow | None = None  # made by the first write (or registration)
+        #: The write window page-locked for DMA, where the arena is sealed and CUDA asked.
+        self.window_registration: ArenaRegistration | None = None
 
     @property
     def direct_reads(self) -> bool:
@@ -259,6 +269,23 @@ class ShmAttachment:
                     self._mapping, self._arena.ctypes.data, lambda: index.published(namespace)
                 )
 
+    def window(self) -> ClientWindow:
+        """This client's write window (made on first use; see :mod:`kvstore.client.shm_window`)."""
+        with self._lock:
+            if self._closed:
+                raise ShmUnavailableError("the shared-memory path is closed")
+            if self._window is None:
+                self._window = ClientWindow(min(self.hello.arena_size, WINDOW_BYTES))
+            return self._window
+
+    def _window_on(self, conn: ShmConnection, deadline: float) -> ClientWindow:
+        """The write window, sent to ``conn``'s server session first if it has not got it."""
+        window = self.window()
+        if not conn.window_sent:
+            conn.call_with_fd(Op.WINDOW, b"", window.fd, deadline)
+            conn.window_sent = True
+        return window
+
     def register_with(self, registrar: Registrar, limit: int | None) -> ArenaRegistration | None:
         """Start page-locking this mapping of the arena for DMA in the background, once (see
         :mod:`kvstore.client.arena_registration`); ``limit`` bytes at most (``None``: all).
@@ -269,10 +296,23 @@ class ShmAttachment:
             if self.registration is None:
                 index, namespace = self._index, self.namespace
                 hints = None if index is None else (lambda: index.published(namespace))
+                # A sealed arena is mapped read-only: DMA may only read it.
                 self.registration = ArenaRegistration(
-                    self._arena.ctypes.data, len(self._arena), registrar, limit=limit, hints=hints
+                    self._arena.ctypes.data,
+                    len(self._arena),
+                    registrar,
+                    limit=limit,
+                    hints=hints,
+                    read_only=self.sealed,
                 )
-            return self.registration
+        if self.sealed and self.window_registration is None:
+            window = self.window()  # saves DMA into it, so it is page-locked too (writable)
+            with self._lock:
+                if self.window_registration is None and not self._closed:
+                    self.window_registration = ArenaRegistration(
+                        window.bytes.ctypes.data, window.size, registrar, limit=limit
+                    )
+        return self.registration
 
     def close(self) -> None:
         """Close the sockets (the server releases what they held) and unmap the arena."""
@@ -288,6 +328,9 @@ class ShmAttachment:
         # Pages a DMA may still read or write stay registered, and so mapped.
         if self.registration is not None and not self.registration.close():
             keep_mapped = True
+        window_registered = self.window_registration
+        if self._window is not None and (window_registered is None or window_registered.close()):
+            self._window.close()
         with self._lock:
             idle, self._idle = self._idle, []
             idle += self._reserving  # a reservation never committed ends with the client

@@ -1,8 +1,10 @@
-"""Writing blocks in place: arena pages reserved for a caller that fills them, then commits.
+"""Writing blocks in place: room reserved for a caller that fills it, then commits.
 
-A plain put over shared memory copies each value once, from the caller's buffer into pages the
-server reserved. A caller that *produces* the bytes (the vLLM connector gathering KV blocks out
-of its paged cache) can instead write them straight into those pages and skip its own buffer:
+A plain put over shared memory copies each value once, from the caller's buffer into the client's
+write window, from which the server copies it into the pages it reserved (the arena is read-only
+to clients; an older server's writable arena takes it in the reserved pages themselves). A caller
+that *produces* the bytes (the vLLM connector gathering KV blocks out of its paged cache) can
+instead write them straight into the window and skip its own buffer:
 :meth:`kvstore.KVStoreClient.reserve` hands out a :class:`ShmReservation`, the caller fills the
 views, and :meth:`ShmReservation.commit` makes the blocks visible, with their checks computed by
 the server from the bytes as committed (exactly as for a put). Blocks the store already holds are

@@ -44,6 +44,8 @@ class ShmConnection:
             raise
         #: The arena's memfd, then the index's (when the server has one).
         self.fds = list(fds)
+        #: Whether this socket's server session has the client's write window (``WINDOW``).
+        self.window_sent = False
         try:
             body = self._complete(bytearray(data))
             self.hello = unpack_hello(body)
@@ -86,6 +88,16 @@ class ShmConnection:
         """
         self._set_deadline(deadline)
         self.sock.sendall(frame(op, body))
+        self.deadline = deadline
+        return self._complete(bytearray())
+
+    def call_with_fd(self, op: int, body: bytes, fd: int, deadline: float) -> memoryview:
+        """:meth:`call` with the descriptor ``fd`` sent along with the request's first byte."""
+        self._set_deadline(deadline)
+        data = frame(op, body)
+        sent = socket.send_fds(self.sock, [data], [fd])
+        if sent < len(data):
+            self.sock.sendall(data[sent:])
         self.deadline = deadline
         return self._complete(bytearray())
 

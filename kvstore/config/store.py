@@ -78,8 +78,8 @@ class DramConfig:
     """The host-memory arena. ``capacity`` 0 disables the tier (:func:`load_config` defaults it
     from the machine's memory). The arena is page-locked for CUDA where an NVIDIA driver is seen
     (``/dev/nvidiactl``); ``force_cuda_check`` asks torch even where that file is missing.
-    ``verify_reads`` checks each block's MAC before the server serves it from DRAM (gRPC and
-    shm leases; a client's direct reads through the published index are not checked).
+    ``verify_reads`` checks each block against its checksum on every read path (gRPC, shm
+    leases, and a client's direct reads through the published index).
     ``prefault`` makes every arena page resident at start, as page-locking does, so that a
     block's first write into a page costs no page fault."""
 
@@ -107,13 +107,11 @@ class DramConfig:
         False,
         help=(
             "check each block against the xxh3-64 checksum the server recorded at put (held in the"
-            " server's memory, out of clients' reach) before the server serves it from DRAM (gRPC "
-            "gets and shm leases; a failing block is dropped, counted in dram `corrupt_blocks`, a "
-            "miss). A client's direct reads through the published index bypass the server and "
-            "cannot be verified; nor can a lease stop a process that maps the arena from rewriting"
-            " pages after the check, which is why a tenant's arena is mapped only where "
-            "`tenants.NAME.shm` says its engines trust each other (see Tenants). Costs about "
-            "0.1-0.15 ms per MiB read (`benchmarks/results/integrity.md`)"
+            " server's memory) on every read path: gRPC gets and shm leases in the server, and a "
+            "client's direct reads through the published index against a checksum the index then"
+            " carries; a block that fails is a miss, dropped and counted in dram `corrupt_blocks`."
+            " Clients cannot write the arena (it is sealed), so this guards against rot and server"
+            ' bugs, not neighbours; off by default for its cost (BENCHMARKS.md, "Sealed arena")'
         ),
     )
     prefault: bool = setting(

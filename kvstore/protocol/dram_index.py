@@ -10,12 +10,16 @@ when ``flags`` has :data:`FLAG_TAGS`, one tag per slot (``buckets * ways`` u64, 
 ``ways`` tags side by side in one cache line)::
 
     header  magic:u64 version:u32 ways:u32 buckets:u64 closed:u64 flags:u64 (padding to 64)
-    slot    seq:u64 key[16] namespace[16] offset:u64 length:u64 (padding to 64)
+    slot    seq:u64 key[16] namespace[16] offset:u64 length:u64 checksum:u64
     tag     the slot's first 8 key bytes (0 when empty)
 
 The tags came after version 1 without changing it: a reader that knows nothing of them reads the
 slots as before (a client and its server may be upgraded at different times), and a reader that
-finds no flag (an older server) looks at every way.
+finds no flag (an older server) looks at every way. So did ``checksum`` (the slot's last word,
+padding before): with :data:`FLAG_CHECKSUMS` (the server's ``dram.verify_reads``) it is the
+payload's unseeded xxh3-64, and readers check every block they copy against it, treating one that
+differs as not found (the leased path then asks the server, which verifies it again, drops it
+and counts it); without the flag it is 0 and unread.
 
 A key lives in one bucket (a hash of the key picks it) in any of its ``ways`` slots; a slot with
 ``length == 0`` is empty. The tags are only a hint for looking many keys up at once
@@ -53,15 +57,18 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from kvstore.keys import KEY_BYTES, NAMESPACE_BYTES
 
-__all__ = ["DIRECT_READS_SUPPORTED", "IndexReader", "IndexWriter", "SlotHit"]
+__all__ = ["DIRECT_READS_SUPPORTED", "IndexReader", "IndexWriter", "SlotHit", "payload_checksum"]
 
 MAGIC = 0x4B56_5354_4958_0001  # "KVSTIX" + 1
 VERSION = 1
 #: ``flags`` bit: the tags follow the slots.
 FLAG_TAGS = 1
+#: ``flags`` bit: each slot carries its payload's checksum, and readers must check it.
+FLAG_CHECKSUMS = 2
 HEADER_BYTES = 64
 SLOT_BYTES = 64
 WAYS = 8
@@ -71,8 +78,9 @@ MIN_SLOTS = 64
 
 _HEADER = struct.Struct("<QIIQQQ")
 _CLOSED_AT = 24  # byte offset of ``closed`` in the header
-_FIELDS = struct.Struct(f"<{KEY_BYTES}s{NAMESPACE_BYTES}sQQ")  # the slot after its seq
-# The slot as 8 u64 words for whole-table numpy work: seq, key (2), namespace (2), offset, length.
+_FIELDS = struct.Struct(f"<{KEY_BYTES}s{NAMESPACE_BYTES}sQQQ")  # the slot after its seq
+# The slot as 8 u64 words for whole-table numpy work: seq, key (2), namespace (2), offset, length,
+# checksum.
 _WORDS = SLOT_BYTES // 8
 _U64 = 8
 _MASK64 = (1 << 64) - 1
@@ -85,8 +93,19 @@ _SEAL_FUTURE_WRITE = 0x0010
 #: Whether this CPU's memory ordering makes the seqlock above sound without explicit barriers.
 DIRECT_READS_SUPPORTED = platform.machine().lower() in ("x86_64", "amd64")
 
-#: ``(slot, seq, offset, length)`` of a published block, as :meth:`IndexReader.find` saw it.
-SlotHit = tuple[int, int, int, int]
+#: ``(slot, seq, offset, length, checksum)`` of a published block, as :meth:`IndexReader.find`
+#: saw it (``checksum`` 0 where the index carries none).
+SlotHit = tuple[int, int, int, int, int]
+
+
+def payload_checksum(parts: Sequence[Any]) -> int:
+    """The checksum the index publishes for a block's bytes (``parts``, concatenated): xxh3-64
+    with no seed, so that clients can compute it (the server's own seeded checksum stays secret,
+    :mod:`kvstore.block`)."""
+    digest = xxhash.xxh3_64()
+    for part in parts:
+        digest.update(part)
+    return digest.intdigest()
 
 
 def _bucket(key: bytes, buckets: int) -> int:
@@ -102,9 +121,13 @@ def _slot_count(max_blocks: int) -> int:
 
 
 class IndexWriter:
-    """The server's side: publishes and withdraws blocks (single-threaded, like the store)."""
+    """The server's side: publishes and withdraws blocks (single-threaded, like the store).
 
-    def __init__(self, max_blocks: int) -> None:
+    ``checksums``: publish each block's checksum (:func:`payload_checksum`) for readers to check.
+    """
+
+    def __init__(self, max_blocks: int, *, checksums: bool = False) -> None:
+        self.checksums = checksums
         slots = _slot_count(max_blocks)
         self.ways = WAYS
         self.buckets = slots // WAYS
@@ -118,7 +141,8 @@ class IndexWriter:
         except BaseException:
             os.close(self.fd)
             raise
-        _HEADER.pack_into(self._mapping, 0, MAGIC, VERSION, self.ways, self.buckets, 0, FLAG_TAGS)
+        flags = FLAG_TAGS | (FLAG_CHECKSUMS if checksums else 0)
+        _HEADER.pack_into(self._mapping, 0, MAGIC, VERSION, self.ways, self.buckets, 0, flags)
         self._seqs = np.frombuffer(self._mapping, dtype=np.uint64)
         self._slot_of: dict[bytes, int] = {}
         self._used = bytearray(slots)
@@ -127,8 +151,11 @@ class IndexWriter:
     def __len__(self) -> int:
         return len(self._slot_of)
 
-    def publish(self, key: bytes, namespace: bytes, offset: int, length: int) -> bool:
-        """Make ``key``'s single run of arena bytes findable; False if its bucket is full."""
+    def publish(
+        self, key: bytes, namespace: bytes, offset: int, length: int, checksum: int = 0
+    ) -> bool:
+        """Make ``key``'s single run of arena bytes findable; False if its bucket is full.
+        ``checksum``: :func:`payload_checksum` of those bytes, where :attr:`checksums`."""
         if len(key) != KEY_BYTES or len(namespace) != NAMESPACE_BYTES:
             # Checked before a sequence turns odd: a failed write would leave its slot odd.
             raise ValueError("the index holds 16-byte keys under 16-byte namespaces")
@@ -142,21 +169,23 @@ class IndexWriter:
             return False
         self._used[slot] = 1
         self._slot_of[key] = slot
-        self._write(slot, key, namespace, offset, length)
+        self._write(slot, key, namespace, offset, length, checksum)
         return True
 
     def withdraw(self, key: bytes) -> None:
         """Make ``key`` unfindable; call before its pages may be freed or reused."""
         slot = self._slot_of.pop(key, None)
         if slot is not None:
-            self._write(slot, bytes(KEY_BYTES), bytes(NAMESPACE_BYTES), 0, 0)
+            self._write(slot, bytes(KEY_BYTES), bytes(NAMESPACE_BYTES), 0, 0, 0)
             self._used[slot] = 0
 
-    def _write(self, slot: int, key: bytes, namespace: bytes, offset: int, length: int) -> None:
+    def _write(
+        self, slot: int, key: bytes, namespace: bytes, offset: int, length: int, checksum: int
+    ) -> None:
         at = HEADER_BYTES + slot * SLOT_BYTES
         seq = at // _U64
         self._seqs[seq] += 1  # odd: readers keep off
-        _FIELDS.pack_into(self._mapping, at + _U64, key, namespace, offset, length)
+        _FIELDS.pack_into(self._mapping, at + _U64, key, namespace, offset, length, checksum)
         self._mapping[self._tags_at + slot * _U64 : self._tags_at + (slot + 1) * _U64] = key[:_U64]
         self._seqs[seq] += 1
 
@@ -198,6 +227,8 @@ class IndexReader:
         self.ways = ways
         self.buckets = buckets
         self.closed = False
+        #: Whether every block copied through this index must match its slot's checksum.
+        self.checksums = bool(flags & FLAG_CHECKSUMS)
         self._seqs = np.frombuffer(self._mapping, dtype=np.uint64)
         # The slots as 64-bit words, indexed (bucket, way, word), and the tags, indexed (bucket,
         # way), for :meth:`present`.
@@ -230,9 +261,12 @@ class IndexReader:
             seq = int(seqs[at // _U64])
             if seq & 1:
                 continue
-            found, namespace_found, offset, length = _FIELDS.unpack_from(self._mapping, at + _U64)
+            found, namespace_found, offset, length, checksum = _FIELDS.unpack_from(
+                self._mapping, at + _U64
+            )
             if found == key and length:
-                return (slot, seq, offset, length) if namespace_found == namespace else None
+                hit = (slot, seq, offset, length, checksum)
+                return hit if namespace_found == namespace else None
         return None
 
     def present(self, keys: Sequence[bytes], namespace: bytes) -> np.ndarray[Any, Any]:
@@ -309,6 +343,12 @@ class IndexReader:
         table = self._table.reshape(-1, _WORDS)
         rows: np.ndarray[Any, Any] = table[self._published_in(table, namespace)][:, 5:7].copy()
         return rows
+
+    def intact(self, hit: SlotHit, copied: Sequence[Any]) -> bool:
+        """Whether ``copied`` (the block's bytes as read, in parts) matches ``hit``'s checksum;
+        always True where the index carries none. Check :meth:`unchanged` as well: a slot
+        rewritten meanwhile makes any comparison meaningless."""
+        return not self.checksums or payload_checksum(copied) == hit[4]
 
     def unchanged(self, hit: SlotHit) -> bool:
         """Whether the slot ``hit`` came from has not changed since :meth:`find` read it."""

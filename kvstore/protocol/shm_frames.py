@@ -24,6 +24,11 @@ body. All integers are little-endian. Bodies (``keys`` = ``n:u32`` then ``n`` 16
                                          client calls, calls <= keys, and lookups answered
                                          from it, at most MAX_TOUCH_LOOKUPS)
     SYNC     (empty)                  -> (empty), once every earlier request was handled
+    WINDOW   (empty; the client's write window memfd rides along, SCM_RIGHTS)
+                                      -> (empty)
+    COMMIT_FROM n:u32 ids:u64*n, offsets:u64*n, retention
+                                      -> as COMMIT; the server first copies each block from
+                                         ``offset`` in this connection's window into its pages
 
 ``ranges`` is ``count:u16`` then ``count`` pairs ``offset:u64 length:u64`` into the arena; ``tiers``
 is the tier names joined by newlines; ``retention`` is ``seconds:f64 tiers:u8`` (an index into
@@ -31,6 +36,13 @@ is the tier names joined by newlines; ``retention`` is ``seconds:f64 tiers:u8`` 
 put): RESERVE applies it to keys already present, COMMIT to the blocks it stores.
 ``index_size`` is 0 when no index fd came along.
 ``version`` is :data:`PROTOCOL_VERSION`; a client refuses any other (and falls back to gRPC).
+
+Where the server sealed its arena against writes (``F_SEAL_FUTURE_WRITE``, which the client reads
+off the memfd), a client maps it read-only and writes through a window: a memfd of its own, sent
+once per connection with ``WINDOW``, into which it copies each reserved block before
+``COMMIT_FROM`` names where (:mod:`kvstore.server.shm_window`); such a server refuses a plain
+``COMMIT``. A server that did not seal it (an older one) takes ``COMMIT`` of blocks the client
+wrote into the reserved pages themselves, as before.
 """
 
 from __future__ import annotations
@@ -94,6 +106,8 @@ class Op:
     CANCEL = 7
     TOUCH = 8
     SYNC = 9
+    WINDOW = 10
+    COMMIT_FROM = 11
 
     #: Requests the server does not answer.
     ONE_WAY = frozenset({RELEASE, CANCEL, TOUCH})
@@ -127,6 +141,8 @@ def max_frame_length(op: int | None, max_keys: int) -> int:
         Op.CANCEL: ids,
         Op.TOUCH: 8 + keys,
         Op.SYNC: 0,
+        Op.WINDOW: 0,
+        Op.COMMIT_FROM: ids + 8 * max_keys + _RETENTION.size,
     }
     body = max(limits.values()) if op is None else limits.get(op, _MAX_HELLO_BODY)
     return 1 + min(body, MAX_REQUEST_BYTES - 1)

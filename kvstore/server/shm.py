@@ -5,8 +5,10 @@ and the memfd of its published index (``SCM_RIGHTS``); it maps both once. A bloc
 index it copies without asking (a one-way ``TOUCH`` follows within 50 ms, so that the LRU
 order and the hit counts see the read); for the others it asks *where* they are: reads lease pages
 (:meth:`TieredStore.acquire`), the client copies out of them and releases; writes reserve pages,
-the client copies in and commits. Payload bytes never cross the socket, except for a block that
-cannot be brought into the arena, which comes back inline.
+the client copies each block into its own write window and commits, and the server copies the
+block from the window into the pages (the arena is sealed: clients map it read-only, so no
+client can change a block; :mod:`kvstore.server.shm_window`). Payload bytes never cross the
+socket, except for a block that cannot be brought into the arena, which comes back inline.
 
 Everything a connection holds (leases, reservations) belongs to its arena session
 (:mod:`kvstore.server.sessions`): when the client closes the socket or its process dies, the
@@ -19,18 +21,17 @@ connection may hold (its session's quota). Running out of file descriptors pause
 a log line, until some are free again; it never stops the data plane.
 
 The server runs on the store's event loop, like the gRPC server, because the store is not
-thread-safe; requests are metadata only, so this loop never copies a payload.
+thread-safe; requests are metadata only, so this loop copies a payload only once, at a
+commit, from the client's window into the pages it reserved.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import logging
 import os
 import socket
-import stat
 import struct
 import time
 from collections.abc import Callable
@@ -59,6 +60,10 @@ from kvstore.server.shm_limits import (
     peer_credentials,
     read_frame,
 )
+from kvstore.server.shm_listen import file_id as _file_id
+from kvstore.server.shm_listen import listen_unix as _listen_unix
+from kvstore.server.shm_listen import send_with_fds as _send_with_fds
+from kvstore.server.shm_window import WriteWindow, window_limit
 from kvstore.store import TieredStore
 
 __all__ = ["ShmServer"]
@@ -67,7 +72,13 @@ logger = logging.getLogger(__name__)
 
 _OK = 0
 # Requests timed into ``kvstore_request_duration_seconds``, by the op label they get.
-_TIMED_OPS = {Op.LOOKUP: "lookup", Op.ACQUIRE: "get", Op.RESERVE: "put", Op.COMMIT: "put"}
+_TIMED_OPS = {
+    Op.LOOKUP: "lookup",
+    Op.ACQUIRE: "get",
+    Op.RESERVE: "put",
+    Op.COMMIT: "put",
+    Op.COMMIT_FROM: "put",
+}
 _INTERNAL = 13  # grpc.StatusCode.INTERNAL
 
 # accept() failures that pass once something else gives resources back (descriptors, buffers).
@@ -75,9 +86,12 @@ _ACCEPT_BACKOFF_S = (0.05, 1.0)
 
 
 class _Session(ArenaSession):
-    """One client connection: what it holds, and the namespace its greeting named."""
+    """One client connection: what it holds, the namespace its greeting named, its write window
+    (:mod:`kvstore.server.shm_window`) and the descriptors the frame being served brought."""
 
     namespace: bytes | None = None
+    window: WriteWindow | None = None
+    fds: list[int]
 
 
 class ShmServer:
@@ -136,6 +150,8 @@ class ShmServer:
             Op.CANCEL: self._cancel,
             Op.TOUCH: self._touch,
             Op.SYNC: self._sync,
+            Op.WINDOW: self._window,
+            Op.COMMIT_FROM: self._commit_from,
         }
 
     async def start(self) -> None:
@@ -227,15 +243,23 @@ class ShmServer:
     async def _serve(self, conn: socket.socket, uid: int | None) -> None:
         loop = asyncio.get_running_loop()
         session = self._sessions.open(_Session)
+        session.fds = []
         try:
             while True:
                 request = await read_frame(
-                    loop, conn, self.store.max_keys_per_request, self.limits.frame_timeout_s
+                    loop,
+                    conn,
+                    self.store.max_keys_per_request,
+                    self.limits.frame_timeout_s,
+                    session.fds,
                 )
                 if request is None:
                     return
                 op, body = request
-                reply = await self._dispatch(session, op, memoryview(body))
+                try:
+                    reply = await self._dispatch(session, op, memoryview(body))
+                finally:
+                    _close_all(session.fds)  # what the request did not keep
                 if reply is None:
                     continue
                 if op == Op.HELLO and reply[4] == _OK:
@@ -254,7 +278,10 @@ class ShmServer:
         except (ConnectionError, OSError) as exc:
             logger.debug("shm connection ended: %s", exc)
         finally:
+            _close_all(session.fds)
             self._sessions.close(session)
+            if session.window is not None:
+                session.window.close()
             self._connections.leave(uid)
             conn.close()
 
@@ -366,6 +393,44 @@ class ShmServer:
         ids = cursor.ids()
         retention = cursor.retention()
         cursor.done()
+        if self._arena.sealed:
+            # Nobody but this server can have written the reserved pages: what they hold is
+            # whatever was there before, and must not become a block.
+            raise InvalidRequestError(
+                "this store's arena is read-only to clients: send the blocks' bytes from a write "
+                "window (WINDOW, then COMMIT_FROM), or put them over gRPC"
+            )
+        result = await session.commit(ids, self._namespace(session), retention)
+        return struct.pack("<III", result.stored, result.already_present, result.dropped)
+
+    def _window(self, session: _Session, cursor: Cursor) -> bytes:
+        cursor.done()
+        if len(session.fds) != 1:
+            raise InvalidRequestError(f"WINDOW needs one memfd sent along, got {len(session.fds)}")
+        window = WriteWindow(session.fds.pop(), window_limit(self._arena))
+        if session.window is not None:
+            session.window.close()
+        session.window = window
+        return b""
+
+    async def _commit_from(self, session: _Session, cursor: Cursor) -> bytes:
+        ids = cursor.ids()
+        offsets = cursor.u64s(len(ids))
+        retention = cursor.retention()
+        cursor.done()
+        held = [session.reservations.get(i) for i in ids]
+        if session.window is None or any(item is None for item in held):
+            # Reservations it names stay open: the client cancels them, or closing does.
+            raise InvalidRequestError(
+                "COMMIT_FROM needs a WINDOW first"
+                if session.window is None
+                else "no open reservation named so on this connection"
+            )
+        try:
+            session.window.land(self._arena, [item[1] for item in held if item], offsets)
+        except BaseException:
+            session.cancel(ids)  # an offset past the window: nothing of it is stored
+            raise
         result = await session.commit(ids, self._namespace(session), retention)
         return struct.pack("<III", result.stored, result.already_present, result.dropped)
 
@@ -392,85 +457,8 @@ class ShmServer:
         return b""
 
 
-def _listen_unix(path: str, mode: int) -> socket.socket:
-    """A listening UNIX socket at ``path`` whose file has exactly the permission bits ``mode``.
-
-    ``bind`` creates the file with the umask applied, and changing the umask is process-wide (so
-    racy with other threads). Instead the file's bits are set between ``bind`` and ``listen``:
-    until ``listen`` every connect is refused, so no one gets in under the umask's bits. A stale
-    socket (a crashed server's: nobody accepts on it) is replaced; a live one, or anything that
-    is not a socket, is left alone and the call fails.
-    """
-    _remove_stale_socket(path)
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    bound = False
-    try:
-        listener.bind(path)
-        bound = True
-        _chmod_socket(path, mode)
-        listener.listen(64)
-    except BaseException:
-        listener.close()
-        if bound:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-        raise
-    return listener
-
-
-def _remove_stale_socket(path: str) -> None:
-    """Unlink the socket at ``path`` if no server accepts on it; refuse anything else there."""
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(info.st_mode):
-        raise FileExistsError(errno.EEXIST, "exists and is not a socket", path)
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        probe.settimeout(1.0)  # a live server with a full backlog would block a plain connect
-        try:
-            probe.connect(path)
-        except ConnectionRefusedError:
-            os.unlink(path)  # stale: left by a server that died without removing it
-            return
-        except PermissionError:
-            raise PermissionError(
-                errno.EACCES, "a socket this user may not connect to, live or not", path
-            ) from None
-        except TimeoutError:
-            pass  # a server too busy to accept is still a live one
-    raise OSError(errno.EADDRINUSE, "another server is listening on it", path)
-
-
-def _chmod_socket(path: str, mode: int) -> None:
-    """``chmod`` the socket just bound at ``path`` without following a symlink put there since
-    (in a directory others may write to), where the platform can say so."""
-    try:
-        os.chmod(path, mode, follow_symlinks=False)
-    except NotImplementedError:  # no lchmod here, or ``path`` became a symlink
-        if not stat.S_ISSOCK(os.lstat(path).st_mode):
-            raise OSError(errno.ELOOP, "no longer the socket just bound", path) from None
-        os.chmod(path, mode)
-
-
-def _file_id(path: str) -> tuple[int, int] | None:
-    """``(device, inode)`` of the file at ``path``, or ``None`` if there is none."""
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        return None
-    return info.st_dev, info.st_ino
-
-
-async def _send_with_fds(
-    loop: asyncio.AbstractEventLoop, conn: socket.socket, data: bytes, fds: list[int]
-) -> None:
-    """Send ``data`` with ``fds`` attached to its first byte, then the rest as usual."""
-    while True:
-        try:
-            sent = socket.send_fds(conn, [data], fds)
-            break
-        except BlockingIOError:  # the client has not drained its socket yet; rare and short
-            await asyncio.sleep(0.001)
-    if sent < len(data):
-        await loop.sock_sendall(conn, data[sent:])
+def _close_all(fds: list[int]) -> None:
+    """Close and forget descriptors a client sent that nothing kept."""
+    while fds:
+        with contextlib.suppress(OSError):
+            os.close(fds.pop())

@@ -122,17 +122,27 @@ class ConnectionCounter:
 
 
 async def read_frame(
-    loop: asyncio.AbstractEventLoop, conn: socket.socket, max_keys: int, timeout_s: float
+    loop: asyncio.AbstractEventLoop,
+    conn: socket.socket,
+    max_keys: int,
+    timeout_s: float,
+    fds: list[int] | None = None,
 ) -> tuple[int, bytearray] | None:
     """The next request frame on ``conn`` as ``(op, body after the op byte)``; ``None`` if the
     peer closed the connection between frames or mid-frame.
 
     Raises :class:`FrameRefused` for a length its op cannot legally have (checked before the body
     is read), and :class:`TimeoutError` when the frame, once begun, takes over ``timeout_s``.
+    ``fds``: where the descriptor sent along with the frame's first byte goes (at most
+    :data:`MAX_FDS_IN`; the caller closes what it does not keep). Without it, or past that many,
+    the kernel closes what was sent; descriptors sent with later bytes are dropped the same way.
     """
     # Up to the length and the op in one call (every frame has both, so this never reads into
     # the next one); a connection may idle for as long as it likes between frames.
-    head = bytearray(await loop.sock_recv(conn, 5))
+    if fds is None:
+        head = bytearray(await loop.sock_recv(conn, 5))
+    else:
+        head = bytearray(await _recv_with_fds(loop, conn, 5, fds))
     if not head:
         return None
     async with asyncio.timeout(timeout_s):
@@ -158,6 +168,39 @@ async def read_frame(
         if body is None:
             return None
         return op, body
+
+
+#: Descriptors one frame may carry (a WINDOW's memfd).
+MAX_FDS_IN = 1
+
+
+async def _recv_with_fds(
+    loop: asyncio.AbstractEventLoop, conn: socket.socket, size: int, fds: list[int]
+) -> bytes:
+    """Up to ``size`` bytes of the non-blocking ``conn`` and the descriptors that came with
+    them, appended to ``fds`` (what asyncio's ``sock_recv`` would drop)."""
+    space = socket.CMSG_SPACE(MAX_FDS_IN * 4)
+    while True:
+        try:
+            data, ancillary, _, _ = conn.recvmsg(size, space)
+            break
+        except (BlockingIOError, InterruptedError):
+            ready: asyncio.Future[None] = loop.create_future()
+            loop.add_reader(conn.fileno(), _settle, ready)
+            try:
+                await ready
+            finally:
+                loop.remove_reader(conn.fileno())
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            count = len(payload) // 4
+            fds.extend(struct.unpack(f"{count}i", payload[: count * 4]))
+    return data
+
+
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 async def _recv_upto(

@@ -11,9 +11,15 @@ The header, with the payload's xxh3-64 checksum computed at put (no MAC: see
 goes with the block when it is demoted; the tier it goes to checks the payload against it before
 signing. By default reads are not re-verified; with ``verify_reads`` (setting
 ``dram.verify_reads``) every server-side read and lease checks the block against its checksum
-first, which a client writing the arena cannot rewrite; a block that fails is dropped, counted in
-``corrupt_blocks`` and is a miss. A client reading pages directly through the published index is
-beyond the server's reach and is not checked.
+first; a block that fails is dropped, counted in ``corrupt_blocks`` and is a miss. The published
+index then carries a checksum of each block too, which clients reading through it check
+(:mod:`kvstore.protocol.dram_index`): a block that fails there takes the leased path, and so the
+server's check.
+
+Only the server writes the arena: once mapped here, the memfd is sealed against every new
+writable mapping (``F_SEAL_FUTURE_WRITE``), so a client maps it read-only and cannot write,
+truncate or punch holes in it, whatever its namespace; clients write blocks into windows of their
+own that the server copies from (:mod:`kvstore.server.shm_window`).
 
 Two things let a co-located client touch the pages directly (``kvstore.server.shm``):
 
@@ -37,11 +43,9 @@ page-locked staging and never DMA from the arena in place.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import mmap
 import os
-import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,8 +54,10 @@ import numpy as np
 
 from kvstore.block import BlockHeader, CorruptBlockError
 from kvstore.buffers import byte_view
-from kvstore.protocol.dram_index import IndexWriter
+from kvstore.protocol.dram_index import IndexWriter, payload_checksum
 from kvstore.tiers.base import Buffer, StoredBlock
+from kvstore.tiers.dram_memory import page_lock, page_unlock, seal_arena
+from kvstore.tiers.dram_memory import prefault as prefault_arena
 from kvstore.tiers.paged import PagedTier
 from kvstore.tiers.pages import Extent
 
@@ -123,19 +129,20 @@ class DramTier(PagedTier):
         if self.capacity:
             self._fd = os.memfd_create("kvstore-dram", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
             os.ftruncate(self._fd, self.capacity)
-            # Clients get this fd: one that shrank it would crash the server on its next access,
-            # one that sealed it against writable mappings would lock every later client out.
-            seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-            fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, seals)
             self._mapping: mmap.mmap | None = mmap.mmap(self._fd, self.capacity)
+            # Clients get this fd: one that shrank it would crash the server on its next access,
+            # one that wrote it could change any namespace's blocks; so: no resizing, no new
+            # writable mapping (the one above stays), no more seals.
+            self.sealed = seal_arena(self._fd)
             self._arena = np.frombuffer(self._mapping, dtype=np.uint8)
             if prefault:
-                _prefault(self._mapping)
-            self.index = IndexWriter(max_blocks=num_pages)
+                prefault_arena(self._mapping)
+            self.index = IndexWriter(max_blocks=num_pages, checksums=verify_reads)
         else:
+            self.sealed = False
             self._mapping = None
             self._arena = np.empty(0, dtype=np.uint8)
-        self.pinned = _page_lock(self._arena, force_cuda_check)
+        self.pinned = page_lock(self._arena, force_cuda_check)
         self._blocks: dict[bytes, _Resident] = {}
         self._payload_bytes = 0
         self._leases = 0
@@ -376,7 +383,7 @@ class DramTier(PagedTier):
             self.index = None
         self._blocks.clear()
         if self.pinned:
-            _page_unlock(self._arena)
+            page_unlock(self._arena)
             self.pinned = False
         self._arena = np.empty(0, dtype=np.uint8)
         if self._mapping is not None:
@@ -395,7 +402,10 @@ class DramTier(PagedTier):
         """Let clients find a block that is one run of pages (others go through the server)."""
         if self.index is not None and len(extents) == 1:
             offset = extents[0].first * self.page_size
-            self.index.publish(header.key, header.namespace, offset, header.length)
+            checksum = 0
+            if self.index.checksums:
+                checksum = payload_checksum([self._arena[offset : offset + header.length].data])
+            self.index.publish(header.key, header.namespace, offset, header.length, checksum)
 
     def _forget(self, resident: _Resident) -> None:
         """Account for an unindexed block; free its pages unless a reader still leases them."""
@@ -408,72 +418,3 @@ class DramTier(PagedTier):
             self._retired_bytes += self._footprint_of(resident)
         else:
             self._pages.release(resident.extents)
-
-
-def _cuda_present(force_check: bool) -> bool:
-    """Whether an NVIDIA driver is there, checked without importing torch (slow) on CPU hosts."""
-    return os.path.exists("/dev/nvidiactl") or force_check
-
-
-def _prefault(mapping: mmap.mmap) -> None:
-    """Make every page of ``mapping`` resident now (a first write into a fresh memfd page
-    faults, and zeroes it, in the middle of a transfer or a copy)."""
-    try:
-        mapping.madvise(_MADV_POPULATE_WRITE)
-    except OSError:  # before Linux 5.14: touch one byte per page instead
-        view = np.frombuffer(mapping, dtype=np.uint8)
-        view[:: mmap.PAGESIZE] = 0
-
-
-#: ``madvise`` advice that faults a range in writable (Linux 5.14; not in Python's mmap module).
-_MADV_POPULATE_WRITE = 23
-
-
-#: ``cudaHostRegisterPortable``: page-locked for every CUDA context, not only the current
-#: device's, so an hbm tier on another device copies from the arena at DMA speed too.
-_PORTABLE = 1
-
-
-def _page_lock(arena: np.ndarray[Any, Any], force_cuda_check: bool) -> bool:
-    """Page-lock ``arena`` for CUDA DMA where a CUDA device exists; False where it cannot."""
-    if arena.nbytes == 0 or not _cuda_present(force_cuda_check):
-        return False
-    try:
-        import torch
-
-        if not torch.cuda.is_available():
-            return False
-        cuda: Any = torch.cuda  # cudart() is untyped
-        cudart = cuda.cudart()
-        outcome: list[int | BaseException] = []
-
-        def register() -> None:
-            try:
-                outcome.append(
-                    int(cudart.cudaHostRegister(arena.ctypes.data, arena.nbytes, _PORTABLE))
-                )
-            except Exception as exc:
-                outcome.append(exc)
-
-        # On a thread of its own: a failed call leaves CUDA's last error set on the calling
-        # thread, where torch's next kernel launch would report it as its own failure.
-        thread = threading.Thread(target=register, name="kvstore-page-lock")
-        thread.start()
-        thread.join()
-        error = outcome[0]
-        if isinstance(error, BaseException):
-            raise error
-    except Exception:  # no torch, or a driver problem: an unpinned arena still works
-        logger.warning("could not page-lock the dram arena for CUDA", exc_info=True)
-        return False
-    if error != 0:
-        logger.warning("cudaHostRegister of the dram arena failed with CUDA error %d", error)
-        return False
-    return True
-
-
-def _page_unlock(arena: np.ndarray[Any, Any]) -> None:
-    import torch
-
-    cuda: Any = torch.cuda
-    cuda.cudart().cudaHostUnregister(arena.ctypes.data)

@@ -42,6 +42,8 @@ OPS = [
     Op.CANCEL,
     Op.TOUCH,
     Op.SYNC,
+    Op.WINDOW,  # sent with no descriptor here: always refused
+    Op.COMMIT_FROM,
 ]
 
 
@@ -152,6 +154,11 @@ class Frames:
             return keys + struct.pack(f"<{len(sizes)}Q", *sizes)
         if op in (Op.RELEASE, Op.COMMIT, Op.CANCEL):
             return self.ids_body()
+        if op == Op.COMMIT_FROM:
+            ids = self.ids_body()
+            count = struct.unpack("<I", ids[:4])[0]
+            offsets = [rng.choice([0, 4096, 2**40, 2**64 - 1]) for _ in range(count)]
+            return ids + struct.pack(f"<{count}Q", *offsets)
         if op == Op.TOUCH:
             calls = rng.choice([0, 1, 5, 2**32 - 1])
             lookups = rng.choice([0, 1, MAX_TOUCH_LOOKUPS, MAX_TOUCH_LOOKUPS + 1, 2**32 - 1])

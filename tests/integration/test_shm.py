@@ -39,6 +39,7 @@ from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.client import shm_link
 from kvstore.client.shm import ShmDataPlane, ShmUnavailableError
+from kvstore.client.shm_window import ClientWindow
 from kvstore.errors import DeadlineExceededError, InvalidRequestError
 from kvstore.protocol.shm_frames import (
     MAX_REQUEST_BYTES,
@@ -129,7 +130,8 @@ class RawShm:
             try:
                 if status == OK:
                     self.info = unpack_hello(body)
-                    self.arena = mmap.mmap(fds[0], self.info.arena_size)
+                    # Read-only: the server seals its arena against every writable mapping.
+                    self.arena = mmap.mmap(fds[0], self.info.arena_size, prot=mmap.PROT_READ)
             finally:
                 for fd in fds:
                     os.close(fd)
@@ -204,12 +206,18 @@ class RawShm:
         assert self.arena is not None
         return b"".join(self.arena[offset : offset + size] for offset, size in ranges)
 
-    def write(self, ranges: Sequence[tuple[int, int]], data: bytes) -> None:
-        assert self.arena is not None
-        at = 0
-        for offset, size in ranges:
-            self.arena[offset : offset + size] = data[at : at + size]
-            at += size
+    def write_window(self, data: bytes) -> int:
+        """Send this connection a write window holding ``data`` (at offset 0): what COMMIT_FROM
+        copies blocks out of."""
+        window = ClientWindow(max(len(data), 1))
+        try:
+            window.write(0, np.frombuffer(data, dtype=np.uint8))
+            socket.send_fds(self.sock, [frame(Op.WINDOW)], [window.fd])
+            status, body = self.reply()
+            assert status == OK, bytes(body)
+        finally:
+            window.close()  # the server mapped it: the bytes stay
+        return 0
 
     def sync(self) -> None:
         """A LOOKUP round trip: every one-way request sent before it has been handled."""
@@ -471,7 +479,7 @@ HOLDER = textwrap.dedent(
         sock.sendall(frame(Op.HELLO, namespace))
         data, fds, _, _ = socket.recv_fds(sock, 4096, 2)
         hello = unpack_hello(recv_reply(sock, data))
-        arena = mmap.mmap(fds[0], hello.arena_size)
+        arena = mmap.mmap(fds[0], hello.arena_size, prot=mmap.PROT_READ)
         for fd in fds:
             os.close(fd)
         return sock, arena
@@ -493,8 +501,7 @@ HOLDER = textwrap.dedent(
     for _ in reserved:
         assert cursor.u8() == Slot.RESERVED
         cursor.u64()
-        for offset, size in cursor.ranges():
-            arena[offset : offset + size] = b"\\xee" * size  # half-written, never committed
+        cursor.ranges()  # reserved, never written nor committed
     print("holding", flush=True)
     time.sleep(60)
     """
@@ -772,10 +779,11 @@ def test_commit_naming_one_reservation_twice_leaks_nothing(
         raw_conns.append(raw)
         new_key = os.urandom(16)
         data = os.urandom(64 * KiB)
-        [(kind, (reservation_id, ranges))] = raw.reserve([new_key], [len(data)])
+        [(kind, (reservation_id, _))] = raw.reserve([new_key], [len(data)])
         assert kind == Slot.RESERVED
-        raw.write(ranges, data)
-        status, body = raw.call(Op.COMMIT, pack_ids([reservation_id, reservation_id]))
+        offset = raw.write_window(data)
+        ids = pack_ids([reservation_id, reservation_id])
+        status, body = raw.call(Op.COMMIT_FROM, ids + struct.pack("<QQ", offset, offset))
         raw.close()
         # Whatever the answer, the connection is gone now: nothing it reserved may stay held.
         stored = client.get([new_key])

@@ -32,7 +32,9 @@ from kvstore.protocol.shm_frames import (
     pack_keys,
     unpack_hello,
 )
-from kvstore.server.shm import ShmServer, _chmod_socket, _listen_unix, _Session
+from kvstore.server.shm import ShmServer, _Session
+from kvstore.server.shm_listen import chmod_socket as _chmod_socket
+from kvstore.server.shm_listen import listen_unix as _listen_unix
 from kvstore.store import TieredStore
 from kvstore.tiers.dram import DramTier
 

@@ -62,7 +62,7 @@ def test_published_blocks_are_found_withdrawn_ones_are_not(
     assert len(writer) == 100
     for n in range(100):
         hit = reader.find(key(n), NS)
-        assert hit is not None and hit[2:] == (n * PAGE, 1000 + n)
+        assert hit is not None and hit[2:4] == (n * PAGE, 1000 + n)
         assert reader.unchanged(hit)
     assert reader.find(key(500), NS) is None
     writer.withdraw(key(7))
@@ -249,7 +249,7 @@ def test_installed_reservations_are_published(tier: DramTier) -> None:
     assert reservation is not None
     assert reader.find(key(3), NS) is None
     (offset, _), *_ = reservation.ranges
-    os.pwrite(tier.fd, data, offset)
+    tier.range_view(offset, len(data))[:] = np.frombuffer(data, dtype=np.uint8)
     assert reader.find(key(3), NS) is None  # written, not installed: not a block yet
     tier.install(BlockHeader.for_payload(key(3), NS, data), reservation)
     hit = reader.find(key(3), NS)

@@ -2,12 +2,13 @@
 
 A lease names the arena ranges of a resident block; removing or replacing the block unindexes it
 at once but keeps its pages (and bytes) until the last lease is released. A reservation hands out
-free pages that a client writes through the memfd before :meth:`DramTier.install` makes them a
-block. Every test checks the accounting (``used``, ``wasted_bytes``, ``leases``,
-``reserved_bytes``, ``retired_bytes``) against a model kept independently of the tier.
+free pages that are written (by the server, copying a client's window: the memfd itself is
+sealed against writes) before :meth:`DramTier.install` makes them a block. Every test checks
+the accounting (``used``, ``wasted_bytes``, ``leases``, ``reserved_bytes``, ``retired_bytes``)
+against a model kept independently of the tier.
 
-The arena is read and written with ``os.pread`` / ``os.pwrite`` on the memfd, the way a
-co-located client that mapped it sees it.
+The arena is read with ``os.pread`` on the memfd, the way a co-located client that mapped it
+sees it, and written through the server's own mapping (:meth:`DramTier.range_view`).
 """
 
 from __future__ import annotations
@@ -54,10 +55,10 @@ def arena_bytes(tier: DramTier, ranges: list[tuple[int, int]]) -> bytes:
 
 
 def write_into(tier: DramTier, reservation: Reservation, data: bytes) -> None:
-    """Fill a reservation through the memfd, as a client does."""
+    """Fill a reservation through the server's mapping, as its copy out of a window does."""
     at = 0
     for offset, size in reservation.ranges:
-        assert os.pwrite(tier.fd, data[at : at + size], offset) == size
+        tier.range_view(offset, size)[:] = np.frombuffer(data[at : at + size], dtype=np.uint8)
         at += size
     assert at == len(data)
 
