@@ -37,6 +37,10 @@ revision, layers, KV heads, head size, dtype, cache layout and block size, TP ra
 pipeline stage, tenant) and the request's LoRA adapter and cache salt. The scheduler half
 (:mod:`~kvstore.integrations.vllm.scheduler`) looks chunks up without blocking the scheduler and
 plans loads and saves; the worker half (:mod:`~kvstore.integrations.vllm.worker`) moves blocks.
+
+Hybrid models (several KV cache groups: sliding window, chunked local attention, recurrent
+state): the connector is ``SupportsHMA``, so vLLM keeps its hybrid KV cache manager on; each
+group's chunks are stored and loaded by that group's hit rule (:mod:`.hybrid`, docs/vllm-hybrid.md).
 """
 
 from __future__ import annotations

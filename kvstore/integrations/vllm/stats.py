@@ -13,7 +13,10 @@ A snapshot is a plain dict (vLLM serialises it between processes) of these field
     of those, the tokens kvstore held;
 ``loaded_tokens``
     tokens loaded into the engine's KV cache: the prompt tokens kvstore saved the engine from
-    computing (blocks vLLM's own prefix cache already held are not counted);
+    computing (blocks vLLM's own prefix cache already held are not counted). With several KV
+    cache groups, the tokens of the anchor group (full attention where the model has it,
+    :func:`kvstore.integrations.paged.groups.anchor_group`), once per token; a model whose only
+    group is a sliding window counts the window's tokens it loaded;
 ``load_failed_tokens``
     ``{reason: tokens}`` planned for loading that could not be, which vLLM recomputes
     (see :data:`LOAD_FAILURES`);
@@ -25,7 +28,8 @@ A snapshot is a plain dict (vLLM serialises it between processes) of these field
     of the hit tokens, those the load plan chose to recompute rather than load (a slow tier:
     see :mod:`kvstore.integrations.vllm.cost`);
 ``saved_tokens``
-    prompt tokens this engine stored into kvstore (puts that succeeded);
+    prompt tokens this engine stored into kvstore (puts that succeeded; the anchor group's, as
+    for ``loaded_tokens``);
 ``save_failed_tokens``
     ``{reason: tokens}`` planned for saving that never reached kvstore (see
     :data:`SAVE_FAILURES`);

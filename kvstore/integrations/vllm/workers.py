@@ -21,6 +21,7 @@ import logging
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
+from kvstore.integrations.paged.groups import anchor_group
 from kvstore.integrations.store_client import StoreClient
 from kvstore.integrations.vllm import stats as vllm_stats
 from kvstore.integrations.vllm.common import ConnectorSettings, StepPlan, engine_groups
@@ -34,6 +35,10 @@ if TYPE_CHECKING:
 __all__ = ["GroupWorkers", "TransferResults"]
 
 logger = logging.getLogger(__name__)
+
+# What a group other than the anchor adds to the engine's figures (the rest counts prompt
+# tokens, which the anchor's loads and saves already count).
+_PER_GROUP = ("loaded_bytes_by_group", "load_failed_tokens", "save_failed_tokens")
 
 
 class TransferResults:
@@ -71,6 +76,7 @@ class GroupWorkers:
             client = worker.client  # one client for every group
             self.workers.append(worker)
         self._by_layer = {name: w for w in self.workers for name in w.layer_names}
+        self._anchor = anchor_group(groups)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Give each group its own layers' caches."""
@@ -154,12 +160,21 @@ class GroupWorkers:
 
     def take_stats(self) -> dict[str, Any] | None:
         """Every group's figures since the last call, summed (``None``: none, or not rank 0:
-        each worker reports on the first rank only)."""
+        each worker reports on the first rank only).
+
+        Prompt tokens are counted once: loaded and saved tokens (and the load's latency and
+        path) are the anchor group's, the group whose keys are the plain chunk keys (full
+        attention where the model has it); the other groups add their loaded bytes
+        (``loaded_bytes_by_group``) and their failures.
+        """
         data: dict[str, Any] | None = None
         for worker in self.workers:
             part = worker.take_stats()
-            if part:
-                data = vllm_stats.merge(data or vllm_stats.empty(), part)
+            if not part:
+                continue
+            if worker.group.index != self._anchor:
+                part = {name: part[name] for name in _PER_GROUP if name in part}
+            data = vllm_stats.merge(data or vllm_stats.empty(), part)
         return data
 
     def shutdown(self) -> None:
