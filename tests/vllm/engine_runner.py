@@ -6,12 +6,16 @@ as separate replicas would be::
     python tests/vllm/engine_runner.py --model DIR --prompts IN.json --out OUT.json \\
         [--connector none|kvstore|example] [--target HOST:PORT] [--storage-path DIR] \\
         [--chunk-size N] [--max-tokens N] [--sequential] [--kv-transfer-params PARAMS.json]
-        [--load-policy cost|always|never]
+        [--load-policy cost|always|never] [--dtype D] [--no-prefix-caching]
+        [--hybrid-manager auto|on|off] [--stats] [--passes N]
 
 ``IN.json`` is a list of token-id lists. ``OUT.json`` gets ``{"startup_s": ..., "results":
 [{"tokens": [...], "num_cached_tokens": N, "latency_s": S}, ...]}`` in prompt order. Sampling is
 greedy with ``ignore_eos``, so outputs are deterministic and always ``--max-tokens`` long.
 ``--chunk-size 0`` leaves the chunk size to the store (its node's ``keys.chunk_size``).
+``--stats`` adds ``"kvstore": {counter: value}``, the connector's ``vllm:kvstore_*`` counters
+(a histogram as its ``_sum`` and ``_count``). ``--passes N`` serves the prompts N times in a row
+(the results list every pass, in order): a second pass hits the engine's own prefix cache.
 ``--sequential`` submits prompts one at a time (``latency_s`` is then that request's own
 latency; with ``--max-tokens 1`` it is its time to first token); otherwise they go as one batch.
 ``PARAMS.json`` is a list with one request's ``kv_transfer_params`` (a dict, or null) per prompt.
@@ -71,10 +75,24 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--sequential", action="store_true")
+    parser.add_argument("--passes", type=int, default=1, help="serve the prompts N times")
     parser.add_argument("--load-policy", default="", help="the connector's load_policy")
     parser.add_argument("--warmup", type=int, default=0, help="token length of a warm-up prompt")
     parser.add_argument("--kvstore-log-level", default="INFO")
     parser.add_argument("--kv-transfer-params", default=None, help="JSON file: one per prompt")
+    parser.add_argument("--dtype", default="auto", help="the engine's dtype (the model's: auto)")
+    parser.add_argument(
+        "--no-prefix-caching", action="store_true", help="turn vLLM's own prefix cache off"
+    )
+    parser.add_argument(
+        "--hybrid-manager",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="vLLM's hybrid KV cache manager: its own choice, forced on, forced off",
+    )
+    parser.add_argument(
+        "--stats", action="store_true", help="write the connector's vllm:kvstore_* counters"
+    )
     args = parser.parse_args()
     if args.connector == "kvstore" and not args.target:
         parser.error("--connector kvstore needs --target HOST:PORT (the store to use)")
@@ -88,11 +106,16 @@ def main() -> None:
     llm = LLM(
         model=args.model,
         max_model_len=args.max_model_len,
-        enable_prefix_caching=True,
+        enable_prefix_caching=not args.no_prefix_caching,
+        dtype=args.dtype,
+        disable_hybrid_kv_cache_manager={"auto": None, "on": False, "off": True}[
+            args.hybrid_manager
+        ],
         enforce_eager=True,  # skips a ~45 s torch.compile warm-up on this CPU
         seed=0,
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_transfer_config=kv_transfer_config(args),
+        disable_log_stats=not args.stats,
     )
     startup_s = time.perf_counter() - started
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -113,19 +136,23 @@ def main() -> None:
         # one-off costs (allocations, kernel selection) that are no part of a request's latency.
         llm.generate([TokensPrompt(prompt_token_ids=[5] * args.warmup)], params, use_tqdm=False)
     results: list[dict[str, Any]] = []
-    if args.sequential:
-        for tokens, each in zip(prompts, per_prompt, strict=True):
+    for _ in range(args.passes):
+        if args.sequential:
+            for tokens, each in zip(prompts, per_prompt, strict=True):
+                t0 = time.perf_counter()
+                (out,) = llm.generate([TokensPrompt(prompt_token_ids=tokens)], each, use_tqdm=False)
+                results.append(_result(out, time.perf_counter() - t0))
+        else:
             t0 = time.perf_counter()
-            (out,) = llm.generate([TokensPrompt(prompt_token_ids=tokens)], each, use_tqdm=False)
-            results.append(_result(out, time.perf_counter() - t0))
-    else:
-        t0 = time.perf_counter()
-        outs = llm.generate(
-            [TokensPrompt(prompt_token_ids=t) for t in prompts], per_prompt, use_tqdm=False
-        )
-        elapsed = time.perf_counter() - t0
-        results.extend(_result(out, elapsed) for out in outs)
-    Path(args.out).write_text(json.dumps({"startup_s": startup_s, "results": results}))
+            outs = llm.generate(
+                [TokensPrompt(prompt_token_ids=t) for t in prompts], per_prompt, use_tqdm=False
+            )
+            elapsed = time.perf_counter() - t0
+            results.extend(_result(out, elapsed) for out in outs)
+    report: dict[str, Any] = {"startup_s": startup_s, "results": results}
+    if args.stats:
+        report["kvstore"] = _kvstore_counters(llm)
+    Path(args.out).write_text(json.dumps(report))
     # The engine's worker processes must not outlive this one, whatever happens next.
     llm.llm_engine.engine_core.shutdown()
 
@@ -154,6 +181,24 @@ def _configure_logging(path: Path, kvstore_level: str) -> None:
     path.write_text(json.dumps(config))
     os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(path)
     logging.config.dictConfig(config)
+
+
+def _kvstore_counters(llm: Any) -> dict[str, float]:
+    """The connector's ``vllm:kvstore_*`` counters, by name and label values (``name{a,b}``)."""
+    from vllm.v1.metrics.reader import Counter, Histogram
+
+    counters: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        if not metric.name.startswith("vllm:kvstore_"):
+            continue
+        extra = sorted(v for k, v in metric.labels.items() if k not in ("engine", "model_name"))
+        key = metric.name + (f"{{{','.join(extra)}}}" if extra else "")
+        if isinstance(metric, Counter):
+            counters[key] = counters.get(key, 0) + metric.value
+        elif isinstance(metric, Histogram):  # latencies: their sum and count
+            counters[key + "_sum"] = counters.get(key + "_sum", 0) + metric.sum
+            counters[key + "_count"] = counters.get(key + "_count", 0) + metric.count
+    return counters
 
 
 def _result(out: Any, latency_s: float) -> dict[str, Any]:

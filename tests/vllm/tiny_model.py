@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEFAULT_SIZES", "build_tiny_llama"]
+__all__ = ["DEFAULT_SIZES", "build_tiny_llama", "save_tokenizer"]
 
 DEFAULT_SIZES: dict[str, int] = {
     "vocab_size": 1024,
@@ -41,10 +41,7 @@ def build_tiny_llama(path: str | Path, *, seed: int = 0, **sizes: int) -> Path:
     already built with the same sizes and seed is reused, so callers may call this freely.
     """
     import torch
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import WhitespaceSplit
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     out = Path(path)
     spec: dict[str, Any] = {**DEFAULT_SIZES, **sizes, "seed": seed, "recipe": 2}
@@ -75,16 +72,25 @@ def build_tiny_llama(path: str | Path, *, seed: int = 0, **sizes: int) -> Path:
             layer.self_attn.o_proj.weight.mul_(20.0)
     model.save_pretrained(out, safe_serialization=True)
 
-    vocab = {f"t{i}": i for i in range(spec["vocab_size"])}
-    vocab["t0"] = 0
+    save_tokenizer(out, spec["vocab_size"])
+    marker.write_text(json.dumps(spec, sort_keys=True))
+    return out
+
+
+def save_tokenizer(path: Path, vocab_size: int) -> None:
+    """Save the word-level tokenizer of ``vocab_size`` tokens ``t0`` ... as a fast tokenizer."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
     tokenizer = Tokenizer(WordLevel(vocab=vocab, unk_token="t0"))
     tokenizer.pre_tokenizer = WhitespaceSplit()
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, unk_token="t0", pad_token="t0", bos_token="t1", eos_token="t2"
     )
-    fast.save_pretrained(out)
-    marker.write_text(json.dumps(spec, sort_keys=True))
-    return out
+    fast.save_pretrained(path)
 
 
 def _main() -> None:
