@@ -118,6 +118,7 @@ PARTS: dict[str, Part] = {
     "front door": Part(6, ("kvstore",)),
     # 7: each engine's own integration, over the engine-neutral one.
     "vllm integration": Part(7, ("kvstore.integrations.vllm",)),
+    "sglang integration": Part(7, ("kvstore.integrations.sglang",)),
 }
 
 #: (importing part, imported part) of one layer allowed to import, and why.
@@ -146,6 +147,8 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     # The engine-neutral integrations load no engine either (an SGLang process never loads vLLM).
     "integrations": (*SERVER_SIDE, "vllm", "sglang"),
     "vllm integration": (*SERVER_SIDE, "sglang"),
+    # An SGLang process never loads vLLM (nor the server side).
+    "sglang integration": (*SERVER_SIDE, "vllm"),
     # The router reads the index (Redis) and proxies HTTP; the server side is another program.
     "router": ROUTER_NEVER,
 }
@@ -417,6 +420,12 @@ FRESH_PROCESS: list[tuple[str, str, tuple[str, ...]]] = [
         "kvstore.client",
         (*SERVER_SIDE, "vllm"),
     ),
+    # The SGLang backend's logic without SGLang itself (only its backend class imports SGLang).
+    (
+        "import kvstore.integrations.sglang.transfer, kvstore.integrations.sglang.scheme",
+        "kvstore.client",
+        (*SERVER_SIDE, "vllm", "sglang"),
+    ),
     # The router: the index's reader and an HTTP proxy (issue 29's done-when).
     ("import kvstore.router", "kvstore.cluster.index", ROUTER_NEVER),
     ("from kvstore.cluster import ClusterIndex, Layout", "kvstore.cluster.index", ROUTER_NEVER),
@@ -516,6 +525,11 @@ PLANTED: dict[str, tuple[str, str, str]] = {
         "integrations/paged/kv_layout.py",
         "import vllm",
         "integrations must not import vllm",
+    ),
+    "forbidden/sglang-vllm": (
+        "integrations/sglang/pages.py",
+        "import vllm",
+        "sglang integration must not import vllm",
     ),
     "module_cycles": ("store/layout.py", "import kvstore.store.tiered", "kvstore.store.tiered"),
     # cli -> router is allowed (SAME_LAYER); router -> cli as well (allowed for the test) closes
