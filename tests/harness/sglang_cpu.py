@@ -2,7 +2,8 @@
 on a machine without a GPU. None of this is kvstore code and none of it ships.
 
 SGLang 0.5.23 is built for CUDA. On this machine it runs with ``SGLANG_USE_CPU_ENGINE=1`` (its own
-CPU engine: torch-native attention, ``device="cpu"``) once four CUDA-only pieces are stood in for:
+CPU engine: torch-native attention, ``device="cpu"``) once four CUDA-only pieces are stood in for
+and one limit is lowered:
 
 1. ``sgl_kernel`` (the 373 MB CUDA-only ``sglang-kernel`` wheel is not installed): an import-only
    module. SGLang imports names from it at module level; a tiny Llama on the CPU engine calls
@@ -17,6 +18,11 @@ CPU engine: torch-native attention, ``device="cpu"``) once four CUDA-only pieces
 4. ``--hicache-io-backend direct --hicache-mem-layout layer_first`` moves pages between the device
    pool and the host pool with ``sgl_kernel.kvcacheio.transfer_kv_direct``, which SGLang only
    imports on CUDA/ROCm: :func:`transfer_kv_direct` is a pure-torch version of it.
+
+5. Not CUDA, but this machine: SGLang refuses a host pool unless 10 GiB of host memory would
+   stay free beside it (``HICACHE_HOST_MEMORY_RESERVE_BYTES``). The test host pools are a few
+   MB on a 24 GB machine that parallel tests share, so the reserve is lowered to
+   :data:`HOST_RESERVE_BYTES`.
 
 SGLang spawns its scheduler and detokenizer (``multiprocessing`` start method ``spawn``), so
 :func:`install` must run at the top level of the module that launches it
@@ -36,6 +42,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 __all__ = [
+    "HOST_RESERVE_BYTES",
     "PINNED_SGLANG",
     "SGL_KERNEL_NAMES",
     "install",
@@ -48,6 +55,9 @@ PINNED_SGLANG = "0.5.23"
 #: Names SGLang 0.5.23 imports from ``sgl_kernel`` at module level on the code paths the CPU
 #: engine takes; the stand-in answers any other name too (an import-only module cannot know).
 SGL_KERNEL_NAMES = ("fused_add_rmsnorm", "gemma_fused_add_rmsnorm", "gemma_rmsnorm", "rmsnorm")
+
+#: The host memory SGLang keeps free beside a HiCache host pool here (its own default: 10 GiB).
+HOST_RESERVE_BYTES = 1 << 30
 
 _installed = False
 
@@ -141,6 +151,7 @@ def _unpinned_host_pool() -> None:
 
     unpinned._kvstore_cpu_stand_in = True  # type: ignore[attr-defined]
     base.HostKVCache.__init__ = unpinned  # type: ignore[method-assign]
+    base.HICACHE_HOST_MEMORY_RESERVE_BYTES = HOST_RESERVE_BYTES
 
 
 def _direct_transfer() -> None:
