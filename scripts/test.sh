@@ -3,14 +3,15 @@
 #
 #   bash scripts/test.sh            # lint, type-check, stale generated code check, tests
 #   KVSTORE_SKIP_VLLM=1 bash scripts/test.sh   # leave out the real-vLLM suite
+#   KVSTORE_SKIP_SGLANG=1 bash scripts/test.sh   # leave out the real-SGLang suite
 #   KVSTORE_SKIP_SLOW=1 bash scripts/test.sh   # leave out the slow suite (long fuzz runs)
 #   KVSTORE_TEST_WORKERS=0 bash scripts/test.sh   # the default suite in one process (default: 2)
 #   KVSTORE_TEST_DRY_RUN=1 bash scripts/test.sh   # list the suites and their commands, run nothing
 #
-# Installs redis-server, prometheus and kubectl (apt) if missing, creates .venv with the local CPU
+# Installs redis-server, prometheus, kubectl, g++ and libssl-dev (apt) if missing, creates .venv with the local CPU
 # torch wheel and the package with its test extra (a failure there stops the run: no suite could
 # pass without it). Then every suite runs, whatever the ones before it did: ruff, ruff format,
-# mypy, the generated-code check, pytest, the slow suite, the vLLM suite. Each prints one result
+# mypy, the generated-code check, pytest, the slow suite, the vLLM suite, the SGLang suite. Each prints one result
 # line (`--- NAME: ok (12s)`, `--- NAME: FAILED (exit 1, 30s)`, `--- NAME: skipped (why)`), and a
 # summary at the end lists them all (scripts/suites.sh); the exit status is 1 if any failed.
 set -uo pipefail
@@ -40,6 +41,13 @@ setup() {
         apt-get update -qq
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null
     fi
+    # SGLang compiles a C++ hash extension at its first request (the SGLang suite's engines):
+    # it needs a C++ compiler and OpenSSL's headers.
+    if ! command -v g++ >/dev/null 2>&1 || [ ! -f /usr/include/openssl/sha.h ]; then
+        echo "--- installing g++ and libssl-dev"
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ libssl-dev >/dev/null
+    fi
     bash scripts/setup.sh
 }
 
@@ -64,6 +72,13 @@ vllm_suite() {
         KVSTORE_REQUIRE_VLLM=1 .venv-vllm/bin/python -m pytest tests/vllm -q -p no:cacheprovider
 }
 
+# .venv-sglang: SGLang 0.5.23 on the CPU torch (about 4 minutes the first time), then the contract
+# tier and the engine tier (two SGLang engines on the CPU with kvstore as HiCache storage).
+sglang_suite() {
+    bash scripts/setup-sglang.sh &&
+        KVSTORE_REQUIRE_SGLANG=1 .venv-sglang/bin/python -m pytest tests/sglang -q -p no:cacheprovider
+}
+
 # A failing suite fails the run at the end, never stops it: every suite runs.
 suite ruff .venv/bin/ruff check kvstore kernels tests benchmarks scripts
 suite ruff-format .venv/bin/ruff format --check kvstore kernels tests benchmarks scripts
@@ -73,15 +88,20 @@ suite generated-code generated_code
 # its time is spent waiting on servers and subprocesses, so two workers on two cores take about half
 # as long. A file stays on one worker (--dist loadfile), so its module fixtures are set up once.
 suite pytest $PY -m pytest -m "not vllm and not slow" -q -p no:cacheprovider \
-    -n "${KVSTORE_TEST_WORKERS:-2}" --dist loadfile --ignore=tests/vllm
+    -n "${KVSTORE_TEST_WORKERS:-2}" --dist loadfile --ignore=tests/vllm --ignore=tests/sglang
 if [ "${KVSTORE_SKIP_SLOW:-0}" = "1" ]; then
     skip slow "KVSTORE_SKIP_SLOW=1: the longer fuzz runs left out"
 else
-    suite slow $PY -m pytest -m "slow" -q -p no:cacheprovider --ignore=tests/vllm
+    suite slow $PY -m pytest -m "slow" -q -p no:cacheprovider --ignore=tests/vllm --ignore=tests/sglang
 fi
 if [ "${KVSTORE_SKIP_VLLM:-0}" = "1" ]; then
     skip vllm "KVSTORE_SKIP_VLLM=1: the real-vLLM suite left out"
 else
     suite vllm vllm_suite
+fi
+if [ "${KVSTORE_SKIP_SGLANG:-0}" = "1" ]; then
+    skip sglang "KVSTORE_SKIP_SGLANG=1: the real-SGLang suite left out"
+else
+    suite sglang sglang_suite
 fi
 summary

@@ -120,18 +120,22 @@ def test_test_sh_has_every_suite() -> None:
     names = [
         line.split()[1] for line in result.stdout.split("=== summary\n", 1)[1].splitlines()[:-1]
     ]
-    assert names == ["ruff", "ruff-format", "mypy", "generated-code", "pytest", "slow", "vllm"]
+    assert names == [
+        *("ruff", "ruff-format", "mypy", "generated-code", "pytest", "slow", "vllm", "sglang")
+    ]
     assert "--- vllm: would run: bash scripts/setup-vllm.sh && " in result.stdout
+    assert "--- sglang: would run: bash scripts/setup-sglang.sh && " in result.stdout
     assert "installing" not in result.stdout  # a dry run sets nothing up
 
 
 def test_test_sh_says_what_was_skipped_and_why() -> None:
-    result = run_test_sh(KVSTORE_SKIP_SLOW="1", KVSTORE_SKIP_VLLM="1")
+    result = run_test_sh(KVSTORE_SKIP_SLOW="1", KVSTORE_SKIP_VLLM="1", KVSTORE_SKIP_SGLANG="1")
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     assert "--- slow: skipped (KVSTORE_SKIP_SLOW=1: " in out
     assert "--- vllm: skipped (KVSTORE_SKIP_VLLM=1: " in out
-    assert out.splitlines()[-1].endswith("5 suites listed, none run; 2 skipped")
+    assert "--- sglang: skipped (KVSTORE_SKIP_SGLANG=1: " in out
+    assert out.splitlines()[-1].endswith("5 suites listed, none run; 3 skipped")
 
 
 def test_ci_runs_test_sh() -> None:
