@@ -22,7 +22,6 @@ import xxhash
 from test_ucx import NAMESPACE, NO_SHM, UCX, kv_client, ucx_address
 
 from kvstore.block import Keyring, verify_sealed
-from kvstore.client.ucx import _shared_loop
 from kvstore.node.peer_auth import PeerAuthError, PeerSigner, peer_keyring
 from kvstore.node.peer_blocks import SealedBlock
 from kvstore.node.peer_ucx import UcxPeerLink
@@ -33,6 +32,7 @@ from kvstore.protocol.ucx import (
     payload_checksums,
     verify_payloads,
 )
+from kvstore.protocol.ucx_wire import shared_loop as _shared_loop
 
 if TYPE_CHECKING:
     from conftest import ServerFactory, ServerProcess
@@ -192,7 +192,7 @@ def test_a_ucx_peer_read_takes_nothing_from_a_holder_that_does_not_prove_itself(
         with pytest.raises(PeerAuthError, match="no proof"):
             _peer_get(link, keys, landing)
         assert asked == [] and landing.abandoned == []
-        assert link._endpoint is None
+        assert link._endpoints == []
     finally:
         _shared_loop().run(link.aclose(), 10.0)
 
