@@ -135,11 +135,13 @@ class UcxConfig:
     )
 
     lanes: int = setting(
-        2,
+        1,
         help=(
             "UCX endpoints (lanes) this node opens to each peer it reads blocks from "
             f"(`cluster.shared_data = peers`), 1 to {MAX_UCX_LANES}; a batch's messages spread "
-            "over them (clients: `KVSTORE_UCX_LANES`)"
+            "over them. Over TCP on 2 cores a second lane measured no gain (one UCX worker "
+            "progresses them all); worth trying where one endpoint cannot fill the link "
+            "(clients: `KVSTORE_UCX_LANES`)"
         ),
     )
     max_lanes: int = setting(

@@ -11,7 +11,7 @@ from kvstore.errors import ConfigError
 
 def test_defaults_and_the_environment() -> None:
     config = UcxConfig()
-    assert (config.lanes, config.max_lanes) == (2, 8)
+    assert (config.lanes, config.max_lanes) == (1, 8)
     loaded = load_config(
         env={"KVSTORE_UCX_LANES": "3", "KVSTORE_UCX_TENANT_BYTES_IN_FLIGHT": "2GiB"}
     )
