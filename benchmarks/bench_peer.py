@@ -68,14 +68,17 @@ ROOT = Path(__file__).resolve().parents[1]
 MiB = 1024**2
 NAMESPACE = {"model": "bench-peer", "num_layers": 2, "num_kv_heads": 2, "head_size": 64}
 PREFIX = "kvstore:cluster:v1:"
+#: The cross-host paths (``--ucx-lanes`` adds UCX readers with other lane counts).
 PATHS = ("redis", "peer-ucx", "peer-grpc")
-#: What the report shows: the three cross-host paths and the local reference.
-SHOWN = (*PATHS, "local")
 SECRET = "bench-peer-secret"
 
 
-def node_env(name: str, redis_url: str, shared: str, transport: str = "auto") -> dict[str, str]:
+def node_env(
+    name: str, redis_url: str, shared: str, transport: str = "auto", lanes: int = 0
+) -> dict[str, str]:
     env = {"KVSTORE_INTEGRITY_SECRETS": SECRET, "KVSTORE_SERVER_INFLIGHT_BYTES": "1GiB"}
+    if lanes:
+        env["KVSTORE_UCX_LANES"] = str(lanes)  # the UCX endpoints it opens per peer
     if shared in ("redis", "both"):
         env["KVSTORE_REDIS_URL"] = redis_url
     if shared == "both":
@@ -147,7 +150,14 @@ def main() -> None:
         help="readers' arenas resident from the start (dram.prefault), as on a node whose arena "
         "is page-locked for CUDA or was filled before: no page fault on a block's first write",
     )
+    parser.add_argument(
+        "--ucx-lanes",
+        default="1",
+        help="ucx.lanes of the UCX peer reader, comma-separated: one reader per value (the "
+        "first is `peer-ucx`, the others `peer-ucx-<N>lanes`)",
+    )
     args = parser.parse_args()
+    lanes = [int(n) for n in args.ucx_lanes.split(",")]
     sizes = [int(s) * MiB for s in args.sizes_mib.split(",")]
     work = Path(tempfile.mkdtemp(prefix="bench-peer-"))
     started: list[servers.ServerProcess] = []
@@ -161,15 +171,20 @@ def main() -> None:
                 # Resident arenas take their whole capacity: 1 GiB holds what a reader reads.
                 warm = {"KVSTORE_DRAM_PREFAULT": "1"} if args.prefault else {}
                 dram = "1GiB" if args.prefault else "2GiB"
+                kinds: list[tuple[str, str, tuple[Any, ...], bool]] = [
+                    ("redis", "r-redis", ("redis",), False),  # first: the local case reads its
+                    ("peer-ucx", "r-ucx", ("peers", "ucx", lanes[0]), True),
+                    ("peer-grpc", "r-grpc", ("peers", "grpc"), False),
+                ]
+                kinds += [
+                    (f"peer-ucx-{n}lanes", f"r-ucx{n}", ("peers", "ucx", n), True)
+                    for n in lanes[1:]
+                ]
                 readers = {
                     path: start_node(
                         work / name, b, {**node_env(name, url, *how), **warm}, dram, ucx
                     )
-                    for path, name, how, ucx in (
-                        ("redis", "r-redis", ("redis",), False),
-                        ("peer-ucx", "r-ucx", ("peers", "ucx"), True),
-                        ("peer-grpc", "r-grpc", ("peers", "grpc"), False),
-                    )
+                    for path, name, how, ucx in kinds
                 }
                 started.extend(readers.values())
                 load_before = os.getloadavg()[0]
@@ -227,7 +242,7 @@ def measure(
             batch = max(1, args.batch_mib * MiB // size)
             for round_index in range(-1, args.rounds):  # -1: a warm-up round, not reported
                 cases = []
-                for path in PATHS:  # distinct blocks per path: no reader can help another
+                for path in readers:  # distinct blocks per path: no reader can help another
                     # The warm-up opens every connection (gRPC, UCX endpoint, Redis) untimed.
                     n = count if round_index >= 0 else batch
                     keys = [os.urandom(KEY_BYTES) for _ in range(n)]
@@ -275,6 +290,8 @@ def measure(
     timings = json.loads(out)
     seen = {path: counters(node) for path, node in readers.items()}
     return {
+        "paths": list(readers),
+        "ucx_lanes": args.ucx_lanes,
         "sizes": sizes,
         "round_mib": args.round_mib,
         "rounds": args.rounds,
@@ -289,17 +306,19 @@ def measure(
 
 def report(result: dict[str, Any]) -> str:
     timings = result["timings"]
+    paths = result.get("paths", PATHS)
+    shown = [*paths, "local"]
     rows = []
     for size in result["sizes"]:
         label = f"{size // MiB}MiB"
         rates: dict[str, list[float]] = {}
-        for path in SHOWN:
+        for path in shown:
             name = f"{path}/{label}"
             rates[path] = [
                 n / s for n, s in zip(timings["bytes"][name], timings["seconds"][name], strict=True)
             ]
         base = percentile(rates["redis"], 50)
-        for path in SHOWN:
+        for path in shown:
             median = percentile(rates[path], 50)
             rows.append(
                 [
@@ -313,12 +332,13 @@ def report(result: dict[str, Any]) -> str:
     table = markdown_table(
         ["block", "path", "GB/s (median)", "GB/s (slow tail, p10 of rate)", "vs redis"], rows
     )
-    used = {path: result["counters"][path] for path in PATHS}
+    used = {path: result["counters"][path] for path in paths}
     lines = [
         table,
         "",
         f"{result['rounds']} rounds x {result['round_mib']} MiB per size and path, "
-        f"{result['batch_mib']} MiB per get; readers' arenas "
+        f"{result['batch_mib']} MiB per get; UCX reader lanes {result.get('ucx_lanes', '1')}; "
+        "readers' arenas "
         f"{'prefaulted' if result.get('prefault') else 'cold (faulted on first write)'}; "
         "client plane: "
         f"{', '.join(sorted(set(timings['planes'].values())))}; "

@@ -209,7 +209,11 @@ class ClientCore:
                 stale, self.ucx = self.ucx, None
             if self.ucx is None and address and ucx_unavailable_reason() is None:
                 self.ucx = UcxDataClient(
-                    self._control_channel(), address, self.namespace, timeout=self.timeout
+                    self._control_channel(),
+                    address,
+                    self.namespace,
+                    timeout=self.timeout,
+                    lanes=self.settings.ucx_lanes,
                 )
         return stale
 

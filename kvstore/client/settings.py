@@ -45,6 +45,7 @@ __all__ = [
     "PREFAULT_ENV",
     "TLS_CA_ENV",
     "TOKEN_ENV",
+    "UCX_LANES_ENV",
     "ClientSettings",
 ]
 
@@ -56,6 +57,9 @@ PREFAULT_ENV = "KVSTORE_SHM_PREFAULT"
 CUDA_REGISTER_ENV = "KVSTORE_SHM_CUDA_REGISTER"
 TOKEN_ENV = "KVSTORE_TOKEN"
 TLS_CA_ENV = "KVSTORE_TLS_CA"
+UCX_LANES_ENV = "KVSTORE_UCX_LANES"
+#: Most UCX lanes a client may open (as ``ucx.max_lanes`` allows at most on a server).
+_MAX_LANES = 8
 _SWITCH = {"1": True, "0": False}
 
 
@@ -75,8 +79,14 @@ class ClientSettings:
     token: str = ""
     #: PEM file of the server's CA ("" for a plain channel); the clients' ``tls_ca=`` overrides it.
     tls_ca: str = ""
+    #: UCX endpoints (lanes) the client opens to a server.
+    ucx_lanes: int = 1
 
     def __post_init__(self) -> None:
+        if not 1 <= self.ucx_lanes <= _MAX_LANES:
+            raise ConfigError(
+                f"ucx_lanes ({UCX_LANES_ENV}) must be 1 to {_MAX_LANES}, got {self.ucx_lanes}"
+            )
         if self.data_plane not in DATA_PLANES:
             raise ConfigError(
                 f"data_plane ({DATA_PLANE_ENV}) must be one of {', '.join(DATA_PLANES)}, "
@@ -103,7 +113,17 @@ class ClientSettings:
             shm_cuda_register=_register_limit(env.get(CUDA_REGISTER_ENV) or "all"),
             token=env.get(TOKEN_ENV, ""),
             tls_ca=env.get(TLS_CA_ENV, ""),
+            ucx_lanes=_lanes(env.get(UCX_LANES_ENV) or "1"),
         )
+
+
+def _lanes(value: str) -> int:
+    """``KVSTORE_UCX_LANES`` as a number of lanes."""
+    if not value.isdigit() or not 1 <= int(value) <= _MAX_LANES:
+        raise ConfigError(
+            f"{UCX_LANES_ENV} must be a whole number from 1 to {_MAX_LANES}, got {value!r}"
+        )
+    return int(value)
 
 
 def _register_limit(value: str) -> int | None:

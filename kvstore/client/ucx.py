@@ -1,9 +1,13 @@
 """The client side of the UCX data path, for the blocking :class:`kvstore.KVStoreClient`.
 
-ucxx's API is asyncio-based and binds its process-wide context to the first event loop that uses
-it, so every UCX operation of this process runs on one daemon thread with its own loop
-(:class:`_LoopThread`); the caller's thread makes the gRPC control calls itself (on the client's
-existing channel) and waits for the UCX side with a deadline.
+The caller's thread makes the gRPC control calls itself (on the client's existing channel); the
+UCX operations run on the process's UCX loop thread (:mod:`kvstore.protocol.ucx_wire`), over a
+small pool of endpoints to the server (:mod:`kvstore.client.ucx_lanes`), and the caller waits for
+them with a deadline. A batch moves as its plan's messages (:mod:`kvstore.protocol.ucx_plan`):
+blocks next to each other in both sides' memory as one message, spread over the lanes, all in
+flight at once. A put posts its sends before its control call and the server answers once every
+byte is in; a get tells the server how its buffers lie (``joined``), and receives straight into
+them the messages the answer plans.
 
 Each :class:`UcxDataClient` method returns ``None`` when the bytes could not move over UCX (ucxx
 missing, no connection, a failed or late transfer, a server without the service): the caller then
@@ -11,24 +15,22 @@ uses the gRPC path for that call. After such a failure the client leaves UCX alo
 ``retry_after_s`` seconds. Request errors (bad keys, namespace mismatch, capacity) raise
 :class:`~kvstore.errors.KVStoreError` exactly as the gRPC path does.
 
-A receive that fails or runs late aborts the endpoint before the method returns, which cancels
-the receives still posted: no late UCX write can land in a caller's buffer after the fallback has
-filled it.
+**A lane that dies mid-transfer** costs only its messages: its blocks are asked again over the
+lanes left (once, in what is left of the deadline), and a block whose bytes are not all in and
+checked is never returned: either it comes whole over another lane, or the call falls back to gRPC.
+A failed lane's operations end (it is aborted) before the method returns: no late UCX write can
+land in a caller's buffer after the fallback has filled it.
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import itertools
 import logging
-import os
-import threading
 import time
 from collections import Counter
-from collections.abc import Coroutine, Sequence
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import numpy as np
@@ -37,84 +39,39 @@ from kvstore._proto.kvstore.v1 import ucx_pb2 as ucx_pb
 from kvstore._proto.kvstore.v1 import ucx_pb2_grpc as ucx_pb_grpc
 from kvstore.buffers import byte_view, writable_byte_view
 from kvstore.client.device_fill import device_transports_in, is_device_tensor
+from kvstore.client.ucx_lanes import LANE_BYTES, Lane, LanePool
 from kvstore.protocol import messages as _wire
 from kvstore.protocol.checks import check_pairs
-from kvstore.protocol.ucx import (
-    CLIENT_ID_BYTES,
-    HELLO_TAG,
-    UcxTransportError,
-    endpoint_error,
-    load_ucxx,
-    parse_address,
-    transfer_tag,
-    verify_payloads,
+from kvstore.protocol.ucx import UcxTransportError, load_ucxx, parse_address, verify_payloads
+from kvstore.protocol.ucx_plan import (
+    StreamLayout,
+    assign_lanes,
+    check_plan,
+    host_piece,
+    lane_loads,
+    plan_messages,
 )
+from kvstore.protocol.ucx_wire import LOOP_GRACE_S, LoopThread, move_messages, shared_loop
 from kvstore.types import PutResult
 
-__all__ = ["UcxDataClient", "abort_endpoint", "open_endpoint", "receive_payloads"]
+__all__ = ["CONNECT_SHARE", "UcxDataClient"]
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
 #: gRPC codes that mean "the UCX path failed", not "the request was bad": fall back to gRPC.
 _TRANSPORT_CODES = {grpc.StatusCode.ABORTED, grpc.StatusCode.UNIMPLEMENTED}
-#: Extra time the caller's thread waits for the UCX loop beyond a coroutine's own deadline.
-_LOOP_GRACE_S = 2.0
 #: The share of a call's remaining time a new connection may take: a listener that vanished can
 #: stall the handshake (no refusal comes), and the call's gRPC fallback needs the rest.
 CONNECT_SHARE = 0.5
-#: How long aborting an endpoint may block (nanoseconds, ucxx's unit).
-_ABORT_PERIOD_NS = 1_000_000_000
-
-
-class _LoopThread:
-    """The process's one event loop for ucxx, running in a daemon thread."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self.loop.run_forever, name="kvstore-ucx", daemon=True
-        )
-        self._thread.start()
-
-    def submit(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        """Schedule ``coroutine`` on the loop."""
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
-
-    def run(self, coroutine: Coroutine[Any, Any, T], timeout: float) -> T:
-        """Run ``coroutine`` on the loop and wait for it, at most ``timeout`` seconds (+ grace)."""
-        future = self.submit(coroutine)
-        try:
-            return future.result(max(timeout, 0.0) + _LOOP_GRACE_S)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise UcxTransportError("the UCX event loop did not answer in time") from None
-
-
-_loop_thread: _LoopThread | None = None
-_loop_lock = threading.Lock()
-
-
-def _shared_loop() -> _LoopThread:
-    global _loop_thread
-    with _loop_lock:
-        if _loop_thread is None:
-            _loop_thread = _LoopThread()
-        return _loop_thread
-
-
-@dataclass
-class _Connection:
-    endpoint: Any  # ucxx Endpoint
-    client_id: bytes
 
 
 class UcxDataClient:
     """Moves the payloads of ``get_into`` / ``get`` / ``put`` over UCX to one server.
 
     ``channel`` is the gRPC channel of the server (the control calls use it), ``ucx_address`` its
-    ``DataPlane().ucx_address``, ``namespace`` the 16-byte namespace fingerprint. Thread-safe.
+    ``DataPlane().ucx_address``, ``namespace`` the 16-byte namespace fingerprint, ``lanes`` the
+    endpoints it opens to the server (1 to :data:`~kvstore.client.ucx_lanes.MAX_LANES`), each
+    carrying at most ``lane_bytes`` in flight. Thread-safe.
     """
 
     def __init__(
@@ -126,21 +83,23 @@ class UcxDataClient:
         timeout: float = 5.0,
         connect_timeout_s: float = 5.0,
         retry_after_s: float = 30.0,
+        lanes: int = 1,
+        lane_bytes: int = LANE_BYTES,
     ) -> None:
         self._stub = ucx_pb_grpc.UcxTransferStub(channel)
         self.address = ucx_address
-        self._host, self._port = parse_address(ucx_address)
+        host, port = parse_address(ucx_address)
         self._namespace = namespace
         self.timeout = timeout
         self.connect_timeout_s = connect_timeout_s
         self.retry_after_s = retry_after_s
-        self._lock = threading.Lock()
-        self._connection: _Connection | None = None
+        self._pool = LanePool(self._loop, host, port, lanes, lane_bytes=lane_bytes)
         self._transfer_ids = itertools.count(1)  # 0 is never used: HELLO_TAG is tag (0, 1)
         self._retry_at = 0.0
         self._closed = False
         self._device_transports: tuple[str, ...] | None = None
-        #: ``transfers``, ``fallbacks``, ``connects``: for logs, tests and benchmarks.
+        #: ``transfers``, ``fallbacks``, ``connects``, ``messages``, ``lane_failures``,
+        #: ``lane_retries``: for logs, tests and benchmarks.
         self.counters: Counter[str] = Counter()
         #: Why the last fallback happened ("" if none yet).
         self.last_error = ""
@@ -149,6 +108,11 @@ class UcxDataClient:
     def usable(self) -> bool:
         """False once closed, and for ``retry_after_s`` seconds after a UCX failure."""
         return not self._closed and time.monotonic() >= self._retry_at
+
+    @property
+    def lanes(self) -> LanePool:
+        """The endpoints to the server (for tests and benchmarks)."""
+        return self._pool
 
     # -- public calls ----------------------------------------------------------------------
 
@@ -159,10 +123,9 @@ class UcxDataClient:
         differs. ``None``: UCX could not be used, read over gRPC instead."""
         check_pairs(keys, buffers, "buffers")
         # Device memory (flat uint8 tensors, see kvstore.client.device_fill) goes to ucxx as is.
-        views = [b if is_device_tensor(b) else writable_byte_view(b) for b in buffers]
-        sizes = [int(b.nbytes) for b in views]
-        response = self._call_get(keys, sizes, views, timeout)
-        return None if response is None else list(response.sent)
+        views = [b if is_device_tensor(b) else host_piece(writable_byte_view(b)) for b in buffers]
+        outcome = self._call_get(keys, views, timeout)
+        return None if outcome is None else outcome.sent
 
     def device_transports(self) -> tuple[str, ...]:
         """The transports of this process's UCX context that reach device memory (none without
@@ -184,11 +147,11 @@ class UcxDataClient:
         self, keys: Sequence[bytes], *, timeout: float | None = None
     ) -> list[bytes | None] | None:
         """The payload of each key (``None`` where missing); ``None`` if UCX could not be used."""
-        response = self._call_get(keys, [], None, timeout)
-        if response is None:
+        outcome = self._call_get(keys, None, timeout)
+        if outcome is None:
             return None
         values: list[bytes | None] = [None] * len(keys)
-        for index, buffer in response.buffers.items():
+        for index, buffer in outcome.buffers.items():
             values[index] = buffer.tobytes()
         return values
 
@@ -197,198 +160,265 @@ class UcxDataClient:
     ) -> PutResult | None:
         """Store ``values`` under ``keys``; ``None`` if UCX could not be used (put over gRPC)."""
         check_pairs(keys, values, "values")
-        views = [byte_view(value) for value in values]
+        if not self.usable:
+            return None
+        views = [host_piece(byte_view(value)) for value in values]
         deadline = self._deadline(timeout)
         try:
-            return self._try_put(keys, views, deadline, retried=False)
-        except _Reconnect:
-            return self._try_put(keys, views, deadline, retried=True)
+            for attempt in (1, 2):
+                result = self._put_once(keys, views, deadline, attempt)
+                if result is not None:
+                    self.counters["transfers"] += 1
+                    return result
+                self.counters["lane_retries"] += 1
+            raise UcxTransportError("a lane failed on both attempts of the put")
+        except UcxTransportError as exc:
+            self._fail(exc)
+            return None
 
     def close(self) -> None:
-        """Close the endpoint; later calls return ``None``."""
+        """Close the endpoints; later calls return ``None``."""
         self._closed = True
-        with self._lock:
-            connection, self._connection = self._connection, None
-        if connection is not None:
-            self._abort(connection)
+        self._pool.close()
 
     # -- get -------------------------------------------------------------------------------
 
     def _call_get(
-        self,
-        keys: Sequence[bytes],
-        sizes: list[int],
-        views: list[Any] | None,
-        timeout: float | None,
+        self, keys: Sequence[bytes], views: list[Any] | None, timeout: float | None
     ) -> _GetOutcome | None:
         if not self.usable:
             return None
         deadline = self._deadline(timeout)
         try:
-            return self._try_get(keys, sizes, views, deadline, retried=False)
-        except _Reconnect:
-            return self._try_get(keys, sizes, views, deadline, retried=True)
-
-    def _try_get(
-        self,
-        keys: Sequence[bytes],
-        sizes: list[int],
-        views: list[Any] | None,
-        deadline: float,
-        retried: bool,
-    ) -> _GetOutcome | None:
-        connection = None
-        try:
-            connection = self._connect(deadline)
-            transfer_id = next(self._transfer_ids)
-            request = ucx_pb.UcxGetRequest(
-                namespace=_wire.namespace_bytes(self._namespace),
-                keys=list(keys),
-                client_id=connection.client_id,
-                transfer_id=transfer_id,
-                sizes=sizes,
-            )
-            response = self._control(self._stub.UcxGet, request, deadline, retried, connection)
-            if len(response.lengths) != len(keys) or len(response.sent) != len(keys):
-                raise UcxTransportError("malformed UcxGet answer")
-            buffers: dict[int, Any] = {}
-            for index, sent in enumerate(response.sent):
-                if sent:
-                    buffers[index] = (
-                        views[index]
-                        if views is not None
-                        else np.empty(response.lengths[index], dtype=np.uint8)
-                    )
-            if buffers:
-                self._loop().run(
-                    receive_payloads(
-                        connection.endpoint, transfer_id, buffers, _remaining(deadline)
-                    ),
-                    _remaining(deadline),
-                )
-                # Device memory cannot be hashed here; what the host received is checked.
-                host = {i: b for i, b in buffers.items() if not is_device_tensor(b)}
-                verify_payloads(host, response.checksums)
+            outcome = self._get_once(keys, views, deadline, retried=False)
+            if outcome.failed:
+                # Blocks a dead lane carried: ask again for them alone, over the lanes left.
+                self.counters["lane_retries"] += 1
+                again = sorted(outcome.failed)
+                sub_views = None if views is None else [views[i] for i in again]
+                retry = self._get_once([keys[i] for i in again], sub_views, deadline, retried=True)
+                if retry.failed:
+                    raise UcxTransportError("a lane failed on both attempts of the get")
+                for position, index in enumerate(again):
+                    outcome.sent[index] = retry.sent[position]
+                    if position in retry.buffers:
+                        outcome.buffers[index] = retry.buffers[position]
+                outcome.failed = set()
             self.counters["transfers"] += 1
-            return _GetOutcome(list(response.sent), buffers)
+            return outcome
         except UcxTransportError as exc:
-            self._fail(exc, connection)
+            self._fail(exc)
             return None
+
+    def _get_once(
+        self, keys: Sequence[bytes], views: list[Any] | None, deadline: float, retried: bool
+    ) -> _GetOutcome:
+        sizes = [] if views is None else [int(view.nbytes) for view in views]
+        lanes = self._take(sum(sizes), deadline)
+        transfer_id = next(self._transfer_ids)
+        mine = None if views is None else StreamLayout([[view] for view in views])
+        request = ucx_pb.UcxGetRequest(
+            namespace=_wire.namespace_bytes(self._namespace),
+            keys=list(keys),
+            client_id=lanes[0].client_id,
+            lanes=[lane.client_id for lane in lanes[1:]],
+            transfer_id=transfer_id,
+            sizes=sizes,
+            receive_any=views is None,
+            joined=[] if mine is None else _joined(mine, len(keys)),
+        )
+        response = self._control(self._stub.UcxGet, request, deadline, retried, lanes)
+        if len(response.lengths) != len(keys) or len(response.sent) != len(keys):
+            self._pool.drop(lanes)  # its sends, if any, end with the endpoints
+            raise UcxTransportError("malformed UcxGet answer")
+        sent = list(response.sent)
+        indices = [index for index, flag in enumerate(sent) if flag]
+        if views is None:
+            # One buffer for the whole stream (receive_any): every message lands in place.
+            stream = np.empty(sum(response.lengths[i] for i in indices), dtype=np.uint8)
+            buffers, offset = {}, 0
+            for index in indices:
+                buffers[index] = stream[offset : offset + response.lengths[index]]
+                offset += response.lengths[index]
+        else:
+            buffers = {index: views[index] for index in indices}
+        outcome = _GetOutcome(sent, buffers)
+        if not buffers:
+            return outcome
+        layout = StreamLayout([[buffers[index]] for index in indices])
+        messages = list(response.messages)
+        try:
+            check_plan(messages, layout.total, layout.breaks)
+        except ValueError as exc:
+            self._pool.drop(lanes)
+            raise UcxTransportError(f"UcxGet answer with a bad plan: {exc}") from exc
+        failed = self._move("recv", lanes, transfer_id, layout, messages, deadline)
+        for position, index in enumerate(indices):
+            start = layout.block_starts[position]
+            if any(s < start + response.lengths[index] and start < e for s, e in failed):
+                outcome.failed.add(index)
+        # Device memory cannot be hashed here; what the host received is checked.
+        host = {
+            i: b for i, b in buffers.items() if not is_device_tensor(b) and i not in outcome.failed
+        }
+        verify_payloads(host, response.checksums)
+        for index in outcome.failed:
+            del outcome.buffers[index]
+        return outcome
 
     # -- put -------------------------------------------------------------------------------
 
-    def _try_put(
-        self, keys: Sequence[bytes], views: list[memoryview], deadline: float, retried: bool
+    def _put_once(
+        self, keys: Sequence[bytes], views: list[Any], deadline: float, attempt: int
     ) -> PutResult | None:
-        if not self.usable:
-            return None
-        connection = None
-        sending: concurrent.futures.Future[None] | None = None
+        """One try of a put; ``None`` if a lane died under it (nothing was stored)."""
+        layout = StreamLayout([[view] for view in views])
+        messages = plan_messages(layout.total, layout.breaks)
+        lanes = self._take(layout.total, deadline)
+        transfer_id = next(self._transfer_ids)
+        request = ucx_pb.UcxPutRequest(
+            namespace=_wire.namespace_bytes(self._namespace),
+            keys=list(keys),
+            lengths=[int(view.nbytes) for view in views],
+            client_id=lanes[0].client_id,
+            lanes=[lane.client_id for lane in lanes[1:]],
+            transfer_id=transfer_id,
+            messages=messages,
+        )
+        lane_of = assign_lanes(messages, len(lanes))
+        loads = lane_loads(messages, lane_of, len(lanes))
+        self._pool.charge(lanes, loads)
         try:
-            connection = self._connect(deadline)
-            transfer_id = next(self._transfer_ids)
-            request = ucx_pb.UcxPutRequest(
-                namespace=_wire.namespace_bytes(self._namespace),
-                keys=list(keys),
-                lengths=[len(view) for view in views],
-                client_id=connection.client_id,
-                transfer_id=transfer_id,
-            )
             # Send at once: UCX holds the payloads until the server posts its receives, so the
             # whole put is one control round trip.
             sending = self._loop().submit(
-                _send(connection.endpoint, transfer_id, views, _remaining(deadline))
+                move_messages(
+                    "send",
+                    [lane.endpoint for lane in lanes],
+                    transfer_id,
+                    layout.views(messages),
+                    lane_of,
+                    _remaining(deadline),
+                )
             )
+            error: BaseException | None = None
             try:
-                response = self._control(self._stub.UcxPut, request, deadline, retried, connection)
-            except BaseException:
-                self._settle(sending, connection)
-                raise
-            # The server answered after receiving every byte; the sends are (all but) done.
+                response = self._control(self._stub.UcxPut, request, deadline, attempt > 1, lanes)
+            except BaseException as exc:  # settle the sends first, then decide
+                error = exc
+                if not isinstance(exc, UcxTransportError):
+                    self._pool.drop(lanes)  # refused: the server dropped these endpoints too
             try:
-                sending.result(_remaining(deadline) + _LOOP_GRACE_S)
+                failed = sending.result(_remaining(deadline) + LOOP_GRACE_S)
             except Exception as exc:
-                raise endpoint_error(exc) from exc
-            self.counters["transfers"] += 1
-            return _wire.put_result(response)
-        except UcxTransportError as exc:
-            self._fail(exc, connection)
-            return None
+                self._pool.drop(lanes)
+                raise UcxTransportError(f"UCX sends did not end: {exc}") from exc
+        finally:
+            self._pool.discharge(lanes, loads)
+        self.counters["messages"] += len(messages)
+        dead = [lanes[lane] for lane in failed]
+        if dead:
+            self.counters["lane_failures"] += len(dead)
+            self._pool.drop(dead)
+        if error is not None:
+            if dead and isinstance(error, UcxTransportError) and attempt == 1:
+                return None  # a lane died under the put: send it again (new lanes fill in)
+            if isinstance(error, UcxTransportError):
+                self._pool.drop(lanes)
+            raise error
+        return _wire.put_result(response)
 
-    def _settle(self, sending: concurrent.futures.Future[None], connection: _Connection) -> None:
-        """After a refused put: wait briefly for the sends, else drop the endpoint under them."""
+    # -- transfers and control calls -------------------------------------------------------
+
+    def _move(
+        self,
+        op: Any,
+        lanes: list[Lane],
+        transfer_id: int,
+        layout: StreamLayout,
+        messages: list[int],
+        deadline: float,
+    ) -> list[tuple[int, int]]:
+        """Move a plan's messages over ``lanes``; the stream ranges of those lost with a lane."""
+        lane_of = assign_lanes(messages, len(lanes))
+        loads = lane_loads(messages, lane_of, len(lanes))
+        self._pool.charge(lanes, loads)
         try:
-            sending.result(1.0)
-        except Exception:
-            self._drop(connection)
-
-    # -- control calls ---------------------------------------------------------------------
+            failed = self._loop().run(
+                move_messages(
+                    op,
+                    [lane.endpoint for lane in lanes],
+                    transfer_id,
+                    layout.views(messages),
+                    lane_of,
+                    _remaining(deadline),
+                ),
+                _remaining(deadline),
+            )
+        finally:
+            self._pool.discharge(lanes, loads)
+        self.counters["messages"] += len(messages)
+        if not failed:
+            return []
+        self.counters["lane_failures"] += len(failed)
+        self._pool.drop([lanes[lane] for lane in failed])
+        lost, offset = [], 0
+        for length, lane in zip(messages, lane_of, strict=True):
+            if lane in failed:
+                lost.append((offset, offset + length))
+            offset += length
+        return lost
 
     def _control(
-        self,
-        method: Any,
-        request: Any,
-        deadline: float,
-        retried: bool,
-        connection: _Connection,
+        self, method: Any, request: Any, deadline: float, retried: bool, lanes: list[Lane]
     ) -> Any:
         """Make a control call; transport failures raise UcxTransportError, request errors their
-        KVStoreError, and :class:`_Reconnect` means the server forgot this client (it restarted)."""
+        KVStoreError. A server that forgot these endpoints (it restarted) gets new ones, once."""
         try:
             return method(request, timeout=_remaining(deadline))
         except grpc.RpcError as exc:
             code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
             details = exc.details() if hasattr(exc, "details") else str(exc)
             if code == grpc.StatusCode.ABORTED and "unknown UCX client" in (details or ""):
-                self._drop(connection)
-                if not retried:
-                    raise _Reconnect from exc
+                self._pool.drop(lanes)
+                # A get sent nothing yet: ask again at once. A put's bytes went over the lanes
+                # forgotten: the caller sends the batch again.
+                if not retried and isinstance(request, ucx_pb.UcxGetRequest):
+                    return self._reconnected(method, request, deadline)
             if code in _TRANSPORT_CODES or code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise UcxTransportError(f"UCX control call failed: {code.name}: {details}") from exc
             raise _wire.map_rpc_error(exc) from exc
 
+    def _reconnected(self, method: Any, request: Any, deadline: float) -> Any:
+        """The same call again over new endpoints (as many as the request named)."""
+        count = 1 + len(request.lanes)
+        lanes = self._take(0, deadline)[:count]
+        if len(lanes) < count:
+            raise UcxTransportError("fewer UCX lanes than the call was planned for")
+        request.client_id = lanes[0].client_id
+        del request.lanes[:]
+        request.lanes.extend(lane.client_id for lane in lanes[1:])
+        return self._control(method, request, deadline, True, lanes)
+
     # -- connection ------------------------------------------------------------------------
 
-    def _loop(self) -> _LoopThread:
-        return _shared_loop()
+    def _loop(self) -> LoopThread:
+        return shared_loop()
 
     def _deadline(self, timeout: float | None) -> float:
         return time.monotonic() + (self.timeout if timeout is None else timeout)
 
-    def _connect(self, deadline: float) -> _Connection:
-        """The open connection, or a new one (endpoint + hello) made within the deadline."""
-        with self._lock:
-            connection = self._connection
-            if connection is not None and not connection.endpoint.closed:
-                return connection
-            load_ucxx()
-            client_id = os.urandom(CLIENT_ID_BYTES)
-            timeout = min(self.connect_timeout_s, _remaining(deadline) * CONNECT_SHARE)
-            endpoint = self._loop().run(
-                open_endpoint(self._host, self._port, client_id, timeout), timeout
-            )
-            self._connection = _Connection(endpoint, client_id)
-            self.counters["connects"] += 1
-            return self._connection
-
-    def _drop(self, connection: _Connection | None) -> None:
-        """Forget and abort ``connection`` (the next call reconnects)."""
-        if connection is None:
-            return
-        with self._lock:
-            if self._connection is connection:
-                self._connection = None
-        self._abort(connection)
-
-    def _abort(self, connection: _Connection) -> None:
+    def _take(self, nbytes: int, deadline: float) -> list[Lane]:
+        """Lanes for a transfer of ``nbytes`` (opening missing ones in a share of the time left)."""
+        timeout = min(self.connect_timeout_s, _remaining(deadline) * CONNECT_SHARE)
         try:
-            self._loop().run(abort_endpoint(connection.endpoint), 2.0)
-        except Exception:
-            logger.debug("aborting a UCX endpoint failed", exc_info=True)
+            return self._pool.take(nbytes, deadline, timeout)
+        finally:
+            self.counters["connects"] = self._pool.connects
 
-    def _fail(self, exc: UcxTransportError, connection: _Connection | None) -> None:
+    def _fail(self, exc: UcxTransportError) -> None:
         """Fall back for this call and leave UCX alone for ``retry_after_s`` seconds."""
-        self._drop(connection)
+        self._pool.close()
         self._retry_at = time.monotonic() + self.retry_after_s
         self.counters["fallbacks"] += 1
         self.last_error = str(exc)
@@ -404,10 +434,14 @@ class UcxDataClient:
 class _GetOutcome:
     sent: list[bool]
     buffers: dict[int, Any]
+    #: Indices whose messages a dead lane carried: not in ``buffers``, to be asked again.
+    failed: set[int] = field(default_factory=set)
 
 
-class _Reconnect(Exception):
-    """The server does not know this client (it restarted): make the call again, reconnected."""
+def _joined(layout: StreamLayout, count: int) -> list[bool]:
+    """Per key, whether its buffer starts where the previous key's ends (``joined``)."""
+    breaks = set(layout.breaks)
+    return [index > 0 and layout.block_starts[index] not in breaks for index in range(count)]
 
 
 def _remaining(deadline: float) -> float:
@@ -415,86 +449,3 @@ def _remaining(deadline: float) -> float:
     if remaining <= 0:
         raise UcxTransportError("deadline passed before the UCX transfer finished")
     return remaining
-
-
-# -- coroutines run on the UCX loop -----------------------------------------------------------
-
-
-async def open_endpoint(host: str, port: int, client_id: bytes, timeout: float) -> Any:
-    """Connect to the listener and introduce ourselves; the endpoint, once the server knows us."""
-    ucxx = load_ucxx()
-    endpoint = None
-    try:
-        endpoint = await asyncio.wait_for(
-            ucxx.create_endpoint(host, port, endpoint_error_handling=True, connect_timeout=timeout),
-            timeout,
-        )
-        # A refused connection only shows as the endpoint closing; without watching for that,
-        # the hello would wait out the whole timeout before the caller can fall back.
-        hello = asyncio.ensure_future(_hello(endpoint, client_id))
-        watch = asyncio.ensure_future(_until_closed(endpoint))
-        done, pending = await asyncio.wait(
-            {hello, watch}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-        )
-        for task in pending:
-            task.cancel()
-        if hello in done:
-            hello.result()
-        elif watch in done:
-            watch.result()
-        else:
-            raise TimeoutError(f"no answer within {timeout:.1f}s")
-    except Exception as exc:
-        if endpoint is not None:
-            await abort_endpoint(endpoint)
-        raise UcxTransportError(f"cannot connect to UCX listener {host}:{port}: {exc}") from exc
-    return endpoint
-
-
-async def _hello(endpoint: Any, client_id: bytes) -> None:
-    """Say who we are and wait for the listener's one-byte welcome."""
-    await endpoint.send(bytearray(client_id), tag=HELLO_TAG)
-    answer = np.empty(1, dtype=np.uint8)
-    await endpoint.recv(answer, tag=HELLO_TAG)
-
-
-async def _until_closed(endpoint: Any, poll_s: float = 0.005) -> None:
-    """Raise once ``endpoint`` closes (refused or reset); runs until cancelled otherwise."""
-    while not endpoint.closed:
-        await asyncio.sleep(poll_s)
-    raise ConnectionRefusedError("the UCX endpoint closed before the listener answered")
-
-
-async def receive_payloads(
-    endpoint: Any, transfer_id: int, buffers: dict[int, Any], timeout: float
-) -> None:
-    """Receive one transfer's payloads; on failure abort the endpoint, cancelling the rest."""
-    receives = [
-        endpoint.recv(buffer, tag=transfer_tag(transfer_id, index))
-        for index, buffer in buffers.items()
-    ]
-    try:
-        await asyncio.wait_for(asyncio.gather(*receives), timeout)
-    except Exception as exc:
-        # Before the caller falls back: no posted receive may write into its buffers later.
-        await abort_endpoint(endpoint)
-        raise endpoint_error(exc) from exc
-
-
-async def _send(endpoint: Any, transfer_id: int, views: list[memoryview], timeout: float) -> None:
-    """Send one transfer's payloads."""
-    sends = [
-        endpoint.send(view, tag=transfer_tag(transfer_id, index))
-        for index, view in enumerate(views)
-    ]
-    try:
-        await asyncio.wait_for(asyncio.gather(*sends), timeout)
-    except Exception as exc:
-        await abort_endpoint(endpoint)
-        raise endpoint_error(exc) from exc
-
-
-async def abort_endpoint(endpoint: Any) -> None:
-    """Close ``endpoint`` at once; UCX cancels its outstanding requests."""
-    if not endpoint.closed:
-        endpoint.abort(period=_ABORT_PERIOD_NS)

@@ -12,7 +12,10 @@ from kvstore.config.meta import setting
 from kvstore.config.store import require_positive
 from kvstore.errors import ConfigError
 
-__all__ = ["ShmConfig", "UcxConfig"]
+__all__ = ["MAX_UCX_LANES", "ShmConfig", "UcxConfig"]
+
+#: Most UCX lanes (endpoints per peer) any setting allows.
+MAX_UCX_LANES = 8
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,9 @@ class ShmConfig:
 @dataclass(frozen=True)
 class UcxConfig:
     """The UCX listener for remote bulk transfers (``listen``: HOST:PORT, port 0 picks one; empty
-    is off) and how long one transfer may take."""
+    is off), how long one transfer may take, the endpoints (lanes) this node opens per peer for
+    its peer reads and one transfer may name, and the bytes in flight one endpoint and one tenant
+    may have at once."""
 
     listen: str = setting(
         "",
@@ -129,6 +134,43 @@ class UcxConfig:
         old_names=("server.ucx_transfer_timeout_s",),
     )
 
+    lanes: int = setting(
+        1,
+        help=(
+            "UCX endpoints (lanes) this node opens to each peer it reads blocks from "
+            f"(`cluster.shared_data = peers`), 1 to {MAX_UCX_LANES}; a batch's messages spread "
+            "over them. Over TCP on 2 cores a second lane measured no gain (one UCX worker "
+            "progresses them all); worth trying where one endpoint cannot fill the link "
+            "(clients: `KVSTORE_UCX_LANES`)"
+        ),
+    )
+    max_lanes: int = setting(
+        8,
+        help=(
+            f"most endpoints one UCX transfer may name (1 to {MAX_UCX_LANES}); a call naming more "
+            "is refused (INVALID_ARGUMENT)"
+        ),
+    )
+    connection_bytes_in_flight: int = setting(
+        256 * 1024**2,
+        help=(
+            "payload bytes one UCX endpoint may have in flight; a transfer past it waits within "
+            "its deadline (one alone always moves), then moves over gRPC"
+        ),
+        kind="size",
+    )
+    tenant_bytes_in_flight: int = setting(
+        1024**3,
+        help="the same, for all of one tenant's UCX transfers together",
+        kind="size",
+    )
+
     def __post_init__(self) -> None:
         if not self.transfer_timeout_s > 0:
             raise ConfigError(f"ucx.transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
+        for name in ("lanes", "max_lanes"):
+            value = getattr(self, name)
+            if not 1 <= value <= MAX_UCX_LANES:
+                raise ConfigError(f"ucx.{name} must be 1 to {MAX_UCX_LANES}, got {value}")
+        require_positive("ucx.connection_bytes_in_flight", self.connection_bytes_in_flight)
+        require_positive("ucx.tenant_bytes_in_flight", self.tenant_bytes_in_flight)

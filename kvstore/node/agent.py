@@ -158,6 +158,7 @@ async def start_cluster(
                 max_block_bytes=store.max_block_bytes,
                 transport=settings.peer_transport,
                 keyring=store.keyring,
+                ucx_lanes=config.ucx.lanes,
             )
             store.set_remote_source(source)
             peers[tenant] = (store, source)

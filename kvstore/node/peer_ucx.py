@@ -3,9 +3,13 @@
 :class:`UcxPeerLink` is the UCX half of :class:`~kvstore.node.peers.PeerSource`: one per peer
 (its gRPC target and advertised UCX address). It speaks the same protocol as the client's UCX data
 path (:mod:`kvstore.client.ucx`): a ``UcxTransfer.UcxGet`` control call over gRPC, then the
-payloads over the UCX endpoint, tagged by transfer id and index. The control call presents no
-credential: it carries an authenticator of exactly that request, naming the endpoint and transfer
-the payloads go to (:mod:`kvstore.node.peer_auth`), and no receive is posted before the
+payloads over the link's UCX endpoints (``lanes`` of them, ``ucx.lanes``), as the messages the
+holder's answer plans (:mod:`kvstore.protocol.ucx_plan`): without a landing the reader takes the
+stream in one buffer (``receive_any``), so the holder's blocks in consecutive pages move as one
+message; into a landing's pages, one message per block (or per run of the holder's pages). The
+control call presents no credential: it carries an authenticator of exactly that request, naming
+the endpoints, transfer and layout the payloads go to (:mod:`kvstore.node.peer_auth`), and no
+receive is posted before the
 holder's answer proved that it belongs to the cluster too. The call asks for the blocks sealed
 (``UcxGetRequest.sealed``): the answer carries each payload's sealed header, returned with the
 payload for the peer source to verify (:mod:`kvstore.node.peer_blocks`); the xxh3 checksums of
@@ -19,7 +23,8 @@ the server's event loop, where the peer source runs: ucxx completes its futures 
 first used it, and in a server that is the loop of its own UCX listener. The server's loop is never
 blocked: every step is awaited.
 
-**Failures.** Any failure (no ucxx, no connection, a late or failed transfer, a peer that forgot
+**Failures.** Any failure (no ucxx, no connection, a late or failed transfer on any lane, a peer
+that forgot
 this endpoint twice, an answer not well-formed: a header missing, a block over
 ``server.max_block_bytes``, which is never allocated) raises
 :class:`~kvstore.protocol.ucx.UcxTransportError` after dropping the endpoint (which cancels
@@ -45,7 +50,7 @@ from kvstore._proto.kvstore.v1 import ucx_pb2_grpc as ucx_pb_grpc
 from kvstore.block import Keyring
 from kvstore.client.base import client_settings
 from kvstore.client.channel import ChannelSecurity, aio_channel
-from kvstore.client.ucx import CONNECT_SHARE, abort_endpoint, open_endpoint, receive_payloads
+from kvstore.client.ucx import CONNECT_SHARE
 from kvstore.node.peer_auth import (
     CALL_METADATA,
     PeerAuthError,
@@ -59,8 +64,11 @@ from kvstore.protocol.ucx import (
     CLIENT_ID_BYTES,
     UcxTransportError,
     parse_address,
+    signed_destination,
     verify_payloads,
 )
+from kvstore.protocol.ucx_plan import StreamLayout, assign_lanes, check_plan, host_piece
+from kvstore.protocol.ucx_wire import abort_endpoint, move_messages, open_endpoint
 from kvstore.store.remote import Landing
 
 __all__ = ["UcxPeerLink"]
@@ -81,7 +89,7 @@ class UcxPeerLink:
     """Reads sealed blocks from one peer over UCX (``target``: its gRPC address, for the control
     calls; ``ucx_address``: the ``HOST:PORT`` its listener advertises), each control call signed
     by ``signer`` (``None``: unauthenticated, for a server that asks nothing); a block over
-    ``max_block_bytes`` fails the read."""
+    ``max_block_bytes`` fails the read; ``lanes``: the endpoints it opens to the peer."""
 
     def __init__(
         self,
@@ -89,6 +97,7 @@ class UcxPeerLink:
         ucx_address: str,
         signer: PeerSigner | None,
         max_block_bytes: int = 64 * 1024**2,
+        lanes: int = 1,
     ) -> None:
         self.target = target
         self.signer = signer
@@ -99,9 +108,10 @@ class UcxPeerLink:
         security = ChannelSecurity.for_client(client_settings(None, "grpc"), "", None, None, None)
         self._channel = aio_channel(target, security)
         self._stub = ucx_pb_grpc.UcxTransferStub(self._channel)
-        self._endpoint: Any = None
+        self.lanes = lanes
+        self._endpoints: list[Any] = []
         self._connecting = asyncio.Lock()
-        self._client_id = b""
+        self._client_ids: list[bytes] = []
         self._transfer_ids = itertools.count(1)  # 0 is never used: HELLO_TAG is tag (0, 1)
         #: ``time.monotonic()`` before which UCX is not tried again after a failure.
         self.retry_at = 0.0
@@ -127,14 +137,16 @@ class UcxPeerLink:
         does not prove itself raises :class:`~kvstore.node.peer_auth.PeerAuthError`."""
         deadline = time.monotonic() + timeout
         for attempt in (1, 2):
-            endpoint, client_id = await self._connect(deadline)
+            endpoints, client_ids = await self._connect(deadline)
             transfer_id = next(self._transfer_ids)
             request = ucx_pb.UcxGetRequest(
                 namespace=_wire.namespace_bytes(namespace),
                 keys=list(keys),
-                client_id=client_id,
+                client_id=client_ids[0],
+                lanes=client_ids[1:],
                 transfer_id=transfer_id,
                 sealed=True,
+                receive_any=landing is None,
             )
             signed = self._sign(request, holder)
             metadata = None if signed is None else ((CALL_METADATA, signed.metadata()),)
@@ -173,7 +185,7 @@ class UcxPeerLink:
             buffers: dict[int, Any] = {index: memoryview(b) for index, b in blocks.items()}
             if buffers:
                 try:
-                    await receive_payloads(endpoint, transfer_id, buffers, _remaining(deadline))
+                    await self._receive(endpoints, transfer_id, blocks, response, deadline)
                     # Before anything is installed or served: what arrived is what was sent.
                     verdicts = await asyncio.to_thread(
                         self._check, keys, namespace, response, buffers, keyring
@@ -222,27 +234,63 @@ class UcxPeerLink:
         and the endpoint and transfer its payloads go to."""
         if self.signer is None:
             return None
-        extra = request.client_id + request.transfer_id.to_bytes(8, "little")
-        digest = request_digest(request.namespace, request.keys, extra)
+        digest = request_digest(request.namespace, request.keys, signed_destination(request))
         return self.signer.sign("UcxGet", *holder, digest)
 
-    async def _connect(self, deadline: float) -> tuple[Any, bytes]:
-        """The open endpoint, or a new one made in at most a share of the time left (a vanished
+    async def _receive(
+        self,
+        endpoints: list[Any],
+        transfer_id: int,
+        blocks: dict[int, Any],
+        response: ucx_pb.UcxGetResponse,
+        deadline: float,
+    ) -> None:
+        """Receive the answer's plan into ``blocks`` over the lanes; UcxTransportError if the
+        plan does not fit them or a lane fails (every posted receive has ended by then)."""
+        layout = StreamLayout([[host_piece(blocks[index])] for index in sorted(blocks)])
+        messages = list(response.messages)
+        try:
+            check_plan(messages, layout.total, layout.breaks)
+        except ValueError as exc:
+            raise UcxTransportError(f"UcxGet answer with a bad plan: {exc}") from exc
+        lane_of = assign_lanes(messages, len(endpoints))
+        failed = await move_messages(
+            "recv", endpoints, transfer_id, layout.views(messages), lane_of, _remaining(deadline)
+        )
+        if failed:
+            lane, error = next(iter(failed.items()))
+            raise UcxTransportError(f"UCX lane {lane} to {self.address} failed: {error}")
+
+    async def _connect(self, deadline: float) -> tuple[list[Any], list[bytes]]:
+        """The open endpoints, or new ones made in at most a share of the time left (a vanished
         listener stalls the handshake, and the gRPC fallback needs the rest)."""
-        async with self._connecting:  # concurrent reads share one new endpoint
-            if self._endpoint is not None and not self._endpoint.closed:
-                return self._endpoint, self._client_id
-            client_id = os.urandom(CLIENT_ID_BYTES)
+        async with self._connecting:  # concurrent reads share the new endpoints
+            if self._endpoints and not any(e.closed for e in self._endpoints):
+                return self._endpoints, self._client_ids
+            await self.drop()
+            client_ids = [os.urandom(CLIENT_ID_BYTES) for _ in range(self.lanes)]
             timeout = _remaining(deadline) * CONNECT_SHARE
-            self._endpoint = await open_endpoint(self._host, self._port, client_id, timeout)
-            self._client_id = client_id
-            logger.debug("peer fetch: UCX endpoint to %s open", self.address)
-            return self._endpoint, client_id
+            opened = await asyncio.gather(
+                *(open_endpoint(self._host, self._port, c, timeout) for c in client_ids),
+                return_exceptions=True,
+            )
+            endpoints = [e for e in opened if not isinstance(e, BaseException)]
+            errors = [e for e in opened if isinstance(e, BaseException)]
+            if errors:
+                for endpoint in endpoints:
+                    await abort_endpoint(endpoint)
+                error = errors[0]
+                if isinstance(error, UcxTransportError):
+                    raise error
+                raise UcxTransportError(f"cannot open a UCX lane to {self.address}: {error}")
+            self._endpoints, self._client_ids = endpoints, client_ids
+            logger.debug("peer fetch: %d UCX lanes to %s open", len(endpoints), self.address)
+            return endpoints, client_ids
 
     async def drop(self) -> None:
-        """Abort the endpoint (the next read reconnects)."""
-        endpoint, self._endpoint = self._endpoint, None
-        if endpoint is not None:
+        """Abort the endpoints (the next read reconnects)."""
+        endpoints, self._endpoints = self._endpoints, []
+        for endpoint in endpoints:
             try:
                 await abort_endpoint(endpoint)
             except Exception:  # already closed by the peer's failure
@@ -258,10 +306,19 @@ async def _buffers(
     keys: Sequence[bytes], response: ucx_pb.UcxGetResponse, landing: Landing | None
 ) -> dict[int, Any]:
     """A buffer for each block the peer sends: the landing's pages where it offers them, else
-    a bytearray (its zeroed pages come lazily from the kernel, and it needs no copy after)."""
+    a bytearray (its zeroed pages come lazily from the kernel, and it needs no copy after);
+    without a landing, slices of one bytearray for the whole stream (``receive_any``)."""
     sent = [index for index, flag in enumerate(response.sent) if flag]
+    if landing is None:
+        stream = memoryview(bytearray(sum(response.lengths[index] for index in sent)))
+        out: dict[int, Any] = {}
+        offset = 0
+        for index in sent:
+            out[index] = stream[offset : offset + response.lengths[index]]
+            offset += response.lengths[index]
+        return out
     offered: list[Any | None] = [None] * len(sent)
-    if landing is not None and sent:
+    if sent:
         offered = await landing.buffers(
             [keys[index] for index in sent], [response.lengths[index] for index in sent]
         )

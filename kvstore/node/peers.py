@@ -158,6 +158,7 @@ class PeerSource:
         max_block_bytes: int = 64 * 1024**2,
         transport: str = "auto",
         keyring: Keyring | None = None,
+        ucx_lanes: int = 1,
     ) -> None:
         if transport not in PEER_TRANSPORTS:
             raise ConfigError(
@@ -176,6 +177,8 @@ class PeerSource:
         self.counters = counters
         self.timeout_s = timeout_s
         self.max_block_bytes = max_block_bytes
+        #: UCX endpoints each link opens to its peer (``ucx.lanes``).
+        self.ucx_lanes = ucx_lanes
         #: What blocks from peers are verified with (the store's; ``None``: the process's).
         self.keyring = keyring
         #: What this node's requests to its peers are signed with (the tenant's peer key).
@@ -350,7 +353,9 @@ class PeerSource:
         return _cached(
             self._links,
             (info.grpc, info.ucx),  # a restarted node may listen elsewhere
-            lambda: UcxPeerLink(info.grpc, info.ucx, self.signer, self.max_block_bytes),
+            lambda: UcxPeerLink(
+                info.grpc, info.ucx, self.signer, self.max_block_bytes, self.ucx_lanes
+            ),
         )
 
     async def _fetch(

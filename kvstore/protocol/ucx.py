@@ -41,6 +41,7 @@ __all__ = [
     "parse_address",
     "payload_checksum",
     "payload_checksums",
+    "signed_destination",
     "transfer_tag",
     "ucx_unavailable_reason",
     "verify_payloads",
@@ -143,6 +144,19 @@ def transfer_tag(transfer_id: int, index: int) -> int:
     if not 0 <= index < MAX_BATCH:
         raise ValueError(f"block index {index} out of range")
     return ((transfer_id % (1 << _TRANSFER_BITS)) << _INDEX_BITS) | index
+
+
+def signed_destination(request: Any) -> bytes:
+    """What a peer read's authenticator covers beside its keys: the endpoints (lanes) and the
+    transfer its payloads go to, and how the reader lays them out (a ``UcxGetRequest``)."""
+    lanes = b"".join(bytes(lane) for lane in request.lanes)
+    layout = (
+        b""
+        if not (request.joined or request.receive_any)
+        else (bytes([request.receive_any]) + bytes(bytearray(request.joined)))
+    )
+    transfer = int(request.transfer_id).to_bytes(8, "little")
+    return bytes(request.client_id) + lanes + transfer + layout
 
 
 def parse_address(address: str) -> tuple[str, int]:

@@ -459,6 +459,9 @@ async def _start_ucx(
             config.ucx.listen,
             transfer_timeout_s=config.ucx.transfer_timeout_s,
             scopes=lambda: scopes[tenants.current().name],
+            max_lanes=config.ucx.max_lanes,
+            connection_bytes=config.ucx.connection_bytes_in_flight,
+            tenant_bytes=config.ucx.tenant_bytes_in_flight,
         )
     except UcxTransportError as exc:
         logger.warning("UCX data path off: %s", exc)

@@ -41,6 +41,7 @@ from kvstore.node.peer_auth import (
     request_digest,
     verify_call,
 )
+from kvstore.protocol.ucx import signed_destination
 from kvstore.server.auth import peer_tenant
 from kvstore.server.tenancy import Tenants
 
@@ -120,7 +121,7 @@ class PeerGate:
             raise PeerAuthError("a peer read must ask for sealed blocks (sealed = true)")
         extra = b""
         if method == "UcxGet":
-            extra = request.client_id + request.transfer_id.to_bytes(8, "little")
+            extra = signed_destination(request)
         digest = request_digest(request.namespace, list(request.keys), extra)
         ring = self._ring(call.tenant, tenant.store.keyring)
         verify_call(ring, call, method, node, epoch, digest)

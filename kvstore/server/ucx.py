@@ -12,9 +12,12 @@ put reserves pages (:meth:`~kvstore.store.TieredStore.reserve`), UCX receives in
 store commits them. What a transfer takes belongs to its own arena session
 (:mod:`kvstore.server.sessions`), closed when the transfer ends, however it ends: a client that
 dies fails its transfers, which gives everything back. (Not when the endpoint goes: UCX may still
-be receiving into reserved pages until the transfer's operations end.) A block split across
-several runs of pages still travels as one message (the client's wire format), so it goes through
-a contiguous copy; a block the arena has no room for is received into a buffer of its own and
+be receiving into reserved pages until the transfer's operations end.) The payloads move as the
+messages of the transfer's plan (:mod:`kvstore.protocol.ucx_plan`): a get plans them itself, from
+its pages and the caller's ``joined`` buffers (blocks in consecutive pages as one message, a block
+in several runs as one message per run, no copy); a put receives the client's plan straight into
+its reserved pages where a message lies in one run of them, and into a buffer copied out after
+where it does not. A block the arena has no room for is received into a buffer of its own and
 stored like a ``Put``.
 
 A *sealed* get (another node's peer fetch, ``UcxGetRequest.sealed``) is sent from the leased pages
@@ -32,20 +35,25 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import grpc
-import numpy as np
 
-from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import ucx_pb2 as ucx_pb
 from kvstore.block import BlockHeader, CorruptBlockError, Keyring
-from kvstore.errors import InvalidRequestError, KVStoreError
+from kvstore.errors import KVStoreError
 from kvstore.protocol.checks import check_pairs
-from kvstore.protocol.ucx import MAX_BATCH, UcxTransportError, payload_checksums, transfer_tag
-from kvstore.server.sessions import ArenaSession, ArenaSessions, Leased, Reserved, gather, scatter
-from kvstore.server.ucx_endpoints import ClientEndpoint, UcxEndpoints
+from kvstore.protocol.ucx import payload_checksums
+from kvstore.protocol.ucx_plan import (
+    StreamLayout,
+    assign_lanes,
+    host_piece,
+    lane_loads,
+    plan_messages,
+)
+from kvstore.server.sessions import ArenaSessions, Leased, gather
+from kvstore.server.ucx_endpoints import ClientEndpoint
+from kvstore.server.ucx_put import UcxPuts, UcxScope, check_batch
 from kvstore.store import TieredStore
 from kvstore.tiers.dram import DramTier
 
@@ -54,16 +62,7 @@ __all__ = ["UcxDataServer", "UcxScope"]
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class UcxScope:
-    """What one caller's transfers may touch: its tenant (``owner``), store and arena sessions."""
-
-    owner: str
-    store: TieredStore
-    sessions: ArenaSessions
-
-
-class UcxDataServer(UcxEndpoints):
+class UcxDataServer(UcxPuts):
     """A UCX listener serving one store's blocks to remote clients, plus its gRPC control service.
 
     Create it with :func:`~kvstore.server.ucx_service.add_ucx_to_server`, which also registers
@@ -78,8 +77,17 @@ class UcxDataServer(UcxEndpoints):
         transfer_timeout_s: float = 30.0,
         session_bytes: int | None = None,
         scopes: Callable[[], UcxScope] | None = None,
+        max_lanes: int = 8,
+        connection_bytes: int = 256 * 1024**2,
+        tenant_bytes: int = 1024**3,
     ) -> None:
-        super().__init__(listen, transfer_timeout_s=transfer_timeout_s)
+        super().__init__(
+            listen,
+            transfer_timeout_s=transfer_timeout_s,
+            max_lanes=max_lanes,
+            connection_bytes=connection_bytes,
+            tenant_bytes=tenant_bytes,
+        )
         self.store = store
         # One transfer may hold at most ``session_bytes`` of the arena leased or reserved.
         only = UcxScope("", store, ArenaSessions(store, session_bytes))
@@ -105,15 +113,17 @@ class UcxDataServer(UcxEndpoints):
         with its sealed header (:func:`_seal_payloads`).
         """
         scope = self._scope()
-        client = self._client(request.client_id, scope.owner)
+        clients = self._lanes(request.client_id, request.lanes, scope.owner)
         keys = list(request.keys)
-        _check_batch(len(keys))
+        check_batch(len(keys))
         sizes = list(request.sizes)
         if sizes:
             check_pairs(keys, sizes, "buffer sizes")
+        if request.joined:
+            check_pairs(keys, request.joined, "joined flags")
         arena = scope.store.arena
         if arena is None:
-            return await self._get_copies(scope, client, request, keys, sizes, context)
+            return await self._get_copies(scope, clients, request, keys, sizes, context)
         tiers = _tiers_before_acquire(scope.store, arena, keys, request.namespace)
         session = scope.sessions.open()
         sending = False
@@ -121,19 +131,21 @@ class UcxDataServer(UcxEndpoints):
             acquired = await session.acquire(keys, request.namespace)
             lengths = [_acquired_length(item) for item in acquired]
             sent = [n > 0 and (not sizes or sizes[i] == n) for i, n in enumerate(lengths)]
-            payloads: list[tuple[int, Any]] = []
+            payloads: list[tuple[int, Any]] = []  # what is hashed and sealed, per block
+            pieces: dict[int, list[Any]] = {}  # what is sent: UCX reads the leased pages
             travelling: set[int] = set()
             for index, item in enumerate(acquired):
                 if item is None or not sent[index]:
                     continue
                 if not isinstance(item, Leased):
                     payloads.append((index, item))  # bytes the store could not lease
-                elif len(item.lease.ranges) == 1:
-                    # Zero copy: UCX reads the leased pages themselves.
-                    payloads.append((index, arena.range_view(*item.lease.ranges[0])))
-                    travelling.add(item.id)
-                else:
-                    # The wire format is one message per block: gather its runs into a copy.
+                    pieces[index] = [host_piece(item)]
+                    continue
+                pieces[index] = [arena.range_view(*run) for run in item.lease.ranges]
+                travelling.add(item.id)
+                if len(item.lease.ranges) == 1:
+                    payloads.append((index, pieces[index][0]))
+                else:  # hashed (and sealed) as one payload; sent run by run from the pages
                     payloads.append((index, gather(arena, item.lease.ranges, lengths[index])))
             headers: list[bytes] = [b""] * len(keys) if request.sealed else []
             if request.sealed and payloads:
@@ -155,12 +167,15 @@ class UcxDataServer(UcxEndpoints):
                 checksums = await _checksums(payloads, len(keys))
             # Only the leases UCX reads from travel with the sends; the others come back now.
             session.release([i for i in session.leases if i not in travelling])
+            messages: list[int] = []
             if payloads:
-                # The answer goes first: the client posts its receives only after reading the
-                # lengths. The task's done callback runs however it ends (even cancelled before
-                # it started), so the leases it sends from always come back.
-                task = self._spawn(
-                    self._send(client, request.transfer_id, payloads, self._timeout(context))
+                sending_pieces = [pieces[index] for index, _ in payloads]
+                layout, messages = _get_plan(request, [i for i, _ in payloads], sending_pieces)
+                # The sends are posted before the answer goes; the client posts its receives
+                # after reading the plan. The task's done callback runs however it ends (even
+                # cancelled before it started), so the leases it sends from always come back.
+                task = await self._send(
+                    scope, clients, request.transfer_id, layout, messages, context
                 )
                 task.add_done_callback(lambda _: scope.sessions.close(session))
                 sending = True
@@ -173,13 +188,18 @@ class UcxDataServer(UcxEndpoints):
             elif isinstance(item, Leased) and not tiers[index]:
                 tiers[index] = arena.name  # stored meanwhile: the arena served it
         return ucx_pb.UcxGetResponse(
-            lengths=lengths, sent=sent, tiers=tiers, checksums=checksums, headers=headers
+            lengths=lengths,
+            sent=sent,
+            tiers=tiers,
+            checksums=checksums,
+            headers=headers,
+            messages=messages,
         )
 
     async def _get_copies(
         self,
         scope: UcxScope,
-        client: ClientEndpoint,
+        clients: list[ClientEndpoint],
         request: ucx_pb.UcxGetRequest,
         keys: list[bytes],
         sizes: list[int],
@@ -192,166 +212,70 @@ class UcxDataServer(UcxEndpoints):
         sent = [n > 0 and (not sizes or sizes[i] == n) for i, n in enumerate(lengths)]
         payloads = [(i, r.payload) for i, r in enumerate(results) if sent[i]]
         checksums = await _checksums(payloads, len(keys))
+        messages: list[int] = []
         if payloads:
             # The store's payloads are copies, so nothing needs pinning while they travel.
-            self._spawn(self._send(client, request.transfer_id, payloads, self._timeout(context)))
+            layout, messages = _get_plan(
+                request, [i for i, _ in payloads], [[host_piece(p)] for _, p in payloads]
+            )
+            await self._send(scope, clients, request.transfer_id, layout, messages, context)
         tiers = [r.tier for r in results]
         headers = []
         if request.sealed:
             headers = [(r.sealed_header or b"") if sent[i] else b"" for i, r in enumerate(results)]
         return ucx_pb.UcxGetResponse(
-            lengths=lengths, sent=sent, tiers=tiers, checksums=checksums, headers=headers
+            lengths=lengths,
+            sent=sent,
+            tiers=tiers,
+            checksums=checksums,
+            headers=headers,
+            messages=messages,
         )
 
     async def _send(
         self,
-        client: ClientEndpoint,
+        scope: UcxScope,
+        clients: list[ClientEndpoint],
         transfer_id: int,
-        payloads: Sequence[tuple[int, Any]],
-        timeout: float,
-    ) -> None:
-        sends = [
-            client.endpoint.send(payload, tag=transfer_tag(transfer_id, index))
-            for index, payload in payloads
-        ]
-        ok = await self._transfer(client, sends, timeout, "send")
-        if ok:
-            self.counters["get_transfers"] += 1
-            self.counters["blocks_sent"] += len(payloads)
-            self.counters["bytes_sent"] += sum(len(p) for _, p in payloads)
+        layout: StreamLayout,
+        messages: list[int],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> asyncio.Task[None]:
+        """Once the bytes fit in flight: the task sending the plan's messages over the lanes."""
+        lane_of = assign_lanes(messages, len(clients))
+        loads = lane_loads(messages, lane_of, len(clients))
+        timeout = self._timeout(context)
+        await self.inflight.admit(scope.owner, clients, loads, timeout)
 
-    # -- put -------------------------------------------------------------------------------
-
-    async def put(
-        self, request: ucx_pb.UcxPutRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.PutResponse:
-        """Receive the batch's payloads over UCX, then store them as ``Put`` does.
-
-        With a dram arena, blocks are received straight into reserved pages
-        (:meth:`TieredStore.reserve`) and then committed; a block the arena has no room for is
-        received into a buffer of its own and stored like a ``Put``.
-        """
-        scope = self._scope()
-        client = self._client(request.client_id, scope.owner)
-        keys = list(request.keys)
-        lengths = list(request.lengths)
-        try:
-            _check_put(scope.store, keys, lengths)
-        except KVStoreError:
-            # The client is already sending; dropping its endpoint fails those sends at once.
-            self._drop(client, "refused a put")
-            raise
-        arena = scope.store.arena
-        if arena is None:
-            return await self._put_copies(scope, client, request, keys, lengths, context)
-        session = scope.sessions.open()
-        try:
+        async def send() -> None:
             try:
-                reserved = await session.reserve(keys, lengths, request.namespace)
-            except KVStoreError:
-                # Refused (bad keys, another namespace's key): receive as before, and let the put
-                # refuse it the same way once the bytes are in.
-                reserved = None
-            if reserved is not None:
-                return await self._put_reserved(
-                    scope, client, request, arena, session, keys, lengths, reserved, context
-                )
-        finally:
-            # Committed reservations are closed, so this gives back only what was not committed.
-            scope.sessions.close(session)
-        return await self._put_copies(scope, client, request, keys, lengths, context)
+                views = layout.views(messages)
+                if await self._transfer(clients, "send", transfer_id, views, lane_of, timeout):
+                    self.counters["get_transfers"] += 1
+                    self.counters["blocks_sent"] += len(layout.block_starts)
+                    self.counters["messages_sent"] += len(messages)
+                    self.counters["bytes_sent"] += layout.total
+            finally:
+                self.inflight.release(scope.owner, clients, loads)
 
-    async def _put_reserved(
-        self,
-        scope: UcxScope,
-        client: ClientEndpoint,
-        request: ucx_pb.UcxPutRequest,
-        arena: DramTier,
-        session: ArenaSession,
-        keys: list[bytes],
-        lengths: list[int],
-        reserved: list[Reserved | Literal["present"] | None],
-        context: grpc.aio.ServicerContext[Any, Any],
-    ) -> pb.PutResponse:
-        """Receive into ``session``'s reservations (and buffers for the rest), then commit."""
-        present = [
-            length for item, length in zip(reserved, lengths, strict=True) if item == "present"
-        ]
-        # Blocks already stored still arrive (the client sends every value): they land here and
-        # are dropped. Concurrent writes into one scratch buffer are harmless, nobody reads it.
-        scratch = np.empty(max(present, default=0), dtype=np.uint8)
-        buffers: list[Any] = []
-        gathered: list[tuple[np.ndarray[Any, np.dtype[np.uint8]], Reserved]] = []
-        fallback: list[int] = []
-        for index, (item, length) in enumerate(zip(reserved, lengths, strict=True)):
-            if isinstance(item, Reserved):
-                if len(item.reservation.ranges) == 1:
-                    buffers.append(arena.range_view(*item.reservation.ranges[0]))  # zero copy
-                else:
-                    buffer = np.empty(length, dtype=np.uint8)
-                    gathered.append((buffer, item))
-                    buffers.append(buffer)
-            elif item == "present":
-                buffers.append(scratch[:length])
-            else:  # no room in the arena for it
-                buffers.append(np.empty(length, dtype=np.uint8))
-                fallback.append(index)
-        await self._receive(client, request.transfer_id, buffers, context)
-        for buffer, item in gathered:
-            scatter(arena, item.reservation.ranges, buffer)
-        written = [item.id for item in reserved if isinstance(item, Reserved)]
-        result = await session.commit(written, request.namespace)
-        stored = result.stored
-        already = result.already_present + len(present)
-        dropped = result.dropped
-        if fallback:
-            rest = await scope.store.put(
-                [keys[i] for i in fallback], [buffers[i] for i in fallback], request.namespace
-            )
-            stored += rest.stored
-            already += rest.already_present
-            dropped += rest.dropped
-        return pb.PutResponse(stored=stored, already_present=already, dropped=dropped)
+        return self._spawn(send())
 
-    async def _put_copies(
-        self,
-        scope: UcxScope,
-        client: ClientEndpoint,
-        request: ucx_pb.UcxPutRequest,
-        keys: list[bytes],
-        lengths: list[int],
-        context: grpc.aio.ServicerContext[Any, Any],
-    ) -> pb.PutResponse:
-        """Receive into buffers of their own, then ``store.put`` them (it copies them in)."""
-        # np.empty: no zeroing, every byte is about to be overwritten.
-        buffers = [np.empty(length, dtype=np.uint8) for length in lengths]
-        await self._receive(client, request.transfer_id, buffers, context)
-        result = await scope.store.put(keys, buffers, request.namespace)
-        return pb.PutResponse(
-            stored=result.stored, already_present=result.already_present, dropped=result.dropped
+
+def _get_plan(
+    request: ucx_pb.UcxGetRequest, indices: list[int], pieces: list[list[Any]]
+) -> tuple[StreamLayout, list[int]]:
+    """The layout of a get's stream (blocks ``indices`` of the request, sent from ``pieces``)
+    and its plan: cut where this side's memory breaks, and where the caller's buffers do."""
+    layout = StreamLayout(pieces)
+    theirs = []
+    for position in range(1, len(indices)):
+        index = indices[position]
+        joined = (
+            index == indices[position - 1] + 1 and bool(request.joined) and request.joined[index]
         )
-
-    async def _receive(
-        self,
-        client: ClientEndpoint,
-        transfer_id: int,
-        buffers: Sequence[Any],
-        context: grpc.aio.ServicerContext[Any, Any],
-    ) -> None:
-        """Receive block ``i`` of the transfer into ``buffers[i]``; UcxTransportError on failure.
-
-        A failed, late or cancelled receive drops the endpoint first (which cancels the receives
-        still posted and waits for that), so nothing writes into the buffers afterwards.
-        """
-        receives = [
-            client.endpoint.recv(buffer, tag=transfer_tag(transfer_id, index))
-            for index, buffer in enumerate(buffers)
-        ]
-        if not await self._transfer(client, receives, self._timeout(context), "receive"):
-            raise UcxTransportError("UCX receive failed or timed out")
-        self.counters["put_transfers"] += 1
-        self.counters["blocks_received"] += len(buffers)
-        self.counters["bytes_received"] += sum(len(buffer) for buffer in buffers)
+        if not (request.receive_any or joined):
+            theirs.append(layout.block_starts[position])
+    return layout, plan_messages(layout.total, [*layout.breaks, *theirs])
 
 
 def _acquired_length(item: Leased | bytes | memoryview | None) -> int:
@@ -411,16 +335,3 @@ async def _checksums(payloads: list[tuple[int, Any]], count: int) -> list[int]:
     if not payloads:
         return [0] * count
     return await asyncio.to_thread(payload_checksums, payloads, count)
-
-
-def _check_put(store: TieredStore, keys: Sequence[bytes], lengths: Sequence[int]) -> None:
-    """Refuse, before receiving anything, a batch the store would refuse or cannot hold."""
-    _check_batch(len(keys))
-    check_pairs(keys, lengths, "lengths")
-    # Receive buffers are allocated up front: never more than every tier could hold.
-    store.check_sizes(lengths)
-
-
-def _check_batch(count: int) -> None:
-    if count > MAX_BATCH:
-        raise InvalidRequestError(f"{count} keys in one UCX transfer; the limit is {MAX_BATCH}")

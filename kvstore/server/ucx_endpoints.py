@@ -6,11 +6,16 @@ allowed to touch the store. ucxx binds its context to that loop the first time i
 process serves UCX from one loop only.
 
 A client's life: it connects to the listener and sends its client id; :meth:`UcxEndpoints._accept`
-registers the endpoint under that id and answers one byte. From then on ``UcxGet`` and ``UcxPut``
-name the id, and the payloads of a call move over that endpoint, tagged by (transfer id, index).
-Every transfer is bounded by the call's gRPC deadline (capped by ``transfer_timeout_s``); a transfer
-that fails or runs late drops the client's endpoint, which cancels whatever else it had in flight,
-and the client reconnects on its next call.
+registers the endpoint under that id and answers one byte. A client may open several endpoints
+(lanes, at most ``ucx.max_lanes`` per transfer). From then on ``UcxGet`` and ``UcxPut`` name the
+ids, and the payloads of a call move over those endpoints as the messages of its plan
+(:mod:`kvstore.protocol.ucx_plan`), tagged by (transfer id, message). Every transfer is bounded
+by the call's gRPC deadline (capped by ``transfer_timeout_s``); a lane that fails or runs late is
+dropped, which cancels whatever else it had in flight, and the client reconnects it later.
+
+Bytes in flight are bounded per endpoint (``ucx.connection_bytes_in_flight``) and per tenant
+(``ucx.tenant_bytes_in_flight``, :class:`InflightLimits`): a transfer waits, within its deadline,
+until it fits (one alone always does), then fails over to gRPC.
 """
 
 from __future__ import annotations
@@ -18,15 +23,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
-from collections.abc import Awaitable
+from collections import Counter, defaultdict
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import grpc
 import numpy as np
 
-from kvstore.errors import PermissionDeniedError
+from kvstore.errors import InvalidRequestError, PermissionDeniedError
 from kvstore.protocol.ucx import (
     CLIENT_ID_BYTES,
     HELLO_TAG,
@@ -34,8 +39,9 @@ from kvstore.protocol.ucx import (
     load_ucxx,
     parse_address,
 )
+from kvstore.protocol.ucx_wire import move_messages
 
-__all__ = ["ClientEndpoint", "UcxEndpoints"]
+__all__ = ["ClientEndpoint", "InflightLimits", "UcxEndpoints"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,12 +58,81 @@ class ClientEndpoint:
     owner: str | None = None
 
 
+class InflightLimits:
+    """Bytes of UCX transfers in flight, per client endpoint and per tenant (loop thread only).
+
+    A transfer is admitted once each of its lanes and its tenant has room for it, or holds
+    nothing (so one transfer larger than a limit still moves, alone); it waits for that within
+    its deadline.
+    """
+
+    def __init__(self, connection_bytes: int, tenant_bytes: int) -> None:
+        self.connection_bytes = connection_bytes
+        self.tenant_bytes = tenant_bytes
+        self.by_client: defaultdict[bytes, int] = defaultdict(int)
+        self.by_tenant: defaultdict[str, int] = defaultdict(int)
+        self._changed = asyncio.Event()
+
+    def _fits(self, owner: str, clients: Sequence[ClientEndpoint], loads: Sequence[int]) -> bool:
+        for client, load in zip(clients, loads, strict=True):
+            held = self.by_client[client.client_id]
+            if held and held + load > self.connection_bytes:
+                return False
+        held = self.by_tenant[owner]
+        return not held or held + sum(loads) <= self.tenant_bytes
+
+    async def admit(
+        self,
+        owner: str,
+        clients: Sequence[ClientEndpoint],
+        loads: Sequence[int],
+        timeout: float,
+    ) -> None:
+        """Charge ``loads[i]`` bytes to ``clients[i]`` and their sum to ``owner`` once they fit;
+        :class:`UcxTransportError` if they do not within ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while not self._fits(owner, clients, loads):
+            left = deadline - time.monotonic()
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), max(left, 0.0))
+            except TimeoutError:
+                raise UcxTransportError(
+                    "too many UCX bytes in flight for this endpoint or tenant "
+                    "(ucx.connection_bytes_in_flight, ucx.tenant_bytes_in_flight)"
+                ) from None
+        for client, load in zip(clients, loads, strict=True):
+            self.by_client[client.client_id] += load
+        self.by_tenant[owner] += sum(loads)
+
+    def release(self, owner: str, clients: Sequence[ClientEndpoint], loads: Sequence[int]) -> None:
+        """Give back what :meth:`admit` charged."""
+        for client, load in zip(clients, loads, strict=True):
+            self.by_client[client.client_id] -= load
+            if not self.by_client[client.client_id]:
+                del self.by_client[client.client_id]
+        self.by_tenant[owner] -= sum(loads)
+        if not self.by_tenant[owner]:
+            del self.by_tenant[owner]
+        self._changed.set()
+
+
 class UcxEndpoints:
     """The UCX listener, the client endpoints it registered and the transfers over them."""
 
-    def __init__(self, listen: str = "0.0.0.0:0", *, transfer_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        listen: str = "0.0.0.0:0",
+        *,
+        transfer_timeout_s: float = 30.0,
+        max_lanes: int = 8,
+        connection_bytes: int = 256 * 1024**2,
+        tenant_bytes: int = 1024**3,
+    ) -> None:
         self._host, self._port = parse_address(listen)
         self.transfer_timeout_s = transfer_timeout_s
+        self.max_lanes = max_lanes
+        self.inflight = InflightLimits(connection_bytes, tenant_bytes)
         self._listener: Any = None
         self._clients: dict[bytes, ClientEndpoint] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -168,6 +243,17 @@ class UcxEndpoints:
             )
         return client
 
+    def _lanes(self, client_id: bytes, lanes: Sequence[bytes], owner: str) -> list[ClientEndpoint]:
+        """The endpoints a call names (``client_id`` first), each bound to ``owner``."""
+        ids = [client_id, *lanes]
+        if len(ids) > self.max_lanes:
+            raise InvalidRequestError(
+                f"{len(ids)} UCX lanes in one transfer; ucx.max_lanes allows {self.max_lanes}"
+            )
+        if len(set(ids)) != len(ids):
+            raise InvalidRequestError("a UCX lane is named twice in one transfer")
+        return [self._client(one, owner) for one in ids]
+
     def _timeout(self, context: grpc.aio.ServicerContext[Any, Any]) -> float:
         remaining = context.time_remaining()
         return (
@@ -179,25 +265,32 @@ class UcxEndpoints:
     # -- transfers -------------------------------------------------------------------------
 
     async def _transfer(
-        self, client: ClientEndpoint, operations: list[Awaitable[Any]], timeout: float, what: str
+        self,
+        clients: Sequence[ClientEndpoint],
+        op: Literal["send", "recv"],
+        transfer_id: int,
+        views: Sequence[Any],
+        lane_of: Sequence[int],
+        timeout: float,
     ) -> bool:
-        """Run a batch of sends or receives within ``timeout``; on failure drop the client."""
+        """Move a plan's messages over the lanes within ``timeout``; False if a lane failed (it
+        is dropped: its operations end, the other lanes' complete)."""
         started = time.monotonic()
+        endpoints = [client.endpoint for client in clients]
         try:
-            await asyncio.wait_for(asyncio.gather(*operations), timeout)
+            failed = await move_messages(op, endpoints, transfer_id, views, lane_of, timeout)
         except asyncio.CancelledError:
             # The gRPC call was cancelled (client gone or deadline): its transfer is abandoned.
-            self._drop(client, f"{what} cancelled")
+            for client in clients:
+                self._drop(client, f"{op} cancelled")
             raise
-        except Exception as exc:
+        for lane, exc in failed.items():
             self.counters["transfer_failures"] += 1
             self._drop(
-                client,
-                f"{what} failed after {time.monotonic() - started:.2f}s: "
-                f"{type(exc).__name__}: {exc}",
+                clients[lane],
+                f"{op} failed after {time.monotonic() - started:.2f}s: {type(exc).__name__}: {exc}",
             )
-            return False
-        return True
+        return not failed
 
     def _spawn(self, coroutine: Awaitable[None]) -> asyncio.Task[None]:
         task = asyncio.ensure_future(coroutine)

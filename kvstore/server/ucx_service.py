@@ -67,6 +67,9 @@ async def add_ucx_to_server(
     transfer_timeout_s: float = 30.0,
     session_bytes: int | None = None,
     scopes: Callable[[], UcxScope] | None = None,
+    max_lanes: int = 8,
+    connection_bytes: int = 256 * 1024**2,
+    tenant_bytes: int = 1024**3,
 ) -> UcxDataServer:
     """Start a :class:`UcxDataServer` for ``store`` and register its service on ``server``.
 
@@ -74,7 +77,8 @@ async def add_ucx_to_server(
     :class:`~kvstore.protocol.ucx.UcxTransportError` (and registers nothing) when ucxx is missing
     or the listener cannot start; the caller then serves without the UCX path. ``scopes`` picks
     the calling tenant's store (the default serves ``store`` to every caller); ``session_bytes``
-    caps the arena bytes one transfer holds.
+    caps the arena bytes one transfer holds; ``max_lanes``, ``connection_bytes`` and
+    ``tenant_bytes`` are ``ucx.max_lanes`` and the in-flight limits.
     """
     data_server = UcxDataServer(
         store,
@@ -82,6 +86,9 @@ async def add_ucx_to_server(
         transfer_timeout_s=transfer_timeout_s,
         session_bytes=session_bytes,
         scopes=scopes,
+        max_lanes=max_lanes,
+        connection_bytes=connection_bytes,
+        tenant_bytes=tenant_bytes,
     )
     await data_server.start()
     servicer = UcxTransferServicer(data_server)

@@ -62,3 +62,13 @@ def test_the_environment_is_read_when_a_client_is_built(monkeypatch: pytest.Monk
         KVStoreClient("127.0.0.1:1")
     with pytest.raises(ConfigError, match="data_plane"):
         AsyncKVStoreClient("127.0.0.1:1", data_plane="bogus")
+
+
+def test_ucx_lanes_are_a_bounded_whole_number() -> None:
+    assert ClientSettings.from_env({}).ucx_lanes == 1
+    assert ClientSettings.from_env({"KVSTORE_UCX_LANES": "4"}).ucx_lanes == 4
+    for bad in ("0", "9", "two", "-1"):
+        with pytest.raises(
+            ConfigError, match="KVSTORE_UCX_LANES must be a whole number from 1 to 8"
+        ):
+            ClientSettings.from_env({"KVSTORE_UCX_LANES": bad})

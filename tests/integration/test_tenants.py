@@ -330,7 +330,7 @@ def test_a_ucx_endpoint_serves_only_the_tenant_that_first_used_it(
             buffers = [np.zeros(BLOCK_BYTES, dtype=np.uint8) for _ in keys]
             assert ucx.get_into(keys, buffers) == [True] * 4
             assert [buffer.tobytes() for buffer in buffers] == values
-            connection = ucx._connection
+            connection = ucx.lanes.live()[0]
             assert connection is not None
             request = ucx_pb.UcxGetRequest(
                 client_id=connection.client_id,

@@ -23,7 +23,7 @@ import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
@@ -91,7 +91,7 @@ def kv_client(
 
 
 def ucx_client(
-    kv: KVStoreClient, address: str, namespace: Namespace = NAMESPACE, **kwargs: float
+    kv: KVStoreClient, address: str, namespace: Namespace = NAMESPACE, **kwargs: Any
 ) -> UcxDataClient:
     """A :class:`UcxDataClient` whose control calls use ``kv``'s channel (its gRPC transport's)."""
     return UcxDataClient(kv._transport.channel, address, namespace_bytes(namespace), **kwargs)
@@ -461,7 +461,7 @@ def test_server_stops_cleanly_with_clients_connected(server_factory: ServerFacto
         client.put(keys_of(1), [b"q" * 4096])
         ucx = client._ucx
         assert ucx is not None and ucx.counters["transfers"] == 1
-        connection = ucx._connection
+        connection = ucx.lanes.live()[0]
         assert connection is not None
         server.stop()  # asserts exit code 0
         assert f"dropping UCX client {connection.client_id.hex()}: server closing" in (

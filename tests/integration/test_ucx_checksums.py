@@ -22,7 +22,6 @@ import xxhash
 from test_ucx import NAMESPACE, NO_SHM, UCX, kv_client, ucx_address
 
 from kvstore.block import Keyring, verify_sealed
-from kvstore.client.ucx import _shared_loop
 from kvstore.node.peer_auth import PeerAuthError, PeerSigner, peer_keyring
 from kvstore.node.peer_blocks import SealedBlock
 from kvstore.node.peer_ucx import UcxPeerLink
@@ -33,6 +32,7 @@ from kvstore.protocol.ucx import (
     payload_checksums,
     verify_payloads,
 )
+from kvstore.protocol.ucx_wire import shared_loop as _shared_loop
 
 if TYPE_CHECKING:
     from conftest import ServerFactory, ServerProcess
@@ -192,7 +192,7 @@ def test_a_ucx_peer_read_takes_nothing_from_a_holder_that_does_not_prove_itself(
         with pytest.raises(PeerAuthError, match="no proof"):
             _peer_get(link, keys, landing)
         assert asked == [] and landing.abandoned == []
-        assert link._endpoint is None
+        assert link._endpoints == []
     finally:
         _shared_loop().run(link.aclose(), 10.0)
 
@@ -232,3 +232,33 @@ def test_given_the_keyring_a_peer_read_checks_macs_and_reads_checksums_only_on_f
         assert sorted(landing.abandoned) == sorted(keys)
     finally:
         _shared_loop().run(link.aclose(), 10.0)
+
+
+def test_a_peer_read_over_several_lanes_lands_every_block_whole(
+    server_factory: ServerFactory,
+) -> None:
+    """A link with three lanes (``ucx.lanes``): the holder's plan spreads over them, into one
+    buffer for the stream without a landing and into the landing's buffers with one."""
+    server = server_factory(*NO_SHM, *UCX, env={"KVSTORE_INTEGRITY_SECRETS": SECRET})
+    keys, values = _stored(server)
+    address = ucx_address(server)
+
+    async def open_link() -> UcxPeerLink:
+        return UcxPeerLink(server.target, address, None, lanes=3)
+
+    link = _shared_loop().run(open_link(), 10.0)
+    try:
+        assert _peer_get(link, keys) == values
+        assert len(link._endpoints) == 3
+        landing = _Landing()
+        assert _peer_get(link, [*keys, os.urandom(16)], landing) == [*values, None]
+        assert landing.abandoned == []
+        # A lane that died between reads: the link opens its lanes again before the next one.
+        _shared_loop().run(_abort(link._endpoints[1]), 5.0)
+        assert _peer_get(link, keys) == values
+    finally:
+        _shared_loop().run(link.aclose(), 10.0)
+
+
+async def _abort(endpoint: Any) -> None:
+    endpoint.abort()

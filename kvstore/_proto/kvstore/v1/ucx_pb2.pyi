@@ -8,45 +8,57 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class UcxGetRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "client_id", "transfer_id", "sizes", "sealed")
+    __slots__ = ("namespace", "keys", "client_id", "transfer_id", "sizes", "sealed", "lanes", "joined", "receive_any")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
     SEALED_FIELD_NUMBER: _ClassVar[int]
+    LANES_FIELD_NUMBER: _ClassVar[int]
+    JOINED_FIELD_NUMBER: _ClassVar[int]
+    RECEIVE_ANY_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     client_id: bytes
     transfer_id: int
     sizes: _containers.RepeatedScalarFieldContainer[int]
     sealed: bool
-    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., client_id: _Optional[bytes] = ..., transfer_id: _Optional[int] = ..., sizes: _Optional[_Iterable[int]] = ..., sealed: _Optional[bool] = ...) -> None: ...
+    lanes: _containers.RepeatedScalarFieldContainer[bytes]
+    joined: _containers.RepeatedScalarFieldContainer[bool]
+    receive_any: bool
+    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., client_id: _Optional[bytes] = ..., transfer_id: _Optional[int] = ..., sizes: _Optional[_Iterable[int]] = ..., sealed: _Optional[bool] = ..., lanes: _Optional[_Iterable[bytes]] = ..., joined: _Optional[_Iterable[bool]] = ..., receive_any: _Optional[bool] = ...) -> None: ...
 
 class UcxGetResponse(_message.Message):
-    __slots__ = ("lengths", "sent", "tiers", "checksums", "headers")
+    __slots__ = ("lengths", "sent", "tiers", "checksums", "headers", "messages")
     LENGTHS_FIELD_NUMBER: _ClassVar[int]
     SENT_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     HEADERS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
     lengths: _containers.RepeatedScalarFieldContainer[int]
     sent: _containers.RepeatedScalarFieldContainer[bool]
     tiers: _containers.RepeatedScalarFieldContainer[str]
     checksums: _containers.RepeatedScalarFieldContainer[int]
     headers: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, lengths: _Optional[_Iterable[int]] = ..., sent: _Optional[_Iterable[bool]] = ..., tiers: _Optional[_Iterable[str]] = ..., checksums: _Optional[_Iterable[int]] = ..., headers: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    messages: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lengths: _Optional[_Iterable[int]] = ..., sent: _Optional[_Iterable[bool]] = ..., tiers: _Optional[_Iterable[str]] = ..., checksums: _Optional[_Iterable[int]] = ..., headers: _Optional[_Iterable[bytes]] = ..., messages: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class UcxPutRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "lengths", "client_id", "transfer_id")
+    __slots__ = ("namespace", "keys", "lengths", "client_id", "transfer_id", "lanes", "messages")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     LENGTHS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    LANES_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     lengths: _containers.RepeatedScalarFieldContainer[int]
     client_id: bytes
     transfer_id: int
-    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., lengths: _Optional[_Iterable[int]] = ..., client_id: _Optional[bytes] = ..., transfer_id: _Optional[int] = ...) -> None: ...
+    lanes: _containers.RepeatedScalarFieldContainer[bytes]
+    messages: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., lengths: _Optional[_Iterable[int]] = ..., client_id: _Optional[bytes] = ..., transfer_id: _Optional[int] = ..., lanes: _Optional[_Iterable[bytes]] = ..., messages: _Optional[_Iterable[int]] = ...) -> None: ...

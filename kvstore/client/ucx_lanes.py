@@ -1,0 +1,157 @@
+"""The lanes of a blocking client's UCX data path: a small pool of endpoints to one server.
+
+One endpoint is one TCP connection (or one RDMA queue pair) and one stream of requests in UCX; a
+pool of them lets one batch spread its messages over several (the plan's lane rule,
+:func:`kvstore.protocol.ucx_plan.assign_lanes`) and concurrent calls of a client use the
+least-loaded ones. ``size`` (``KVSTORE_UCX_LANES``) bounds the pool; the server bounds what one
+transfer may name (``ucx.max_lanes``).
+
+Back-pressure: each lane carries at most ``lane_bytes`` of transfers in flight. A call waits,
+within its deadline, until some lane has room, and uses only lanes with room; past the deadline it
+fails (and the call moves over gRPC). A lane that fails is dropped on its own; the next call
+opens a new one, and the others carry on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstore.protocol.ucx import CLIENT_ID_BYTES, UcxTransportError, load_ucxx
+from kvstore.protocol.ucx_wire import LoopThread, abort_endpoint, open_endpoint
+
+__all__ = ["LANE_BYTES", "MAX_LANES", "Lane", "LanePool"]
+
+#: Most lanes a client opens to one server (the server's ``ucx.max_lanes`` default too).
+MAX_LANES = 8
+#: Bytes one lane carries in flight at most before calls wait for it (per-lane back-pressure).
+LANE_BYTES = 256 * 1024**2
+
+
+@dataclass(eq=False)
+class Lane:
+    """One endpoint of the pool, named by its client id; ``in_flight``: bytes of its transfers."""
+
+    endpoint: Any  # ucxx Endpoint
+    client_id: bytes
+    in_flight: int = 0
+    dead: bool = field(default=False)
+
+
+class LanePool:
+    """Up to ``size`` endpoints to the listener at ``host:port``, made on ``loop`` (thread-safe)."""
+
+    def __init__(
+        self,
+        loop: Callable[[], LoopThread],
+        host: str,
+        port: int,
+        size: int,
+        *,
+        lane_bytes: int = LANE_BYTES,
+    ) -> None:
+        if not 1 <= size <= MAX_LANES:
+            raise ValueError(f"UCX lanes must be 1 to {MAX_LANES}, got {size}")
+        self._loop = loop
+        self._host, self._port = host, port
+        self.size = size
+        self.lane_bytes = lane_bytes
+        self._lanes: list[Lane] = []
+        self._cond = threading.Condition()
+        self._connecting = threading.Lock()
+        #: New endpoints opened so far (tests and benchmarks read it).
+        self.connects = 0
+
+    def take(self, nbytes: int, deadline: float, connect_timeout: float) -> list[Lane]:
+        """Live lanes for a transfer of about ``nbytes``, the least loaded first, each below its
+        in-flight limit; opens missing lanes first. Waits for room until ``deadline``."""
+        self._fill(connect_timeout)
+        with self._cond:
+            while True:
+                live = [lane for lane in self._lanes if not lane.dead and not lane.endpoint.closed]
+                if not live:
+                    raise UcxTransportError("no UCX lane is open")
+                roomy = [lane for lane in live if lane.in_flight + nbytes <= self.lane_bytes]
+                if not roomy and all(lane.in_flight == 0 for lane in live):
+                    roomy = live  # one transfer larger than a lane's limit: alone, it goes
+                if roomy:
+                    return sorted(roomy, key=lambda lane: lane.in_flight)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise UcxTransportError("every UCX lane is busy (in-flight limit)")
+                self._cond.wait(left)
+
+    def live(self) -> list[Lane]:
+        """The lanes open now."""
+        with self._cond:
+            return [lane for lane in self._lanes if not lane.dead and not lane.endpoint.closed]
+
+    def charge(self, lanes: Sequence[Lane], loads: Sequence[int]) -> None:
+        """Count ``loads[i]`` bytes in flight on ``lanes[i]``."""
+        with self._cond:
+            for lane, load in zip(lanes, loads, strict=True):
+                lane.in_flight += load
+
+    def discharge(self, lanes: Sequence[Lane], loads: Sequence[int]) -> None:
+        """Give back what :meth:`charge` counted; wakes calls waiting for room."""
+        with self._cond:
+            for lane, load in zip(lanes, loads, strict=True):
+                lane.in_flight -= load
+            self._cond.notify_all()
+
+    def drop(self, lanes: Sequence[Lane]) -> None:
+        """Forget and abort ``lanes`` (the next call opens new ones)."""
+        with self._cond:
+            for lane in lanes:
+                lane.dead = True
+            self._lanes = [lane for lane in self._lanes if not lane.dead]
+            self._cond.notify_all()
+        for lane in lanes:
+            self._abort(lane)
+
+    def close(self) -> None:
+        """Drop every lane."""
+        with self._cond:
+            lanes, self._lanes = self._lanes, []
+        self.drop(lanes)
+
+    def _fill(self, timeout: float) -> None:
+        """Open lanes until ``size`` are live (concurrently); fails only if none is live."""
+        with self._connecting:
+            with self._cond:
+                self._lanes = [lane for lane in self._lanes if not lane.endpoint.closed]
+                missing = self.size - len(self._lanes)
+            if missing <= 0:
+                return
+            load_ucxx()
+            ids = [os.urandom(CLIENT_ID_BYTES) for _ in range(missing)]
+            loop = self._loop()
+            futures = [
+                loop.submit(open_endpoint(self._host, self._port, client_id, timeout))
+                for client_id in ids
+            ]
+            errors: list[BaseException] = []
+            opened: list[Lane] = []
+            for client_id, future in zip(ids, futures, strict=True):
+                try:
+                    opened.append(Lane(future.result(timeout + 2.0), client_id))
+                except Exception as exc:
+                    errors.append(exc)
+            with self._cond:
+                self._lanes.extend(opened)
+                self.connects += len(opened)
+                live = len(self._lanes)
+        if not live:
+            error = errors[0] if errors else None
+            if isinstance(error, UcxTransportError):
+                raise error
+            raise UcxTransportError(f"cannot open a UCX lane: {error}")
+
+    def _abort(self, lane: Lane) -> None:
+        with contextlib.suppress(Exception):  # already closed by the peer's failure
+            self._loop().run(abort_endpoint(lane.endpoint), 2.0)
