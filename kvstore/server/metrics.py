@@ -88,6 +88,12 @@ class StoreCollector(Collector):
             "corrupt": _family(
                 c, "kvstore_tier_corrupt_blocks", "Blocks that failed verification", tt
             ),
+            "newer": _family(
+                c,
+                "kvstore_tier_newer_format_blocks",
+                "Blocks in a format version newer than this release reads: misses, left in place",
+                tt,
+            ),
             "untrusted": _family(
                 c,
                 "kvstore_peer_untrusted",
@@ -198,6 +204,7 @@ class StoreCollector(Collector):
             f["promotions"].add_metric(labels, counters.promotions[tier_name])
             f["write_errors"].add_metric(labels, entry.get("write_errors", 0))
             f["corrupt"].add_metric(labels, entry.get("corrupt_blocks", 0))
+            f["newer"].add_metric(labels, entry.get("newer_format_blocks", 0))
             f["blocks"].add_metric(labels, entry.get("blocks", 0))
             f["early"].add_metric(labels, counters.evicted_early[tier_name])
             f["retained_blocks"].add_metric(labels, entry.get("retained_blocks", 0))
@@ -215,6 +222,7 @@ class StoreCollector(Collector):
         values = counters.values
         if "peer_corrupt_blocks" in values:  # a node reading its peers: blocks they sent refused
             f["corrupt"].add_metric(["peer", name], values["peer_corrupt_blocks"])
+            f["newer"].add_metric(["peer", name], values.get("peer_newer_format_blocks", 0))
             for reason in ("unverified_node", "unproven"):
                 key = "peer_unverified_nodes" if reason == "unverified_node" else "peer_unproven"
                 f["untrusted"].add_metric([reason, name], values.get(key, 0))

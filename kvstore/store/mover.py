@@ -313,6 +313,30 @@ class BlockMover:
                 await self._writer.remove(deleted + unindexed, written=deleted)
         return removed
 
+    async def persist_keys(self, keys: Sequence[bytes]) -> int:
+        """Copy ``keys`` into the first persistent tier where only faster tiers hold them (a
+        retained put's blocks: with their deadlines on disk too, they survive a crash, not only
+        a graceful stop). Makes room as a put would, never by evicting retained blocks. Returns
+        the number of blocks copied."""
+        tiers, index = self._stack.tiers, self._index
+        target = next((lv for lv, tier in enumerate(tiers) if tier.persistent), None)
+        if target is None:
+            return 0
+        copied = 0
+        async with self.lock:
+            for key in keys:
+                level = index.level_of(key)
+                if level is None or level >= target or key in index.levels[target]:
+                    continue  # gone, or on disk already
+                if key in index.fast_only:
+                    continue
+                block = (await tiers[level].read([key]))[0]
+                if block is not None and await self.place(
+                    block.header, memoryview(block.payload), target, target + 1
+                ):
+                    copied += 1
+        return copied
+
     async def persist(self, budget_s: float) -> int:
         """Copy blocks held only in volatile tiers down into the first persistent tier.
 

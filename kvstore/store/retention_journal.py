@@ -14,7 +14,8 @@ deadline by less than :data:`RESOLUTION_S` is not written again.
 indexed key its saved deadline back (a block not on disk any more, or whose time ran out, loses
 its record), capped by the store's ``max_retention_s`` from now. :meth:`RetentionJournal.close`
 waits for the write under way and saves what is left, so a graceful stop loses nothing; a kill
-loses at most the changes of the write then under way.
+loses at most the changes of the write then under way. A retained put copies its blocks to that
+tier at once (:meth:`BlockMover.persist_keys`), so they are on disk beside their deadlines.
 """
 
 from __future__ import annotations

@@ -106,7 +106,7 @@ class TieredStore:
         )
         parts = (self._stack, self._index, self._counters, self._mover)
         self._reader = BlockReader(*parts, self._tasks)
-        self._writer = BlockWriter(*parts, self._shared)
+        self._writer = BlockWriter(*parts, self._shared, self._tasks)
         self._arena = ArenaSessions(*parts, self._reader, self._writer)
         self._listeners: list[Callable[[bytes, str | None], None]] = []
         # Retention survives a restart where a persistent tier keeps its records (nvme).

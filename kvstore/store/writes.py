@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from kvstore.block import BlockHeader
 from kvstore.retention import KEEP, Retention
+from kvstore.store.background import BackgroundTasks
 from kvstore.store.counters import StoreCounters
 from kvstore.store.index import BlockIndex
 from kvstore.store.layout import TierStack
@@ -41,12 +42,14 @@ class BlockWriter:
         counters: StoreCounters,
         mover: BlockMover,
         writer: SharedTierWriter,
+        tasks: BackgroundTasks,
     ) -> None:
         self._stack = stack
         self._index = index
         self._counters = counters
         self._mover = mover
         self._writer = writer
+        self._tasks = tasks
 
     async def put(
         self,
@@ -61,6 +64,7 @@ class BlockWriter:
         stored = present = dropped = 0
         through: list[tuple[BlockHeader, Buffer]] = []
         found: list[bytes] = []
+        fresh: list[bytes] = []
         stop = self._stop(retention)
         force = retention.seconds > 0
         shares = self._writer.writes_through and not retention.fast_only
@@ -77,6 +81,7 @@ class BlockWriter:
                 header = BlockHeader.for_payload(key, namespace, view)
                 if await self._mover.place(header, view, stack.host_level, stop, force):
                     stored += 1
+                    fresh.append(key)
                     index.apply(key, retention, fresh=True)
                     if shares:
                         through.append((header, _owned(view)))
@@ -89,6 +94,7 @@ class BlockWriter:
             sum(len(view) for view in views),
             retention,
             found,
+            fresh,
         )
         self._counters.add("put_dropped", dropped)
         return result
@@ -105,6 +111,7 @@ class BlockWriter:
         stored = present = dropped = 0
         through: list[tuple[BlockHeader, Buffer]] = []
         found: list[bytes] = []
+        fresh: list[bytes] = []
         shares = self._writer.writes_through and not retention.fast_only
         async with self._mover.lock:
             for key, reservation in written:
@@ -129,9 +136,11 @@ class BlockWriter:
                 index.apply(key, retention, fresh=True)
                 self._counters.written_bytes[arena.name] += header.length
                 stored += 1
+                fresh.append(key)
             index.age_chain([key for key, _ in written])
         size = sum(reservation.length for _, reservation in written)
-        return self._stored(through, PutResult(stored, present, dropped), size, retention, found)
+        result = PutResult(stored, present, dropped)
+        return self._stored(through, result, size, retention, found, fresh)
 
     def _stop(self, retention: Retention) -> int:
         """The level a put's blocks may not reach: the first persistent tier for memory-only
@@ -150,9 +159,11 @@ class BlockWriter:
         size: int,
         retention: Retention,
         found: Sequence[bytes] = (),
+        fresh: Sequence[bytes] = (),
     ) -> PutResult:
         """Send the new blocks to the shared tier and count the request; returns ``result``.
-        ``found``: keys the request found stored, whose shared copies a retention lengthens."""
+        ``found``: keys the request found stored, whose shared copies a retention lengthens;
+        ``fresh``: keys it stored, which a retention copies to disk at once."""
         if through and self._writer.writes_through:
             # A retained block outlives the shared tier's usual TTL there too.
             self._writer.send(through, retention.seconds or None)
@@ -160,6 +171,9 @@ class BlockWriter:
             # Found stored: its copy in the shared tier (written through, or demoted there)
             # must live as long as the retention asked now, not the first put's.
             self._writer.extend(found, retention.seconds)
+        if fresh and retention.seconds > 0 and not retention.fast_only:
+            # On disk beside its deadline now, not at a graceful stop: it survives a crash.
+            self._tasks.spawn(self._mover.persist_keys(list(fresh)))
         self._counters.add("puts")
         self._counters.add("blocks_put", result.stored)
         self._counters.add("bytes_put", size)

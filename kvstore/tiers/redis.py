@@ -158,8 +158,8 @@ class RedisTier(SharedTier):
         self._link = RedisLink(
             url, op_timeout_s, (low, high), max_timeout_s=op_timeout_max_s, min_rate=min_rate
         )
-        # The mean size of a value read or written here, for the deadline of a read (whose
-        # reply sizes are known only once it has arrived).
+        # The size a value read here is expected to have, for the deadline of a read (whose
+        # reply sizes are known only once it has arrived): see _saw_values.
         self._typical_value = float(_TYPICAL_VALUE)
         self._ledger = SizeLedger(self.footprint)
         self.writes_dropped = 0
@@ -206,6 +206,11 @@ class RedisTier(SharedTier):
     def used(self) -> int:
         """Bytes this node wrote and has not seen disappear: an estimate, not Redis's usage."""
         return self._ledger.used
+
+    def _saw_values(self, mean: float) -> None:
+        """Values of ``mean`` bytes went by: the expected size rises to it at once and falls
+        toward it slowly, so a read deadline errs long (slow, not down) where sizes vary."""
+        self._typical_value = max(mean, self._typical_value + 0.05 * (mean - self._typical_value))
 
     def _name(self, key: bytes) -> bytes:
         return self._prefix + key.hex().encode()
@@ -255,7 +260,7 @@ class RedisTier(SharedTier):
         )
         if not any(isinstance(result, (Failed, Exception)) for result in results):
             self._link.rate.observe(sent, time.monotonic() - started)
-            self._typical_value += 0.2 * (sent / len(names) - self._typical_value)
+            self._saw_values(sent / len(names))
         refusal: Exception | None = None
         for i, result in zip(chosen, results, strict=True):
             header = items[i][0]
@@ -316,7 +321,7 @@ class RedisTier(SharedTier):
         found = sum(1 for value in values if value is not None)
         if found and not failed:
             self._link.rate.observe(size, elapsed)
-            self._typical_value += 0.2 * (size / found - self._typical_value)
+            self._saw_values(size / found)
         decoded = await _off_loop(size, _decode_all, list(keys), values, self.keyring)
         blocks: list[StoredBlock | None] = []
         corrupt: list[bytes] = []

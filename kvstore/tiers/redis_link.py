@@ -395,6 +395,10 @@ class RedisLink:
         if self._abandoned:
             await asyncio.wait(set(self._abandoned), timeout=self.op_timeout_s)
         await self._discard(self._client)
+        if self._abandoned:
+            # Sockets read for up to max_timeout_s (a large reply): a call still stuck in one
+            # ends once its connection is closed, which it was just now.
+            await asyncio.wait(set(self._abandoned), timeout=self.op_timeout_s)
 
 
 async def _close(client: _Client) -> None:

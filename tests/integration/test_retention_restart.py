@@ -67,3 +67,27 @@ def test_a_retained_prompt_keeps_its_hits_across_a_restart(
             "the Redis TTL lengthened",
         )
         assert client.stats()["tiers"]["redis"]["retained_blocks_extended"] == 2
+
+
+def test_a_retained_prompt_survives_a_kill(server_factory: ServerFactory) -> None:
+    node = server_factory(
+        dram_capacity="4MiB",
+        nvme_capacity="8MiB",
+        env={"KVSTORE_POLICY_MAX_RETENTION_S": "7200"},
+    )
+    pinned, pinned_values = blocks(31, 2)
+    with node.client(NS, data_plane="grpc") as client:
+        assert client.put(pinned, pinned_values, retention=HOUR).stored == 2
+        # Copied to disk beside its deadline as soon as it was put (in the background).
+        poll(
+            lambda: client.stats()["tiers"]["nvme"]["retained_blocks"] == 2,
+            10.0,
+            "the retained blocks on nvme",
+        )
+    node.kill()  # no graceful stop: nothing is saved on the way out
+    node.start()
+    with node.client(NS, data_plane="grpc") as client:
+        assert client.stats()["tiers"]["nvme"]["retained_blocks"] == 2
+        flood(client, 100)
+        assert client.lookup(pinned) == 2
+        assert client.get(pinned) == pinned_values
