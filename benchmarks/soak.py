@@ -29,7 +29,9 @@ puts, and wrong blocks and bytes (which must be 0), plus the load average. "Flat
 sample after ``--warmup-s`` with the first one after it: RSS within ``--tolerance`` (10 %), and
 descriptors within the tolerance or 4 descriptors, whichever is more (a few sockets come and go).
 The JSON goes to ``--out`` (``benchmarks/results/soak_*.json``); the exit status is 1 when wrong
-bytes were seen or a watched figure was not flat.
+bytes were seen or a watched figure was not flat. A node's Redis re-send queue (what Redis
+refused during a failover, ``redis.resend_queue_bytes``, 256 MiB by default) fills as failovers
+come and stays full: ``--resend-queue-mib`` bounds it, so that it fills within the warm-up.
 """
 
 from __future__ import annotations
