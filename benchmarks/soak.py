@@ -24,7 +24,8 @@ descriptors are what "flat" is judged on.
 
 Every ``--sample-s`` seconds the driver samples RSS (and its anonymous, file and shared-memory
 parts) and open descriptors of both nodes and of that load process, and the LMDB files' size; per
-``--interval-s`` it reports those, the calls, hits, misses, errors and p50/p99 latency of gets and
+``--interval-s`` it reports those, the write-through backlog and re-send queue of the nodes'
+``/metrics``, the calls, hits, misses, errors and p50/p99 latency of gets and
 puts, and wrong blocks and bytes (which must be 0), plus the load average. "Flat" compares every
 sample after ``--warmup-s`` with the first one after it: RSS within ``--tolerance`` (10 %), and
 descriptors within the tolerance or 4 descriptors, whichever is more (a few sockets come and go).
@@ -45,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +86,27 @@ def lmdb_figures(path: Path) -> dict[str, int]:
             size += info.st_size
             allocated += info.st_blocks * 512
     return {"lmdb_bytes": size, "lmdb_allocated_bytes": allocated}
+
+
+#: Gauges of a node's /metrics sampled with its RSS: the buffers that may hold memory.
+GAUGES = ("kvstore_shared_write_backlog_bytes", "kvstore_shared_write_queue_blocks")
+
+
+def metrics_figures(url: str) -> dict[str, float]:
+    """The :data:`GAUGES` of a node (summed over tenants); empty if it does not answer."""
+    if not url:
+        return {}
+    try:
+        with urllib.request.urlopen(url, timeout=2) as reply:
+            text = reply.read().decode()
+    except OSError:
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in GAUGES:
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
 
 
 class Soak:
@@ -197,7 +220,11 @@ class Soak:
         row: dict[str, Any] = {"t": round(time.time() - self.start, 1), "load": os.getloadavg()[0]}
         for index, node in enumerate(self.nodes):
             if node.proc is not None:
-                row[f"node{index}"] = proc_figures(node.proc.pid) | lmdb_figures(node.nvme_path)
+                row[f"node{index}"] = (
+                    proc_figures(node.proc.pid)
+                    | lmdb_figures(node.nvme_path)
+                    | metrics_figures(node.metrics_url)
+                )
         row["steady_worker"] = proc_figures(self.steady["proc"].pid)
         self.samples.append(row)
 
