@@ -24,12 +24,15 @@ descriptors are what "flat" is judged on.
 
 Every ``--sample-s`` seconds the driver samples RSS (and its anonymous, file and shared-memory
 parts) and open descriptors of both nodes and of that load process, and the LMDB files' size; per
-``--interval-s`` it reports those, the calls, hits, misses, errors and p50/p99 latency of gets and
+``--interval-s`` it reports those, the write-through backlog and re-send queue of the nodes'
+``/metrics``, the calls, hits, misses, errors and p50/p99 latency of gets and
 puts, and wrong blocks and bytes (which must be 0), plus the load average. "Flat" compares every
 sample after ``--warmup-s`` with the first one after it: RSS within ``--tolerance`` (10 %), and
 descriptors within the tolerance or 4 descriptors, whichever is more (a few sockets come and go).
 The JSON goes to ``--out`` (``benchmarks/results/soak_*.json``); the exit status is 1 when wrong
-bytes were seen or a watched figure was not flat.
+bytes were seen or a watched figure was not flat. A node's Redis re-send queue (what Redis
+refused during a failover, ``redis.resend_queue_bytes``, 256 MiB by default) fills as failovers
+come and stays full: ``--resend-queue-mib`` bounds it, so that it fills within the warm-up.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +88,27 @@ def lmdb_figures(path: Path) -> dict[str, int]:
     return {"lmdb_bytes": size, "lmdb_allocated_bytes": allocated}
 
 
+#: Gauges of a node's /metrics sampled with its RSS: the buffers that may hold memory.
+GAUGES = ("kvstore_shared_write_backlog_bytes", "kvstore_shared_write_queue_blocks")
+
+
+def metrics_figures(url: str) -> dict[str, float]:
+    """The :data:`GAUGES` of a node (summed over tenants); empty if it does not answer."""
+    if not url:
+        return {}
+    try:
+        with urllib.request.urlopen(url, timeout=2) as reply:
+            text = reply.read().decode()
+    except OSError:
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in GAUGES:
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
 class Soak:
     """The processes of one soak and what happened to them."""
 
@@ -97,7 +122,14 @@ class Soak:
         flags = ["--dram-capacity", args.dram, "--nvme-capacity", args.nvme]
         flags += ["--redis-url", cluster.url, "--redis-ttl", str(args.redis_ttl_s)]
         flags += ["--log-level", "WARNING"]
-        self.nodes = [ServerProcess(workdir / f"node{i}", flags, name=f"node{i}") for i in range(2)]
+        env = {}
+        if args.resend_queue_mib is not None:
+            # The re-send queue holds what Redis refused (a failover) up to this bound: a small
+            # one fills during the warm-up, so RSS after it shows leaks, not a filling queue.
+            env["KVSTORE_REDIS_RESEND_QUEUE_BYTES"] = str(int(args.resend_queue_mib * 2**20))
+        self.nodes = [
+            ServerProcess(workdir / f"node{i}", flags, env, name=f"node{i}") for i in range(2)
+        ]
         self.workers: list[dict[str, Any]] = []
         self.faults: list[dict[str, Any]] = []
         self.samples: list[dict[str, Any]] = []
@@ -188,7 +220,11 @@ class Soak:
         row: dict[str, Any] = {"t": round(time.time() - self.start, 1), "load": os.getloadavg()[0]}
         for index, node in enumerate(self.nodes):
             if node.proc is not None:
-                row[f"node{index}"] = proc_figures(node.proc.pid) | lmdb_figures(node.nvme_path)
+                row[f"node{index}"] = (
+                    proc_figures(node.proc.pid)
+                    | lmdb_figures(node.nvme_path)
+                    | metrics_figures(node.metrics_url)
+                )
         row["steady_worker"] = proc_figures(self.steady["proc"].pid)
         self.samples.append(row)
 
@@ -341,6 +377,9 @@ def main() -> None:
     parser.add_argument("--window-s", type=float, default=60.0)
     parser.add_argument("--ops-per-s", type=float, default=10.0, help="per load process")
     parser.add_argument("--redis-ttl-s", type=float, default=300.0)
+    parser.add_argument(
+        "--resend-queue-mib", type=float, default=None, help="redis.resend_queue_bytes (MiB)"
+    )
     parser.add_argument("--timeout-s", type=float, default=5.0)
     parser.add_argument("--tolerance", type=float, default=0.10)
     parser.add_argument("--seed", type=int, default=41)

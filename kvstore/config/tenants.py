@@ -28,8 +28,9 @@ class TenantConfig:
     ``hbm``: the bytes this tenant may hold in each tier (its own arena, its own LMDB directory
     under ``nvme.path``; 0 leaves the tier out for this tenant). ``shm``: serve the tenant's
     co-located clients over shared memory; every process admitted to its socket then maps the
-    tenant's whole arena and can read and overwrite any block in it, whatever namespace it works
-    in, so set it only where all the tenant's engines (models, TP ranks) trust each other. Off
+    tenant's whole arena read-only and can read any block in it (but change none), whatever
+    namespace it works in, so set it only where all the tenant's engines (models, TP ranks) may
+    read each other's KV. Off
     (the default): nobody maps the tenant's arena, its clients use gRPC or UCX.
     ``max_retention_s``: the longest retention this tenant's puts may ask for
     (:mod:`kvstore.retention`); ``None``: the server's ``policy.max_retention_s``. Retained

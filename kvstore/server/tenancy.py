@@ -16,8 +16,9 @@ another tenant's blocks:
 - a value copied in Redis or on disk from one tenant's place to another's fails the MAC check
   there (a miss, counted), because each tenant's keyring differs;
 - co-located clients get the socket of their own tenant's arena (``DataPlane`` answers with it),
-  only where the tenant's ``shm`` says its engines trust each other (whoever maps an arena can
-  read and write all of it, whatever namespace it works in); that socket has a random name in an
+  only where the tenant's ``shm`` says its engines may read each other's KV (whoever maps an
+  arena can read all of it, whatever namespace it works in, and change none of it: the arena is
+  sealed, :mod:`kvstore.server.shm_window`); that socket has a random name in an
   unlistable directory of its own (:func:`~kvstore.server.shm_paths.tenant_socket_path`), so no
   tenant derives another's path from its own, and it admits only the tenant's ``uids`` and
   ``gids`` (``SO_PEERCRED``) where it lists any (a warning at start where it lists none).
