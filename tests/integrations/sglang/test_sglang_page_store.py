@@ -203,3 +203,26 @@ def test_off_shared_memory_a_call_is_staged_in_bounded_parts(
     finally:
         writer.close()
         reader.close()
+
+
+def test_a_missing_or_wrong_token_is_refused_at_start(tmp_path: Path) -> None:
+    import hashlib
+
+    token = "token-of-alice-0123456789"
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"alice {hashlib.sha256(token.encode()).hexdigest()}\n")
+    server = ServerProcess(
+        tmp_path / "store", ("--tokens-file", str(tokens)), settings={"keys.chunk_size": PAGE}
+    )
+    pool = HostPoolStandIn("layer_first", page_size=PAGE, seed=11)
+    with server:
+        pages = opened(server.target, pool, token=token, tenant="alice")
+        try:
+            assert pages.store(HASHES[:2], pool.indices([0, 1])) == [True, True]
+            assert pages.exists(HASHES[:2]) == 2
+        finally:
+            pages.close()
+        for wrong in ("a-guess", None):
+            extra = {"tenant": "alice"} if wrong is None else {"tenant": "alice", "token": wrong}
+            with pytest.raises(ConfigError, match="refused its key scheme"):
+                opened(server.target, pool, **extra)
