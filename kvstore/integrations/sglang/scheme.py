@@ -7,7 +7,8 @@ base namespace and its key secret's fingerprint to the store (``KeyScheme``) and
 * refuses to start (one ERROR line naming both settings and their values) where SGLang's
   ``--page-size`` is not the store's ``keys.chunk_size``, where ``hash_algorithm`` in the extra
   config is not the store's ``keys.hash_algorithm``, and where the store refuses the declaration
-  (another key secret, another tenant's namespace, too many namespaces);
+  (a missing or wrong token, another key secret, another tenant's namespace, too many
+  namespaces);
 * where the store does not answer at start, names pages with the extra config's hash algorithm
   (default ``xxh3_128``), logs one WARNING, and asks again once the store answers; an answer
   that differs then stops the backend for good (its breaker held open, one ERROR line): pages
@@ -20,6 +21,7 @@ import logging
 import threading
 
 from kvstore.errors import (
+    AuthenticationError,
     CapacityError,
     DeadlineExceededError,
     InvalidRequestError,
@@ -38,7 +40,15 @@ __all__ = ["SchemeAgreement", "differences"]
 
 logger = logging.getLogger("kvstore.integrations.sglang")
 
-_REFUSALS = (NamespaceMismatchError, PermissionDeniedError, CapacityError, InvalidRequestError)
+#: The store's answers that stop SGLang's start: a missing or wrong token, another key secret,
+#: another tenant's namespace, too many namespaces, a malformed declaration.
+_REFUSALS = (
+    AuthenticationError,
+    NamespaceMismatchError,
+    PermissionDeniedError,
+    CapacityError,
+    InvalidRequestError,
+)
 
 
 def differences(

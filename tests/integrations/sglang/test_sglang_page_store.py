@@ -46,7 +46,9 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 def opened(
     target: str, pool: HostPoolStandIn, *, data_plane: str | None = None, **extra: Any
 ) -> PageStore:
-    settings = BackendSettings.from_extra_config({"target": target, **extra}, env={})
+    # Generous deadlines where the test is not about them (2 cores at load 10).
+    timeouts = {"timeout_s": 20.0, "lookup_timeout_s": 10.0}
+    settings = BackendSettings.from_extra_config({"target": target, **timeouts, **extra}, env={})
     pages, _ = open_pages(settings, conf(), pool, Metrics(0), data_plane=data_plane)
     return pages
 
@@ -165,3 +167,62 @@ def test_a_killed_store_costs_misses_within_the_deadline(tmp_path: Path) -> None
             assert sample("pages_failed", op="store", reason="store_down") >= 2
         finally:
             pages.close()
+
+
+def test_off_shared_memory_a_call_is_staged_in_bounded_parts(
+    store: ServerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvstore.integrations.sglang import transfer
+
+    writer_pool = HostPoolStandIn("page_first", page_size=PAGE, seed=9)
+    reader_pool = HostPoolStandIn("page_first", page_size=PAGE, seed=10)
+    writer = opened(store.target, writer_pool, data_plane="grpc", cache_salt="parts")
+    reader = opened(store.target, reader_pool, data_plane="grpc", cache_salt="parts")
+    # Two pages per part: five pages go as three gets and three puts.
+    monkeypatch.setattr(transfer, "MAX_STAGING_BYTES", 2 * writer.shape.page_nbytes + 1)
+    gets, puts = [], []
+    for pages, calls in ((reader, gets), (writer, puts)):
+        client = pages._client
+        name = "get_into" if calls is gets else "put"
+        real = getattr(client, name)
+
+        def counted(
+            keys: Any, *args: Any, _real: Any = real, _calls: Any = calls, **kw: Any
+        ) -> Any:
+            _calls.append(len(keys))
+            return _real(keys, *args, **kw)
+
+        monkeypatch.setattr(client, name, counted)
+    try:
+        hashes = [f"parts-{i}" for i in range(5)]
+        assert writer.store(hashes, writer_pool.indices([1, 2, 3, 8, 9])) == [True] * 5
+        assert reader.load(hashes, reader_pool.indices([10, 11, 12, 13, 0])) == [True] * 5
+        assert puts == [2, 2, 1] and gets == [2, 2, 1]
+        for source, target in zip([1, 2, 3, 8, 9], [10, 11, 12, 13, 0], strict=True):
+            assert same_bytes(page(writer_pool, source), page(reader_pool, target))
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_a_missing_or_wrong_token_is_refused_at_start(tmp_path: Path) -> None:
+    import hashlib
+
+    token = "token-of-alice-0123456789"
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"alice {hashlib.sha256(token.encode()).hexdigest()}\n")
+    server = ServerProcess(
+        tmp_path / "store", ("--tokens-file", str(tokens)), settings={"keys.chunk_size": PAGE}
+    )
+    pool = HostPoolStandIn("layer_first", page_size=PAGE, seed=11)
+    with server:
+        pages = opened(server.target, pool, token=token, tenant="alice")
+        try:
+            assert pages.store(HASHES[:2], pool.indices([0, 1])) == [True, True]
+            assert pages.exists(HASHES[:2]) == 2
+        finally:
+            pages.close()
+        for wrong in ("a-guess", None):
+            extra = {"tenant": "alice"} if wrong is None else {"tenant": "alice", "token": wrong}
+            with pytest.raises(ConfigError, match="refused its key scheme"):
+                opened(server.target, pool, **extra)
