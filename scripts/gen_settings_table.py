@@ -110,8 +110,9 @@ def _anchors(text: str) -> set[str]:
 
 
 def _linked(text: str, page: Path) -> str:
-    """``text`` with each ``(#anchor)`` link that ``page`` lacks pointed at the docs page that
-    has it (a setting's help names a section, wherever that section lives)."""
+    """``text`` with its links made to work from ``page`` in ``docs/``: a file named from the
+    repository root, and each ``(#anchor)`` that ``page`` lacks pointed at the docs page that has
+    it (a setting's help names a section, wherever that section lives)."""
     docs = {path: _anchors(path.read_text("utf-8")) for path in sorted(page.parent.glob("*.md"))}
 
     def point(match: re.Match[str]) -> str:
@@ -123,6 +124,14 @@ def _linked(text: str, page: Path) -> str:
                 return f"]({path.name}#{anchor})"
         return match.group(0)
 
+    def from_docs(match: re.Match[str]) -> str:
+        # A help text names files from the repository root, as a setting's docstring does.
+        target = match.group(1)
+        if target.startswith(("#", "http://", "https://", "../")):
+            return match.group(0)
+        return f"]({target[len('docs/') :]})" if target.startswith("docs/") else f"](../{target})"
+
+    text = re.sub(r"\]\(([^)\s]+)\)", from_docs, text)
     return re.sub(r"\]\(#([\w-]+)\)", point, text)
 
 
