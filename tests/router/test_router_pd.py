@@ -25,8 +25,8 @@ import pytest
 
 from kvstore.config import load_config
 from kvstore.errors import ConfigError
+from kvstore.router.launch import build_router, run_router
 from kvstore.router.pd import decode_body, prefill_body
-from kvstore.router.service import build_router, run_router
 
 PARAMS = {"kvstore_saved_chunks": 3}
 
