@@ -5,15 +5,15 @@ about 15 minutes on 2 cores)::
 
     .venv-vllm/bin/python benchmarks/bench_load_plan_cpu.py --out benchmarks/results/load_plan_cpu
 
-Redis runs in a network namespace of its own (tests/netns_hosts.py) whose link out is shaped with
-``tc tbf`` (``--rate``, e.g. ``40mbit``; ``none`` leaves it unshaped: the bridge's own speed);
+Redis runs in a network namespace of its own (tests/harness/netns_hosts.py) whose link out is shaped
+with ``tc tbf`` (``--rate``, e.g. ``40mbit``; ``none`` leaves it unshaped: the bridge's own speed);
 ``kvstore serve`` runs outside with a dram tier of a few prompts, no nvme, and that Redis as its
 shared tier. Engine A (its own process, ``load_policy`` always) serves every prompt once, then
 ``--filler`` prompts of no use to B, so every chunk lands in Redis and dram keeps none. Then one
 engine B per policy (``always``, ``never``, ``cost``; each its own process, the same tiny random
-Llama) serves its own prompts, one at a time with ``max_tokens=1`` (its latency is its time to
-first token): each prompt's prefix is stored only in Redis, so ``always`` reads every chunk through
-the shaped link, ``never`` recomputes it, and ``cost`` decides from the rates the store measured
+Llama) serves its own prompts, one at a time with ``max_tokens=1`` (its latency is its time to first
+token): each prompt's prefix is stored only in Redis, so ``always`` reads every chunk through the
+shaped link, ``never`` recomputes it, and ``cost`` decides from the rates the store measured
 (Redis's, from the earlier B engines' reads: a long-running store has them) and its own steps. Each
 B first serves ``--warm`` prompts of its own, never stored (their TTFT not counted), so that the
 cost model has steps to measure.
@@ -42,7 +42,7 @@ RUNNER = ROOT / "tests" / "vllm" / "engine_runner.py"
 for extra in (ROOT, ROOT / "tests", ROOT / "tests" / "vllm"):
     sys.path.insert(0, str(extra))
 
-from netns_hosts import Hosts  # noqa: E402
+from harness.netns_hosts import Hosts  # noqa: E402
 from tiny_model import build_tiny_llama  # noqa: E402
 
 CHUNK = 256

@@ -9,9 +9,9 @@ shared cores)::
         --prefault --json benchmarks/results/peer-prefault.json \
         --out benchmarks/results/peer-prefault.md
 
-Two "hosts" (``tests/netns_hosts.py``: network namespaces on a bridge) and a ``redis-server`` in
-the root namespace on the bridge's address (the Redis host). Every byte between nodes crosses the
-bridge over TCP; nothing is shared memory.
+Two "hosts" (``tests/harness/netns_hosts.py``: network namespaces on a bridge) and a
+``redis-server`` in the root namespace on the bridge's address (the Redis host). Every byte between
+nodes crosses the bridge over TCP; nothing is shared memory.
 
 * **Host A**: node ``one`` holds the blocks: ``cluster.shared_data = both``, so each put is
   written through to Redis *and* published in the cluster index, and it serves peers over gRPC
@@ -57,8 +57,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import harness.serve as servers  # the tests' one launcher of a real `kvstore serve`
 from _common import machine_info, markdown_table, percentile
+from harness.netns_hosts import Hosts
 from harness.redis_server import RedisServer
-from netns_hosts import Hosts
 
 from kvstore import KVStoreClient
 from kvstore.cluster import ClusterIndex, Layout, connect

@@ -19,7 +19,8 @@ The public surface::
     Config, load_config                 configuration (loaded on first use)
     KVStoreError and subclasses         the one exception tree (see :mod:`kvstore.errors`)
 
-Every type a client's public method returns is here, and every error it raises.
+Every type a client's public method returns is here (but its settings, which
+:mod:`kvstore.client` offers as ``ClientSettings``), and every error it raises.
 """
 
 import importlib

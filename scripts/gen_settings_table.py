@@ -1,20 +1,22 @@
-"""Write the README's settings tables from the settings' metadata (kvstore/config/meta.py).
+"""Write the settings tables of the docs from the settings' metadata (kvstore/config/meta.py).
 
 Run after adding or changing a setting, and commit the result::
 
-    python scripts/gen_settings_table.py            # rewrite the tables in README.md
-    python scripts/gen_settings_table.py --check    # exit 1 if README.md's tables are stale
+    python scripts/gen_settings_table.py            # rewrite the tables
+    python scripts/gen_settings_table.py --check    # exit 1 if a table is stale
 
-Each table sits between two marker comments in README.md and is never edited by hand: a
+Each table sits between two marker comments in its page and is never edited by hand: a
 setting's help text, kind, default and flag live beside its field (``setting(...)`` in the
 ``kvstore/config/`` modules), where the loader and the ``kvstore serve`` / ``kvstore router``
-flags read them too. The first table holds every setting of the loader; the second the vLLM
-connector's ``kv_connector_extra_config`` keys (``kvstore/config/connector_keys.py``).
+flags read them too. ``docs/configuration.md`` holds every setting of the loader;
+``docs/vllm.md`` the vLLM connector's ``kv_connector_extra_config`` keys
+(``kvstore/config/connector_keys.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from dataclasses import MISSING, Field, fields
 from pathlib import Path
@@ -30,7 +32,9 @@ from kvstore.config.connector_keys import ConnectorKeys  # noqa: E402
 from kvstore.config.meta import SettingMeta, meta_of  # noqa: E402
 from kvstore.deprecation import REMOVED_IN  # noqa: E402
 
-README = ROOT / "README.md"
+#: The page of each table.
+SETTINGS_PAGE = ROOT / "docs" / "configuration.md"
+CONNECTOR_PAGE = ROOT / "docs" / "vllm.md"
 BEGIN = "<!-- settings table: written by scripts/gen_settings_table.py, do not edit by hand -->"
 END = "<!-- end of settings table -->"
 _HEADER = (
@@ -94,35 +98,82 @@ def _cell(text: str) -> str:
     return text.replace("\\|", "|").replace("|", "\\|")
 
 
-def render(readme: str) -> str:
-    """``readme`` with the text between each pair of markers replaced by its table."""
-    for begin, end_marker, text in (
-        (BEGIN, END, table()),
-        (CONNECTOR_BEGIN, CONNECTOR_END, connector_table()),
+def _anchors(text: str) -> set[str]:
+    """The anchors of a Markdown page's headings, as GitHub makes them."""
+    found, fence = set(), False
+    for line in text.splitlines():
+        fence = fence != line.startswith("```")
+        if not fence and re.match(r"#{1,6} ", line):
+            heading = line.lstrip("#").strip().lower()
+            found.add(re.sub(r"[^\w\- ]", "", heading).replace(" ", "-"))
+    return found
+
+
+def _linked(text: str, page: Path) -> str:
+    """``text`` with its links made to work from ``page`` in ``docs/``: a file named from the
+    repository root, and each ``(#anchor)`` that ``page`` lacks pointed at the docs page that has
+    it (a setting's help names a section, wherever that section lives)."""
+    docs = {path: _anchors(path.read_text("utf-8")) for path in sorted(page.parent.glob("*.md"))}
+
+    def point(match: re.Match[str]) -> str:
+        anchor = match.group(1)
+        if anchor in docs.get(page, set()):
+            return match.group(0)
+        for path, anchors in docs.items():
+            if anchor in anchors:
+                return f"]({path.name}#{anchor})"
+        return match.group(0)
+
+    def from_docs(match: re.Match[str]) -> str:
+        # A help text names files from the repository root, as a setting's docstring does.
+        target = match.group(1)
+        if target.startswith(("#", "http://", "https://", "../")):
+            return match.group(0)
+        return f"]({target[len('docs/') :]})" if target.startswith("docs/") else f"](../{target})"
+
+    text = re.sub(r"\]\(([^)\s]+)\)", from_docs, text)
+    return re.sub(r"\]\(#([\w-]+)\)", point, text)
+
+
+def render(page: str, begin: str, end_marker: str, text: str) -> str:
+    """``page`` with the text between ``begin`` and ``end_marker`` replaced by ``text``."""
+    start, end = page.find(begin), page.find(end_marker)
+    if start < 0 or end < start:
+        raise SystemExit(f"no table markers ({begin!r} ... {end_marker!r})")
+    return page[:start] + text + page[end + len(end_marker) :]
+
+
+def pages() -> dict[Path, str]:
+    """Each page with a table, as it should read."""
+    wanted: dict[Path, str] = {}
+    for path, begin, end, text in (
+        (SETTINGS_PAGE, BEGIN, END, table()),
+        (CONNECTOR_PAGE, CONNECTOR_BEGIN, CONNECTOR_END, connector_table()),
     ):
-        start, end = readme.find(begin), readme.find(end_marker)
-        if start < 0 or end < start:
-            raise SystemExit(f"README.md has no table markers ({begin!r} ... {end_marker!r})")
-        readme = readme[:start] + text + readme[end + len(end_marker) :]
-    return readme
+        current = wanted.get(path) or path.read_text("utf-8")
+        wanted[path] = render(current, begin, end, _linked(text, path))
+    return wanted
 
 
 def main() -> int:
-    """Rewrite the table, or with ``--check`` say whether README.md's is what it would be."""
+    """Rewrite the tables, or with ``--check`` say whether the pages' are what they would be."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="fail if README.md's table is stale")
+    parser.add_argument("--check", action="store_true", help="fail if a table is stale")
     args = parser.parse_args()
-    current = README.read_text("utf-8")
-    wanted = render(current)
-    if args.check:
-        if current != wanted:
-            print(
-                "README.md's settings table differs from the settings' metadata: run "
-                "python scripts/gen_settings_table.py (and commit README.md)"
-            )
-            return 1
-        return 0
-    README.write_text(wanted, "utf-8")
+    stale = []
+    for path, wanted in pages().items():
+        if path.read_text("utf-8") == wanted:
+            continue
+        stale.append(path.relative_to(ROOT))
+        if not args.check:
+            path.write_text(wanted, "utf-8")
+    if args.check and stale:
+        names = ", ".join(str(p) for p in stale)
+        print(
+            f"{names}: the settings table differs from the settings' metadata: run "
+            f"python scripts/gen_settings_table.py (and commit {names})"
+        )
+        return 1
     return 0
 
 

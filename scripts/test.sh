@@ -82,7 +82,7 @@ sglang_suite() {
 # A failing suite fails the run at the end, never stops it: every suite runs.
 suite ruff .venv/bin/ruff check kvstore kernels tests benchmarks scripts
 suite ruff-format .venv/bin/ruff format --check kvstore kernels tests benchmarks scripts
-suite mypy .venv/bin/mypy kvstore kernels
+suite mypy .venv/bin/mypy kvstore kernels tests/harness
 suite generated-code generated_code
 # The default suite on KVSTORE_TEST_WORKERS processes (pytest-xdist; 0 runs it in this one): most of
 # its time is spent waiting on servers and subprocesses, so two workers on two cores take about half

@@ -1,6 +1,6 @@
 """The vLLM connector's ``kv_connector_extra_config`` keys as the settings metadata describes them
 (:mod:`kvstore.config.connector_keys`) are the keys the connector reads, with its defaults and
-allowed values, and the README's generated table lists each.
+allowed values, and the generated table of docs/vllm.md lists each.
 
 The connector's logic imports no vLLM, so this runs in the default suite."""
 
@@ -18,7 +18,7 @@ from kvstore.integrations.vllm import common
 from kvstore.integrations.vllm.common import ConnectorSettings
 from kvstore.key_scheme import HASH_ALGORITHMS
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "vllm.md"
 DESCRIBED = {spec.name: spec for spec in fields(ConnectorKeys)}
 READ = {spec.name: spec for spec in fields(ConnectorSettings)}
 
@@ -47,8 +47,8 @@ def test_the_choices_are_the_connectors() -> None:
         ConnectorSettings.from_extra_config({"target": "h:1", "load_policy": "sometimes"})
 
 
-def test_the_readme_lists_every_key() -> None:
-    text = README.read_text("utf-8")
+def test_the_vllm_page_lists_every_key() -> None:
+    text = PAGE.read_text("utf-8")
     table = text.split("<!-- connector keys:", 1)[1].split("<!-- end of connector keys -->")[0]
     rows = re.findall(r"^\| `([a-z_]+)` \|", table, re.M)
     assert rows == list(DESCRIBED)

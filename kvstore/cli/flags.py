@@ -4,7 +4,7 @@ Each setting whose :class:`~kvstore.config.meta.SettingMeta` names a ``flag`` ge
 older spellings, ``flag_aliases``), in a group per config section so that ``--help`` reads by
 concern; :func:`flag_overrides` turns what was given into the dotted names
 :func:`~kvstore.config.load_config` takes. No flag of a setting is written by hand, so the flags,
-the loader and the README's table (``scripts/gen_settings_table.py``) cannot disagree.
+the loader and the settings table (``scripts/gen_settings_table.py``) cannot disagree.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def flag_overrides(args: argparse.Namespace, dests: dict[str, str]) -> dict[str,
 
 
 def format_default(meta: SettingMeta, value: Any) -> str:
-    """A setting's default as the README and ``--help`` write it: sizes with a binary unit,
+    """A setting's default as the settings table and ``--help`` write it: sizes with a binary unit,
     permission bits in octal, ``''`` for an empty string, booleans in TOML's spelling."""
     if meta.kind == "size" and isinstance(value, int):
         return _size(value)

@@ -16,11 +16,11 @@ that depend on the machine (``dram.capacity`` from its memory, ``nvme.path`` und
 directory) come from :func:`machine_defaults`, and the loader is the only reader of environment
 variables.
 
-Each field says what it is once, in its metadata (:func:`kvstore.config.meta.setting`): help,
-kind (size, octal mode, list, choice), flag, and the names it had before. The loader takes its
-kinds from there, ``kvstore serve`` / ``kvstore router`` their flags (:mod:`kvstore.cli.flags`)
-and the README its settings table (``scripts/gen_settings_table.py``). A setting's old name (in
-the file, as a variable or as an override) still sets it for one release, with one warning line
+Each field says what it is once, in its metadata (:func:`kvstore.config.meta.setting`): help, kind
+(size, octal mode, list, choice), flag, and the names it had before. The loader takes its kinds from
+there, ``kvstore serve`` / ``kvstore router`` their flags (:mod:`kvstore.cli.flags`) and
+docs/configuration.md its settings table (``scripts/gen_settings_table.py``). A setting's old name
+(in the file, as a variable or as an override) still sets it for one release, with one warning line
 naming the new one.
 """
 
@@ -130,7 +130,7 @@ class Config:
         check_advertise(self.server.listen, self.cluster)
 
 
-#: Every section in the order the README's table and ``kvstore serve --help`` show them.
+#: Every section in the order the settings table and ``kvstore serve --help`` show them.
 _SECTIONS: dict[str, type[Any]] = {
     "server": ServerConfig,
     "shm": ShmConfig,
@@ -159,7 +159,7 @@ def setting_fields() -> dict[str, Field[Any]]:
 
 def setting_metas() -> dict[str, SettingMeta]:
     """Every setting's :class:`~kvstore.config.meta.SettingMeta` by dotted name: the one source
-    of the loader's kinds, the flags and the README's settings table."""
+    of the loader's kinds, the flags and the settings table."""
     return {name: meta_of(f) for name, f in setting_fields().items()}
 
 

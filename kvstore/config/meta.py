@@ -1,11 +1,11 @@
 """What each setting says about itself, written once beside its field.
 
 Every field of a config section (:mod:`kvstore.config`) is declared with :func:`setting`, which
-keeps a :class:`SettingMeta` in the field's metadata: its help text, its kind (how a string from
-the environment or a flag becomes its value), the values a choice allows, its command-line flag
-(if any) and the names it had before. The loader, the ``kvstore serve`` / ``kvstore router``
-flags and the README's settings table (``scripts/gen_settings_table.py``) are all made from it,
-so that they cannot drift apart.
+keeps a :class:`SettingMeta` in the field's metadata: its help text, its kind (how a string from the
+environment or a flag becomes its value), the values a choice allows, its command-line flag (if any)
+and the names it had before. The loader, the ``kvstore serve`` / ``kvstore router`` flags and the
+settings table of docs/configuration.md (``scripts/gen_settings_table.py``) are all made from it, so
+that they cannot drift apart.
 
 This module is a leaf: the config sections import it, it imports none of them.
 """
@@ -29,11 +29,11 @@ KINDS = ("", "size", "mode", "list", "choice")
 class SettingMeta:
     """One setting's description.
 
-    ``help``: what it does, as the README shows it (Markdown). ``short``: the ``--help`` line of
-    its flag where ``help`` is too long for one (else ``help`` without its backticks).
-    ``default_doc``: the README's default where the value depends on the machine or on another
-    setting. ``flag``: its ``kvstore serve`` flag (``kvstore router``'s for ``router.*``), ``""``
-    for none; ``flag_aliases``: older spellings of the flag that keep working. ``old_names``:
+    ``help``: what it does, as the settings page shows it (Markdown). ``short``: the ``--help`` line
+    of its flag where ``help`` is too long for one (else ``help`` without its backticks).
+    ``default_doc``: the settings page's default where the value depends on the machine or on
+    another setting. ``flag``: its ``kvstore serve`` flag (``kvstore router``'s for ``router.*``),
+    ``""`` for none; ``flag_aliases``: older spellings of the flag that keep working. ``old_names``:
     dotted names it had before, read for one release with a warning naming this one.
     """
 

@@ -14,7 +14,12 @@ class RouterMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        r = self.registry
+        self._decision_series(self.registry)
+        self._index_series(self.registry)
+        self._proxy_series(self.registry)
+
+    def _decision_series(self, r: CollectorRegistry) -> None:
+        """What each routing decision chose, why, and what it weighed."""
         self.decisions = Counter(
             "kvstore_router_decisions",
             "Routing decisions by chosen replica and reason (prefix: it reuses more of the prompt "
@@ -29,21 +34,6 @@ class RouterMetrics:
             "Requests routed without the index, by why (index_timeout, index_error, index_down, "
             "no_index, no_tokens, no_namespace)",
             ["reason"],
-            registry=r,
-        )
-        self.index_errors = Counter(
-            "kvstore_router_index_errors", "Index queries that failed or timed out", registry=r
-        )
-        self.index_seconds = Histogram(
-            "kvstore_router_index_seconds",
-            "Time the index took to answer (answered queries; they size the deadline)",
-            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
-            registry=r,
-        )
-        self.index_deadline = Gauge(
-            "kvstore_router_index_deadline_seconds",
-            "The index query's current deadline (2 x p99 of recent answers, within "
-            "router.index_timeout_s and router.index_timeout_max_s)",
             registry=r,
         )
         self.beyond_shared = Histogram(
@@ -76,11 +66,27 @@ class RouterMetrics:
             buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.25),
             registry=r,
         )
-        self.responses = Counter(
-            "kvstore_router_responses",
-            "Proxied requests by replica and outcome (ok: the whole response relayed; "
-            "client_gone: the client closed first; upstream_error)",
-            ["replica", "outcome"],
+
+    def _index_series(self, r: CollectorRegistry) -> None:
+        """How the cluster index answers, and the key schemes the nodes publish there."""
+        self.index_errors = Counter(
+            "kvstore_router_index_errors", "Index queries that failed or timed out", registry=r
+        )
+        self.index_seconds = Histogram(
+            "kvstore_router_index_seconds",
+            "Time the index took to answer (answered queries; they size the deadline)",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
+            registry=r,
+        )
+        self.index_deadline = Gauge(
+            "kvstore_router_index_deadline_seconds",
+            "The index query's current deadline (2 x p99 of recent answers, within "
+            "router.index_timeout_s and router.index_timeout_max_s)",
+            registry=r,
+        )
+        self.scheme_reads = Counter(
+            "kvstore_router_key_scheme_reads",
+            "Reads of the key schemes the nodes publish (every 2 s while requests come)",
             registry=r,
         )
         self.scheme_refused = Gauge(
@@ -90,9 +96,14 @@ class RouterMetrics:
             ["replica"],
             registry=r,
         )
-        self.scheme_reads = Counter(
-            "kvstore_router_key_scheme_reads",
-            "Reads of the key schemes the nodes publish (every 2 s while requests come)",
+
+    def _proxy_series(self, r: CollectorRegistry) -> None:
+        """The requests proxied to the replicas."""
+        self.responses = Counter(
+            "kvstore_router_responses",
+            "Proxied requests by replica and outcome (ok: the whole response relayed; "
+            "client_gone: the client closed first; upstream_error)",
+            ["replica", "outcome"],
             registry=r,
         )
         self.in_flight = Gauge(

@@ -1,9 +1,9 @@
 """The real clients driven through :class:`kvstore.MockTransport`, with no server.
 
-Round trips against an in-memory handler (:mod:`harness.memory_store`), a put split into several
-streams, prefetches polled to their end, statuses and deadlines mapped to the same exceptions as
-over gRPC, the asyncio client alike, what a transport rules out (no channel, no fast paths), and
-the README's example run as written.
+Round trips against the in-memory store (:class:`kvstore.testing.MemoryStore`), a put split into
+several streams, prefetches polled to their end, statuses and deadlines mapped to the same
+exceptions as over gRPC, the asyncio client alike, what a transport rules out (no channel, no fast
+paths), and the example of docs/python-api.md run as written.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ NS = Namespace(model="mock-transport")
 OTHER_NS = Namespace(model="another")
 KEYS = [bytes([i]) * 16 for i in range(4)]
 VALUES = [bytes([i]) * (100 + i) for i in range(4)]
-README = Path(__file__).resolve().parents[2] / "README.md"
+API_PAGE = Path(__file__).resolve().parents[2] / "docs" / "python-api.md"
 
 #: The exception a call raises for each status, over gRPC and through a MockTransport alike.
 RAISED = {
@@ -256,9 +256,9 @@ def test_every_failure_is_a_kvstore_error() -> None:
         client.lookup(KEYS)
 
 
-def test_the_readme_example_runs_as_written() -> None:
-    text = README.read_text("utf-8")
+def test_the_api_pages_example_runs_as_written() -> None:
+    text = API_PAGE.read_text("utf-8")
     section = text.split("### Testing code that uses the client", 1)[1]
     example = section.split("```python\n", 1)[1].split("```", 1)[0]
     assert "MockTransport(handler)" in example
-    exec(compile(example, "README.md", "exec"), {})
+    exec(compile(example, "docs/python-api.md", "exec"), {})

@@ -51,7 +51,8 @@ STOP_TIMEOUT_S = 20.0
 
 class Host(Protocol):
     """Where a server runs other than this host's loopback: a network namespace
-    (``tests/netns_hosts.py``) with an address of its own and a way to run a command in it."""
+    (``tests/harness/netns_hosts.py``) with an address of its own and a way to run a command in
+    it."""
 
     address: str
 

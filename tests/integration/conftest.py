@@ -1,7 +1,8 @@
 """Fixtures of the integration tests: a real ``kvstore serve`` subprocess on a free loopback port.
 
 Nothing here is mocked. The servers are the harness's :class:`harness.serve.ServerProcess`
-(re-exported here, where the tests' type hints import it from): ``python -m kvstore.cli serve``
+(started by :func:`harness.server_factory.servers_in`, where the tests' type hints import
+:data:`~harness.server_factory.ServerFactory` from): ``python -m kvstore.cli serve``
 on a generated config, with an nvme directory and a temp directory of its own. Fixtures:
 
 * ``server_factory`` / ``module_server_factory``: start servers with given flags and environment;
@@ -14,67 +15,23 @@ on a generated config, with an nvme directory and a temp directory of its own. F
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from harness.ports import free_port
 from harness.redis_server import RedisServer
 from harness.serve import ServerProcess
-from netns_hosts import Host
+from harness.server_factory import ServerFactory, servers_in
 
-from kvstore import KVStoreClient, Namespace
-
-#: The namespace the ``client`` fixture (and ``ServerProcess.client``) uses.
-NAMESPACE = Namespace(model="integration-test", num_layers=2, num_kv_heads=2, head_size=64)
-
-__all__ = ["NAMESPACE", "ServerFactory", "ServerProcess"]
-
-ServerFactory = Callable[..., ServerProcess]
-
-
-@contextlib.contextmanager
-def _factory(root: Path) -> Iterator[ServerFactory]:
-    started: list[ServerProcess] = []
-
-    def start(
-        *flags: str,
-        env: Mapping[str, str] | None = None,
-        dram_capacity: str = "64MiB",
-        nvme_capacity: str = "64MiB",
-        nvme_path: Path | None = None,
-        host: Host | None = None,
-        settings: Mapping[str, Any] | None = None,
-        tenants: Mapping[str, Mapping[str, Any]] | None = None,
-    ) -> ServerProcess:
-        sizes = {"dram.capacity": dram_capacity, "nvme.capacity": nvme_capacity}
-        process = ServerProcess(
-            root / f"server-{len(started)}",
-            flags,
-            env,
-            settings={**sizes, **(settings or {})},
-            tenants=tenants,
-            nvme_path=nvme_path,
-            host=host,
-            namespace=NAMESPACE,
-        )
-        started.append(process)
-        return process.start()
-
-    try:
-        yield start
-    finally:
-        for process in started:
-            process.close()
+from kvstore import KVStoreClient
 
 
 @pytest.fixture
 def server_factory(tmp_path: Path) -> Iterator[ServerFactory]:
     """``server_factory(*flags, env=..., dram_capacity=..., nvme_capacity=..., settings=...,
     tenants=..., nvme_path=..., host=...)`` for one test (see :class:`ServerProcess`)."""
-    with _factory(tmp_path) as start:
+    with servers_in(tmp_path) as start:
         yield start
 
 
@@ -83,7 +40,7 @@ def module_server_factory(
     tmp_path_factory: pytest.TempPathFactory, data_plane: str
 ) -> Iterator[ServerFactory]:
     """Like ``server_factory``, for servers shared by the tests of one module."""
-    with _factory(tmp_path_factory.mktemp("servers")) as start:
+    with servers_in(tmp_path_factory.mktemp("servers")) as start:
         yield start
 
 

@@ -1,7 +1,7 @@
 """Who may call a real ``kvstore serve``: bearer tokens, TLS, client certificates, exposure.
 
 Nothing is mocked: servers are ``kvstore serve`` subprocesses, certificates are made by the
-``openssl`` command (tests/integration/certs.py), tokens go in a real tokens file (hashed).
+``openssl`` command (tests/harness/certs.py), tokens go in a real tokens file (hashed).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 
 import grpc
 import pytest
-from certs import Pki, make_pki
-from conftest import NAMESPACE
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from harness.certs import Pki, make_pki
 from harness.serve import clean_env
+from harness.server_factory import NAMESPACE
 
 from kvstore import AsyncKVStoreClient, KVStoreClient
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
@@ -26,7 +26,7 @@ from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.errors import AuthenticationError, KVStoreError
 
 if TYPE_CHECKING:
-    from conftest import ServerFactory
+    from harness.server_factory import ServerFactory
 
 TOKEN = "s3cret-token-of-alice"
 KEYS = [bytes([i]) * 16 for i in range(3)]

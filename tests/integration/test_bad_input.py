@@ -38,7 +38,8 @@ from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
-    from conftest import ServerFactory, ServerProcess
+    from harness.serve import ServerProcess
+    from harness.server_factory import ServerFactory
 
 KiB = 1024
 MiB = 1024**2

@@ -9,60 +9,29 @@ republish after Redis comes back empty.
 
 from __future__ import annotations
 
-import asyncio
 import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
 import pytest
+from harness.cluster_nodes import (
+    LEASE_TTL_S,
+    NS,
+    PREFIX,
+    blocks_for,
+    cluster_env,
+    holders,
+)
 from harness.polling import poll
 
-from kvstore import ChunkHasher, Namespace
-from kvstore.cluster import ClusterIndex, Holding, Layout, connect
+from kvstore.cluster import Holding, Layout
 
 if TYPE_CHECKING:
-    from conftest import ServerFactory
+    from harness.server_factory import ServerFactory
 
 from harness.redis_cluster import RedisCluster
 from harness.redis_server import RedisServer
-
-NS = Namespace(model="cluster-index", num_layers=2, num_kv_heads=2, head_size=64)
-HASHER = ChunkHasher(chunk_size=16, namespace=NS)
-BLOCK_BYTES = 64 * 1024
-PREFIX = "kvstore:cluster:v1:"
-LEASE_TTL_S = 1.5
-
-
-def blocks_for(first_token: int, count: int) -> tuple[list[bytes], list[bytes]]:
-    """``count`` chained keys of a prompt starting at ``first_token``, and random payloads."""
-    keys = HASHER.keys(list(range(first_token, first_token + 16 * count)))
-    rng = np.random.default_rng(first_token)
-    return keys, [rng.integers(0, 256, BLOCK_BYTES, dtype=np.uint8).tobytes() for _ in keys]
-
-
-def cluster_env(url: str, node: str) -> dict[str, str]:
-    return {
-        "KVSTORE_CLUSTER_ENABLED": "1",
-        "KVSTORE_CLUSTER_URL": url,
-        "KVSTORE_CLUSTER_NODE_ID": node,
-        "KVSTORE_CLUSTER_LEASE_TTL_S": str(LEASE_TTL_S),
-        "KVSTORE_CLUSTER_PUBLISH_INTERVAL_S": "0.05",
-    }
-
-
-def holders(url: str, keys: list[bytes]) -> dict[str, Holding]:
-    """What a router would learn from the index about ``keys``."""
-
-    async def ask() -> dict[str, Holding]:
-        client = connect(url, 2.0)
-        try:
-            return await ClusterIndex(client, Layout(PREFIX)).holders(keys)
-        finally:
-            await client.aclose()
-
-    return asyncio.run(ask())
 
 
 def test_index_follows_blocks_tiers_and_node_lifecycles(

@@ -26,7 +26,8 @@ from kvstore.client.device_fill import (
 from kvstore.errors import InvalidRequestError
 
 if TYPE_CHECKING:
-    from conftest import ServerFactory, ServerProcess
+    from harness.serve import ServerProcess
+    from harness.server_factory import ServerFactory
 
 # The shape of one stored chunk in a small engine: [layers, 2, block, heads, head] in bf16.
 CHUNK_SHAPE = (2, 2, 16, 2, 64)

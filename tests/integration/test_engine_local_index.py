@@ -25,14 +25,15 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 import numpy as np
 import zmq
+from harness.cluster_nodes import holders
+from harness.polling import poll
 from harness.ports import free_port
-from test_cluster_index import holders, poll
 
 from kvstore import ChunkHasher, Namespace
 from kvstore.cluster import Holding
 
 if TYPE_CHECKING:
-    from conftest import ServerFactory
+    from harness.server_factory import ServerFactory
 
 
 from harness.redis_server import RedisServer

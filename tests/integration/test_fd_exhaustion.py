@@ -25,7 +25,7 @@ from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.protocol.shm_frames import Op, frame, pack_keys
 
 if TYPE_CHECKING:
-    from conftest import ServerFactory
+    from harness.server_factory import ServerFactory
 
 KiB = 1024
 NS = Namespace(model="fd-exhaustion-test")

@@ -24,16 +24,17 @@ from typing import TYPE_CHECKING
 import grpc
 import numpy as np
 import pytest
-from fuzz_grpc import Target, fuzz_grpc
-from fuzz_shm import fuzz_shm
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from harness.fuzz_grpc import Target, fuzz_grpc
+from harness.fuzz_shm import fuzz_shm
 
 from kvstore import KVStoreClient, Namespace
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
-    from conftest import ServerFactory, ServerProcess
+    from harness.serve import ServerProcess
+    from harness.server_factory import ServerFactory
 
 KiB = 1024
 MiB = 1024**2

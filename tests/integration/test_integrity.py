@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from block_forgery import rewrite_payload
+from harness.block_forgery import rewrite_payload
 
 from kvstore import ChunkHasher, KVStoreClient, Namespace
 
 if TYPE_CHECKING:
-    from conftest import ServerFactory
+    from harness.server_factory import ServerFactory
 
 from harness.redis_server import RedisServer
 

@@ -22,11 +22,12 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "integrations"))
-from fake_engine import FakeEngine
+from harness.fake_engine import FakeEngine
 from harness.node_schemes import cluster_settings, published_schemes
 from harness.polling import poll
 from harness.redis_server import RedisServer
-from router_process import RouterProcess
+from harness.router import RouterProcess
+from harness.router_index import index_leading
 from test_connector_logic import (
     BLOCK,
     _caches,
@@ -36,7 +37,6 @@ from test_connector_logic import (
     _request,
     _vllm_config,
 )
-from test_router_proxy import index_leading
 
 from kvstore import ChunkHasher
 from kvstore.integrations.vllm.common import ConnectorSettings
@@ -44,7 +44,8 @@ from kvstore.integrations.vllm.scheduler import SchedulerSide
 from kvstore.integrations.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
-    from conftest import ServerFactory, ServerProcess
+    from harness.serve import ServerProcess
+    from harness.server_factory import ServerFactory
 
 SECRET = "one-chain-secret"
 #: The engines' blocks: enough for a prompt of 3 chunks of 64 tokens (4 blocks each).

@@ -26,7 +26,8 @@ from kvstore.key_scheme import HASH_SECRET_ENV, KeyScheme, secret_fingerprint
 from kvstore.node.key_schemes import MAX_SCHEMES
 
 if TYPE_CHECKING:
-    from conftest import ServerFactory, ServerProcess
+    from harness.serve import ServerProcess
+    from harness.server_factory import ServerFactory
 
 NS = Namespace(model="key-scheme", num_layers=2, num_kv_heads=2, head_size=64)
 SECRET = secret_fingerprint("the deployment's secret")

@@ -28,8 +28,8 @@ from kvstore.tiers.dram import DramTier
 from kvstore.tiers.redis import RedisTier
 
 if TYPE_CHECKING:
-    from conftest import ServerFactory
     from harness.redis_server import RedisServer
+    from harness.server_factory import ServerFactory
 
 NS = Namespace(model="keyring-check", num_layers=2, num_kv_heads=2, head_size=64)
 HASHER = ChunkHasher(chunk_size=16, namespace=NS)

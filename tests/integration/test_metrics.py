@@ -21,14 +21,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
-from block_forgery import rewrite_payload
-from certs import make_pki
+from harness.block_forgery import rewrite_payload
+from harness.certs import make_pki
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore import ChunkHasher, KVStoreClient, Namespace
 
 if TYPE_CHECKING:
-    from conftest import ServerFactory, ServerProcess
+    from harness.serve import ServerProcess
+    from harness.server_factory import ServerFactory
 
 from harness.redis_server import RedisServer
 from harness.serve import clean_env

@@ -34,16 +34,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from netns_hosts import Host, Hosts
-from test_cluster_index import LEASE_TTL_S, NS, blocks_for, holders, poll
-from test_peer_fetch import payload_keys, peer_env
+from harness.cluster_nodes import LEASE_TTL_S, NS, blocks_for, holders, payload_keys, peer_env
+from harness.netns_hosts import Host, Hosts
+from harness.polling import poll
 
 from kvstore import KVStoreClient
 from kvstore.cluster import ClusterIndex, Layout, NodeInfo, connect
 from kvstore.errors import KVStoreError
 
 if TYPE_CHECKING:
-    from conftest import ServerFactory, ServerProcess
+    from harness.serve import ServerProcess
+    from harness.server_factory import ServerFactory
 
 from harness.ports import free_port
 from harness.redis_server import RedisServer

@@ -1,6 +1,6 @@
-"""The multi-host harness itself (tests/netns_hosts.py): hosts reach each other over the bridge,
-and nothing reaches a host's loopback from outside it, so a test that passes across hosts did
-cross a network path."""
+"""The multi-host harness itself (tests/harness/netns_hosts.py): hosts reach each other over the
+bridge, and nothing reaches a host's loopback from outside it, so a test that passes across hosts
+did cross a network path."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 
-from netns_hosts import Hosts
+from harness.netns_hosts import Hosts
 
 LISTEN = """
 import socket, sys

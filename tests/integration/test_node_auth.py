@@ -29,11 +29,10 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 import pytest
-from index_records import CLUSTER_SECRET, described, plant, rewrite
-from rogue_peer import RoguePeer
-from test_cluster_index import NS, PREFIX, blocks_for, holders, poll
-from test_peer_fetch import counters, grpc_client, peer_env
-from test_peer_forgery import put, rogue_first
+from harness.cluster_nodes import NS, PREFIX, blocks_for, counters, grpc_client, holders, peer_env
+from harness.index_records import CLUSTER_SECRET, described, plant, rewrite
+from harness.polling import poll
+from harness.rogue_peer import RoguePeer, put, rogue_first
 from test_tenants import NS as TENANT_NS
 from test_tenants import TOKENS as TENANT_TOKENS
 from test_tenants import blocks as tenant_blocks
@@ -58,8 +57,9 @@ from kvstore.node.peer_auth import (
 from kvstore.protocol.ucx import ucx_unavailable_reason
 
 if TYPE_CHECKING:
-    from conftest import ServerFactory, ServerProcess
     from harness.redis_server import RedisServer
+    from harness.serve import ServerProcess
+    from harness.server_factory import ServerFactory
 
 CLIENT_TOKEN = "node-auth-client-token"
 PEER_RING = peer_keyring(Keyring([CLUSTER_SECRET.encode()]))

@@ -12,43 +12,20 @@ from __future__ import annotations
 import signal
 from typing import TYPE_CHECKING
 
-from test_cluster_index import NS, blocks_for, cluster_env, holders, poll
-
-from kvstore import KVStoreClient
+from harness.cluster_nodes import (
+    blocks_for,
+    counters,
+    grpc_client,
+    holders,
+    payload_keys,
+    peer_env,
+)
+from harness.polling import poll
 
 if TYPE_CHECKING:
-    from conftest import ServerFactory, ServerProcess
+    from harness.server_factory import ServerFactory
 
 from harness.redis_server import RedisServer
-
-PAYLOAD_PREFIX = "kvstore:v1:"
-
-
-def peer_env(url: str, node: str, shared_data: str) -> dict[str, str]:
-    return {
-        **cluster_env(url, node),
-        "KVSTORE_REDIS_URL": url,
-        "KVSTORE_CLUSTER_SHARED_DATA": shared_data,
-        # Nodes sharing a Redis share the secrets its blocks are signed with.
-        "KVSTORE_INTEGRITY_SECRETS": "peer-fetch-test-secret",
-    }
-
-
-def grpc_client(node: ServerProcess) -> KVStoreClient:
-    # gRPC only: the reading node must get the block from its peer, not from shared memory.
-    return node.client(NS, data_plane="grpc", timeout=3.0)
-
-
-def counters(node: ServerProcess) -> dict[str, int]:
-    with grpc_client(node) as client:
-        return dict(client.stats()["counters"])
-
-
-def payload_keys(redis_server: RedisServer) -> list[bytes]:
-    """Block payloads in Redis: the prefix and a hex key (not the nodes' keyring record)."""
-    names = redis_server.client().scan_iter(match=PAYLOAD_PREFIX + "*")
-    hex_digits = set(b"0123456789abcdef")
-    return [name for name in names if set(name[len(PAYLOAD_PREFIX) :]) <= hex_digits]
 
 
 def test_peers_serve_blocks_and_a_dead_peer_is_a_bounded_miss(

@@ -19,16 +19,16 @@ import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from index_records import CLUSTER_SECRET, described, rewrite
-from netns_hosts import Host, Hosts
+from harness.cluster_nodes import NS, PREFIX, blocks_for, counters, grpc_client, holders, peer_env
+from harness.index_records import CLUSTER_SECRET, described, rewrite
+from harness.netns_hosts import Host, Hosts
+from harness.polling import poll
+from harness.rogue_peer import put, rogue_first
 from prometheus_client.parser import text_string_to_metric_families
-from test_cluster_index import NS, PREFIX, blocks_for, holders, poll
-from test_peer_fetch import counters, grpc_client, peer_env
-
-from kvstore.node.peers import holder_rank
 
 if TYPE_CHECKING:
-    from conftest import ServerFactory, ServerProcess
+    from harness.serve import ServerProcess
+    from harness.server_factory import ServerFactory
 
 from harness.redis_server import RedisServer
 
@@ -58,20 +58,6 @@ def start(
 
 def forged(values: list[bytes]) -> list[bytes]:
     return [bytes(b ^ 0x5A for b in value) for value in values]
-
-
-def rogue_first(count: int) -> tuple[list[bytes], list[bytes]]:
-    """Keys for which the rogue comes before node ``one`` in every reader's holder order."""
-    keys, values = blocks_for(30_000, 4 * count)
-    first = [i for i, key in enumerate(keys) if holder_rank(key, "rogue") < holder_rank(key, "one")]
-    chosen = first[:count]
-    assert len(chosen) == count
-    return [keys[i] for i in chosen], [values[i] for i in chosen]
-
-
-def put(node: ServerProcess, keys: list[bytes], values: list[bytes]) -> None:
-    with grpc_client(node) as writer:
-        assert writer.put(keys, values).stored == len(keys)
 
 
 def peer_corrupt_metric(node: ServerProcess) -> float:

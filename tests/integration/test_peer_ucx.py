@@ -4,7 +4,7 @@ listeners and a real redis-server.
 A node reads another's blocks over UCX where the peer advertises a listener (``auto``), counted
 per transport; a UCX failure falls back to gRPC for that read (``auto``) or is a miss (``ucx``);
 keys a dead holder cannot serve come from the next live holder within the same request; and
-across network namespaces (tests/netns_hosts.py) the UCX path is the one taken.
+across network namespaces (tests/harness/netns_hosts.py) the UCX path is the one taken.
 The UCX failure is a real one: the peer's advertised UCX address is rewritten in the index to a
 port where nothing listens, so connecting is refused while its gRPC port still answers.
 """
@@ -16,16 +16,26 @@ import signal
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from index_records import CLUSTER_SECRET, described, rewrite
-from netns_hosts import Host, Hosts
-from test_cluster_index import NS, PREFIX, blocks_for, holders, poll
-from test_peer_fetch import counters, grpc_client, payload_keys, peer_env
+from harness.cluster_nodes import (
+    NS,
+    PREFIX,
+    blocks_for,
+    counters,
+    grpc_client,
+    holders,
+    payload_keys,
+    peer_env,
+)
+from harness.index_records import CLUSTER_SECRET, described, rewrite
+from harness.netns_hosts import Host, Hosts
+from harness.polling import poll
 
 from kvstore.node.peers import holder_rank
 from kvstore.protocol.ucx import ucx_unavailable_reason
 
 if TYPE_CHECKING:
-    from conftest import ServerFactory, ServerProcess
+    from harness.serve import ServerProcess
+    from harness.server_factory import ServerFactory
 
 from harness.redis_server import RedisServer
 

@@ -23,7 +23,8 @@ from kvstore.errors import UnknownPrefetchError
 from kvstore.types import PrefetchProgress, PrefetchState
 
 if TYPE_CHECKING:
-    from conftest import ServerFactory, ServerProcess
+    from harness.serve import ServerProcess
+    from harness.server_factory import ServerFactory
 
 from harness.polling import poll
 from harness.redis_server import RedisServer

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import yaml
-from prometheus_server import (
+from harness.prometheus_server import (
     ALERTS,
     DASHBOARDS,
     DEPLOY,
@@ -58,7 +58,8 @@ from kvstore.config import load_config
 from kvstore.server.auth import check_exposure
 
 if TYPE_CHECKING:
-    from conftest import ServerFactory, ServerProcess
+    from harness.serve import ServerProcess
+    from harness.server_factory import ServerFactory
 
 from harness.redis_server import RedisServer
 

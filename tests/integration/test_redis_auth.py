@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from certs import Pki, make_pki
+from harness.certs import Pki, make_pki
 from harness.polling import poll
 from harness.redis_server import RedisServer
 
 if TYPE_CHECKING:
-    from conftest import ServerFactory
+    from harness.server_factory import ServerFactory
 
 PASSWORD = "redis-pass-of-kvstore"
 # Nodes that share a Redis share the secret its blocks are signed with.

@@ -21,14 +21,16 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from test_two_nodes import poll, redis_stats
+from harness.cluster_nodes import redis_stats
+from harness.polling import poll
 
 from kvstore import ChunkHasher, KVStoreClient, Namespace
 from kvstore.cluster import ClusterIndex, Holding, Layout, connect
 from kvstore.errors import KVStoreError
 
 if TYPE_CHECKING:
-    from conftest import ServerFactory, ServerProcess
+    from harness.serve import ServerProcess
+    from harness.server_factory import ServerFactory
 
 from harness.redis_cluster import RedisCluster
 

@@ -21,14 +21,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
-from test_two_nodes import poll
+from harness.polling import poll
 
 from kvstore import ChunkHasher, KVStoreClient, Namespace
 from kvstore.cluster import ClusterIndex, Layout, connect
 from kvstore.errors import KVStoreError
 
 if TYPE_CHECKING:
-    from conftest import ServerFactory
+    from harness.server_factory import ServerFactory
 
 from harness.redis_cluster import RedisCluster
 

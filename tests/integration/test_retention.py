@@ -16,7 +16,8 @@ import pytest
 from kvstore import ChunkHasher, InvalidRequestError, KVStoreClient, Namespace, Retention
 
 if TYPE_CHECKING:
-    from conftest import ServerFactory, ServerProcess
+    from harness.serve import ServerProcess
+    from harness.server_factory import ServerFactory
 
 NS = Namespace(model="retention", num_layers=2, num_kv_heads=2, head_size=64)
 BLOCK = 256 * 1024

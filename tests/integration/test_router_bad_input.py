@@ -21,8 +21,8 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from fake_engine import FakeEngine
-from router_process import RouterProcess
+from harness.fake_engine import FakeEngine
+from harness.router import RouterProcess
 
 CHUNK = 16
 NAMESPACE = json.dumps({"model": "bad-input", "num_layers": 2, "num_kv_heads": 2, "head_size": 64})

@@ -22,13 +22,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from fake_engine import FakeEngine
+from harness.fake_engine import FakeEngine
+from harness.polling import poll
 from harness.redis_server import RedisServer
-from router_process import RouterProcess
-from test_router_proxy import CHUNK, cluster_env, index_leading, namespace_json, poll, store, tokens
+from harness.router import RouterProcess
+from harness.router_index import CHUNK, cluster_env, index_leading, namespace_json, store, tokens
 
 if TYPE_CHECKING:
-    from conftest import ServerFactory
+    from harness.server_factory import ServerFactory
 
 Setup = tuple[RedisServer, Any, Any, FakeEngine, FakeEngine, RouterProcess]
 

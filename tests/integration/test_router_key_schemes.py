@@ -17,17 +17,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
-from fake_engine import FakeEngine
+from harness.fake_engine import FakeEngine
 from harness.polling import poll
 from harness.redis_server import RedisServer
-from router_process import RouterProcess
-from test_router_proxy import cluster_env, index_leading
+from harness.router import RouterProcess
+from harness.router_index import cluster_env, index_leading
 
 from kvstore import ChunkHasher, Namespace
 from kvstore.key_scheme import namespace_to_json
 
 if TYPE_CHECKING:
-    from conftest import ServerFactory
+    from harness.server_factory import ServerFactory
 
 NS = Namespace(model="scheme-test", num_layers=2, num_kv_heads=2, head_size=64)
 SECRET = "one-scheme-secret"

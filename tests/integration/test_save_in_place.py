@@ -22,7 +22,7 @@ from kvstore.integrations.vllm.saves import SaveJob, SaveQueue
 from kvstore.integrations.vllm.stats import ConnectorCounters
 
 if TYPE_CHECKING:
-    from conftest import ServerFactory
+    from harness.server_factory import ServerFactory
 
 LAYERS, BPC, BLOCKS = 3, 2, 32
 CHUNK_SHAPE = (LAYERS, BPC, 2, 16, 64)  # [layers, blocks per chunk, *block] (bf16)

@@ -21,8 +21,8 @@ import grpc
 import lmdb
 import numpy as np
 import pytest
-from block_forgery import rewrite_payload
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from harness.block_forgery import rewrite_payload
 
 from kvstore import (
     AsyncKVStoreClient,
@@ -37,7 +37,8 @@ from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.block import HEADER_BYTES
 
 if TYPE_CHECKING:
-    from conftest import ServerFactory, ServerProcess
+    from harness.serve import ServerProcess
+    from harness.server_factory import ServerFactory
 
 KiB = 1024
 MiB = 1024**2

@@ -23,7 +23,7 @@ from kvstore.integrations.paged.device_pipeline import Device, LoadPipeline
 from kvstore.integrations.vllm.common import LoadSpec
 
 if TYPE_CHECKING:
-    from conftest import ServerFactory
+    from harness.server_factory import ServerFactory
 
 KiB = 1024
 

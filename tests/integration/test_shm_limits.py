@@ -35,7 +35,8 @@ from kvstore.protocol.shm_frames import (
 )
 
 if TYPE_CHECKING:
-    from conftest import ServerFactory, ServerProcess
+    from harness.serve import ServerProcess
+    from harness.server_factory import ServerFactory
 
 KiB = 1024
 MiB = 1024**2

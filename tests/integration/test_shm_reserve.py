@@ -19,7 +19,7 @@ from kvstore import AsyncKVStoreClient, KVStoreClient
 from kvstore.errors import InvalidRequestError
 
 if TYPE_CHECKING:
-    from conftest import ServerFactory
+    from harness.server_factory import ServerFactory
 
 KiB = 1024
 PAGE = 64 * KiB  # the server's default dram page

@@ -32,7 +32,7 @@ from kvstore.protocol.messages import namespace_bytes
 from kvstore.protocol.shm_frames import Op, frame
 
 if TYPE_CHECKING:
-    from conftest import ServerFactory
+    from harness.server_factory import ServerFactory
 
 OTHER_NS = Namespace(model="tenant-leaks-other", num_layers=2, num_kv_heads=2, head_size=64)
 

@@ -31,7 +31,8 @@ from kvstore.protocol.messages import namespace_bytes
 from kvstore.protocol.shm_frames import Op, frame
 
 if TYPE_CHECKING:
-    from conftest import ServerFactory, ServerProcess
+    from harness.serve import ServerProcess
+    from harness.server_factory import ServerFactory
 
 from harness.redis_server import RedisServer
 from harness.serve import clean_env

@@ -8,15 +8,16 @@ between them again.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
+from harness.cluster_nodes import redis_stats
 
-from kvstore import ChunkHasher, KVStoreClient, Namespace
+from kvstore import ChunkHasher, Namespace
 
 if TYPE_CHECKING:
-    from conftest import ServerFactory
+    from harness.server_factory import ServerFactory
 
 from harness.polling import poll
 from harness.redis_server import RedisServer
@@ -33,10 +34,6 @@ def blocks_for(first_token: int, count: int) -> tuple[list[bytes], list[bytes]]:
     keys = HASHER.keys(list(range(first_token, first_token + 16 * count)))
     rng = np.random.default_rng(first_token)
     return keys, [rng.integers(0, 256, BLOCK_BYTES, dtype=np.uint8).tobytes() for _ in keys]
-
-
-def redis_stats(client: KVStoreClient) -> dict[str, Any]:
-    return dict(client.stats()["tiers"]["redis"])
 
 
 @pytest.mark.each_plane

@@ -25,7 +25,8 @@ from kvstore.errors import InvalidRequestError, StoreUnavailableError
 from kvstore.protocol.ucx import ucx_unavailable_reason
 
 if TYPE_CHECKING:
-    from conftest import ServerFactory, ServerProcess
+    from harness.serve import ServerProcess
+    from harness.server_factory import ServerFactory
 
 _REASON = ucx_unavailable_reason()
 if _REASON is not None:

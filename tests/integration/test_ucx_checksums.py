@@ -35,7 +35,8 @@ from kvstore.protocol.ucx import (
 from kvstore.protocol.ucx_wire import shared_loop as _shared_loop
 
 if TYPE_CHECKING:
-    from conftest import ServerFactory, ServerProcess
+    from harness.serve import ServerProcess
+    from harness.server_factory import ServerFactory
 
 SIZES = [4096, 1024**2 + 3, 3 * 1024**2]
 SECRET = "ucx-checksums-test-secret"

@@ -21,7 +21,7 @@ import numpy as np
 from kvstore import ChunkHasher, KVStoreClient, Namespace
 
 if TYPE_CHECKING:
-    from conftest import ServerFactory
+    from harness.server_factory import ServerFactory
 
 NS = Namespace(model="warm-restart", num_layers=2, num_kv_heads=2, head_size=64)
 BLOCK = 64 * 1024

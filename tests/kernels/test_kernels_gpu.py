@@ -11,7 +11,7 @@ import random
 import kvstore_kernels
 import pytest
 import torch
-from kernel_cases import block, make_caches, patterned, same_bytes
+from harness.kernel_cases import block, make_caches, patterned, same_bytes
 from kvstore_kernels import CPU_LAYOUT, CUDA_LAYOUT, CacheLayout, reference
 
 pytestmark = [

@@ -14,7 +14,7 @@ from typing import Any, cast
 import kvstore_kernels
 import pytest
 import torch
-from kernel_cases import block, make_caches, patterned, same_bytes
+from harness.kernel_cases import block, make_caches, patterned, same_bytes
 from kvstore_kernels import CPU_LAYOUT, CUDA_LAYOUT, CacheLayout, chunk_nbytes, reference
 
 MID_LAYOUT = CacheLayout("test-mid", block_dim=2)

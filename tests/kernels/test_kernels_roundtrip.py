@@ -5,9 +5,9 @@ from __future__ import annotations
 import kvstore_kernels
 import pytest
 import torch
+from harness.kernel_cases import block, make_caches, same_bytes
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kernel_cases import block, make_caches, same_bytes
 from kvstore_kernels import CacheLayout
 
 

@@ -1,6 +1,6 @@
 """Triton kernels vs the torch reference on CPU tensors, under ``TRITON_INTERPRET=1``.
 
-The cases live in ``interp_cases.py`` and run in one subprocess, so the interpreter setting
+The cases live in ``harness/interp_cases.py`` and run in one subprocess, so the interpreter setting
 never reaches triton in this process (triton reads it when a kernel is defined).
 """
 
@@ -14,9 +14,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from interp_cases import CASES
+from harness.interp_cases import CASES
 
-SCRIPT = Path(__file__).with_name("interp_cases.py")
+#: The tests' folder, where ``python -m harness.interp_cases`` finds the harness.
+TESTS = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -25,9 +26,10 @@ def interp_results() -> dict[str, str]:
     assert importlib.util.find_spec("triton") is not None, (
         "triton is not installed (it is in the 'test' extra)"
     )
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    path = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT)],
+        [sys.executable, "-m", "harness.interp_cases"],
         env=env,
         capture_output=True,
         text=True,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from harness.redis_server import RedisServer
-from store_blocks import make_store
+from harness.store_blocks import make_store
 
 from kvstore.cluster import ClusterIndex, Layout, connect
 from kvstore.config import load_config

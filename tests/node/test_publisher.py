@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from harness.redis_server import RedisServer
-from store_blocks import key, make_store, payload
+from harness.store_blocks import key, make_store, payload
 
 from kvstore.cluster import ClusterIndex, Layout, NodeInfo, connect
 from kvstore.node import Membership, Publisher

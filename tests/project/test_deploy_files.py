@@ -1,6 +1,6 @@
-"""deploy/ and k8s/ work as the README says: the local config serves as a normal user, the node
-config says it is not for local use, the image's build context leaves the environments out, the
-README's deploy commands name files that exist and render where the tool is installed, and a
+"""deploy/ and k8s/ work as docs/deployment.md says: the local config serves as a normal user, the
+node config says it is not for local use, the image's build context leaves the environments out,
+the page's deploy commands name files that exist and render where the tool is installed, and a
 server refuses the public credentials an older k8s example shipped."""
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def test_the_vllm_example_image_is_built_by_a_dockerfile_here() -> None:
     image = "vllm-kvstore:0.1.0"
     assert f"image: {image}" in manifest
     build = f"docker build -f deploy/vllm.Dockerfile -t {image} ."
-    assert build in dockerfile and build in (ROOT / "README.md").read_text()
+    assert build in dockerfile and build in (ROOT / "docs" / "deployment.md").read_text()
     # The same environment scripts/setup-vllm.sh makes: the pinned CPU torch, the vllm extra,
     # and the CUDA builds that break `import vllm` removed.
     setup = (ROOT / "scripts" / "setup-vllm.sh").read_text()
@@ -150,8 +150,8 @@ def test_deploy_files_name_manifests_where_they_are() -> None:
             assert (ROOT / name).exists(), f"{path} names {name}, which does not exist"
 
 
-def test_readme_deploy_commands_name_files_that_exist() -> None:
-    readme = (ROOT / "README.md").read_text()
+def test_the_deploy_pages_commands_name_files_that_exist() -> None:
+    readme = (ROOT / "docs" / "deployment.md").read_text()
     for command in (
         "docker build -f deploy/Dockerfile",
         "docker compose -f deploy/compose.yaml up",

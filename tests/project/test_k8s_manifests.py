@@ -1,8 +1,8 @@
 """Every k8s overlay renders with ``kubectl kustomize`` (offline) and every rendered object is valid
 against the Kubernetes schema (``kubernetes-validate --strict``, its bundled schemas), and the
-manifests mean what the README says: only engines reach the store, the engine mounts the store's
-socket directory, the store listens beyond loopback only with tokens from the Secret, and those
-credentials are made at deploy time (``k8s/generate-secrets.sh``), never shipped.
+manifests mean what docs/deployment.md says: only engines reach the store, the engine mounts the
+store's socket directory, the store listens beyond loopback only with tokens from the Secret, and
+those credentials are made at deploy time (``k8s/generate-secrets.sh``), never shipped.
 
 The overlays are rendered from a copy of ``k8s/`` in a temporary directory, with credentials that
 the script generated there: the test never writes into the working tree."""
@@ -113,9 +113,9 @@ def one(objects: tuple[dict[str, Any], ...], kind: str, name: str) -> dict[str, 
     return found[0]
 
 
-def test_there_are_the_overlays_the_readme_names() -> None:
+def test_there_are_the_overlays_the_deploy_page_names() -> None:
     assert OVERLAYS == ["full", "monitoring", "redis", "redis-cluster", "vllm-example"]
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "deployment.md").read_text()
     for name in OVERLAYS:
         assert f"k8s/overlays/{name}" in readme, name
 

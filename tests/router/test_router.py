@@ -21,8 +21,8 @@ from kvstore.integrations.vllm.common import (
 )
 from kvstore.router import Provisional, Replica, RouterKeys, Scorer, parse_namespace
 from kvstore.router.body import parse_body
+from kvstore.router.launch import parse_replicas
 from kvstore.router.proxy import BadRequest
-from kvstore.router.service import parse_replicas
 from kvstore.router.tokenize import prompt_tokens
 
 SHAPE = EngineShape(

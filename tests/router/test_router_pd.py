@@ -2,7 +2,7 @@
 ``kv_transfer_params``; a failed prefill never fails the request.
 
 The router runs for real (``run_router`` on a real port, its settings through ``load_config``);
-the engines are :class:`Engine`, test doubles in the style of tests/integration/fake_engine.py:
+the engines are :class:`Engine`, test doubles in the style of tests/harness/fake_engine.py:
 real HTTP servers answering OpenAI-shaped JSON, that log every request in one shared list so a
 test can tell the order. Real vLLM engines doing the hand-off: tests/vllm/test_pd_handoff.py.
 """
@@ -25,8 +25,8 @@ import pytest
 
 from kvstore.config import load_config
 from kvstore.errors import ConfigError
+from kvstore.router.launch import build_router, run_router
 from kvstore.router.pd import decode_body, prefill_body
-from kvstore.router.service import build_router, run_router
 
 PARAMS = {"kvstore_saved_chunks": 3}
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 from grpc._cython.cygrpc import ExecuteBatchError
-from store_blocks import payload
+from harness.store_blocks import payload
 
 from kvstore import ChunkHasher, Namespace
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from store_blocks import PAGE, arena, key, make_store, payload
+from harness.store_blocks import PAGE, arena, key, make_store, payload
 
 from kvstore.block import CorruptBlockError, Keyring, verify_sealed
 from kvstore.keys import Namespace

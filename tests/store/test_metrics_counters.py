@@ -6,10 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from harness.store_blocks import PAGE, key, make_store, payload
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
-from store_blocks import PAGE, key, make_store, payload
 
 from kvstore.config import load_config
 from kvstore.errors import ConfigError

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from harness.redis_server import RedisServer
-from store_blocks import PAGE, key, payload
+from harness.store_blocks import PAGE, key, payload
 
 from kvstore.config import ConfigError, load_config
 from kvstore.keys import Namespace

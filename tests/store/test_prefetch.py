@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from store_blocks import MIB, PAGE, key, payload
+from harness.store_blocks import MIB, PAGE, key, payload
 
 from kvstore.errors import InvalidRequestError, StoreUnavailableError, UnknownPrefetchError
 from kvstore.keys import Namespace

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from store_blocks import MIB, PAGE, key, payload
+from harness.store_blocks import MIB, PAGE, key, payload
 
 from kvstore.errors import CapacityError, UnknownPrefetchError
 from kvstore.keys import Namespace

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from harness.lmdb_rot import rot_in_file
-from store_blocks import MIB, PAGE, key, make_store, payload
+from harness.store_blocks import MIB, PAGE, key, make_store, payload
 
 from kvstore.block import HEADER_BYTES
 from kvstore.errors import CapacityError, InvalidRequestError, NamespaceMismatchError

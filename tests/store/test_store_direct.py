@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from store_blocks import MIB, PAGE, arena, key, make_store, payload
+from harness.store_blocks import MIB, PAGE, arena, key, make_store, payload
 
 from kvstore.errors import CapacityError, InvalidRequestError, NamespaceMismatchError
 from kvstore.keys import Namespace

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from store_blocks import PAGE, key, payload
+from harness.store_blocks import PAGE, key, payload
 
 from kvstore.config import ConfigError, load_config
 from kvstore.keys import Namespace

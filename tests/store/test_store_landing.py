@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from store_blocks import PAGE, arena, key, make_store, payload
+from harness.store_blocks import PAGE, arena, key, make_store, payload
 
 from kvstore.keys import Namespace
 from kvstore.store import TieredStore, landing

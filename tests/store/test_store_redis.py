@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from harness.redis_server import RedisServer
-from store_blocks import PAGE, key, payload
+from harness.store_blocks import PAGE, key, payload
 
 import kvstore.store.shared_writer as shared_writer_module
 from kvstore.block import encode_header

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from harness.redis_server import RedisServer
-from store_blocks import PAGE, key, payload
+from harness.store_blocks import PAGE, key, payload
 
 from kvstore.keys import Namespace
 from kvstore.store import TieredStore

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 from harness.redis_server import RedisServer
+from harness.store_blocks import PAGE, key, make_store, payload
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import CollectorRegistry
-from store_blocks import PAGE, key, make_store, payload
 
 from kvstore.errors import InvalidRequestError
 from kvstore.keys import Namespace

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from store_blocks import PAGE, arena, key, make_store, payload
+from harness.store_blocks import PAGE, arena, key, make_store, payload
 
 from kvstore.block import CorruptBlockError, Keyring, installed_keyring, verify_sealed
 from kvstore.keys import Namespace

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from store_blocks import PAGE, key, payload
+from harness.store_blocks import PAGE, key, payload
 
 from kvstore.block import BlockHeader
 from kvstore.buffers import byte_view

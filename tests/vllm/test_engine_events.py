@@ -32,9 +32,9 @@ from kvstore import Namespace
 from kvstore.integrations.vllm.common import ConnectorSettings, make_hasher
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
+from harness.cluster_nodes import holders
 from harness.redis_server import RedisServer
 from harness.serve import ServerProcess
-from test_cluster_index import holders  # what a router learns from the index
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 

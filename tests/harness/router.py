@@ -1,10 +1,11 @@
-"""``kvstore router`` as a real subprocess, for the router's integration tests.
+"""``kvstore router`` as a real subprocess: the one launcher of the tests' routers.
 
 :class:`RouterProcess` starts ``python -m kvstore.cli router`` on a free loopback port (its
 settings from flags and ``KVSTORE_ROUTER_*`` variables, every other ``KVSTORE_*`` variable of
 the test's environment left out), waits for its ready line, and talks HTTP to it: JSON calls
 (:meth:`call`), raw requests whose bytes the test chooses (:meth:`send`), metrics, its log and
-its memory (``/proc/PID/status``).
+its memory (``/proc/PID/status``). ``policy`` and ``args`` (any other flags: ``--prefill`` /
+``--decode`` for P/D mode, ``--index-timeout-s``, ...) cover what the real-engine suites need.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,8 @@ class RouterProcess:
         index_url: str = "",
         env: Mapping[str, str] | None = None,
         log_level: str = "INFO",
+        policy: str = "",
+        args: Sequence[str] = (),
     ) -> None:
         full_env = without_settings(env)
         command = [sys.executable, "-m", "kvstore.cli", "router", "--listen", "127.0.0.1:0"]
@@ -50,6 +53,9 @@ class RouterProcess:
             command += ["--chunk-size", str(chunk_size)]
         if index_url:
             command += ["--index-url", index_url]
+        if policy:
+            command += ["--policy", policy]
+        command += args
         self.log = (tmp / "router.log").open("w+b")
         self.proc = subprocess.Popen(command, env=full_env, stdout=subprocess.PIPE, stderr=self.log)
         assert self.proc.stdout is not None
@@ -57,6 +63,11 @@ class RouterProcess:
         match = re.match(r"kvstore router on http://(\S+):(\d+)", line)
         assert match, f"router did not start: {line!r} {self.stderr()}"
         self.host, self.port = match.group(1), int(match.group(2))
+
+    @property
+    def url(self) -> str:
+        """``http://HOST:PORT`` of the router."""
+        return f"http://{self.host}:{self.port}"
 
     def stderr(self) -> str:
         """Everything the router logged so far."""

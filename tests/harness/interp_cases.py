@@ -1,9 +1,9 @@
 """Triton-vs-reference cases for the CPU interpreter; run in a subprocess by the tests.
 
 ``TRITON_INTERPRET`` must be set before triton is imported and would leak into every later
-test, so ``test_kernels_triton_interp.py`` runs this file in its own process::
+test, so ``tests/kernels/test_kernels_triton_interp.py`` runs this module in its own process::
 
-    TRITON_INTERPRET=1 .venv/bin/python tests/kernels/interp_cases.py
+    TRITON_INTERPRET=1 PYTHONPATH=$PWD:tests .venv/bin/python -m harness.interp_cases
 
 It prints one JSON object, ``{case name: "ok" or the failure's traceback}``. The interpreter
 pays ~1.3 ms per program instance (one program per layer x block x outer row x tile), so the
@@ -19,8 +19,9 @@ import traceback
 from collections.abc import Callable, Sequence
 
 import torch
-from kernel_cases import block, make_caches, patterned, same_bytes
 from kvstore_kernels import CPU_LAYOUT, CUDA_LAYOUT, CacheLayout, reference
+
+from harness.kernel_cases import block, make_caches, patterned, same_bytes
 
 CASES: dict[str, Callable[[], None]] = {}
 
@@ -166,12 +167,13 @@ def same_validation_as_reference() -> None:
     from kvstore_kernels import triton_kernels
 
     caches = make_caches(2, (6, 2, 4, 16), torch.float16, 13)
-    for call in (
+    calls: list[Callable[[], object]] = [
         lambda: triton_kernels.gather_blocks(caches, [6], CPU_LAYOUT),
         lambda: triton_kernels.scatter_blocks(
             torch.empty(2, 2, 2, 4, 16, dtype=torch.float16), caches, [3, 3], CPU_LAYOUT
         ),
-    ):
+    ]
+    for call in calls:
         try:
             call()
         except ValueError:

@@ -23,6 +23,7 @@ from types import TracebackType
 from typing import Any
 
 import yaml
+
 from harness.ports import free_port
 from harness.stop_process import stop_process
 

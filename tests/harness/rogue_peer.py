@@ -5,6 +5,14 @@ cannot prove itself; it sends junk headers and no proof."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from harness.cluster_nodes import blocks_for, grpc_client
+from kvstore.node.peers import holder_rank
+
+if TYPE_CHECKING:
+    from harness.serve import ServerProcess
+
 import threading
 from concurrent import futures
 from typing import Any
@@ -50,3 +58,17 @@ class RoguePeer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def rogue_first(count: int) -> tuple[list[bytes], list[bytes]]:
+    """Keys for which the rogue comes before node ``one`` in every reader's holder order."""
+    keys, values = blocks_for(30_000, 4 * count)
+    first = [i for i, key in enumerate(keys) if holder_rank(key, "rogue") < holder_rank(key, "one")]
+    chosen = first[:count]
+    assert len(chosen) == count
+    return [keys[i] for i in chosen], [values[i] for i in chosen]
+
+
+def put(node: ServerProcess, keys: list[bytes], values: list[bytes]) -> None:
+    with grpc_client(node) as writer:
+        assert writer.put(keys, values).stored == len(keys)
