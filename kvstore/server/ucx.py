@@ -292,7 +292,7 @@ def _posted_views(
     if not sizes:
         raise InvalidRequestError("a UcxGet with a posted plan must give every buffer's size")
     try:
-        check_plan(messages, sum(sizes), [])
+        check_plan(messages, sum(sizes), [], longest=max(sizes))
     except ValueError as exc:
         raise InvalidRequestError(f"UcxGet plan: {exc}") from exc
     starts = [0] * len(sizes)
