@@ -15,7 +15,9 @@ engine's staging buffer) and the store, and these cases run interleaved, round-r
 
 * ``kvstore UCX get`` / ``put``, 1 lane and 2 lanes: :class:`~kvstore.client.ucx.UcxDataClient`
   (the path a client on another host takes): one gRPC control call and the batch as its message
-  plan's UCX messages (blocks next to each other on both sides as one message);
+  plan's UCX messages (blocks next to each other on both sides as one message), the receives of
+  a get posted before its control call; and ``get, server plan``: the same get with its receives
+  posted only after the answer (``post_early=False``), to show what the overlap is worth;
 * ``redis-py GET`` / ``SET``: one pipeline of the batch (redis-py + hiredis; GET returns new bytes
   objects, which is the client's receive).
 
@@ -77,6 +79,8 @@ CALL_TIMEOUT_S = 120.0
 TARGET_BYTES = 512 * MiB
 MIN_REPS, MAX_REPS = 10, 60
 LANES = (1, 2)
+#: The key of the client whose gets wait for the server's plan (receives posted after the answer).
+SERVER_PLAN = 0
 
 
 def batch_and_reps(args: argparse.Namespace, label: str) -> tuple[int, int]:
@@ -160,6 +164,9 @@ def _cases(
 
     cases: dict[str, Callable[[], float]] = {}
     for lanes, client in ucx.items():
+        if lanes == SERVER_PLAN:
+            cases["kvstore UCX get, 1 lane, server plan"] = get(client)
+            continue
         cases[f"kvstore UCX get, {lanes} lane{'s' if lanes > 1 else ''}"] = get(client)
         cases[f"kvstore UCX put, {lanes} lane{'s' if lanes > 1 else ''}"] = put(client)
     cases["redis-py GET"] = redis_get
@@ -203,9 +210,10 @@ def bench_store_paths(
                 address,
                 namespace_bytes(NAMESPACE),
                 timeout=CALL_TIMEOUT_S,
-                lanes=lanes,
+                lanes=max(lanes, 1),
+                post_early=lanes != SERVER_PLAN,
             )
-            for lanes in LANES
+            for lanes in (*LANES, SERVER_PLAN)
         }
         for client in ucx.values():
             stack.callback(client.close)
@@ -238,7 +246,9 @@ def bench_store_paths(
             )
         for lanes, client in ucx.items():
             check(client.counters["fallbacks"] == 0, f"UCX ({lanes} lanes) fell back to gRPC")
-            counters[f"{lanes} lanes"] = dict(client.counters)
+            counters["server plan" if lanes == SERVER_PLAN else f"{lanes} lanes"] = dict(
+                client.counters
+            )
     return results, counters
 
 
@@ -291,6 +301,7 @@ ORDER = (
     "ucxx alone",
     "kvstore UCX get, 1 lane",
     "kvstore UCX get, 2 lanes",
+    "kvstore UCX get, 1 lane, server plan",
     "kvstore UCX put, 1 lane",
     "kvstore UCX put, 2 lanes",
     "Mooncake Store get",

@@ -5,9 +5,14 @@ UCX operations run on the process's UCX loop thread (:mod:`kvstore.protocol.ucx_
 small pool of endpoints to the server (:mod:`kvstore.client.ucx_lanes`), and the caller waits for
 them with a deadline. A batch moves as its plan's messages (:mod:`kvstore.protocol.ucx_plan`):
 blocks next to each other in both sides' memory as one message, spread over the lanes, all in
-flight at once. A put posts its sends before its control call and the server answers once every
-byte is in; a get tells the server how its buffers lie (``joined``), and receives straight into
-them the messages the answer plans.
+flight at once. The control call overlaps the data: a put posts its sends before its control
+call and the server answers once every byte is in; ``get_into`` (host buffers) posts its
+receives before its control call too, for its own plan (``UcxGetRequest.messages``: its buffers
+one after another, those that follow each other in memory as one message), and the server sends
+each planned message whole, from its pages (a copy only where they are not contiguous there), or
+empty where a block in it is missing or of another size: nothing lands in a miss's buffer, and
+the blocks found that shared an empty message are asked for again without a plan. ``get`` (no
+buffers yet) tells the server it takes the stream in one buffer and receives the server's plan.
 
 Each :class:`UcxDataClient` method returns ``None`` when the bytes could not move over UCX (ucxx
 missing, no connection, a failed or late transfer, a server without the service): the caller then
@@ -39,19 +44,17 @@ from kvstore._proto.kvstore.v1 import ucx_pb2 as ucx_pb
 from kvstore._proto.kvstore.v1 import ucx_pb2_grpc as ucx_pb_grpc
 from kvstore.buffers import byte_view, writable_byte_view
 from kvstore.client.device_fill import device_transports_in, is_device_tensor
-from kvstore.client.ucx_lanes import LANE_BYTES, Lane, LanePool
+from kvstore.client.ucx_lanes import LANE_BYTES, Lane, LanePool, Moving
 from kvstore.protocol import messages as _wire
 from kvstore.protocol.checks import check_pairs
 from kvstore.protocol.ucx import UcxTransportError, load_ucxx, parse_address, verify_payloads
 from kvstore.protocol.ucx_plan import (
     StreamLayout,
-    assign_lanes,
     check_plan,
     host_piece,
-    lane_loads,
     plan_messages,
 )
-from kvstore.protocol.ucx_wire import LOOP_GRACE_S, LoopThread, move_messages, shared_loop
+from kvstore.protocol.ucx_wire import LoopThread, shared_loop
 from kvstore.types import PutResult
 
 __all__ = ["CONNECT_SHARE", "UcxDataClient"]
@@ -85,6 +88,7 @@ class UcxDataClient:
         retry_after_s: float = 30.0,
         lanes: int = 1,
         lane_bytes: int = LANE_BYTES,
+        post_early: bool = True,
     ) -> None:
         self._stub = ucx_pb_grpc.UcxTransferStub(channel)
         self.address = ucx_address
@@ -94,12 +98,14 @@ class UcxDataClient:
         self.connect_timeout_s = connect_timeout_s
         self.retry_after_s = retry_after_s
         self._pool = LanePool(self._loop, host, port, lanes, lane_bytes=lane_bytes)
+        #: Whether ``get_into`` posts its receives before the control call (see the module).
+        self.post_early = post_early
         self._transfer_ids = itertools.count(1)  # 0 is never used: HELLO_TAG is tag (0, 1)
         self._retry_at = 0.0
         self._closed = False
         self._device_transports: tuple[str, ...] | None = None
         #: ``transfers``, ``fallbacks``, ``connects``, ``messages``, ``lane_failures``,
-        #: ``lane_retries``: for logs, tests and benchmarks.
+        #: ``retries``: for logs, tests and benchmarks.
         self.counters: Counter[str] = Counter()
         #: Why the last fallback happened ("" if none yet).
         self.last_error = ""
@@ -170,7 +176,7 @@ class UcxDataClient:
                 if result is not None:
                     self.counters["transfers"] += 1
                     return result
-                self.counters["lane_retries"] += 1
+                self.counters["retries"] += 1
             raise UcxTransportError("a lane failed on both attempts of the put")
         except UcxTransportError as exc:
             self._fail(exc)
@@ -189,14 +195,22 @@ class UcxDataClient:
         if not self.usable:
             return None
         deadline = self._deadline(timeout)
+        # Receives posted before the control call where the caller's buffers are known (host
+        # memory): the data then moves while the answer travels back.
+        posted = views is not None and self.post_early and not any(map(is_device_tensor, views))
         try:
-            outcome = self._get_once(keys, views, deadline, retried=False)
+            try:
+                outcome = self._get_once(keys, views, deadline, posted)
+            except _Forgotten:  # the server restarted, or dropped a lane: once more, new lanes
+                self.counters["retries"] += 1
+                outcome = self._get_once(keys, views, deadline, False)
             if outcome.failed:
-                # Blocks a dead lane carried: ask again for them alone, over the lanes left.
-                self.counters["lane_retries"] += 1
+                # Blocks a dead lane carried (or a posted plan could not send): ask again for
+                # them alone, over the lanes left, the plan the server's to make.
+                self.counters["retries"] += 1
                 again = sorted(outcome.failed)
                 sub_views = None if views is None else [views[i] for i in again]
-                retry = self._get_once([keys[i] for i in again], sub_views, deadline, retried=True)
+                retry = self._get_once([keys[i] for i in again], sub_views, deadline, False)
                 if retry.failed:
                     raise UcxTransportError("a lane failed on both attempts of the get")
                 for position, index in enumerate(again):
@@ -211,7 +225,7 @@ class UcxDataClient:
             return None
 
     def _get_once(
-        self, keys: Sequence[bytes], views: list[Any] | None, deadline: float, retried: bool
+        self, keys: Sequence[bytes], views: list[Any] | None, deadline: float, posted: bool
     ) -> _GetOutcome:
         sizes = [] if views is None else [int(view.nbytes) for view in views]
         lanes = self._take(sum(sizes), deadline)
@@ -227,8 +241,26 @@ class UcxDataClient:
             receive_any=views is None,
             joined=[] if mine is None else _joined(mine, len(keys)),
         )
-        response = self._control(self._stub.UcxGet, request, deadline, retried, lanes)
+        early = None
+        if posted and mine is not None and mine.total:
+            request.messages.extend(plan_messages(mine.total, mine.breaks))
+            early = self._pool.start(
+                "recv",
+                lanes,
+                transfer_id,
+                mine.views(request.messages),
+                request.messages,
+                _remaining(deadline),
+            )
+        try:
+            response = self._control(self._stub.UcxGet, request, deadline, lanes)
+        except BaseException:
+            if early is not None:
+                early.abandon()  # nothing posted may write into the buffers later
+            raise
         if len(response.lengths) != len(keys) or len(response.sent) != len(keys):
+            if early is not None:
+                early.abandon()
             self._pool.drop(lanes)  # its sends, if any, end with the endpoints
             raise UcxTransportError("malformed UcxGet answer")
         sent = list(response.sent)
@@ -243,19 +275,37 @@ class UcxDataClient:
         else:
             buffers = {index: views[index] for index in indices}
         outcome = _GetOutcome(sent, buffers)
-        if not buffers:
+        if early is not None:
+            layout = mine
+            lost = early.finish(_left(deadline))
+            self._count(early)
+            # Found and the right size, but a posted message it shared with a miss went empty.
+            outcome.failed.update(
+                i for i, n in enumerate(response.lengths) if not sent[i] and 0 < n == sizes[i]
+            )
+        elif buffers:
+            layout = StreamLayout([[buffers[index]] for index in indices])
+            messages = list(response.messages)
+            try:
+                check_plan(messages, layout.total, layout.breaks)
+            except ValueError as exc:
+                self._pool.drop(lanes)
+                raise UcxTransportError(f"UcxGet answer with a bad plan: {exc}") from exc
+            moving = self._pool.start(
+                "recv", lanes, transfer_id, layout.views(messages), messages, _remaining(deadline)
+            )
+            lost = moving.finish(_left(deadline))
+            self._count(moving)
+        else:
             return outcome
-        layout = StreamLayout([[buffers[index]] for index in indices])
-        messages = list(response.messages)
-        try:
-            check_plan(messages, layout.total, layout.breaks)
-        except ValueError as exc:
-            self._pool.drop(lanes)
-            raise UcxTransportError(f"UcxGet answer with a bad plan: {exc}") from exc
-        failed = self._move("recv", lanes, transfer_id, layout, messages, deadline)
-        for position, index in enumerate(indices):
+        assert layout is not None
+        # Block ``index`` is block ``position`` of the layout received into.
+        placed = range(len(keys)) if early is not None else indices
+        for position, index in enumerate(placed):
             start = layout.block_starts[position]
-            if any(s < start + response.lengths[index] and start < e for s, e in failed):
+            if sent[index] and any(
+                s < start + response.lengths[index] and start < e for s, e in lost
+            ):
                 outcome.failed.add(index)
         # Device memory cannot be hashed here; what the host received is checked.
         host = {
@@ -263,7 +313,7 @@ class UcxDataClient:
         }
         verify_payloads(host, response.checksums)
         for index in outcome.failed:
-            del outcome.buffers[index]
+            outcome.buffers.pop(index, None)
         return outcome
 
     # -- put -------------------------------------------------------------------------------
@@ -285,41 +335,21 @@ class UcxDataClient:
             transfer_id=transfer_id,
             messages=messages,
         )
-        lane_of = assign_lanes(messages, len(lanes))
-        loads = lane_loads(messages, lane_of, len(lanes))
-        self._pool.charge(lanes, loads)
+        # Send at once: UCX holds the payloads until the server posts its receives, so the
+        # whole put is one control round trip.
+        sending = self._pool.start(
+            "send", lanes, transfer_id, layout.views(messages), messages, _remaining(deadline)
+        )
+        error: BaseException | None = None
         try:
-            # Send at once: UCX holds the payloads until the server posts its receives, so the
-            # whole put is one control round trip.
-            sending = self._loop().submit(
-                move_messages(
-                    "send",
-                    [lane.endpoint for lane in lanes],
-                    transfer_id,
-                    layout.views(messages),
-                    lane_of,
-                    _remaining(deadline),
-                )
-            )
-            error: BaseException | None = None
-            try:
-                response = self._control(self._stub.UcxPut, request, deadline, attempt > 1, lanes)
-            except BaseException as exc:  # settle the sends first, then decide
-                error = exc
-                if not isinstance(exc, UcxTransportError):
-                    self._pool.drop(lanes)  # refused: the server dropped these endpoints too
-            try:
-                failed = sending.result(_remaining(deadline) + LOOP_GRACE_S)
-            except Exception as exc:
-                self._pool.drop(lanes)
-                raise UcxTransportError(f"UCX sends did not end: {exc}") from exc
-        finally:
-            self._pool.discharge(lanes, loads)
-        self.counters["messages"] += len(messages)
-        dead = [lanes[lane] for lane in failed]
-        if dead:
-            self.counters["lane_failures"] += len(dead)
-            self._pool.drop(dead)
+            response = self._control(self._stub.UcxPut, request, deadline, lanes)
+        except BaseException as exc:  # settle the sends first, then decide
+            error = exc
+            if not isinstance(exc, UcxTransportError):
+                self._pool.drop(lanes)  # refused: the server dropped these endpoints too
+        sending.finish(_left(deadline))
+        self._count(sending)
+        dead = list(sending.failed)
         if error is not None:
             if dead and isinstance(error, UcxTransportError) and attempt == 1:
                 return None  # a lane died under the put: send it again (new lanes fill in)
@@ -330,50 +360,13 @@ class UcxDataClient:
 
     # -- transfers and control calls -------------------------------------------------------
 
-    def _move(
-        self,
-        op: Any,
-        lanes: list[Lane],
-        transfer_id: int,
-        layout: StreamLayout,
-        messages: list[int],
-        deadline: float,
-    ) -> list[tuple[int, int]]:
-        """Move a plan's messages over ``lanes``; the stream ranges of those lost with a lane."""
-        lane_of = assign_lanes(messages, len(lanes))
-        loads = lane_loads(messages, lane_of, len(lanes))
-        self._pool.charge(lanes, loads)
-        try:
-            failed = self._loop().run(
-                move_messages(
-                    op,
-                    [lane.endpoint for lane in lanes],
-                    transfer_id,
-                    layout.views(messages),
-                    lane_of,
-                    _remaining(deadline),
-                ),
-                _remaining(deadline),
-            )
-        finally:
-            self._pool.discharge(lanes, loads)
-        self.counters["messages"] += len(messages)
-        if not failed:
-            return []
-        self.counters["lane_failures"] += len(failed)
-        self._pool.drop([lanes[lane] for lane in failed])
-        lost, offset = [], 0
-        for length, lane in zip(messages, lane_of, strict=True):
-            if lane in failed:
-                lost.append((offset, offset + length))
-            offset += length
-        return lost
+    def _count(self, moving: Moving) -> None:
+        self.counters["messages"] += len(moving.messages)
+        self.counters["lane_failures"] += len(moving.failed)
 
-    def _control(
-        self, method: Any, request: Any, deadline: float, retried: bool, lanes: list[Lane]
-    ) -> Any:
+    def _control(self, method: Any, request: Any, deadline: float, lanes: list[Lane]) -> Any:
         """Make a control call; transport failures raise UcxTransportError, request errors their
-        KVStoreError. A server that forgot these endpoints (it restarted) gets new ones, once."""
+        KVStoreError; :class:`_Forgotten` if the server forgot these endpoints (it restarted)."""
         try:
             return method(request, timeout=_remaining(deadline))
         except grpc.RpcError as exc:
@@ -381,24 +374,10 @@ class UcxDataClient:
             details = exc.details() if hasattr(exc, "details") else str(exc)
             if code == grpc.StatusCode.ABORTED and "unknown UCX client" in (details or ""):
                 self._pool.drop(lanes)
-                # A get sent nothing yet: ask again at once. A put's bytes went over the lanes
-                # forgotten: the caller sends the batch again.
-                if not retried and isinstance(request, ucx_pb.UcxGetRequest):
-                    return self._reconnected(method, request, deadline)
+                raise _Forgotten(f"the server forgot this client's lanes: {details}") from exc
             if code in _TRANSPORT_CODES or code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise UcxTransportError(f"UCX control call failed: {code.name}: {details}") from exc
             raise _wire.map_rpc_error(exc) from exc
-
-    def _reconnected(self, method: Any, request: Any, deadline: float) -> Any:
-        """The same call again over new endpoints (as many as the request named)."""
-        count = 1 + len(request.lanes)
-        lanes = self._take(0, deadline)[:count]
-        if len(lanes) < count:
-            raise UcxTransportError("fewer UCX lanes than the call was planned for")
-        request.client_id = lanes[0].client_id
-        del request.lanes[:]
-        request.lanes.extend(lane.client_id for lane in lanes[1:])
-        return self._control(method, request, deadline, True, lanes)
 
     # -- connection ------------------------------------------------------------------------
 
@@ -430,6 +409,10 @@ class UcxDataClient:
         )
 
 
+class _Forgotten(UcxTransportError):
+    """The server does not know the lanes a call named (it restarted): new lanes, once."""
+
+
 @dataclass
 class _GetOutcome:
     sent: list[bool]
@@ -442,6 +425,11 @@ def _joined(layout: StreamLayout, count: int) -> list[bool]:
     """Per key, whether its buffer starts where the previous key's ends (``joined``)."""
     breaks = set(layout.breaks)
     return [index > 0 and layout.block_starts[index] not in breaks for index in range(count)]
+
+
+def _left(deadline: float) -> float:
+    """Seconds to the deadline, 0 once past (waits for operations that end by themselves)."""
+    return max(0.0, deadline - time.monotonic())
 
 
 def _remaining(deadline: float) -> float:

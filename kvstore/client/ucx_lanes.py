@@ -14,18 +14,26 @@ opens a new one, and the others carry on.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from kvstore.protocol.ucx import CLIENT_ID_BYTES, UcxTransportError, load_ucxx
-from kvstore.protocol.ucx_wire import LoopThread, abort_endpoint, open_endpoint
+from kvstore.protocol.ucx_plan import assign_lanes, lane_loads
+from kvstore.protocol.ucx_wire import (
+    LOOP_GRACE_S,
+    LoopThread,
+    abort_endpoint,
+    move_messages,
+    open_endpoint,
+)
 
-__all__ = ["LANE_BYTES", "MAX_LANES", "Lane", "LanePool"]
+__all__ = ["LANE_BYTES", "MAX_LANES", "Lane", "LanePool", "Moving"]
 
 #: Most lanes a client opens to one server (the server's ``ucx.max_lanes`` default too).
 MAX_LANES = 8
@@ -114,6 +122,29 @@ class LanePool:
         for lane in lanes:
             self._abort(lane)
 
+    def start(
+        self,
+        op: Literal["send", "recv"],
+        lanes: list[Lane],
+        transfer_id: int,
+        views: Sequence[Any],
+        messages: Sequence[int],
+        timeout: float,
+    ) -> Moving:
+        """Post a plan's messages over ``lanes`` (the plan's lane rule), charged to them."""
+        lane_of = assign_lanes(messages, len(lanes))
+        loads = lane_loads(messages, lane_of, len(lanes))
+        self.charge(lanes, loads)
+        endpoints = [lane.endpoint for lane in lanes]
+        try:
+            future = self._loop().submit(
+                move_messages(op, endpoints, transfer_id, views, lane_of, timeout)
+            )
+        except BaseException:
+            self.discharge(lanes, loads)
+            raise
+        return Moving(self, lanes, list(messages), lane_of, loads, future)
+
     def close(self) -> None:
         """Drop every lane."""
         with self._cond:
@@ -155,3 +186,42 @@ class LanePool:
     def _abort(self, lane: Lane) -> None:
         with contextlib.suppress(Exception):  # already closed by the peer's failure
             self._loop().run(abort_endpoint(lane.endpoint), 2.0)
+
+
+@dataclass
+class Moving:
+    """A plan's messages in flight over some lanes (:meth:`LanePool.start`)."""
+
+    pool: LanePool
+    lanes: list[Lane]
+    messages: list[int]
+    lane_of: list[int]
+    loads: list[int]
+    future: concurrent.futures.Future[dict[int, BaseException]]
+    #: Lanes that failed, once :meth:`finish` returned.
+    failed: dict[int, BaseException] = field(default_factory=dict)
+
+    def finish(self, timeout: float) -> list[tuple[int, int]]:
+        """Wait until every message has ended; the stream ranges of the messages lost with a
+        lane (its lanes dropped). Every lane is dropped if they do not end in time."""
+        try:
+            self.failed = self.future.result(timeout + LOOP_GRACE_S)
+        except Exception as exc:
+            self.pool.drop(self.lanes)  # aborted: whatever was still posted ends with them
+            raise UcxTransportError(f"UCX transfer did not end: {exc}") from exc
+        finally:
+            self.pool.discharge(self.lanes, self.loads)
+        if self.failed:
+            self.pool.drop([self.lanes[lane] for lane in self.failed])
+        lost, offset = [], 0
+        for length, lane in zip(self.messages, self.lane_of, strict=True):
+            if lane in self.failed:
+                lost.append((offset, offset + length))
+            offset += length
+        return lost
+
+    def abandon(self) -> None:
+        """Drop the lanes (cancelling every message still posted) and wait for that."""
+        self.pool.drop(self.lanes)
+        with contextlib.suppress(Exception):
+            self.finish(2.0)

@@ -1,12 +1,16 @@
 """The UCX data path between hosts: what its server and client sides share.
 
 gRPC carries the control messages (``kvstore.v1.UcxTransfer``: which keys, the namespace, the
-lengths, found or missing) and UCX carries the payload bytes, one tagged message per block, so a
-whole batch costs one control round trip. UCX picks its transports itself (RDMA where there is
-some, TCP otherwise). The pieces live in small modules:
+lengths, found or missing) and UCX carries the payload bytes as the tagged messages of the call's
+plan (blocks next to each other in both sides' memory as one message, over one or more
+endpoints: :mod:`kvstore.protocol.ucx_plan`), so a whole batch costs one control round trip. UCX
+picks its transports itself (RDMA where there is some, TCP otherwise). The pieces live in small
+modules:
 
-* this one: loading ``ucxx`` (optional: the ``ucx`` extra), the tag of each payload, the address
+* this one: loading ``ucxx`` (optional: the ``ucx`` extra), the tag of each message, the address
   format, and :class:`UcxTransportError`, the one failure that means "use gRPC for this call";
+* :mod:`kvstore.protocol.ucx_plan` (which bytes travel as one message, over which lane) and
+  :mod:`kvstore.protocol.ucx_wire` (endpoints, moving a plan's messages, the client's loop);
 * :mod:`kvstore.server.ucx`: :class:`~kvstore.server.ucx.UcxDataServer`, the
   listener and the gRPC servicer, on the server's event loop;
 * :mod:`kvstore.client.ucx`: :class:`~kvstore.client.ucx.UcxDataClient`, used
@@ -54,9 +58,9 @@ CLIENT_ID_BYTES = 16
 #: payload tag is this small: transfer ids start at 1).
 HELLO_TAG = 1
 
-#: Bits of a payload tag that hold the index of the block in its batch (the rest: transfer id).
+#: Bits of a payload tag that hold the index of the message in its plan (the rest: transfer id).
 _INDEX_BITS = 24
-#: Most blocks in one transfer.
+#: Most blocks, and most messages, in one transfer.
 MAX_BATCH = 1 << _INDEX_BITS
 # Tags stay below 2**61 - 1 so that ``hash(tag) == tag`` (ucxx hashes user tags with the
 # endpoint's own tag); 36 bits of transfer id wrap after 68 billion transfers on one endpoint.
@@ -140,7 +144,7 @@ def ucx_unavailable_reason() -> str | None:
 
 
 def transfer_tag(transfer_id: int, index: int) -> int:
-    """The UCX tag of block ``index`` of transfer ``transfer_id`` (unique per endpoint)."""
+    """The UCX tag of message ``index`` of transfer ``transfer_id`` (unique per endpoint)."""
     if not 0 <= index < MAX_BATCH:
         raise ValueError(f"block index {index} out of range")
     return ((transfer_id % (1 << _TRANSFER_BITS)) << _INDEX_BITS) | index

@@ -162,17 +162,24 @@ def plan_messages(
     return messages
 
 
-def check_plan(messages: Sequence[int], total: int, breaks: Sequence[int]) -> None:
+def check_plan(
+    messages: Sequence[int], total: int, breaks: Sequence[int], longest: int = 0
+) -> None:
     """Raise ``ValueError`` unless ``messages`` cut a ``total``-byte stream into at most
     :data:`~kvstore.protocol.ucx.MAX_BATCH` non-empty messages with a boundary at each of
-    ``breaks`` (this side's: a message must lie in one piece of its memory)."""
+    ``breaks`` (this side's: a message must lie in one piece of its memory), none longer than
+    :data:`MAX_MESSAGE_BYTES` or ``longest`` (a block's length), whichever is more: what a side
+    may have to stage one message in."""
     if len(messages) > MAX_BATCH:
         raise ValueError(f"{len(messages)} messages in one transfer; the limit is {MAX_BATCH}")
+    cap = max(MAX_MESSAGE_BYTES, longest)
     boundaries = set()
     offset = 0
     for length in messages:
         if length <= 0:
             raise ValueError("a message of the plan is empty")
+        if length > cap:
+            raise ValueError(f"a message of {length} bytes; the most is {cap}")
         offset += length
         boundaries.add(offset)
     if offset != total:

@@ -33,20 +33,23 @@ spoil the blocks it holds anyway; it cannot make a wrong byte be served).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
+import numpy as np
 
 from kvstore._proto.kvstore.v1 import ucx_pb2 as ucx_pb
 from kvstore.block import BlockHeader, CorruptBlockError, Keyring
-from kvstore.errors import KVStoreError
+from kvstore.errors import InvalidRequestError, KVStoreError
 from kvstore.protocol.checks import check_pairs
 from kvstore.protocol.ucx import payload_checksums
 from kvstore.protocol.ucx_plan import (
     StreamLayout,
     assign_lanes,
+    check_plan,
     host_piece,
     lane_loads,
     plan_messages,
@@ -165,17 +168,29 @@ class UcxDataServer(UcxPuts):
                 ]
             else:
                 checksums = await _checksums(payloads, len(keys))
-            # Only the leases UCX reads from travel with the sends; the others come back now.
-            session.release([i for i in session.leases if i not in travelling])
-            messages: list[int] = []
-            if payloads:
+            messages = list(request.messages)
+            if messages:  # the caller posted its receives: its plan, each message whole or empty
+                views, voided = _posted_views(sizes, sent, pieces, messages)
+                for index in voided:
+                    sent[index] = False
+                    checksums[index] = 0
+                    if headers:
+                        headers[index] = b""
+                    item = acquired[index]
+                    if isinstance(item, Leased):
+                        travelling.discard(item.id)
+            elif payloads:
                 sending_pieces = [pieces[index] for index, _ in payloads]
                 layout, messages = _get_plan(request, [i for i, _ in payloads], sending_pieces)
-                # The sends are posted before the answer goes; the client posts its receives
-                # after reading the plan. The task's done callback runs however it ends (even
-                # cancelled before it started), so the leases it sends from always come back.
+                views = layout.views(messages)
+            # Only the leases UCX reads from travel with the sends; the others come back now.
+            session.release([i for i in session.leases if i not in travelling])
+            if messages:
+                # The sends are posted before the answer goes. The task's done callback runs
+                # however it ends (even cancelled before it started), so the leases it sends
+                # from always come back.
                 task = await self._send(
-                    scope, clients, request.transfer_id, layout, messages, context
+                    scope, clients, request.transfer_id, views, messages, context
                 )
                 task.add_done_callback(lambda _: scope.sessions.close(session))
                 sending = True
@@ -212,13 +227,20 @@ class UcxDataServer(UcxPuts):
         sent = [n > 0 and (not sizes or sizes[i] == n) for i, n in enumerate(lengths)]
         payloads = [(i, r.payload) for i, r in enumerate(results) if sent[i]]
         checksums = await _checksums(payloads, len(keys))
-        messages: list[int] = []
-        if payloads:
-            # The store's payloads are copies, so nothing needs pinning while they travel.
+        messages = list(request.messages)
+        # The store's payloads are copies, so nothing needs pinning while they travel.
+        if messages:
+            pieces = {i: [host_piece(p)] for i, p in payloads}
+            views, voided = _posted_views(sizes, sent, pieces, messages)
+            for index in voided:
+                sent[index], checksums[index] = False, 0
+        elif payloads:
             layout, messages = _get_plan(
                 request, [i for i, _ in payloads], [[host_piece(p)] for _, p in payloads]
             )
-            await self._send(scope, clients, request.transfer_id, layout, messages, context)
+            views = layout.views(messages)
+        if messages:
+            await self._send(scope, clients, request.transfer_id, views, messages, context)
         tiers = [r.tier for r in results]
         headers = []
         if request.sealed:
@@ -237,28 +259,86 @@ class UcxDataServer(UcxPuts):
         scope: UcxScope,
         clients: list[ClientEndpoint],
         transfer_id: int,
-        layout: StreamLayout,
+        views: list[Any],
         messages: list[int],
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> asyncio.Task[None]:
-        """Once the bytes fit in flight: the task sending the plan's messages over the lanes."""
+        """Once the bytes fit in flight: the task sending ``views`` over the lanes, message ``m``
+        over the lane the plan ``messages`` gives it (a posted plan's empty messages too)."""
         lane_of = assign_lanes(messages, len(clients))
-        loads = lane_loads(messages, lane_of, len(clients))
+        loads = lane_loads([int(view.nbytes) for view in views], lane_of, len(clients))
         timeout = self._timeout(context)
         await self.inflight.admit(scope.owner, clients, loads, timeout)
 
         async def send() -> None:
             try:
-                views = layout.views(messages)
                 if await self._transfer(clients, "send", transfer_id, views, lane_of, timeout):
                     self.counters["get_transfers"] += 1
-                    self.counters["blocks_sent"] += len(layout.block_starts)
                     self.counters["messages_sent"] += len(messages)
-                    self.counters["bytes_sent"] += layout.total
+                    self.counters["bytes_sent"] += sum(loads)
             finally:
                 self.inflight.release(scope.owner, clients, loads)
 
         return self._spawn(send())
+
+
+def _posted_views(
+    sizes: list[int], sent: list[bool], pieces: dict[int, list[Any]], messages: list[int]
+) -> tuple[list[Any], set[int]]:
+    """What to send for a plan the caller posted its receives for (its buffers of ``sizes``, one
+    after another): per message, its bytes from ``pieces`` of the blocks it covers (a copy only
+    where those do not lie in one run here), or nothing where one of them is not sent; and the
+    blocks found that go unsent for that (every message covering one is empty then)."""
+    if not sizes:
+        raise InvalidRequestError("a UcxGet with a posted plan must give every buffer's size")
+    try:
+        check_plan(messages, sum(sizes), [], longest=max(sizes))
+    except ValueError as exc:
+        raise InvalidRequestError(f"UcxGet plan: {exc}") from exc
+    starts = [0] * len(sizes)
+    for index in range(1, len(sizes)):
+        starts[index] = starts[index - 1] + sizes[index - 1]
+    # The blocks each message covers (one walk: messages and blocks are both in stream order).
+    spans: list[tuple[int, int, list[int]]] = []
+    block, offset = 0, 0
+    for length in messages:
+        end = offset + length
+        while block < len(sizes) and starts[block] + sizes[block] <= offset:
+            block += 1
+        covered, after = [], block
+        while after < len(sizes) and starts[after] < end:
+            if sizes[after]:
+                covered.append(after)
+            after += 1
+        spans.append((offset, length, covered))
+        offset = end
+    # Blocks that share a message form runs (cut where a message ends at a block's start); a
+    # run with a block not sent sends none of its blocks.
+    boundaries = set(itertools.accumulate(messages))
+    runs: list[list[int]] = []
+    for index in (i for i in range(len(sizes)) if sizes[i]):
+        if not runs or starts[index] in boundaries:
+            runs.append([])
+        runs[-1].append(index)
+    voided = {i for run in runs if not all(sent[j] for j in run) for i in run if sent[i]}
+    views: list[Any] = []
+    for offset, length, blocks in spans:
+        if any(not sent[i] or i in voided for i in blocks):
+            views.append(np.empty(0, dtype=np.uint8))
+            continue
+        local = StreamLayout([pieces[i] for i in blocks])
+        inside = offset - starts[blocks[0]]
+        if not local.crosses_break(inside, length):
+            views.append(local.view(inside, length))
+            continue
+        copy = np.empty(length, dtype=np.uint8)  # pages not next to each other here
+        cuts = [b for b in local.breaks if inside < b < inside + length]
+        done = inside
+        for cut in [*cuts, inside + length]:
+            copy[done - inside : cut - inside] = local.view(done, cut - done)
+            done = cut
+        views.append(copy)
+    return views, voided
 
 
 def _get_plan(

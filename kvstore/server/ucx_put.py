@@ -68,7 +68,7 @@ class UcxPuts(UcxEndpoints):
             _check_put(scope.store, keys, lengths)
             messages = list(request.messages) or [n for n in lengths if n]
             try:
-                check_plan(messages, sum(lengths), [])
+                check_plan(messages, sum(lengths), [], longest=max(lengths, default=0))
             except ValueError as exc:
                 raise InvalidRequestError(f"UcxPut plan: {exc}") from exc
         except KVStoreError:
@@ -202,7 +202,12 @@ class UcxPuts(UcxEndpoints):
         lane_of = assign_lanes(messages, len(clients))
         loads = lane_loads(messages, lane_of, len(clients))
         timeout = self._timeout(context)
-        await self.inflight.admit(scope.owner, clients, loads, timeout)
+        try:
+            await self.inflight.admit(scope.owner, clients, loads, timeout)
+        except UcxTransportError:
+            for client in clients:  # the client is sending: end its sends now, not at its deadline
+                self._drop(client, "no room for its bytes in flight")
+            raise
         try:
             ok = await self._transfer(clients, "recv", transfer_id, views, lane_of, timeout)
         finally:

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from test_ucx import NAMESPACE, UCX, address, keys_of, kv, ucx_client, ucx_server, values_of
 
-import kvstore.client.ucx as client_ucx
+import kvstore.client.ucx_lanes as client_ucx
 from kvstore import KVStoreClient
 from kvstore._proto.kvstore.v1 import ucx_pb2 as ucx_pb
 from kvstore._proto.kvstore.v1 import ucx_pb2_grpc as ucx_pb_grpc
@@ -99,9 +99,13 @@ def test_blocks_next_to_each_other_move_as_one_message(lanes3: UcxDataClient) ->
     assert np.array_equal(np.concatenate(apart), source)
 
 
+@pytest.mark.parametrize("post_early", [True, False], ids=["posted-plan", "server-plan"])
 def test_a_lane_dying_mid_get_costs_a_retry_not_bytes(
-    lanes3: UcxDataClient, monkeypatch: pytest.MonkeyPatch
+    lanes3: UcxDataClient, monkeypatch: pytest.MonkeyPatch, post_early: bool
 ) -> None:
+    """Posted plan: the lane dies with its receives posted, before or while the server sends
+    (the server may already have forgotten it). Server plan: it dies while receiving."""
+    lanes3.post_early = post_early
     keys = keys_of(16)
     values = values_of([BLOCK * 4] * 16, seed=7)
     assert lanes3.put(keys, values) is not None
@@ -110,7 +114,8 @@ def test_a_lane_dying_mid_get_costs_a_retry_not_bytes(
     assert lanes3.get_into(keys, buffers) == [True] * 16, lanes3.last_error
     assert killer.fired == 1
     assert all(np.array_equal(v, b) for v, b in zip(values, buffers, strict=True))
-    assert lanes3.counters["lane_failures"] >= 1 and lanes3.counters["lane_retries"] == 1
+    assert lanes3.counters["retries"] == 1
+    assert post_early or lanes3.counters["lane_failures"] >= 1
     assert lanes3.counters["fallbacks"] == 0 and lanes3.usable
     assert len(lanes3.lanes.live()) == 3  # the dead lane was replaced
 
@@ -123,7 +128,7 @@ def test_a_lane_dying_mid_put_sends_the_batch_again(
     killer = _LaneKiller(monkeypatch, lane=2, times=1)
     result = lanes3.put(keys, values)
     assert result is not None and result.stored == 16, lanes3.last_error
-    assert killer.fired == 1 and lanes3.counters["lane_retries"] == 1
+    assert killer.fired == 1 and lanes3.counters["retries"] == 1
     assert lanes3.get(keys) == [v.tobytes() for v in values]
 
 
@@ -177,3 +182,27 @@ def test_a_server_with_one_lane_allowed_refuses_two(server_factory: ServerFactor
                 client.put(keys_of(1), [b"z" * 100])
         finally:
             client.close()
+
+
+def test_a_posted_plan_never_writes_a_miss_and_asks_again_for_its_neighbours(
+    lanes3: UcxDataClient,
+) -> None:
+    """get_into posts its receives before the control call, for one message over buffers that
+    follow each other; a miss inside it makes the server send that message empty (nothing is
+    written), and the client asks again for the blocks found, without a plan."""
+    keys = keys_of(3)
+    values = values_of([BLOCK] * 3, seed=12)
+    assert lanes3.put([keys[0], keys[2]], [values[0], values[2]]) is not None
+    target = np.full(3 * BLOCK, 7, np.uint8)
+    views = [target[i * BLOCK : (i + 1) * BLOCK] for i in range(3)]
+    before = lanes3.counters["retries"]
+    assert lanes3.get_into(keys, views) == [True, False, True]
+    assert np.array_equal(views[0], values[0]) and np.array_equal(views[2], values[2])
+    assert (views[1] == 7).all()  # the miss's buffer is untouched
+    assert lanes3.counters["retries"] == before + 1
+    # All found: one posted message, no second round.
+    assert lanes3.put([keys[1]], [values[1]]) is not None
+    before = lanes3.counters["retries"], lanes3.counters["transfers"]
+    assert lanes3.get_into(keys, views) == [True] * 3
+    assert np.array_equal(target, np.concatenate(values))
+    assert (lanes3.counters["retries"], lanes3.counters["transfers"]) == (before[0], before[1] + 1)

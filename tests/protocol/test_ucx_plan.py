@@ -8,6 +8,7 @@ import pytest
 
 from kvstore.protocol.ucx import MAX_BATCH
 from kvstore.protocol.ucx_plan import (
+    MAX_MESSAGE_BYTES,
     StreamLayout,
     assign_lanes,
     check_plan,
@@ -35,6 +36,10 @@ def test_check_plan_refuses_what_would_land_in_the_wrong_place() -> None:
         check_plan([0, 100], 100, [])
     with pytest.raises(ValueError, match="limit"):
         check_plan([1] * (MAX_BATCH + 1), MAX_BATCH + 1, [])
+    big = MAX_MESSAGE_BYTES + 1
+    with pytest.raises(ValueError, match="the most is"):
+        check_plan([big], big, [])
+    check_plan([big], big, [], longest=big)  # one block that large may travel whole
 
 
 def test_lanes_balance_bytes_the_same_way_on_both_sides() -> None:

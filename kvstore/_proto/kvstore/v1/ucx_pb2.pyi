@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class UcxGetRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "client_id", "transfer_id", "sizes", "sealed", "lanes", "joined", "receive_any")
+    __slots__ = ("namespace", "keys", "client_id", "transfer_id", "sizes", "sealed", "lanes", "joined", "receive_any", "messages")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class UcxGetRequest(_message.Message):
     LANES_FIELD_NUMBER: _ClassVar[int]
     JOINED_FIELD_NUMBER: _ClassVar[int]
     RECEIVE_ANY_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     client_id: bytes
@@ -27,7 +28,8 @@ class UcxGetRequest(_message.Message):
     lanes: _containers.RepeatedScalarFieldContainer[bytes]
     joined: _containers.RepeatedScalarFieldContainer[bool]
     receive_any: bool
-    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., client_id: _Optional[bytes] = ..., transfer_id: _Optional[int] = ..., sizes: _Optional[_Iterable[int]] = ..., sealed: _Optional[bool] = ..., lanes: _Optional[_Iterable[bytes]] = ..., joined: _Optional[_Iterable[bool]] = ..., receive_any: _Optional[bool] = ...) -> None: ...
+    messages: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., client_id: _Optional[bytes] = ..., transfer_id: _Optional[int] = ..., sizes: _Optional[_Iterable[int]] = ..., sealed: _Optional[bool] = ..., lanes: _Optional[_Iterable[bytes]] = ..., joined: _Optional[_Iterable[bool]] = ..., receive_any: _Optional[bool] = ..., messages: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class UcxGetResponse(_message.Message):
     __slots__ = ("lengths", "sent", "tiers", "checksums", "headers", "messages")
