@@ -52,6 +52,8 @@ class Family:
     name: str
     model_type: str
     config: dict[str, Any]
+    #: The checkpoint's dtype. vLLM's CPU build runs a float32 checkpoint in bf16 (it downcasts),
+    #: so every family here runs in bf16; float32 weights only keep the random init exact.
     dtype: str = "float32"
     #: vLLM engine arguments the family needs on this CPU build (say why where one is set).
     engine: dict[str, Any] = field(default_factory=dict)
@@ -98,7 +100,6 @@ FAMILIES: dict[str, Family] = {
                 "num_experts_per_tok": 2,
                 "intermediate_size": 256,
             },
-            # vLLM runs gpt-oss in bf16 whatever the checkpoint says (it downcasts float32).
             dtype="bfloat16",
         ),
         # Every layer slides: one sliding-window group.
