@@ -19,7 +19,17 @@ Never claim what may be gone:
   batch, the engine gone) drops everything;
 * blocks of LoRA requests (the connector names them by adapter name and path; events carry only
   the name), of multimodal prompts and of prompt embeddings are never named (the connector does
-  not store those either); nor are blocks of a second KV cache group (the connector supports one).
+  not store those either).
+
+**KV cache groups** (vLLM's hybrid KV cache manager: sliding-window layers beside full attention,
+recurrent state): the chunks are named from the blocks of *one* full-attention group, the first
+one whose events say ``kv_cache_spec_kind`` is full attention (the group whose chunk keys the
+connector stores as the plain chunk keys: :func:`kvstore.integrations.paged.groups.anchor_group`);
+an engine whose events name no kind is followed in its group 0 (or none), as before groups.
+Other groups' events are counted per kind (:attr:`EngineChunks.other_groups`) and change no
+claim: a prefix whose full-attention blocks the engine holds but whose sliding window it evicted
+stays claimed, a partial hit rather than a miss (the engine's connector loads the window's
+chunks from the node's store).
 
 Memory is bounded: at most ``max_blocks`` blocks are remembered; past that the least recently
 stored one is forgotten, and with it (as for a removal) its chunks and its descendants'.
@@ -44,7 +54,7 @@ from kvstore.node.membership import Membership
 from kvstore.node.publisher import Publisher
 from kvstore.store import TieredStore
 
-__all__ = ["LOCAL", "EngineChunks", "LocalPublisher", "StoredBlocks"]
+__all__ = ["FULL_KINDS", "LOCAL", "EngineChunks", "LocalPublisher", "StoredBlocks"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +64,9 @@ BlockHash = bytes | int
 
 
 _NO_TOKENS: tuple[bytes, ...] = ()
+
+#: ``kv_cache_spec_kind`` values of groups whose blocks hold every token of a prompt.
+FULL_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
 
 
 class UnnameableError(ValueError):
@@ -72,6 +85,9 @@ class StoredBlocks:
     #: Per block, the untagged extra keys vLLM hashed (cache salt, multimodal, embeddings).
     extra_keys: Sequence[Sequence[object] | None] | None = None
     group: int | None = None
+    #: vLLM's ``kv_cache_spec_kind`` of the group (``full_attention``, ``sliding_window``, ...),
+    #: ``None`` from an engine whose events do not say.
+    kind: str | None = None
 
 
 @dataclass(slots=True)
@@ -119,6 +135,10 @@ class EngineChunks:
         self._held: dict[bytes, int] = {}
         #: Blocks not followed (unknown parent, unnameable), for tests and logs.
         self.skipped = 0
+        #: The group whose blocks name chunks (``None`` until an event names a full one).
+        self.group: int | None = None
+        #: Blocks stored in groups not followed, by ``kv_cache_spec_kind``.
+        self.other_groups: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -140,7 +160,11 @@ class EngineChunks:
 
     def stored(self, event: StoredBlocks) -> None:
         """The engine cached ``event``'s blocks (or reports cached ones it reused)."""
-        if event.group not in (None, 0) or event.lora_name:
+        if not self._follows(event.group, event.kind):
+            kind = event.kind or "unknown"
+            self.other_groups[kind] = self.other_groups.get(kind, 0) + len(event.hashes)
+            return
+        if event.lora_name:
             self.skipped += len(event.hashes)
             return
         size = event.block_size
@@ -219,9 +243,20 @@ class EngineChunks:
         while len(self._blocks) > self.max_blocks:
             self._drop(next(iter(self._blocks)))
 
+    def _follows(self, group: int | None, kind: str | None) -> bool:
+        """Whether blocks of ``group`` (of ``kind``) name chunks (see the module docstring)."""
+        if kind is None:
+            return group in (None, 0) and self.group in (None, 0)
+        if kind not in FULL_KINDS:
+            return False
+        if self.group is None:
+            self.group = group
+        return group == self.group
+
     def removed(self, hashes: Sequence[BlockHash], group: int | None = None) -> None:
-        """The engine evicted these blocks: they and their descendants stop counting."""
-        if group not in (None, 0):
+        """The engine evicted these blocks: they and their descendants stop counting (only
+        those of the group followed: another group's evictions leave a partial hit)."""
+        if group != self.group and not (self.group is None and group in (None, 0)):
             return
         for block_hash in hashes:
             if block_hash in self._blocks:

@@ -6,7 +6,7 @@ multipart message per batch: ``[topic, seq, payload]`` where ``seq`` is an 8-byt
 counter from 0 and ``payload`` a msgpack ``KVEventBatch``: an array ``[ts, events, dp_rank]``
 whose events are maps tagged by ``type``: ``BlockStored`` (``block_hashes``,
 ``parent_block_hash``, ``token_ids``, ``block_size``, ``lora_name``, ``extra_keys``,
-``group_idx``, ...), ``BlockRemoved`` (``block_hashes``, ``group_idx``) and
+``group_idx``, ``kv_cache_spec_kind``, ...), ``BlockRemoved`` (``block_hashes``, ``group_idx``) and
 ``AllBlocksCleared``. :class:`EngineEvents` subscribes to it and feeds
 :class:`~.engine_chunks.EngineChunks`.
 
@@ -100,6 +100,13 @@ def _group(event: dict[Any, Any]) -> int | None:
     return group
 
 
+def _kind(event: dict[Any, Any]) -> str | None:
+    kind = event.get("kv_cache_spec_kind")
+    if kind is not None and not isinstance(kind, str):
+        raise ValueError("kv_cache_spec_kind must be a string")
+    return kind
+
+
 def _event(event: Any) -> Event:
     if not isinstance(event, dict):
         raise ValueError("an event must be a map")
@@ -125,6 +132,7 @@ def _event(event: Any) -> Event:
             lora_name=lora if isinstance(lora, str) else None,
             extra_keys=extra,
             group=_group(event),
+            kind=_kind(event),
         )
     if kind == "BlockRemoved":
         return Removed(tuple(_hash(h) for h in event["block_hashes"]), _group(event))

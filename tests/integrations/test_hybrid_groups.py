@@ -7,6 +7,7 @@ tables plain lists (vLLM's own objects drive the same code in tests/vllm/test_hm
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 
@@ -19,6 +20,7 @@ from kvstore.integrations.paged.groups import (
     needed_chunks,
 )
 from kvstore.integrations.vllm.hybrid import GroupLayout, scheme_block_size
+from kvstore.integrations.vllm.worker_config import sink_split_warning
 from kvstore.retention import KEEP
 from kvstore.types import LookupResult
 
@@ -158,3 +160,34 @@ def test_an_unsupported_group_is_said_once_and_loosens_the_block_size_check(
     assert len(caplog.records) == 1 and "state" in caplog.records[0].message
     assert scheme_block_size([FULL, state]) == 1  # the engine still starts
     assert scheme_block_size([FULL, _group(1, "sliding", 40, block=32)]) == 32
+
+
+def _engine(device: str, layers: dict[str, tuple[int, bool]]) -> SimpleNamespace:
+    """A stand-in for vLLM's config: each layer's attention impl (sliding window, sinks)."""
+    context = {
+        name: SimpleNamespace(
+            impl=SimpleNamespace(sliding_window=window, sinks=object() if sinks else None)
+        )
+        for name, (window, sinks) in layers.items()
+    }
+    return SimpleNamespace(
+        device_config=SimpleNamespace(device_type=device),
+        compilation_config=SimpleNamespace(static_forward_context=context),
+    )
+
+
+def test_the_cpu_sink_split_warning_names_the_cause_only_where_it_applies(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("VLLM_CPU_ATTN_SPLIT_KV", raising=False)
+    gpt_oss = {"l0": (128, True), "l1": (-1, True)}  # sliding and full layers, with sinks
+    names = list(gpt_oss)
+    warning = sink_split_warning(_engine("cpu", gpt_oss), names)  # type: ignore[arg-type]
+    assert warning is not None and "VLLM_CPU_ATTN_SPLIT_KV=0" in warning
+    assert sink_split_warning(_engine("cuda", gpt_oss), names) is None  # type: ignore[arg-type]
+    no_sinks = {"l0": (128, False), "l1": (-1, False)}  # Gemma 2 style
+    assert sink_split_warning(_engine("cpu", no_sinks), names) is None  # type: ignore[arg-type]
+    all_sliding = {"l0": (128, True), "l1": (128, True)}  # one window: its own plan is right
+    assert sink_split_warning(_engine("cpu", all_sliding), names) is None  # type: ignore[arg-type]
+    monkeypatch.setenv("VLLM_CPU_ATTN_SPLIT_KV", "0")
+    assert sink_split_warning(_engine("cpu", gpt_oss), names) is None  # type: ignore[arg-type]

@@ -65,6 +65,38 @@ def test_what_cannot_be_named_is_never_claimed() -> None:
     assert held == [] and len(engine) == 0
 
 
+def test_a_hybrid_engine_is_followed_in_its_full_attention_group() -> None:
+    """gpt-oss under vLLM's hybrid manager: group 0 sliding, group 1 full attention."""
+    engine, held = chunks(16)
+    tokens = list(range(64))
+    expected = [bytes(k) for k in ChunkHasher(16, NS, secret=b"s").keys(tokens)]
+    # The sliding group's events (its masked blocks left out) name nothing ...
+    engine.stored(event(tokens, 2, 2, 16, group=0, kind="sliding_window"))
+    assert held == [] and engine.group is None
+    # ... the full-attention group's name the chunks.
+    engine.stored(event(tokens, 0, 4, 16, group=1, kind="full_attention"))
+    assert held == expected and engine.group == 1
+    assert engine.other_groups == {"sliding_window": 2}
+    # The window evicted: the full-attention chunks stay claimed (a partial hit, not a miss).
+    engine.removed([hash(tuple(tokens[:48])), hash(tuple(tokens[:64]))], group=0)
+    assert held == expected
+    # A full-attention block evicted: its chunk and those after it go.
+    engine.removed([hash(tuple(tokens[:48]))], group=1)
+    assert held == expected[:2]
+    # Another full-attention group (a second one) does not change what is claimed.
+    engine.stored(event(tokens, 0, 4, 16, group=2, kind="full_attention"))
+    assert held == expected[:2]
+
+
+def test_an_engine_whose_events_name_no_kind_is_followed_in_group_0() -> None:
+    engine, held = chunks(16)
+    tokens = list(range(32))
+    engine.stored(event(tokens, 0, 2, 16, group=0))
+    assert len(held) == 2 and engine.group is None
+    engine.removed([hash(tuple(tokens[:32]))], group=0)
+    assert len(held) == 1
+
+
 def test_bounded_and_cleared() -> None:
     engine, held = chunks(16, max_blocks=3)
     first, second = list(range(48)), list(range(100, 132))

@@ -4,6 +4,7 @@ attention backend, the worker's ranks. Duck-typed, so it is tested without vLLM.
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 from kvstore.integrations.paged.kv_layout import CacheSpec
@@ -58,3 +59,37 @@ def _ranks(vllm_config: VllmConfig) -> tuple[int, int]:
     from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
     return int(get_tensor_model_parallel_rank()), int(get_pp_group().rank_in_group)
+
+
+def sink_split_warning(vllm_config: VllmConfig, layer_names: list[str]) -> str | None:
+    """The warning for vLLM's CPU attention dropping sliding layers' sinks, if it applies.
+
+    With the hybrid KV cache manager off, sliding-window and full-attention layers share one
+    group, so vLLM's CPU attention plans a decode token's KV splits over threads as if there
+    were no window; it applies attention sinks on the first split only, which for a sliding
+    layer lies outside the window: outputs differ (gpt-oss). It happens without any connector
+    too, but a configured connector changes vLLM's CPU thread count, which can start it. One
+    thread or ``VLLM_CPU_ATTN_SPLIT_KV=0`` avoids the split; the manager on (kvstore supports
+    it) gives sliding layers their own plan.
+    """
+    if str(getattr(getattr(vllm_config, "device_config", None), "device_type", "")) != "cpu":
+        return None
+    if os.environ.get("VLLM_CPU_ATTN_SPLIT_KV", "1") == "0":
+        return None
+    layers = getattr(
+        getattr(vllm_config, "compilation_config", None), "static_forward_context", None
+    )
+    windows, sinks = set(), False
+    for name in layer_names:
+        impl = getattr((layers or {}).get(name), "impl", None)
+        windows.add(getattr(impl, "sliding_window", None))
+        sinks = sinks or getattr(impl, "sinks", None) is not None
+    if not sinks or len(windows) < 2:
+        return None
+    return (
+        "kvstore: this model's sliding-window layers have attention sinks and share one KV "
+        "cache group with full-attention layers (the hybrid KV cache manager is off): vLLM's "
+        "CPU attention then applies the sinks of a sliding layer on a KV split outside its "
+        "window, and outputs differ (vLLM cpu_attn_impl.hpp, use_sink on split 0). Keep the "
+        "hybrid KV cache manager on (kvstore supports it) or set VLLM_CPU_ATTN_SPLIT_KV=0"
+    )

@@ -26,6 +26,7 @@ from kvstore.integrations.store_client import StoreClient
 from kvstore.integrations.vllm import stats as vllm_stats
 from kvstore.integrations.vllm.common import ConnectorSettings, StepPlan, engine_groups
 from kvstore.integrations.vllm.worker import WorkerSide
+from kvstore.integrations.vllm.worker_config import sink_split_warning
 
 if TYPE_CHECKING:
     import torch
@@ -63,6 +64,7 @@ class GroupWorkers:
     ) -> None:
         """``client`` replaces the store client the groups would share (tests pass stand-ins)."""
         groups = engine_groups(kv_cache_config)
+        self._vllm_config = vllm_config
         self.hybrid = len(groups) > 1
         self.workers: list[WorkerSide] = []
         self._by_layer: dict[str, WorkerSide] = {}
@@ -80,6 +82,10 @@ class GroupWorkers:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Give each group its own layers' caches."""
+        if len(self.workers) == 1:  # one group: the hybrid manager may be off
+            warning = sink_split_warning(self._vllm_config, self.workers[0].layer_names)
+            if warning:
+                logger.warning(warning)
         for worker in self.workers:
             worker.register_kv_caches(
                 {name: kv_caches[name] for name in worker.layer_names if name in kv_caches}
