@@ -103,10 +103,13 @@ def test_the_layout_plans_loads_of_only_the_window_and_never_into_null_blocks() 
     full_ids = list(range(1, 13))
     sliding_ids = [NULL] * 9 + [30, 31, 32]  # vLLM kept tokens 144..191 of the window
     specs = layout.load_specs("r", keys, [full_ids, sliding_ids], 0, 6 * CHUNK, NULL)
-    assert [(s.group, s.keys, s.block_ids) for s in specs] == [
-        (0, keys[0], full_ids),
-        (1, keys[1][4:6], [-1, 30, 31, 32]),
-    ]
+    assert (
+        [(s.group, s.keys, s.block_ids, s.tokens) for s in specs]
+        == [
+            (0, keys[0], full_ids, 6 * CHUNK),  # the anchor counts the request's tokens
+            (1, keys[1][4:6], [-1, 30, 31, 32], 0),
+        ]
+    )
     # Tokens the engine holds (its prefix cache) are not loaded in any group.
     held = layout.load_specs("r", keys, [full_ids, sliding_ids], 5 * CHUNK, 6 * CHUNK, NULL)
     assert [(s.group, s.block_ids) for s in held] == [(0, [11, 12]), (1, [31, 32])]
@@ -159,6 +162,9 @@ def test_an_unsupported_group_is_said_once_and_loosens_the_block_size_check(
     assert not layout.active and layout.unsupported == ["state"]
     assert len(caplog.records) == 1 and "state" in caplog.records[0].message
     assert scheme_block_size([FULL, state]) == 1  # the engine still starts
+    # Qwen3-Next-style: the recurrent page raises the attention block size to 384, which no
+    # chunk size of 256 divides; nothing is stored, so nothing is refused.
+    GroupLayout([_group(0, "full", block=384), _group(1, "state", block=384)], 256)
     assert scheme_block_size([FULL, _group(1, "sliding", 40, block=32)]) == 32
 
 

@@ -429,3 +429,44 @@ def test_a_group_kvstore_does_not_store_starts_and_answers_nothing(
     finally:
         workers.shutdown()
         scheduler.shutdown()
+
+
+def test_an_all_sliding_model_loads_its_window_and_counts_the_prompt_tokens(
+    store: ServerProcess,
+) -> None:
+    """Mistral-style: one sliding-window group (the anchor); layer-wise loads as for any model
+    with one group, only the window's blocks written, the hit's tokens counted as loaded."""
+    config = _config(SLIDING)
+    tokens = list(range(7000, 7000 + PROMPT))
+    a = _Engine(store.target, config, seed=6)
+    b = _Engine(store.target, config, seed=7)
+    try:
+        request_a = _request("s-a", tokens)
+        a.prefill(request_a)
+        _wait_stored(a, request_a, PROMPT // CHUNK)
+        request_b = _request("s-b", tokens)
+        hit, is_async = _answer(b.scheduler, request_b)
+        assert (hit, is_async) == (6 * CHUNK, False)  # one group: loads overlap the forward
+        blocks, _, *_ = b.manager.get_computed_blocks(request_b)
+        b.manager.allocate_slots(
+            request_b, PROMPT - hit, new_computed_blocks=blocks, num_external_computed_tokens=hit
+        )
+        b.scheduler.update_state_after_alloc(request_b, b.manager.get_blocks("s-b"), hit)
+        meta = b.scheduler.build_connector_meta(_output([("s-b", hit, PROMPT - hit)]))
+        (load,) = meta.loads
+        assert len(load.keys) == 2  # the window's chunks 4 and 5
+        b.workers.start_load_kv(meta)
+        b.workers.wait_for_layer_load("l0")
+        b.workers.wait_for_save(meta)
+        assert b.workers.get_block_ids_with_load_errors() == set()
+        (sliding_ids,) = b.manager.get_block_ids("s-b")
+        (a_ids,) = a.manager.get_block_ids("s-a")
+        for i in (9, 10, 11):
+            assert torch.equal(b.caches["l0"][sliding_ids[i]], a.caches["l0"][a_ids[i]])
+        stats = b.workers.take_stats()
+        assert stats is not None
+        assert stats["loaded_tokens"] == hit
+        assert stats["loaded_bytes_by_group"] == {"sliding/0": 3 * HEADS * BLOCK * 2 * HEAD * 4}
+    finally:
+        a.close()
+        b.close()

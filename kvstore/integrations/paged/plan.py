@@ -35,13 +35,16 @@ class LoadSpec:
     ``block_ids[i * blocks_per_chunk + j]`` receives block ``j`` of chunk ``i``, or nothing where
     it is ``-1`` (blocks the engine already holds from its own prefix cache, and placeholder
     blocks such as vLLM's null block). ``group`` is the KV cache group the blocks belong to
-    (:mod:`kvstore.integrations.paged.groups`).
+    (:mod:`kvstore.integrations.paged.groups`). ``tokens``: the prompt tokens the load brings
+    the request (a sliding window writes fewer blocks than that), or ``-1`` to count them from
+    the blocks written.
     """
 
     req_id: str
     keys: list[bytes]
     block_ids: list[int]
     group: int = 0
+    tokens: int = -1
 
 
 @dataclass(slots=True)

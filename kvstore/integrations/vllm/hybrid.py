@@ -60,10 +60,11 @@ class GroupLayout:
         self.active = bool(self.groups) and not self.unsupported
         self.hybrid = len(self.groups) > 1
         self._bpc = {}
-        for group in self.groups:
-            if group.supported:
-                check_whole_blocks(chunk_size, group.block_size)
-                self._bpc[group.index] = chunk_size // group.block_size
+        # An engine kvstore stores nothing for may have any block size (a recurrent group's page
+        # sets it): it must start all the same.
+        for group in self.groups if self.active else ():
+            check_whole_blocks(chunk_size, group.block_size)
+            self._bpc[group.index] = chunk_size // group.block_size
         if self.unsupported:
             logger.warning(
                 "kvstore: this model has KV cache groups of kind %s (%s), which kvstore does "
@@ -140,7 +141,9 @@ class GroupLayout:
             if all(b < 0 for b in targets):
                 continue
             keys = list(per_group_keys[group.index][chunks.start : chunks.stop])
-            specs.append(LoadSpec(req_id, keys, targets, group.index))
+            # The anchor's load counts the request's tokens, whatever its window wrote.
+            tokens = end - start if group.index == self.anchor else 0
+            specs.append(LoadSpec(req_id, keys, targets, group.index, tokens))
         return specs
 
     def save_specs(

@@ -326,8 +326,14 @@ class WorkerSide:
         """Tokens chunk ``index`` of ``spec`` brings the engine (blocks it lacked only)."""
         return len(self._targets(spec, index)) * self._block_tokens
 
+    def _spec_tokens(self, spec: LoadSpec) -> int:
+        """The prompt tokens ``spec`` brings its request (see ``LoadSpec.tokens``)."""
+        if spec.tokens >= 0:
+            return spec.tokens
+        return sum(self._chunk_tokens(spec, i) for i in range(len(spec.keys)))
+
     def _load_tokens(self, specs: list[LoadSpec]) -> int:
-        return sum(self._chunk_tokens(s, i) for s in specs for i in range(len(s.keys)))
+        return sum(self._spec_tokens(s) for s in specs)
 
     def _account(self, load: StepLoad, skipped: str | None) -> None:
         """Count a finished step's loads: tokens loaded, tokens failed and why."""
@@ -337,14 +343,20 @@ class WorkerSide:
         loaded, failed, nbytes = 0, 0, 0
         chunk = 0
         for spec in load.specs:
+            spec_loaded, spec_failed, whole = 0, 0, True
             for index in range(len(spec.keys)):
                 tokens = self._chunk_tokens(spec, index)
                 if load.ok[chunk]:
-                    loaded += tokens
+                    spec_loaded += tokens
                     nbytes += self._chunk_bytes_loaded(spec, index)
                 else:
-                    failed += tokens
+                    spec_failed += tokens
+                    whole = False
                 chunk += 1
+            if spec.tokens >= 0:  # the request's tokens, not the blocks a window wrote
+                spec_loaded, spec_failed = (spec.tokens, 0) if whole else (0, spec.tokens)
+            loaded += spec_loaded
+            failed += spec_failed
         asked = load.reason != "store_down"
         path = load.path or self._client.data_plane
         seconds = load.fetch_s if asked else None
