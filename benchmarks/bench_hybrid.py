@@ -146,7 +146,9 @@ def _run(
         "chunk": CHUNKS[shape],
     }
     env_extra = ["--hybrid-manager", WAYS[way]]
-    with ServerProcess(here, settings={"dram.capacity": "1GiB"}, name="store") as store:
+    # The store's chunk size is the connector's: a connector set to another one is refused.
+    settings = {"dram.capacity": "1GiB", "keys.chunk_size": CHUNKS[shape]}
+    with ServerProcess(here, settings=settings, name="store") as store:
         connector = ["--connector", "kvstore", "--target", store.target, *env_extra]
         chunk = CHUNKS[shape]
         a, a_log = _engine("a", here, model, a_prompts, chunk, *connector)

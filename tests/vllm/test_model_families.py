@@ -23,8 +23,10 @@ reference's at 0, and their outputs agree). Families the connector does not stor
 marked ``xfail(strict=True)`` with the reason, and the load assertion comes last, so everything
 else they claim is still checked and the mark flips when the connector learns them.
 
-Needs vLLM's CPU build; skipped without it unless ``KVSTORE_REQUIRE_VLLM=1``. Runtime: about
-seven minutes on two cores (three engine start-ups per family, the reference beside engine A).
+Needs vLLM's CPU build; skipped without it unless ``KVSTORE_REQUIRE_VLLM=1``. Runtime: three
+engine start-ups per family (the reference beside engine A) and two for the gpt-oss reproduction;
+measured at 5-10 minutes a family on two cores shared at a load average of 15-50, which an
+engine start of 20-30 s on an idle machine should bring to some 8-10 minutes for the file.
 """
 
 from __future__ import annotations
@@ -231,10 +233,10 @@ def test_family_loads_from_kvstore_with_the_hybrid_manager_on(
     got = engine_b.result()
     want = reference.result()["results"]
 
-    # The reference's outputs depend on the loaded range: a wrong chunk would show. Not in the
-    # all-sliding model, whose tiny random outputs ignore both ranges; there the window's bytes
-    # are checked exactly below instead.
-    if family != "mistral":
+    # The reference's outputs depend on the loaded range: a wrong chunk would show. The tiny
+    # MLA model's outputs ignore tokens 384-511 (they follow tokens 0-255), and the all-sliding
+    # model's ignore both ranges: there the window's bytes are checked exactly below instead.
+    if family not in ("mistral", "deepseek_v2"):
         assert want[PROMPTS]["tokens"] != want[0]["tokens"], "tokens 384-511 do not matter"
     if EXPECTED_GROUPS[family] > 1 or family == "deepseek_v2":
         assert want[PROMPTS + 1]["tokens"] != want[0]["tokens"], "tokens 0-255 do not matter"

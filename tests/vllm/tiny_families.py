@@ -120,15 +120,16 @@ FAMILIES: dict[str, Family] = {
             },
             env={"VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE": "1"},
         ),
-        # Multi-head latent attention (one compressed row per token), dense MLPs.
+        # Multi-head latent attention (one compressed row per token), dense MLPs. vLLM's MLA
+        # backends take a row of 320, 512 or 576 (kv_lora_rank + qk_rope_head_dim) only.
         Family(
             "deepseek_v2",
             "deepseek_v2",
             {
-                "kv_lora_rank": 64,
+                "kv_lora_rank": 256,
                 "q_lora_rank": None,
                 "qk_nope_head_dim": 32,
-                "qk_rope_head_dim": 32,
+                "qk_rope_head_dim": 64,
                 "v_head_dim": 64,
                 "first_k_dense_replace": 4,
                 "n_routed_experts": 2,
