@@ -294,7 +294,8 @@ def test_load_plan_writes_only_the_blocks_the_engine_lacks(
     assert _answer(side, request, BLOCK) == 3 * CHUNK - BLOCK
     side.update_state_after_alloc(request, _Blocks([30, 20, 21, 22, 23, 24, 25]), 3 * CHUNK - BLOCK)  # type: ignore[arg-type]
     plan = side.build_connector_meta(_output([]))
-    assert plan.loads == [LoadSpec("b", keys, [-1, 20, 21, 22, 23, 24])]
+    # The load counts the request's 80 new tokens (3 chunks less the block it holds).
+    assert plan.loads == [LoadSpec("b", keys, [-1, 20, 21, 22, 23, 24], tokens=3 * CHUNK - BLOCK)]
     assert side.build_connector_meta(_output([])).loads == []  # handed out once
     side.update_state_after_alloc(request, _Blocks([1]), 0)  # type: ignore[arg-type]
     assert side.build_connector_meta(_output([])).loads == []
