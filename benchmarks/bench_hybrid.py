@@ -13,12 +13,13 @@ Gated DeltaNet layers, one full-attention layer, bf16). Each runs two ways:
   vLLM did for every kvstore engine before ``SupportsHMA``): the sliding layers are allocated and
   stored as full attention, and a recurrent hybrid cannot start.
 
-Per shape and way, against a fresh ``kvstore serve``: engine A (its own process) serves
-``PREFIX + 16`` tokens per prompt one at a time with ``max_tokens=1`` (its latency: a miss's
-TTFT, saving); engine B (a new process, empty prefix cache) serves the same prefixes with other
-suffixes, twice: the first pass loads from kvstore (a kvstore hit's TTFT), the second hits B's
-own prefix cache (vLLM's own hit, the floor). Reported: the engine's KV capacity (tokens, and
-how many 2048-token requests fit, from vLLM's log), the bytes a hit loaded per KV cache group
+Per shape and way, against a fresh ``kvstore serve``: engine A (its own process;
+``max_model_len`` 16384, prefill steps of 512 tokens) serves ``PREFIX + 16`` tokens per prompt
+one at a time with ``max_tokens=1`` (its latency: a miss's TTFT, saving); engine B (a new
+process, empty prefix cache) serves the same prefixes with other suffixes, twice: the first
+pass loads from kvstore (a kvstore hit's TTFT), the second hits B's own prefix cache (vLLM's own
+hit, the floor). Reported: the engine's KV capacity (tokens, and
+how many 16K-token requests fit, from vLLM's log), the bytes a hit loaded per KV cache group
 and the connector's load time (``vllm:kvstore_loaded_bytes_by_group``,
 ``vllm:kvstore_load_seconds``), the median TTFTs, and the load average before and after.
 
@@ -49,15 +50,21 @@ from harness.serve import ServerProcess  # noqa: E402
 from tiny_families import build_family  # noqa: E402
 
 SHAPES = {"sliding": "gpt_oss", "recurrent": "qwen3_next"}
+#: Tokens per chunk: a whole number of the engine's blocks (vLLM raises the recurrent hybrid's
+#: attention block size to 384 so that its pages match the state's).
+CHUNKS = {"sliding": 256, "recurrent": 768}
 WAYS = {"hma": "auto", "off": "off"}
-CHUNK = 256
 SUFFIX = 16
-MAX_LEN = 2048
+#: A context much longer than the window and the prefill batch, as served models have: vLLM
+#: sizes a sliding group for window + batched tokens per request, a full group for the context.
+MAX_LEN = 16384
+MAX_BATCHED = 512
 ENGINE_TIMEOUT_S = 900
 _CAPACITY = re.compile(r"KV cache size: ([\d,]+) tokens, Maximum concurrency for [\d,]+ tokens")
 _CONCURRENCY = re.compile(r"Maximum concurrency for [\d,]+ tokens per request: ([\d.]+)x")
+_ROOT_CAUSE = "Engine core initialization failed"
 _GROUPS = re.compile(r"kv cache group sizes \(([\d, ]+)\)")
-_START_ERROR = re.compile(r"^(?:\S+ )*(?:ValueError|RuntimeError|NotImplementedError): .*$", re.M)
+_START_ERROR = re.compile(r"^[\w.]*(?:Error|Exception): .*$", re.M)
 
 
 def _prompts(prefix: int, count: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -69,7 +76,7 @@ def _prompts(prefix: int, count: int) -> tuple[list[list[int]], list[list[int]]]
 
 
 def _engine(
-    name: str, workdir: Path, model: Path, prompts: list[list[int]], *extra: str
+    name: str, workdir: Path, model: Path, prompts: list[list[int]], chunk: int, *extra: str
 ) -> tuple[dict[str, Any] | None, str]:
     """Run one engine_runner.py; its JSON output (None if it failed to start) and its log."""
     prompts_file = workdir / f"{name}.prompts.json"
@@ -88,8 +95,10 @@ def _engine(
         "1",
         "--max-model-len",
         str(MAX_LEN),
+        "--max-num-batched-tokens",
+        str(MAX_BATCHED),
         "--chunk-size",
-        str(CHUNK),
+        str(chunk),
         "--sequential",
         "--warmup",
         "256",
@@ -113,7 +122,7 @@ def _kv_cache(log: str) -> dict[str, Any]:
     groups = _GROUPS.search(log)
     return {
         "kv_tokens": int(capacity.group(1).replace(",", "")) if capacity else None,
-        "concurrency_2k": float(concurrency.group(1)) if concurrency else None,
+        "concurrency": float(concurrency.group(1)) if concurrency else None,
         "groups": len(groups.group(1).split(",")) if groups else (1 if capacity else None),
     }
 
@@ -129,17 +138,27 @@ def _run(
     a_prompts, b_prompts = _prompts(prefix, count)
     here = workdir / f"{shape}-{way}"
     here.mkdir(exist_ok=True)
-    row: dict[str, Any] = {"shape": shape, "family": family, "way": way, "prefix": prefix}
+    row: dict[str, Any] = {
+        "shape": shape,
+        "family": family,
+        "way": way,
+        "prefix": prefix,
+        "chunk": CHUNKS[shape],
+    }
     env_extra = ["--hybrid-manager", WAYS[way]]
-    with ServerProcess(here, settings={"dram.capacity": "1GiB"}, name="store") as store:
+    # The store's chunk size is the connector's: a connector set to another one is refused.
+    settings = {"dram.capacity": "1GiB", "keys.chunk_size": CHUNKS[shape]}
+    with ServerProcess(here, settings=settings, name="store") as store:
         connector = ["--connector", "kvstore", "--target", store.target, *env_extra]
-        a, a_log = _engine("a", here, model, a_prompts, *connector)
+        chunk = CHUNKS[shape]
+        a, a_log = _engine("a", here, model, a_prompts, chunk, *connector)
         row.update(_kv_cache(a_log))
         if a is None:
-            error = _START_ERROR.findall(a_log)
-            row["start_error"] = error[-1].strip() if error else "exit != 0 (see the log)"
+            # The root cause, not vLLM's "see root cause above" wrapper.
+            errors = [e for e in _START_ERROR.findall(a_log) if _ROOT_CAUSE not in e]
+            row["start_error"] = errors[0].strip() if errors else "exit != 0 (see the log)"
             return row
-        b, b_log = _engine("b", here, model, b_prompts, *connector, "--passes", "2")
+        b, b_log = _engine("b", here, model, b_prompts, chunk, *connector, "--passes", "2")
         assert b is not None, b_log[-3000:]
     counters = b["kvstore"]
     kvstore_pass, local_pass = b["results"][:count], b["results"][count:]
@@ -176,7 +195,8 @@ def _run(
 
 def _table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| shape | way | KV groups | KV tokens | 2K requests that fit | hit loads (bytes) "
+        f"| shape | way | KV groups | KV tokens | {MAX_LEN // 1024}K requests that fit "
+        "| hit loads (bytes) "
         "| load ms | miss TTFT ms | kvstore hit TTFT ms | own prefix-cache hit TTFT ms |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -190,7 +210,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
         groups = ", ".join(f"{k} {v:,}" for k, v in sorted(r["loaded_bytes_by_group"].items()))
         lines.append(
             f"| {r['shape']} ({r['family']}) | {r['way']} | {r['groups']} | {r['kv_tokens']:,} "
-            f"| {r['concurrency_2k']} | {r['loaded_bytes_per_hit']:,} ({groups or 'none'}) "
+            f"| {r['concurrency']} | {r['loaded_bytes_per_hit']:,} ({groups or 'none'}) "
             f"| {r['load_ms_per_hit']} | {r['miss_ttft_ms']} | {r['kvstore_hit_ttft_ms']} "
             f"| {r['local_hit_ttft_ms']} |"
         )
@@ -218,7 +238,8 @@ def main() -> None:
     load_after = os.getloadavg()
     table = _table(rows)
     note = (
-        f"\n\nPrefix {args.prefix} tokens (+{SUFFIX}), {args.count} prompts, chunk {CHUNK}, "
+        f"\n\nPrefix {args.prefix} tokens (+{SUFFIX}), {args.count} prompts, chunks of "
+        f"{CHUNKS['sliding']} (sliding) and {CHUNKS['recurrent']} tokens (recurrent), "
         f"vLLM CPU 0.32.0, {os.cpu_count()} cores; load average (1/5/15 min) before "
         f"{'/'.join(f'{x:.1f}' for x in load_before)}, after "
         f"{'/'.join(f'{x:.1f}' for x in load_after)}.\n"

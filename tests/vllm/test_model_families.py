@@ -23,8 +23,10 @@ reference's at 0, and their outputs agree). Families the connector does not stor
 marked ``xfail(strict=True)`` with the reason, and the load assertion comes last, so everything
 else they claim is still checked and the mark flips when the connector learns them.
 
-Needs vLLM's CPU build; skipped without it unless ``KVSTORE_REQUIRE_VLLM=1``. Runtime: about
-seven minutes on two cores (three engine start-ups per family, the reference beside engine A).
+Needs vLLM's CPU build; skipped without it unless ``KVSTORE_REQUIRE_VLLM=1``. Runtime: three
+engine start-ups per family (the reference beside engine A) and two for the gpt-oss reproduction;
+measured at 5-10 minutes a family on two cores shared at a load average of 15-50, which an
+engine start of 20-30 s on an idle machine should bring to some 8-10 minutes for the file.
 """
 
 from __future__ import annotations
@@ -36,8 +38,9 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from harness.serve import ServerProcess
@@ -53,7 +56,7 @@ PROMPTS = 3
 MAX_TOKENS = 16
 #: Whole chunks of each shared prefix: what B must load.
 LOADED = PREFIX // CHUNK * CHUNK
-ENGINE_TIMEOUT_S = 420
+ENGINE_TIMEOUT_S = 900
 _HMA_OFF = "Turning off hybrid kv cache manager"
 _CAPACITY = re.compile(r"KV cache size: ([\d,]+) tokens")
 _GROUP_SIZES = re.compile(r"kv cache group sizes \(([\d, ]+)\)")
@@ -67,18 +70,27 @@ EXPECTED_GROUPS: dict[str, int] = {
     "mistral": 1,  # every layer slides: one sliding group
     "llama4": 4,  # three chunked-local layers, one full
     "deepseek_v2": 1,  # MLA
-    "qwen3_next": 2,  # GDN state, full attention
-    "granite_hybrid": 2,  # Mamba2 state, attention
+    "qwen3_next": 4,  # three GDN state groups, one full-attention group
+    "granite_hybrid": 4,  # three Mamba2 state groups, one attention group
 }
 _NOT_STORED = (
     "the connector does not store recurrent state yet (issue 36 item 4): it answers 0 tokens "
     "for the whole prompt, counted in vllm:kvstore_unsupported_group_total"
 )
+#: gpt-oss first (the issue's case), then one of each other kind, then the rest.
+_ORDER = ("gpt_oss", "qwen3_next", "mistral", "gemma3", "llama4", "deepseek_v2", "gemma2")
+
+
+class NotLoaded(Exception):
+    """B did not load the shared prefixes from kvstore: the one failure the xfail marks expect
+    (any other assertion failing in a marked family still fails its test)."""
+
+
 FAMILY_PARAMS = [
-    pytest.param(name, marks=[pytest.mark.xfail(strict=True, reason=_NOT_STORED)])
+    pytest.param(name, marks=[pytest.mark.xfail(strict=True, raises=NotLoaded, reason=_NOT_STORED)])
     if name in ("qwen3_next", "granite_hybrid")
     else name
-    for name in FAMILIES
+    for name in sorted(FAMILIES, key=lambda n: (*_ORDER, n).index(n))
 ]
 
 
@@ -98,6 +110,9 @@ def _prompts() -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
 
 class Engine:
     """One ``engine_runner.py`` subprocess of a family."""
+
+    #: Every engine process started, for the fixture that stops those a failed test left.
+    running: ClassVar[list[subprocess.Popen[bytes]]] = []
 
     def __init__(
         self,
@@ -141,6 +156,7 @@ class Engine:
                 stderr=subprocess.STDOUT,
                 env={**os.environ, **spec.env, **(env or {})},
             )
+        Engine.running.append(self.proc)
 
     def result(self) -> dict[str, Any]:
         """Wait for the engine (bounded) and return its JSON output."""
@@ -169,6 +185,17 @@ class Engine:
 
     def _tail(self) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-40:])
+
+
+@pytest.fixture(autouse=True)
+def _no_engine_outlives_its_test() -> Iterator[None]:
+    """A failed test leaves no engine behind (they run for minutes on a busy machine)."""
+    yield
+    while Engine.running:
+        proc = Engine.running.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -206,8 +233,11 @@ def test_family_loads_from_kvstore_with_the_hybrid_manager_on(
     got = engine_b.result()
     want = reference.result()["results"]
 
-    # The reference's outputs depend on the loaded range: a wrong chunk would show.
-    assert want[PROMPTS]["tokens"] != want[0]["tokens"], "tokens 384-511 do not matter"
+    # The reference's outputs depend on the loaded range: a wrong chunk would show. The tiny
+    # MLA model's outputs ignore tokens 384-511 (they follow tokens 0-255), and the all-sliding
+    # model's ignore both ranges: there the window's bytes are checked exactly below instead.
+    if family not in ("mistral", "deepseek_v2"):
+        assert want[PROMPTS]["tokens"] != want[0]["tokens"], "tokens 384-511 do not matter"
     if EXPECTED_GROUPS[family] > 1 or family == "deepseek_v2":
         assert want[PROMPTS + 1]["tokens"] != want[0]["tokens"], "tokens 0-255 do not matter"
 
@@ -232,15 +262,26 @@ def test_family_loads_from_kvstore_with_the_hybrid_manager_on(
         for name, loaded in sliding.items():
             assert loaded * LOADED == full_bytes * WINDOW, name
     elif sliding:
-        # All layers slide (one group): the window's tokens of every layer's K and V, float32.
-        config = {**FAMILIES[family].config}
-        per_token = 4 * 2 * 2 * config["head_dim"] * 4  # layers, K and V, KV heads, 4 bytes
+        # All layers slide (one group): the window's tokens of every layer's K and V, in bf16
+        # (vLLM's CPU build downcasts the float32 checkpoint).
+        per_token = 4 * 2 * 2 * FAMILIES[family].config["head_dim"] * 2  # layers, K/V, heads
         assert sliding == {"sliding/0": PROMPTS * WINDOW * per_token}
 
     # Last, so that a family marked xfail still had everything above checked.
-    for i, g in enumerate(got["results"]):
-        assert g["num_cached_tokens"] == LOADED, f"prompt {i}: tokens loaded from kvstore"
+    cached = [g["num_cached_tokens"] for g in got["results"]]
+    if cached == [0] * PROMPTS:
+        # What the connector does for a group kind it does not store: 0 tokens, counted.
+        unsupported = sum(
+            v for k, v in counters.items() if k.startswith("vllm:kvstore_unsupported_group")
+        )
+        assert unsupported >= PROMPTS, "0 tokens loaded, and not counted as unsupported"
+    if cached != [LOADED] * PROMPTS:
+        raise NotLoaded(f"tokens loaded from kvstore per prompt: {cached}, not {LOADED}")
     assert counters["vllm:kvstore_hit_tokens"] == PROMPTS * LOADED
+    if full or family == "deepseek_v2":
+        # Prompt tokens loaded, counted once per request (the full-attention group's). An
+        # all-sliding model counts its window's tokens today (notes for the connector's owner).
+        assert counters["vllm:kvstore_loaded_tokens"] == PROMPTS * LOADED
 
 
 def test_gpt_oss_sinks_with_the_manager_off(workdir: Path) -> None:

@@ -52,6 +52,8 @@ class Family:
     name: str
     model_type: str
     config: dict[str, Any]
+    #: The checkpoint's dtype. vLLM's CPU build runs a float32 checkpoint in bf16 (it downcasts),
+    #: so every family here runs in bf16; float32 weights only keep the random init exact.
     dtype: str = "float32"
     #: vLLM engine arguments the family needs on this CPU build (say why where one is set).
     engine: dict[str, Any] = field(default_factory=dict)
@@ -98,7 +100,6 @@ FAMILIES: dict[str, Family] = {
                 "num_experts_per_tok": 2,
                 "intermediate_size": 256,
             },
-            # vLLM runs gpt-oss in bf16 whatever the checkpoint says (it downcasts float32).
             dtype="bfloat16",
         ),
         # Every layer slides: one sliding-window group.
@@ -119,15 +120,16 @@ FAMILIES: dict[str, Family] = {
             },
             env={"VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE": "1"},
         ),
-        # Multi-head latent attention (one compressed row per token), dense MLPs.
+        # Multi-head latent attention (one compressed row per token), dense MLPs. vLLM's MLA
+        # backends take a row of 320, 512 or 576 (kv_lora_rank + qk_rope_head_dim) only.
         Family(
             "deepseek_v2",
             "deepseek_v2",
             {
-                "kv_lora_rank": 64,
+                "kv_lora_rank": 256,
                 "q_lora_rank": None,
                 "qk_nope_head_dim": 32,
-                "qk_rope_head_dim": 32,
+                "qk_rope_head_dim": 64,
                 "v_head_dim": 64,
                 "first_k_dense_replace": 4,
                 "n_routed_experts": 2,
