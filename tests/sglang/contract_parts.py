@@ -24,6 +24,7 @@ def host_pool(
     tokens: int = 512,
     dtype: Any = None,
     seed: int = 0,
+    page_size: int = PAGE_SIZE,
 ) -> Any:
     """SGLang's real host pool (``MHATokenToKVPoolHost``, or ``MLATokenToKVPoolHost``) over a
     CPU device pool, as HiCache builds it, with random bits in every page."""
@@ -36,13 +37,13 @@ def host_pool(
     common = {"start_layer": 0, "end_layer": layers}
     if mla:
         device = MLATokenToKVPool(
-            tokens, PAGE_SIZE, dtype, head_dim - 2, 2, layers, "cpu", False, **common
+            tokens, page_size, dtype, head_dim - 2, 2, layers, "cpu", False, **common
         )
         pool = MLATokenToKVPoolHost(
             device.get_device_pool_infos()[0].buffer_info,
             2.0,
             0,
-            PAGE_SIZE,
+            page_size,
             layout,
             pin_memory=False,
             device="cpu",
@@ -52,13 +53,13 @@ def host_pool(
         )
     else:
         device = MHATokenToKVPool(
-            tokens, PAGE_SIZE, dtype, heads, head_dim, layers, "cpu", False, **common
+            tokens, page_size, dtype, heads, head_dim, layers, "cpu", False, **common
         )
         pool = MHATokenToKVPoolHost(
             device.get_device_pool_infos()[0].buffer_info,
             2.0,
             0,
-            PAGE_SIZE,
+            page_size,
             layout,
             pin_memory=False,
             device="cpu",
@@ -126,7 +127,7 @@ def open_backend(config: Any, pool: Any) -> Any:
 
 def page_indices(pool: Any, pages: int) -> Any:
     """Host indices of ``pages`` fresh pages of ``pool``, from its own allocator."""
-    indices = pool.alloc(pages * PAGE_SIZE)
+    indices = pool.alloc(pages * pool.page_size)
     assert indices is not None, "the host pool is full"
     return indices
 

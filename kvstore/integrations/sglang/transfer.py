@@ -21,6 +21,7 @@ for a while. No call raises: failures are counted (:mod:`~kvstore.integrations.s
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -40,6 +41,10 @@ logger = logging.getLogger("kvstore.integrations.sglang")
 
 T = TypeVar("T")
 _Block = np.ndarray[Any, Any] | None
+
+#: The most bytes of pages a get or put off shared memory stages at once: a call of SGLang's 128
+#: pages of a large model can be gigabytes, so it goes in parts of this size, under one deadline.
+MAX_STAGING_BYTES = 64 << 20
 
 
 class PageStore:
@@ -111,11 +116,21 @@ class PageStore:
     def _load(self, keys: list[bytes], pages: list[int]) -> tuple[list[bool], int]:
         """The pages that came whole, and how many blocks were torn or of the wrong size."""
         lease = self._client.lease(keys, timeout=self._timeout_s)
-        if lease is None:  # not over shared memory: through a staging buffer
-            staging = np.empty((len(keys), self.shape.page_nbytes), dtype=np.uint8)
-            found = self._client.get_into(keys, list(staging), timeout=self._timeout_s)
-            rows: list[_Block] = [r if hit else None for r, hit in zip(staging, found, strict=True)]
-            return self._into_pool(pages, rows)
+        if lease is None:  # not over shared memory: through a staging buffer, part by part
+            done: list[bool] = []
+            wrong = 0
+            deadline = time.monotonic() + self._timeout_s
+            for part in self._parts(len(keys)):
+                staging = np.empty((len(part), self.shape.page_nbytes), dtype=np.uint8)
+                part_keys = [keys[i] for i in part]
+                found = self._client.get_into(part_keys, list(staging), timeout=_left(deadline))
+                rows: list[_Block] = [
+                    r if hit else None for r, hit in zip(staging, found, strict=True)
+                ]
+                copied, torn = self._into_pool([pages[i] for i in part], rows)
+                done += copied
+                wrong += torn
+            return done, wrong
         try:
             copied, wrong = self._into_pool(pages, lease.views)
             intact = lease.intact()  # a block retired under the copy may be torn: a miss
@@ -178,13 +193,22 @@ class PageStore:
         return done
 
     def _put(self, keys: list[bytes], pages: list[int], which: list[int]) -> list[bool]:
-        """Put pages ``which`` of a call, gathered out of the host pool in one copy."""
-        values = self._gather([pages[i] for i in which])
-        result = self._client.put([keys[i] for i in which], list(values), timeout=self._timeout_s)
-        if result.dropped:
-            self._metrics.failed("store", "no_room", len(which))
-            return [False] * len(which)
+        """Put pages ``which`` of a call, gathered out of the host pool part by part."""
+        deadline = time.monotonic() + self._timeout_s
+        for part in self._parts(len(which)):
+            chosen = [which[i] for i in part]
+            values = self._gather([pages[i] for i in chosen])
+            part_keys = [keys[i] for i in chosen]
+            result = self._client.put(part_keys, list(values), timeout=_left(deadline))
+            if result.dropped:
+                self._metrics.failed("store", "no_room", len(which))
+                return [False] * len(which)
         return [True] * len(which)
+
+    def _parts(self, count: int) -> list[range]:
+        """``range(count)`` cut into parts of at most :data:`MAX_STAGING_BYTES` of pages."""
+        per = max(1, MAX_STAGING_BYTES // self.shape.page_nbytes)
+        return [range(start, min(start + per, count)) for start in range(0, count, per)]
 
     def _gather(self, pages: list[int]) -> np.ndarray[Any, Any]:
         """Host pages as contiguous stored pages, ``uint8`` rows (one indexing copy)."""
@@ -268,3 +292,11 @@ class PageStore:
         )
         self._metrics.failed(op, "bad_indices", count)
         return [False] * count
+
+
+def _left(deadline: float) -> float:
+    """The time left until ``deadline``; :class:`DeadlineExceededError` once there is none."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise DeadlineExceededError("the call's deadline passed between its parts")
+    return left

@@ -165,3 +165,39 @@ def test_a_killed_store_costs_misses_within_the_deadline(tmp_path: Path) -> None
             assert sample("pages_failed", op="store", reason="store_down") >= 2
         finally:
             pages.close()
+
+
+def test_off_shared_memory_a_call_is_staged_in_bounded_parts(
+    store: ServerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvstore.integrations.sglang import transfer
+
+    writer_pool = HostPoolStandIn("page_first", page_size=PAGE, seed=9)
+    reader_pool = HostPoolStandIn("page_first", page_size=PAGE, seed=10)
+    writer = opened(store.target, writer_pool, data_plane="grpc", cache_salt="parts")
+    reader = opened(store.target, reader_pool, data_plane="grpc", cache_salt="parts")
+    # Two pages per part: five pages go as three gets and three puts.
+    monkeypatch.setattr(transfer, "MAX_STAGING_BYTES", 2 * writer.shape.page_nbytes + 1)
+    gets, puts = [], []
+    for pages, calls in ((reader, gets), (writer, puts)):
+        client = pages._client
+        name = "get_into" if calls is gets else "put"
+        real = getattr(client, name)
+
+        def counted(
+            keys: Any, *args: Any, _real: Any = real, _calls: Any = calls, **kw: Any
+        ) -> Any:
+            _calls.append(len(keys))
+            return _real(keys, *args, **kw)
+
+        monkeypatch.setattr(client, name, counted)
+    try:
+        hashes = [f"parts-{i}" for i in range(5)]
+        assert writer.store(hashes, writer_pool.indices([1, 2, 3, 8, 9])) == [True] * 5
+        assert reader.load(hashes, reader_pool.indices([10, 11, 12, 13, 0])) == [True] * 5
+        assert puts == [2, 2, 1] and gets == [2, 2, 1]
+        for source, target in zip([1, 2, 3, 8, 9], [10, 11, 12, 13, 0], strict=True):
+            assert same_bytes(page(writer_pool, source), page(reader_pool, target))
+    finally:
+        writer.close()
+        reader.close()
