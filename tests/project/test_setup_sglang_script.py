@@ -94,11 +94,16 @@ def test_every_requirement_is_pinned_exactly_and_no_torch_or_cuda_wheel(tmp_path
 
 def test_an_installed_venv_is_left_as_it_is(tmp_path: Path) -> None:
     installed = [*_pins(), "torch==2.13.0+cpu", "sglang==0.5.23", "torchvision==0.28.0"]
-    done = _setup(_venv(tmp_path, 0, installed=installed), tmp_path)
+    venv = _venv(tmp_path, 0, installed=installed)
+    done = _setup(venv, tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     installs = _installs(tmp_path)
     assert len(installs) == 1 and "-e .[test]" in installs[0], installs  # only kvstore itself
     assert "already installed" in done.stdout
+    again = _setup(venv, tmp_path)  # pyproject.toml unchanged since: nothing at all
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert _installs(tmp_path) == installs
+    assert "up to date with pyproject.toml" in again.stdout
 
 
 def test_a_failed_pip_install_fails_the_script_with_pips_last_lines(tmp_path: Path) -> None:
