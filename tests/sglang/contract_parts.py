@@ -12,6 +12,8 @@ from typing import Any
 
 #: The contract tier's page size, and so its stores' keys.chunk_size.
 PAGE_SIZE = 16
+#: The host memory the tier's host pools are booked against (SGLang's own budget scope).
+HOST_BUDGET_BYTES = 64 << 20
 
 
 def host_pool(
@@ -29,12 +31,35 @@ def host_pool(
     """SGLang's real host pool (``MHATokenToKVPoolHost``, or ``MLATokenToKVPoolHost``) over a
     CPU device pool, as HiCache builds it, with random bits in every page."""
     import torch
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+
+    dtype = dtype or torch.bfloat16
+    common = {"start_layer": 0, "end_layer": layers}
+    # SGLang refuses a host pool when the machine has less than 10 GiB free beyond it (a shared
+    # test machine often has not); these pools are a few hundred KiB: book them against a budget.
+    with host_memory_budget_scope(HOST_BUDGET_BYTES):
+        pool = _pool(mla, layout, layers, heads, head_dim, tokens, dtype, page_size, common)
+    generator = torch.Generator().manual_seed(seed)
+    bits = pool.kv_buffer.view(torch.uint8)
+    bits.copy_(torch.randint(0, 256, bits.shape, dtype=torch.uint8, generator=generator))
+    return pool
+
+
+def _pool(
+    mla: bool,
+    layout: str,
+    layers: int,
+    heads: int,
+    head_dim: int,
+    tokens: int,
+    dtype: Any,
+    page_size: int,
+    common: dict[str, int],
+) -> Any:
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
     from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
-    dtype = dtype or torch.bfloat16
-    common = {"start_layer": 0, "end_layer": layers}
     if mla:
         device = MLATokenToKVPool(
             tokens, page_size, dtype, head_dim - 2, 2, layers, "cpu", False, **common
@@ -66,9 +91,6 @@ def host_pool(
             device_capacity_tokens=device.size,
             **common,
         )
-    generator = torch.Generator().manual_seed(seed)
-    bits = pool.kv_buffer.view(torch.uint8)
-    bits.copy_(torch.randint(0, 256, bits.shape, dtype=torch.uint8, generator=generator))
     return pool
 
 
@@ -97,9 +119,13 @@ def storage_config(
         enable_storage_metrics=False,
         is_page_first_layout=layout != "layer_first",
         model_name=model,
-        extra_config={**BACKEND, "target": target, **extra},
+        extra_config={**BACKEND, "target": target, **GENEROUS, **extra},
     )
 
+
+#: Deadlines for the tests that are not about deadlines: on 2 cores at load 10 a call on a healthy
+#: store can take a second; a deadline missed there would be a miss, not the failure under test.
+GENEROUS = {"timeout_s": 20.0, "lookup_timeout_s": 10.0}
 
 #: The extra config that names the backend (``docs/sglang.md``'s command line).
 BACKEND = {

@@ -12,7 +12,6 @@ its one ERROR line, and SGLang does not start.
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Any
 
 from kvstore.client import KVStoreClient
@@ -70,13 +69,10 @@ def open_pages(
     except Exception:
         client.close()
         raise
-    # The data plane (the shared-memory mapping) is opened off SGLang's start-up path.
-    threading.Thread(
-        target=warm_up,
-        args=(client, breaker, settings.timeout_s),
-        name="kvstore-sglang-warm-up",
-        daemon=True,
-    ).start()
+    # The data plane (the shared-memory mapping of the arena and its index) is opened now, at
+    # SGLang's start, rather than on its first lookup, whose deadline is short; a store that is
+    # down or slow costs this at most its deadline (then misses until it answers).
+    warm_up(client, breaker, settings.timeout_s)
     logger.info(
         "kvstore HiCache backend (TP rank %s): %s pages of %d tokens (%s layout, %s, %d B) in "
         "%s, model %r",

@@ -46,7 +46,9 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 def opened(
     target: str, pool: HostPoolStandIn, *, data_plane: str | None = None, **extra: Any
 ) -> PageStore:
-    settings = BackendSettings.from_extra_config({"target": target, **extra}, env={})
+    # Generous deadlines where the test is not about them (2 cores at load 10).
+    timeouts = {"timeout_s": 20.0, "lookup_timeout_s": 10.0}
+    settings = BackendSettings.from_extra_config({"target": target, **timeouts, **extra}, env={})
     pages, _ = open_pages(settings, conf(), pool, Metrics(0), data_plane=data_plane)
     return pages
 
