@@ -80,9 +80,17 @@ else
     pip_step --no-deps "sglang==$SGLANG" "torchvision==$TORCHVISION"
 fi
 
-# kvstore itself (editable) with its test extra, under the same torch constraint.
+# kvstore itself (editable) with its test extra, under the same torch constraint; again only when
+# pyproject.toml changed since the last install (its hash is kept in the venv, as setup.sh does).
 step 5 "kvstore[test] (editable) into $VENV"
-pip_step -q -c "$constraints" -e '.[test]'
+stamp="$VENV/.kvstore-pyproject.sha256"
+want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    echo "    up to date with pyproject.toml (no reinstall)"
+else
+    pip_step -q -c "$constraints" -e '.[test]'
+    echo "$want" >"$stamp"
+fi
 
 # The CPU stand-ins have to be in place before sglang loads (tests/harness/sglang_cpu.py).
 step 6 "checking that sglang and kvstore import (with the CPU stand-ins)"

@@ -8,12 +8,13 @@
 #   KVSTORE_TEST_WORKERS=0 bash scripts/test.sh   # the default suite in one process (default: 2)
 #   KVSTORE_TEST_DRY_RUN=1 bash scripts/test.sh   # list the suites and their commands, run nothing
 #
-# Installs redis-server, prometheus, kubectl, g++ and libssl-dev (apt) if missing, creates .venv with the local CPU
-# torch wheel and the package with its test extra (a failure there stops the run: no suite could
-# pass without it). Then every suite runs, whatever the ones before it did: ruff, ruff format,
-# mypy, the generated-code check, pytest, the slow suite, the vLLM suite, the SGLang suite. Each prints one result
-# line (`--- NAME: ok (12s)`, `--- NAME: FAILED (exit 1, 30s)`, `--- NAME: skipped (why)`), and a
-# summary at the end lists them all (scripts/suites.sh); the exit status is 1 if any failed.
+# Installs redis-server, prometheus, kubectl, g++ and libssl-dev (apt) if missing, creates .venv
+# with the local CPU torch wheel and the package with its test extra (a failure there stops the
+# run: no suite could pass without it). Then every suite runs, whatever the ones before it did:
+# ruff, ruff format, mypy, the generated-code check, pytest, the slow suite, the vLLM suite, the
+# SGLang suite. Each prints one result line (`--- NAME: ok (12s)`, `--- NAME: FAILED (exit 1,
+# 30s)`, `--- NAME: skipped (why)`), and a summary at the end lists them all (scripts/suites.sh);
+# the exit status is 1 if any failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/suites.sh
