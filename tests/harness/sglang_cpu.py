@@ -93,7 +93,7 @@ def _stand_in_sgl_kernel() -> None:
         "sgl_kernel", "CPU stand-in: import-only (tests/harness/sglang_cpu.py)"
     )
     root.__path__ = []  # a package, so ``from sgl_kernel.kvcacheio import ...`` resolves too
-    root.__version__ = "0.0.0+cpu-stand-in"
+    setattr(root, "__version__", "0.0.0+cpu-stand-in")  # noqa: B010 (a module attribute mypy cannot see)
     sys.modules["sgl_kernel"] = root
     for sub in ("kvcacheio", "flash_attn", "allreduce"):
         module = _ImportOnlyModule(f"sgl_kernel.{sub}")
@@ -150,14 +150,14 @@ def _unpinned_host_pool() -> None:
         init(*bound.args, **bound.kwargs)
 
     unpinned._kvstore_cpu_stand_in = True  # type: ignore[attr-defined]
-    base.HostKVCache.__init__ = unpinned  # type: ignore[method-assign]
+    base.HostKVCache.__init__ = unpinned  # type: ignore[method-assign, unused-ignore]
     base.HICACHE_HOST_MEMORY_RESERVE_BYTES = HOST_RESERVE_BYTES
 
 
 def _direct_transfer() -> None:
     from sglang.srt.mem_cache.pool_host import mha
 
-    mha.transfer_kv_direct = transfer_kv_direct  # type: ignore[attr-defined]
+    mha.transfer_kv_direct = transfer_kv_direct  # type: ignore[attr-defined, unused-ignore]
 
 
 def install() -> None:
