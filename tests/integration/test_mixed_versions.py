@@ -27,13 +27,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from test_cluster_index import NS, blocks_for, cluster_env, holders, poll
+from harness.cluster_nodes import NS, blocks_for, cluster_env, holders
+from harness.polling import poll
 
 from kvstore.block import Keyring, decode_value, encode_header
 from kvstore.formats import PREVIOUS_RELEASE
 
 if TYPE_CHECKING:
-    from conftest import ServerFactory, ServerProcess
+    from harness.serve import ServerProcess
+    from harness.server_factory import ServerFactory
 
 from harness.redis_server import RedisServer
 

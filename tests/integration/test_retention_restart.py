@@ -13,7 +13,7 @@ from test_retention import HOUR, NS, blocks, flood
 from kvstore import Retention
 
 if TYPE_CHECKING:
-    from conftest import ServerFactory
+    from harness.server_factory import ServerFactory
 
 REDIS_TTL_S = 60
 

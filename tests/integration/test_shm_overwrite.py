@@ -34,7 +34,7 @@ from kvstore.client.shm import ShmDataPlane
 from kvstore.protocol.messages import namespace_bytes
 
 if TYPE_CHECKING:
-    from conftest import ServerFactory
+    from harness.server_factory import ServerFactory
 
 ATTACKER = textwrap.dedent(
     """

@@ -27,7 +27,7 @@ from kvstore.errors import InvalidRequestError
 from kvstore.protocol.messages import namespace_bytes
 
 if TYPE_CHECKING:
-    from conftest import ServerFactory
+    from harness.server_factory import ServerFactory
 
 __all__ = ["address", "kv", "ucx_server"]  # fixtures shared with test_ucx.py
 

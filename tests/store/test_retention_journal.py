@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import lmdb
-from store_blocks import PAGE, key, payload
+from harness.store_blocks import PAGE, key, payload
 
 from kvstore.keys import Namespace
 from kvstore.policy import Policy
