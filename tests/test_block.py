@@ -26,6 +26,7 @@ from kvstore.block import (
     encode_header,
     verify_sealed,
 )
+from kvstore.formats import NewerFormatError
 from kvstore.keys import ChunkHasher, Namespace
 
 KEY = bytes(range(16))
@@ -173,10 +174,18 @@ def test_wrong_magic_is_detected(byte: int) -> None:
         decode_value(KEY, flip(stored(), byte, 1))
 
 
-def test_wrong_version_is_detected() -> None:
+def test_a_version_older_than_any_read_is_corrupt() -> None:
+    value = bytearray(stored())
+    struct.pack_into("<H", value, 4, 1)
+    with pytest.raises(CorruptBlockError, match="version"):
+        decode_value(KEY, bytes(value))
+
+
+def test_a_newer_version_is_left_to_a_later_release() -> None:
+    # A block a later release wrote is not corrupt: a miss that leaves it in place (issue 41).
     value = bytearray(stored())
     struct.pack_into("<H", value, 4, 4)
-    with pytest.raises(CorruptBlockError, match="version"):
+    with pytest.raises(NewerFormatError, match="newer"):
         decode_value(KEY, bytes(value))
 
 

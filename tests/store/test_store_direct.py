@@ -41,11 +41,12 @@ def mapped(store: TieredStore, ranges: Sequence[tuple[int, int]]) -> bytes:
 
 
 def fill(store: TieredStore, reservation: Reservation, data: bytes) -> None:
-    """Write a value into its reservation through the memfd, as a client does."""
-    fd = arena(store).fd
+    """Write a value into its reservation, as the server does from a client's write window (the
+    arena's memfd is sealed against every other writer, see docs/shared-memory.md)."""
+    tier = arena(store)
     at = 0
     for offset, size in reservation.ranges:
-        os.pwrite(fd, data[at : at + size], offset)
+        tier.range_view(offset, size)[:] = memoryview(data)[at : at + size]
         at += size
     assert at == len(data) == reservation.length
 
