@@ -44,6 +44,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvstore.deadline import within
 from kvstore.tiers.redis_rate import TransferRate
+from kvstore.tiers.redis_retired import RetiredClients
 
 __all__ = ["FAILED", "SKIPPED", "Failed", "RedisLink"]
 
@@ -107,6 +108,8 @@ class RedisLink:
         # Every cluster node a client has seen ("host", port): a fresh client bootstraps from
         # them too, not only from the URL's node, which may be the master that just died.
         self._cluster_nodes: dict[tuple[str, int], None] = {}
+        # Clients swapped out while calls still run on them: closed again once those end.
+        self._retired = RetiredClients(_close, op_timeout_s)
         self._client = self._make_client()
         self._up = True
         # Cluster primaries ("host:port") that stopped answering: their keys are skipped.
@@ -179,7 +182,7 @@ class RedisLink:
         started = time.monotonic()
         timeout = self.rate.timeout(size) if deadline is None else deadline - started
         try:
-            return await within(fn(client), timeout, self._abandoned)
+            return await within(self._retired.run(client, fn), timeout, self._abandoned)
         except _OUTAGE_ERRORS as exc:
             if isinstance(exc, TimeoutError) and deadline is None:
                 self.rate.missed(size, time.monotonic() - started)
@@ -238,7 +241,9 @@ class RedisLink:
             # mode rediscovers the topology.
             candidate = self._make_client()
             try:
-                await within(self._ping(candidate), self.op_timeout_s, self._abandoned)
+                await within(
+                    self._retired.run(candidate, self._ping), self.op_timeout_s, self._abandoned
+                )
             except (*_OUTAGE_ERRORS, RedisError) as exc:
                 logger.debug("redis reconnect attempt %d failed: %s", attempts, exc)
                 await self._discard(candidate)
@@ -287,12 +292,7 @@ class RedisLink:
     async def _discard(self, client: _Client) -> None:
         if isinstance(client, RedisCluster):
             self._remember_nodes(client)
-        try:
-            # Closing is not bounded by within(): an abandoned close would leave connections
-            # open (redis-py then logs "Unclosed ClusterNode object" when it collects them).
-            await asyncio.wait_for(_close(client), self.op_timeout_s)
-        except (*_OUTAGE_ERRORS, RedisError) as exc:
-            logger.debug("closing a redis client failed: %s", exc)
+        await self._retired.retire(client)
 
     async def _split(self, names: Sequence[bytes], deadline: float) -> _Groups | Failed:
         """The client to use and the positions of ``names`` by the primary serving them (one
@@ -399,6 +399,7 @@ class RedisLink:
             # Sockets read for up to max_timeout_s (a large reply): a call still stuck in one
             # ends once its connection is closed, which it was just now.
             await asyncio.wait(set(self._abandoned), timeout=self.op_timeout_s)
+        await self._retired.drain()
 
 
 async def _close(client: _Client) -> None:
