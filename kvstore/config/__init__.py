@@ -4,6 +4,7 @@ The package holds, each in the module of its concern::
 
     loader      Config, load_config: defaults < TOML file < environment < flags
     meta        the metadata every setting is declared with (help, kind, flag, old names)
+    checks      how a section refuses a value (naming the setting and what it allows)
     sizes       sizes with units (``64MiB``), parsed and printed
     machine     the defaults that depend on the machine (memory, home directory)
     server      [server]            data_plane  [shm], [ucx]        auth     [auth]

@@ -6,6 +6,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvstore.config.checks import (
+    check_choices,
+    require_at_least,
+    require_choice,
+    require_positive,
+)
 from kvstore.config.meta import setting
 from kvstore.deprecation import deprecated
 from kvstore.errors import ConfigError
@@ -182,29 +188,14 @@ class ClusterConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.write_formats not in WRITE_FORMATS:
-            raise ConfigError(
-                f"cluster.write_formats must be one of {', '.join(WRITE_FORMATS)}, "
-                f"got {self.write_formats!r}"
-            )
-        if self.lease_ttl_s < 0.1:
-            raise ConfigError(f"cluster.lease_ttl_s must be >= 0.1, got {self.lease_ttl_s}")
+        check_choices("cluster", self)
+        require_at_least("cluster.lease_ttl_s", self.lease_ttl_s, 0.1)
         if not 0 < self.publish_interval_s <= self.lease_ttl_s:
             raise ConfigError(
                 "cluster.publish_interval_s must be > 0 and <= cluster.lease_ttl_s, "
                 f"got {self.publish_interval_s}"
             )
-        if self.shared_data not in SHARED_DATA:
-            raise ConfigError(
-                f"cluster.shared_data must be one of {list(SHARED_DATA)}, got {self.shared_data!r}"
-            )
-        if self.peer_transport not in PEER_TRANSPORTS:
-            raise ConfigError(
-                f"cluster.peer_transport must be one of {list(PEER_TRANSPORTS)}, "
-                f"got {self.peer_transport!r}"
-            )
-        if self.peer_timeout_s <= 0:
-            raise ConfigError(f"cluster.peer_timeout_s must be > 0, got {self.peer_timeout_s}")
+        require_positive("cluster.peer_timeout_s", self.peer_timeout_s)
         host, port = _split(self.advertise)
         if self.advertise and (not host.strip("[]") or (":" in host and host[0] != "[")):
             raise ConfigError(
@@ -231,19 +222,9 @@ class ClusterConfig:
             )
         if self.engine_namespace:  # deprecated: keys.namespace
             namespace_from_json(self.engine_namespace, "cluster.engine_namespace")
-        if self.engine_chunk_size < 1:
-            raise ConfigError(
-                f"cluster.engine_chunk_size must be >= 1, got {self.engine_chunk_size}"
-            )
-        if self.engine_hash_algorithm not in HASH_ALGORITHMS:
-            raise ConfigError(
-                f"cluster.engine_hash_algorithm must be one of {list(HASH_ALGORITHMS)}, "
-                f"got {self.engine_hash_algorithm!r}"
-            )
-        if self.engine_max_blocks < 1:
-            raise ConfigError(
-                f"cluster.engine_max_blocks must be >= 1, got {self.engine_max_blocks}"
-            )
+        require_at_least("cluster.engine_chunk_size", self.engine_chunk_size, 1)
+        require_choice("cluster.engine_hash_algorithm", self.engine_hash_algorithm, HASH_ALGORITHMS)
+        require_at_least("cluster.engine_max_blocks", self.engine_max_blocks, 1)
 
     def grpc_target(self, bound: str) -> str:
         """The gRPC target this node publishes when it listens on ``bound`` (``HOST:PORT``):

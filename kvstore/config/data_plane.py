@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvstore.config.checks import require_at_least, require_between, require_positive
 from kvstore.config.meta import setting
-from kvstore.config.store import require_positive
 from kvstore.errors import ConfigError
 
 __all__ = ["MAX_UCX_LANES", "ShmConfig", "UcxConfig"]
@@ -93,13 +93,10 @@ class ShmConfig:
     def __post_init__(self) -> None:
         require_positive("shm.max_connections", self.max_connections)
         require_positive("shm.max_connections_per_uid", self.max_connections_per_uid)
-        if self.session_bytes < 0:
-            raise ConfigError(
-                "shm.session_bytes must be >= 0 (0 = a quarter of dram.capacity), "
-                f"got {self.session_bytes}"
-            )
-        if not self.frame_timeout_s > 0:
-            raise ConfigError(f"shm.frame_timeout_s must be > 0, got {self.frame_timeout_s}")
+        require_at_least(
+            "shm.session_bytes", self.session_bytes, 0, "0 = a quarter of dram.capacity"
+        )
+        require_positive("shm.frame_timeout_s", self.frame_timeout_s)
         if not 0 <= self.socket_mode <= 0o777:
             # Shown in octal: a decimal 660 in TOML (not 0o660) lands here as 0o1224.
             raise ConfigError(
@@ -166,11 +163,8 @@ class UcxConfig:
     )
 
     def __post_init__(self) -> None:
-        if not self.transfer_timeout_s > 0:
-            raise ConfigError(f"ucx.transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
+        require_positive("ucx.transfer_timeout_s", self.transfer_timeout_s)
         for name in ("lanes", "max_lanes"):
-            value = getattr(self, name)
-            if not 1 <= value <= MAX_UCX_LANES:
-                raise ConfigError(f"ucx.{name} must be 1 to {MAX_UCX_LANES}, got {value}")
+            require_between(f"ucx.{name}", getattr(self, name), 1, MAX_UCX_LANES)
         require_positive("ucx.connection_bytes_in_flight", self.connection_bytes_in_flight)
         require_positive("ucx.tenant_bytes_in_flight", self.tenant_bytes_in_flight)

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
+from kvstore.config.checks import check_choices
 from kvstore.config.cluster import ClusterConfig
 from kvstore.config.meta import setting
 from kvstore.deprecation import removal_note
@@ -85,7 +86,8 @@ class KeysConfig:
             raise ConfigError(
                 "keys.secret_env must name an environment variable, e.g. KVSTORE_HASH_SECRET"
             )
-        self.scheme(env={})  # KeyScheme checks the chunk size, the algorithm and the namespace
+        check_choices("keys", self)
+        self.scheme(env={})  # KeyScheme checks the chunk size and the namespace
 
     def scheme(self, env: Mapping[str, str] | None = None) -> KeyScheme:
         """These settings as a :class:`KeyScheme`: its secret check that of ``$secret_env`` in

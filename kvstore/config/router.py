@@ -5,9 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvstore.config.checks import (
+    check_choices,
+    require_at_least,
+    require_between,
+    require_positive,
+)
 from kvstore.config.meta import setting
 from kvstore.deprecation import deprecated
-from kvstore.errors import ConfigError
 
 __all__ = ["ROUTER_KEYS_DEPRECATED", "RouterConfig"]
 
@@ -171,18 +176,16 @@ class RouterConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.policy not in _POLICIES:
-            raise ConfigError(
-                f"router.policy: cannot use {self.policy!r}: one of {', '.join(_POLICIES)}"
-            )
+        check_choices("router", self)
         low, high = _MAX_BODY_RANGE
-        if not low <= self.max_body_bytes <= high:
-            raise ConfigError(
-                f"router.max_body_bytes: cannot use {self.max_body_bytes}: a size from 1KiB "
-                f"({low}) to 1GiB ({high}), e.g. 64MiB"
-            )
-        if self.chunk_size < 1:
-            raise ConfigError(f"router.chunk_size must be >= 1, got {self.chunk_size}")
+        require_between(
+            "router.max_body_bytes",
+            self.max_body_bytes,
+            low,
+            high,
+            "a size from 1KiB to 1GiB, e.g. 64MiB",
+        )
+        require_at_least("router.chunk_size", self.chunk_size, 1)
         for name in (
             "provisional_ttl_s",
             "index_timeout_s",
@@ -191,9 +194,5 @@ class RouterConfig:
             "hit_weight",
             "prefill_timeout_s",
         ):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"router.{name} must be > 0, got {getattr(self, name)}")
-        if self.request_cost_tokens < 0:
-            raise ConfigError(
-                f"router.request_cost_tokens must be >= 0, got {self.request_cost_tokens}"
-            )
+            require_positive(f"router.{name}", getattr(self, name))
+        require_at_least("router.request_cost_tokens", self.request_cost_tokens, 0)

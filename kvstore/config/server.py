@@ -9,8 +9,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from kvstore.config.checks import require_at_least, require_positive
 from kvstore.config.meta import setting
-from kvstore.config.store import require_positive
 from kvstore.errors import ConfigError
 
 __all__ = ["ServerConfig"]
@@ -104,28 +104,25 @@ class ServerConfig:
     )
 
     def __post_init__(self) -> None:
-        host, sep, port = self.listen.rpartition(":")
-        if not sep or not host or not re.fullmatch(r"[0-9]{1,5}", port) or int(port) > 65535:
-            raise ConfigError(
-                f"server.listen must be HOST:PORT with a port from 0 to 65535 (0 picks a free "
-                f"one), e.g. 127.0.0.1:50051, got {self.listen!r}"
-            )
-        host, sep, port = self.metrics_listen.rpartition(":")
-        if self.metrics_listen and (
-            not sep or not host or not re.fullmatch(r"[0-9]{1,5}", port) or int(port) > 65535
-        ):
-            raise ConfigError(
-                "server.metrics_listen must be HOST:PORT with a port from 0 to 65535 (0 picks a "
-                f"free one), e.g. 127.0.0.1:9464, or '' for no metrics, got {self.metrics_listen!r}"
+        _require_host_port("server.listen", self.listen, "127.0.0.1:50051")
+        if self.metrics_listen:
+            _require_host_port(
+                "server.metrics_listen", self.metrics_listen, "127.0.0.1:9464, or '' for no metrics"
             )
         require_positive("server.max_block_bytes", self.max_block_bytes)
         require_positive("server.max_keys_per_request", self.max_keys_per_request)
         require_positive("server.workers", self.workers)
         require_positive("server.inflight_bytes", self.inflight_bytes)
         require_positive("server.prefetch_queue_keys", self.prefetch_queue_keys)
-        if not self.put_stream_timeout_s > 0:
-            raise ConfigError(
-                f"server.put_stream_timeout_s must be > 0, got {self.put_stream_timeout_s}"
-            )
-        if self.shutdown_grace_s < 0:
-            raise ConfigError(f"server.shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        require_positive("server.put_stream_timeout_s", self.put_stream_timeout_s)
+        require_at_least("server.shutdown_grace_s", self.shutdown_grace_s, 0)
+
+
+def _require_host_port(name: str, value: str, example: str) -> None:
+    """Refuse a listen address ``name`` that is not ``HOST:PORT`` with a port from 0 to 65535."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not re.fullmatch(r"[0-9]{1,5}", port) or int(port) > 65535:
+        raise ConfigError(
+            f"{name} must be HOST:PORT with a port from 0 to 65535 (0 picks a free one), "
+            f"e.g. {example}, got {value!r}"
+        )

@@ -7,6 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvstore.config.checks import (
+    check_choices,
+    require_at_least,
+    require_positive,
+    require_seconds,
+)
 from kvstore.config.meta import setting
 from kvstore.config.sizes import format_size
 from kvstore.errors import ConfigError
@@ -21,14 +27,7 @@ __all__ = [
     "NvmeConfig",
     "PolicyConfig",
     "RedisConfig",
-    "require_positive",
 ]
-
-
-def require_positive(name: str, value: int) -> None:
-    """Refuse (naming the setting) a count or size that must be above zero."""
-    if value <= 0:
-        raise ConfigError(f"{name} must be > 0, got {value}")
 
 
 @dataclass(frozen=True)
@@ -63,14 +62,14 @@ class HbmConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.capacity < 0:
-            raise ConfigError(f"hbm.capacity must be >= 0, got {self.capacity}")
+        require_at_least("hbm.capacity", self.capacity, 0, "0: no hbm tier")
         require_positive("hbm.page_size", self.page_size)
-        if self.promote_after_reads < 1:
-            raise ConfigError(
-                "hbm.promote_after_reads must be a whole number >= 1 (reads before a block is "
-                f"promoted into hbm), got {self.promote_after_reads}"
-            )
+        require_at_least(
+            "hbm.promote_after_reads",
+            self.promote_after_reads,
+            1,
+            "reads before a block is promoted into hbm",
+        )
 
 
 @dataclass(frozen=True)
@@ -124,8 +123,7 @@ class DramConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.capacity < 0:
-            raise ConfigError(f"dram.capacity must be >= 0, got {self.capacity}")
+        require_at_least("dram.capacity", self.capacity, 0, "0: no dram tier")
         require_positive("dram.page_size", self.page_size)
         if self.page_size % 4096:
             raise ConfigError(f"dram.page_size must be a multiple of 4096, got {self.page_size}")
@@ -159,8 +157,8 @@ class NvmeConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.path and self.capacity < 1024**2:
-            raise ConfigError(f"nvme.capacity must be at least 1MiB, got {self.capacity}")
+        if self.path:
+            require_at_least("nvme.capacity", self.capacity, 1024**2, "1MiB")
 
 
 @dataclass(frozen=True)
@@ -229,25 +227,16 @@ class RedisConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.ttl_s <= 0:
-            raise ConfigError(f"redis.ttl_s must be > 0, got {self.ttl_s}")
-        if self.op_timeout_s <= 0:
-            raise ConfigError(f"redis.op_timeout_s must be > 0, got {self.op_timeout_s}")
-        if self.op_timeout_max_s < self.op_timeout_s:
-            raise ConfigError(
-                f"redis.op_timeout_max_s must be >= redis.op_timeout_s ({self.op_timeout_s}), "
-                f"got {self.op_timeout_max_s}"
-            )
-        if self.min_rate <= 0:
-            raise ConfigError(
-                f"redis.min_rate must be > 0 bytes per second (e.g. 4MiB), got {self.min_rate}"
-            )
+        require_positive("redis.ttl_s", self.ttl_s)
+        require_positive("redis.op_timeout_s", self.op_timeout_s)
+        require_at_least(
+            "redis.op_timeout_max_s", self.op_timeout_max_s, self.op_timeout_s, "redis.op_timeout_s"
+        )
+        require_positive("redis.min_rate", self.min_rate, "bytes per second, e.g. 4MiB")
         for name in ("resend_queue_bytes", "resend_queue_blocks"):
-            if getattr(self, name) < 0:
-                raise ConfigError(
-                    f"redis.{name} must be >= 0 (0: never re-send a refused write-through), "
-                    f"got {getattr(self, name)}"
-                )
+            require_at_least(
+                f"redis.{name}", getattr(self, name), 0, "0: never re-send a refused write-through"
+            )
 
 
 #: ``integrity.mac`` values, and the block header version each signs.
@@ -300,9 +289,7 @@ class IntegrityConfig:
     def __post_init__(self) -> None:
         if self.secrets and not all(part.strip() for part in self.secrets.split(",")):
             raise ConfigError("integrity.secrets must be non-empty secrets separated by commas")
-        if self.mac not in INTEGRITY_MACS:
-            allowed = ", ".join(INTEGRITY_MACS)
-            raise ConfigError(f"integrity.mac must be one of {allowed}, got {self.mac!r}")
+        check_choices("integrity", self)
 
 
 @dataclass(frozen=True)
@@ -349,22 +336,5 @@ class PolicyConfig:
     )
 
     def __post_init__(self) -> None:
-        if not 0 <= self.max_retention_s < float("inf"):
-            raise ConfigError(
-                f"policy.max_retention_s must be a number of seconds >= 0, "
-                f"got {self.max_retention_s!r}"
-            )
-        if self.shared_write not in SHARED_WRITES:
-            raise ConfigError(
-                f"policy.shared_write must be one of {list(SHARED_WRITES)}, "
-                f"got {self.shared_write!r}"
-            )
-        if self.nvme_admission not in NVME_ADMISSIONS:
-            raise ConfigError(
-                f"policy.nvme_admission must be one of {list(NVME_ADMISSIONS)}, "
-                f"got {self.nvme_admission!r}"
-            )
-        if self.eviction not in EVICTIONS:
-            raise ConfigError(
-                f"policy.eviction must be one of {list(EVICTIONS)}, got {self.eviction!r}"
-            )
+        require_seconds("policy.max_retention_s", self.max_retention_s)
+        check_choices("policy", self)

@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from kvstore.config.checks import require_at_least, require_seconds
 from kvstore.config.sizes import parse_size
 from kvstore.errors import ConfigError
 
@@ -60,14 +61,10 @@ class TenantConfig:
             )
         if not (self.dram or self.nvme):
             raise ConfigError(f"{where}: give dram or nvme a size (both are 0)")
-        if self.max_retention_s is not None and not 0 <= self.max_retention_s < float("inf"):
-            raise ConfigError(
-                f"{where}.max_retention_s must be a number of seconds >= 0, "
-                f"got {self.max_retention_s!r}"
-            )
+        if self.max_retention_s is not None:
+            require_seconds(f"{where}.max_retention_s", self.max_retention_s)
         for tier in ("dram", "nvme", "hbm"):
-            if getattr(self, tier) < 0:
-                raise ConfigError(f"{where}.{tier} must be >= 0, got {getattr(self, tier)}")
+            require_at_least(f"{where}.{tier}", getattr(self, tier), 0)
 
 
 _TENANT_KEYS = {"identities", "uids", "gids", "dram", "nvme", "hbm", "shm", "max_retention_s"}
