@@ -12,6 +12,8 @@ path side by side with its baseline in the same run, interleaved, and report dis
 * :func:`exit_on_sigterm` turns SIGTERM into ``SystemExit`` so that ``finally`` blocks (and so the
   context managers above) run when a benchmark is terminated.
 * :func:`run_interleaved` times several cases round-robin, rotating their order every round.
+* :func:`run_engine` (and :func:`run_engine_or_exit`) runs one vLLM engine process over a set of
+  prompts (``tests/vllm/engine_runner.py``), for the TTFT benchmarks.
 * :func:`reap` waits for a child that ends by itself (a benchmark's peer process), or kills it.
 * :class:`KeySource` hands out fresh keys; :func:`timed` times one call; :func:`check` raises
   :class:`BenchmarkError` when a path returned wrong data (its timings would mean nothing);
@@ -24,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import importlib.metadata
+import json
 import math
 import os
 import platform
@@ -60,6 +63,8 @@ __all__ = [
     "percentile",
     "reap",
     "redis_server",
+    "run_engine",
+    "run_engine_or_exit",
     "run_interleaved",
     "summarize",
     "timed",
@@ -67,6 +72,9 @@ __all__ = [
 
 #: Throughput is reported in decimal gigabytes per second, as in ``DESIGN.md``.
 GB = 1e9
+
+#: The vLLM engine process the TTFT benchmarks run, one per configuration measured.
+ENGINE_RUNNER = Path(__file__).resolve().parents[1] / "tests" / "vllm" / "engine_runner.py"
 
 _READY_TIMEOUT_S = 60.0
 _STOP_TIMEOUT_S = 10.0
@@ -306,6 +314,54 @@ def run_interleaved(
             if round_index >= warmup:
                 samples[name].append(seconds)
     return samples
+
+
+def run_engine(
+    name: str,
+    workdir: Path,
+    model: Path,
+    prompts: Sequence[Sequence[int]],
+    flags: Sequence[str],
+    timeout_s: float,
+) -> tuple[dict[str, Any] | None, str]:
+    """Run :data:`ENGINE_RUNNER` once: ``model`` over ``prompts`` (one token each), with its
+    other ``flags`` (``--max-model-len`` and the connector's); its JSON output (``None`` where
+    it exited non-zero) and its log. Files go in ``workdir`` under ``name``; the line printed
+    says how long it took."""
+    prompts_file = workdir / f"{name}.prompts.json"
+    prompts_file.write_text(json.dumps([list(p) for p in prompts]))
+    out, log = workdir / f"{name}.json", workdir / f"{name}.log"
+    command = [
+        sys.executable,
+        str(ENGINE_RUNNER),
+        *("--model", str(model), "--prompts", str(prompts_file), "--out", str(out)),
+        *("--max-tokens", "1"),
+        *flags,
+    ]
+    print(f"  {name} ...", end="", flush=True)
+    started = time.monotonic()
+    with log.open("wb") as sink:
+        code = subprocess.run(
+            command, stdout=sink, stderr=subprocess.STDOUT, timeout=timeout_s
+        ).returncode
+    print(f" {time.monotonic() - started:.0f} s (exit {code})", flush=True)
+    text = log.read_text(errors="replace")
+    return (json.loads(out.read_text()) if code == 0 else None), text
+
+
+def run_engine_or_exit(
+    name: str,
+    workdir: Path,
+    model: Path,
+    prompts: Sequence[Sequence[int]],
+    flags: Sequence[str],
+    timeout_s: float,
+) -> tuple[dict[str, Any], str]:
+    """:func:`run_engine`, ending the benchmark with the log's last lines where it failed."""
+    result, text = run_engine(name, workdir, model, prompts, flags, timeout_s)
+    if result is None:
+        sys.exit(f"engine {name} failed:\n" + "\n".join(text.splitlines()[-40:]))
+    return result, text
 
 
 def percentile(values: Sequence[float], q: float) -> float:

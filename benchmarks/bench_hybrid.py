@@ -34,18 +34,16 @@ import os
 import random
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNNER = ROOT / "tests" / "vllm" / "engine_runner.py"
 sys.path.insert(0, str(ROOT / "tests"))  # the tests' harness
 sys.path.insert(0, str(ROOT / "tests" / "vllm"))
 
+from _common import run_engine  # noqa: E402
 from harness.serve import ServerProcess  # noqa: E402
 from tiny_families import build_family  # noqa: E402
 
@@ -79,41 +77,12 @@ def _engine(
     name: str, workdir: Path, model: Path, prompts: list[list[int]], chunk: int, *extra: str
 ) -> tuple[dict[str, Any] | None, str]:
     """Run one engine_runner.py; its JSON output (None if it failed to start) and its log."""
-    prompts_file = workdir / f"{name}.prompts.json"
-    prompts_file.write_text(json.dumps(prompts))
-    out, log = workdir / f"{name}.json", workdir / f"{name}.log"
-    command = [
-        sys.executable,
-        str(RUNNER),
-        "--model",
-        str(model),
-        "--prompts",
-        str(prompts_file),
-        "--out",
-        str(out),
-        "--max-tokens",
-        "1",
-        "--max-model-len",
-        str(MAX_LEN),
-        "--max-num-batched-tokens",
-        str(MAX_BATCHED),
-        "--chunk-size",
-        str(chunk),
-        "--sequential",
-        "--warmup",
-        "256",
-        "--stats",
+    flags = [
+        *("--max-model-len", str(MAX_LEN), "--max-num-batched-tokens", str(MAX_BATCHED)),
+        *("--chunk-size", str(chunk), "--sequential", "--warmup", "256", "--stats"),
         *extra,
     ]
-    print(f"  {name} ...", end="", flush=True)
-    started = time.monotonic()
-    with log.open("wb") as sink:
-        code = subprocess.run(
-            command, stdout=sink, stderr=subprocess.STDOUT, timeout=ENGINE_TIMEOUT_S
-        ).returncode
-    print(f" {time.monotonic() - started:.0f} s (exit {code})", flush=True)
-    text = log.read_text(errors="replace")
-    return (json.loads(out.read_text()) if code == 0 else None), text
+    return run_engine(name, workdir, model, prompts, flags, ENGINE_TIMEOUT_S)
 
 
 def _kv_cache(log: str) -> dict[str, Any]:

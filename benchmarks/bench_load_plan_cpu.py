@@ -38,10 +38,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNNER = ROOT / "tests" / "vllm" / "engine_runner.py"
 for extra in (ROOT, ROOT / "tests", ROOT / "tests" / "vllm"):
     sys.path.insert(0, str(extra))
 
+from _common import run_engine_or_exit  # noqa: E402
 from harness.netns_hosts import Hosts  # noqa: E402
 from tiny_model import build_tiny_llama  # noqa: E402
 
@@ -94,42 +94,13 @@ def _redis_dbsize(address: str, port: int) -> int:
 def _engine(
     name: str, workdir: Path, model: Path, prompts: list[list[int]], *extra: str
 ) -> tuple[dict[str, Any], str]:
-    prompts_file = workdir / f"{name}.prompts.json"
-    prompts_file.write_text(json.dumps(prompts))
-    out, log = workdir / f"{name}.json", workdir / f"{name}.log"
     max_len = max(len(p) for p in prompts) + 16
-    command = [
-        sys.executable,
-        str(RUNNER),
-        "--model",
-        str(model),
-        "--prompts",
-        str(prompts_file),
-        "--out",
-        str(out),
-        "--max-tokens",
-        "1",
-        "--max-model-len",
-        str(max_len),
-        "--max-num-batched-tokens",
-        str(max_len),
-        "--chunk-size",
-        str(CHUNK),
-        "--connector",
-        "kvstore",
+    flags = [
+        *("--max-model-len", str(max_len), "--max-num-batched-tokens", str(max_len)),
+        *("--chunk-size", str(CHUNK), "--connector", "kvstore"),
         *extra,
     ]
-    print(f"  {name} ...", end="", flush=True)
-    started = time.monotonic()
-    with log.open("wb") as sink:
-        code = subprocess.run(
-            command, stdout=sink, stderr=subprocess.STDOUT, timeout=ENGINE_TIMEOUT_S
-        ).returncode
-    text = log.read_text(errors="replace")
-    if code != 0:
-        sys.exit(f"engine {name} failed ({code}):\n" + "\n".join(text.splitlines()[-40:]))
-    print(f" {time.monotonic() - started:.0f} s", flush=True)
-    return json.loads(out.read_text()), text
+    return run_engine_or_exit(name, workdir, model, prompts, flags, ENGINE_TIMEOUT_S)
 
 
 def _prompts(count: int, prefix: int, rng: random.Random) -> list[list[int]]:

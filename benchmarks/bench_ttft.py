@@ -50,10 +50,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNNER = ROOT / "tests" / "vllm" / "engine_runner.py"
 sys.path.insert(0, str(ROOT / "tests"))  # the tests' harness
 sys.path.insert(0, str(ROOT / "tests" / "vllm"))
 
+from _common import run_engine_or_exit  # noqa: E402
 from tiny_model import build_tiny_llama  # noqa: E402
 
 SUFFIX = 16
@@ -94,42 +94,15 @@ def _prompts(sizes: list[int], reps: int) -> tuple[list[list[int]], list[list[in
 def _engine(
     name: str, workdir: Path, model: Path, prompts: list[list[int]], max_len: int, *extra: str
 ) -> tuple[dict[str, Any], str]:
-    prompts_file = workdir / f"{name}.prompts.json"
-    prompts_file.write_text(json.dumps(prompts))
-    out, log = workdir / f"{name}.json", workdir / f"{name}.log"
-    command = [
-        sys.executable,
-        str(RUNNER),
-        "--model",
-        str(model),
-        "--prompts",
-        str(prompts_file),
-        "--out",
-        str(out),
-        "--max-tokens",
-        "1",
-        "--max-model-len",
-        str(max_len),
-        "--chunk-size",
-        str(CHUNK),
+    flags = [
+        *("--max-model-len", str(max_len), "--chunk-size", str(CHUNK)),
         # One step per prefill (with A sequential too): ExampleConnector saves only a prompt's
         # first prefill step yet files it under the whole prompt, so a chunked prefill makes
         # its loads crash.
-        "--max-num-batched-tokens",
-        str(max_len),
+        *("--max-num-batched-tokens", str(max_len)),
         *extra,
     ]
-    print(f"  {name} ...", end="", flush=True)
-    started = time.monotonic()
-    with log.open("wb") as sink:
-        code = subprocess.run(
-            command, stdout=sink, stderr=subprocess.STDOUT, timeout=ENGINE_TIMEOUT_S
-        ).returncode
-    text = log.read_text(errors="replace")
-    if code != 0:
-        sys.exit(f"engine {name} failed ({code}):\n" + "\n".join(text.splitlines()[-40:]))
-    print(f" {time.monotonic() - started:.0f} s", flush=True)
-    return json.loads(out.read_text()), text
+    return run_engine_or_exit(name, workdir, model, prompts, flags, ENGINE_TIMEOUT_S)
 
 
 def _breakdown(log: str, count: int) -> list[dict[str, float]] | None:
