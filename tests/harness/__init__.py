@@ -7,8 +7,9 @@ integration tests' factory of them (:mod:`.server_factory`), stopping a process
 (:mod:`.stop_process`), the one launcher of a real ``kvstore router`` (:mod:`.router`), real
 ``redis-server`` processes and a real Redis Cluster (:mod:`.redis_server`, :mod:`.redis_cluster`),
 a real Prometheus (:mod:`.prometheus_server`), hosts as network namespaces (:mod:`.netns_hosts`),
-TLS certificates made with ``openssl`` (:mod:`.certs`), and the guard of the real-vLLM suite
-(:mod:`.vllm_guard`).
+TLS certificates made with ``openssl`` (:mod:`.certs`), the guard of the real-vLLM suite
+(:mod:`.vllm_guard`), and a stand-in venv for the ``scripts/setup-*.sh`` tests
+(:mod:`.setup_scripts`).
 
 What the tests put and read: a store on real tiers in a temporary directory and its blocks
 (:mod:`.store_blocks`), cluster nodes, their blocks and what the index says of them

