@@ -318,8 +318,8 @@ class BlockMover:
         retained put's blocks: with their deadlines on disk too, they survive a crash, not only
         a graceful stop). Makes room as a put would, never by evicting retained blocks. Returns
         the number of blocks copied."""
-        tiers, index = self._stack.tiers, self._index
-        target = next((lv for lv, tier in enumerate(tiers) if tier.persistent), None)
+        index = self._index
+        target = self._persistent_level()
         if target is None:
             return 0
         copied = 0
@@ -330,11 +330,7 @@ class BlockMover:
                     continue  # gone, or on disk already
                 if key in index.fast_only:
                     continue
-                block = (await tiers[level].read([key]))[0]
-                if block is not None and await self.place(
-                    block.header, memoryview(block.payload), target, target + 1
-                ):
-                    copied += 1
+                copied += await self._copy_down(key, level, target)
         return copied
 
     async def persist(self, budget_s: float) -> int:
@@ -343,8 +339,7 @@ class BlockMover:
         Most recently used blocks go first, and copying stops after ``budget_s`` seconds. Returns
         the number of blocks copied.
         """
-        tiers = self._stack.tiers
-        target = next((lv for lv, tier in enumerate(tiers) if tier.persistent), None)
+        target = self._persistent_level()
         if target is None:
             return 0
         deadline = time.monotonic() + budget_s
@@ -356,9 +351,18 @@ class BlockMover:
                         return copied
                     if key in self._index.levels[target] or key in self._index.fast_only:
                         continue
-                    block = (await tiers[level].read([key]))[0]
-                    if block is not None and await self.place(
-                        block.header, memoryview(block.payload), target, target + 1
-                    ):
-                        copied += 1
+                    copied += await self._copy_down(key, level, target)
         return copied
+
+    def _persistent_level(self) -> int | None:
+        """The level of the first persistent tier (``None``: none is)."""
+        tiers = self._stack.tiers
+        return next((level for level, tier in enumerate(tiers) if tier.persistent), None)
+
+    async def _copy_down(self, key: bytes, level: int, target: int) -> bool:
+        """Copy ``key``'s block from ``level`` into ``target`` (making room as a put would, never
+        below ``target``); whether it was placed. Called under :attr:`lock`."""
+        block = (await self._stack.tiers[level].read([key]))[0]
+        if block is None:
+            return False
+        return bool(await self.place(block.header, memoryview(block.payload), target, target + 1))
