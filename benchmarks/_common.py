@@ -12,7 +12,7 @@ path side by side with its baseline in the same run, interleaved, and report dis
 * :func:`exit_on_sigterm` turns SIGTERM into ``SystemExit`` so that ``finally`` blocks (and so the
   context managers above) run when a benchmark is terminated.
 * :func:`run_interleaved` times several cases round-robin, rotating their order every round.
-* :func:`run_engine` (and :func:`run_engine_or_exit`) runs one vLLM engine process over a set of
+* :func:`run_engine` (and :func:`engine_or_exit`) runs one vLLM engine process over a set of
   prompts (``tests/vllm/engine_runner.py``), for the TTFT benchmarks.
 * :func:`reap` waits for a child that ends by itself (a benchmark's peer process), or kills it.
 * :class:`KeySource` hands out fresh keys; :func:`timed` times one call; :func:`check` raises
@@ -55,6 +55,7 @@ __all__ = [
     "ServerProcess",
     "Summary",
     "check",
+    "engine_or_exit",
     "exit_on_sigterm",
     "free_port",
     "kvstore_server",
@@ -64,7 +65,6 @@ __all__ = [
     "reap",
     "redis_server",
     "run_engine",
-    "run_engine_or_exit",
     "run_interleaved",
     "summarize",
     "timed",
@@ -349,16 +349,10 @@ def run_engine(
     return (json.loads(out.read_text()) if code == 0 else None), text
 
 
-def run_engine_or_exit(
-    name: str,
-    workdir: Path,
-    model: Path,
-    prompts: Sequence[Sequence[int]],
-    flags: Sequence[str],
-    timeout_s: float,
-) -> tuple[dict[str, Any], str]:
-    """:func:`run_engine`, ending the benchmark with the log's last lines where it failed."""
-    result, text = run_engine(name, workdir, model, prompts, flags, timeout_s)
+def engine_or_exit(name: str, run: tuple[dict[str, Any] | None, str]) -> tuple[dict[str, Any], str]:
+    """A :func:`run_engine` ``run`` of engine ``name`` that succeeded, else the end of the
+    benchmark with its log's last lines."""
+    result, text = run
     if result is None:
         sys.exit(f"engine {name} failed:\n" + "\n".join(text.splitlines()[-40:]))
     return result, text

@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 for extra in (ROOT, ROOT / "tests", ROOT / "tests" / "vllm"):
     sys.path.insert(0, str(extra))
 
-from _common import run_engine_or_exit  # noqa: E402
+from _common import engine_or_exit, run_engine  # noqa: E402
 from harness.netns_hosts import Hosts  # noqa: E402
 from tiny_model import build_tiny_llama  # noqa: E402
 
@@ -100,7 +100,7 @@ def _engine(
         *("--chunk-size", str(CHUNK), "--connector", "kvstore"),
         *extra,
     ]
-    return run_engine_or_exit(name, workdir, model, prompts, flags, ENGINE_TIMEOUT_S)
+    return engine_or_exit(name, run_engine(name, workdir, model, prompts, flags, ENGINE_TIMEOUT_S))
 
 
 def _prompts(count: int, prefix: int, rng: random.Random) -> list[list[int]]:

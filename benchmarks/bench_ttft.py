@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the tests' harness
 sys.path.insert(0, str(ROOT / "tests" / "vllm"))
 
-from _common import run_engine_or_exit  # noqa: E402
+from _common import engine_or_exit, run_engine  # noqa: E402
 from tiny_model import build_tiny_llama  # noqa: E402
 
 SUFFIX = 16
@@ -102,7 +102,7 @@ def _engine(
         *("--max-num-batched-tokens", str(max_len)),
         *extra,
     ]
-    return run_engine_or_exit(name, workdir, model, prompts, flags, ENGINE_TIMEOUT_S)
+    return engine_or_exit(name, run_engine(name, workdir, model, prompts, flags, ENGINE_TIMEOUT_S))
 
 
 def _breakdown(log: str, count: int) -> list[dict[str, float]] | None:
