@@ -49,9 +49,7 @@ import hashlib
 import json
 import secrets
 import shlex
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -63,6 +61,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' harness
 from _common import (
     GB,
     BenchmarkError,
@@ -77,6 +76,7 @@ from _common import (
     summarize,
     timed,
 )
+from harness.certs import Pki, make_pki
 
 from kvstore import KVStoreClient, Namespace
 from kvstore.client.settings import ClientSettings
@@ -103,47 +103,6 @@ BOUND = 0.10  # issue 12: auth and keyed integrity cost at most 10 % of shm get_
 
 
 # -- certificates and servers ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Pki:
-    """A CA, a server certificate for 127.0.0.1/localhost and a client certificate, all PEM."""
-
-    ca: Path
-    server_cert: Path
-    server_key: Path
-    client_cert: Path
-    client_key: Path
-
-
-def _openssl(directory: Path, *args: str) -> None:
-    binary = shutil.which("openssl")
-    check(binary is not None, "bench_auth needs the openssl command (apt-get install openssl)")
-    assert binary is not None
-    subprocess.run([binary, *args], cwd=directory, check=True, capture_output=True, timeout=30)
-
-
-def make_pki(directory: Path) -> Pki:
-    """Throw-away EC P-256 certificates, made by ``openssl`` in ``directory``."""
-    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
-    _openssl(directory, "req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem",
-             "-days", "2", "-subj", "/CN=bench-ca")  # fmt: skip
-    leaves = {"server": "subjectAltName=IP:127.0.0.1,DNS:localhost",
-              "client": "extendedKeyUsage=clientAuth"}  # fmt: skip
-    for name, extension in leaves.items():
-        _openssl(directory, "req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr",
-                 "-subj", f"/CN=bench-{name}")  # fmt: skip
-        (directory / f"{name}.ext").write_text(extension + "\n")
-        _openssl(directory, "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem",
-                 "-CAkey", "ca.key", "-CAcreateserial", "-out", f"{name}.pem", "-days", "2",
-                 "-extfile", f"{name}.ext")  # fmt: skip
-    return Pki(
-        ca=directory / "ca.pem",
-        server_cert=directory / "server.pem",
-        server_key=directory / "server.key",
-        client_cert=directory / "client.pem",
-        client_key=directory / "client.key",
-    )
 
 
 @dataclass
