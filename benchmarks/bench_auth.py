@@ -62,6 +62,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' harness
+from _cases import get_into_case, memcpy_case
 from _common import (
     GB,
     BenchmarkError,
@@ -215,19 +216,10 @@ def throughput_cases(
     buffers = [np.empty_like(block) for block in blocks]
     fresh = KeySource(seed=len(blocks) * 7 + blocks[0].nbytes)
 
-    def memcpy() -> float:
-        start = time.perf_counter()
-        for buffer, block in zip(buffers, blocks, strict=True):
-            np.copyto(buffer, block)
-        return time.perf_counter() - start
+    memcpy = memcpy_case(buffers, blocks)
 
     def get_into(client: KVStoreClient, name: str) -> Callable[[], float]:
-        def case() -> float:
-            seconds, filled = timed(lambda: client.get_into(keys, buffers))
-            check(filled == [True] * len(keys), f"{name}: filled {filled}")
-            return seconds
-
-        return case
+        return get_into_case(client, name, keys, buffers)
 
     cases: dict[str, Callable[[], float]] = {MEMCPY: memcpy}
     for config, clients in servers.items():

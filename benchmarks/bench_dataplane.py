@@ -58,6 +58,7 @@ from typing import Any
 
 import numpy as np
 import redis
+from _cases import get_into_case, memcpy_case
 from _common import (
     GB,
     KeySource,
@@ -115,19 +116,10 @@ def _throughput_cases(
     batch = len(blocks)
     buffers = [np.empty_like(block) for block in blocks]
 
-    def memcpy() -> float:
-        start = time.perf_counter()
-        for buffer, block in zip(buffers, blocks, strict=True):
-            np.copyto(buffer, block)
-        return time.perf_counter() - start
+    memcpy = memcpy_case(buffers, blocks)
 
     def get_into(client: KVStoreClient, name: str) -> Callable[[], float]:
-        def case() -> float:
-            seconds, filled = timed(lambda: client.get_into(keys, buffers))
-            check(filled == [True] * batch, f"{name}: filled {filled}")
-            return seconds
-
-        return case
+        return get_into_case(client, name, keys, buffers)
 
     def put(client: KVStoreClient, name: str) -> Callable[[], float]:
         return fresh_put_case(client, blocks, fresh_keys, name)

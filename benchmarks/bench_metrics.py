@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _cases import get_into_case, memcpy_case
 from _common import (
     BenchmarkError,
     KeySource,
@@ -109,19 +110,10 @@ def cases(
             check(client.get_into(keys, buffers) == [True] * len(keys), f"{name} {kind}")
             check(client.data_plane == ("grpc" if kind == "grpc" else "shm"), f"{name} {kind}")
 
-    def memcpy() -> float:
-        start = time.perf_counter()
-        for buffer, block in zip(buffers, blocks, strict=True):
-            np.copyto(buffer, block)
-        return time.perf_counter() - start
+    memcpy = memcpy_case(buffers, blocks)
 
     def get_into(client: KVStoreClient, label: str) -> Callable[[], float]:
-        def case() -> float:
-            seconds, filled = timed(lambda: client.get_into(keys, buffers))
-            check(filled == [True] * len(keys), f"{label}: filled {filled}")
-            return seconds
-
-        return case
+        return get_into_case(client, label, keys, buffers)
 
     def lookup(client: KVStoreClient, label: str) -> Callable[[], float]:
         def case() -> float:
