@@ -127,7 +127,7 @@ class StandInRegistrar:
         self.read_only: list[tuple[int, int]] = []
 
     def register(self, address: int, nbytes: int, read_only: bool = False) -> int:
-        time.sleep(self.delay_s)
+        time.sleep(self.delay_s)  # sleep: the slow registration asked for
         if self.fail:
             return self.fail
         self.registered.append((address, nbytes))

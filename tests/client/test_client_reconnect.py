@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from harness.polling import poll
 from harness.ports import free_port
 from harness.serve import ServerProcess
 
@@ -176,15 +177,27 @@ def test_closing_a_client_that_still_waits_leaves_no_failing_grpc_thread() -> No
     failures: list[BaseException | None] = []
     previous = threading.excepthook
     threading.excepthook = lambda args: failures.append(args.exc_value)
+    before = set(threading.enumerate())
     try:
         fired = threading.Event()
         client = KVStoreClient(f"127.0.0.1:{free_port()}", timeout=0.5, data_plane="grpc")
         with pytest.raises(KVStoreError):
             client.stats()
         client.when_reconnected(fired.set)
-        time.sleep(0.3)  # gRPC's connectivity thread is polling the channel now
+
+        started: list[threading.Thread] = []
+
+        def polling() -> bool:
+            # gRPC names its threads "Thread-N (_run)" (cygrpc.ForkManagedThread).
+            started[:] = [
+                t for t in threading.enumerate() if t not in before and "(_run)" in t.name
+            ]
+            return bool(started)
+
+        poll(polling, 10.0, "gRPC's connectivity thread polling the channel")
         client.close()
-        time.sleep(0.6)  # it would have died on the closed channel by now
+        # Once they have ended, a thread that died on the closed channel has been reported.
+        poll(lambda: not any(t.is_alive() for t in started), 10.0, "gRPC's threads ending")
     finally:
         threading.excepthook = previous
     assert failures == [] and not fired.is_set()

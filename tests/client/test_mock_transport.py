@@ -140,7 +140,7 @@ def test_a_status_from_the_handler_raises_what_grpc_would(code: grpc.StatusCode)
 
 def test_a_handler_slower_than_the_deadline_raises_deadline_exceeded() -> None:
     def slow(method: str, request: Any) -> Any:
-        time.sleep(0.05)  # the handler's work; the client's deadline is shorter
+        time.sleep(0.05)  # sleep: the handler's work; the client's deadline is shorter
         return pb.DeleteResponse(deleted=1)
 
     with KVStoreClient(

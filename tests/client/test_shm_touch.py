@@ -80,7 +80,8 @@ def test_a_message_never_exceeds_the_servers_key_limit() -> None:
 def test_close_sends_what_is_pending() -> None:
     recorder = Recorder()
     sender = TouchSender(recorder, recorder.sync, max_keys=64, window_s=60.0)  # would wait a minute
-    time.sleep(0.05)  # the thread is asleep, waiting for work
+    # sleep: lets the thread reach its 60 s wait (if it has not, close() must not wait either)
+    time.sleep(0.05)
     sender.close()  # before anything was added: nothing to send
     assert recorder.sent == []
     sender = TouchSender(recorder, recorder.sync, max_keys=64, window_s=0.5)

@@ -70,7 +70,7 @@ class FakeEngine:
                     return
                 body = json.loads(data)
                 engine.requests.append((self.path, body))
-                time.sleep(engine.delay_s)
+                time.sleep(engine.delay_s)  # sleep: the engine's work, as slow as asked
                 if not body.get("stream"):
                     choice = {"text": f"from {engine.name}", "index": 0}
                     self._send(200, {"object": "text_completion", "choices": [choice]})

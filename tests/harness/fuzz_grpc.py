@@ -275,7 +275,7 @@ class Requests:
             timeout = STALL_S if how == "stall" else DEADLINE_S
             future = stub.Put.future(stream(), timeout=timeout)
             if how == "cancel":
-                time.sleep(pause)
+                time.sleep(pause)  # sleep: a random moment in the stream to cancel at
                 future.cancel()
             try:
                 return future.result(timeout=DEADLINE_S + 5)

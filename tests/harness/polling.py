@@ -4,10 +4,11 @@ passes as long as the deadline is generous."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 
-__all__ = ["poll"]
+__all__ = ["apoll", "poll"]
 
 
 def poll(condition: Callable[[], object], within: float, what: str, every: float = 0.05) -> None:
@@ -16,3 +17,13 @@ def poll(condition: Callable[[], object], within: float, what: str, every: float
     while not condition():
         assert time.monotonic() < deadline, f"{what} not within {within} s"
         time.sleep(every)
+
+
+async def apoll(
+    condition: Callable[[], object], within: float, what: str, every: float = 0.005
+) -> None:
+    """:func:`poll` on an event loop: the loop runs the other tasks between the checks."""
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} not within {within} s"
+        await asyncio.sleep(every)

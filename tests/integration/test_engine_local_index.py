@@ -153,7 +153,7 @@ def test_engine_chunks_are_local_whole_and_withdrawn(
         with node.client(NS) as client:
             value = np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes()
             assert client.put(keys[:1], [value]).stored == 1
-        time.sleep(0.3)
+        time.sleep(0.3)  # sleep: a window for the node's own copy to (wrongly) outrank the engine
         assert tiers(url, keys) == ["local", "local", ""]
         # Removing block 2 (the first of chunk 1) withdraws chunk 1; chunk 0 stays.
         engine.send([removed(prompt, 2)])

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import grpc
 import numpy as np
 import pytest
+from harness.polling import poll
 
 from kvstore import KVStoreClient, Namespace
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
@@ -91,13 +92,15 @@ def test_running_out_of_fds_pauses_the_shm_plane_and_shutdown_still_saves_dram(
             while len(os.listdir(f"/proc/{pid}/fd")) < limit:
                 assert time.monotonic() < deadline, "the server never ran out of descriptors"
                 time.sleep(0.05)
-            time.sleep(0.3)  # accept() fails with EMFILE a few times meanwhile
+            # accept() has failed with EMFILE (said once in the log; it keeps trying meanwhile).
+            poll(lambda: "cannot accept a connection" in server.stderr(), 10.0, "the EMFILE line")
         finally:
             for sock in socks:
                 sock.close()
 
         if not wait_for_the_plane:
-            time.sleep(0.2)  # the closed connections' descriptors are back
+            back = limit - HEADROOM_FDS // 2
+            poll(lambda: len(os.listdir(f"/proc/{pid}/fd")) <= back, 10.0, "the descriptors back")
         # Descriptors given back: the shared-memory plane serves again (it retries within 1 s).
         deadline = time.monotonic() + 5
         while wait_for_the_plane:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 import redis
+from harness.polling import apoll
 
 from kvstore import ChunkHasher, Namespace
 from kvstore.block import Keyring
@@ -232,6 +233,14 @@ async def test_a_mismatch_found_after_start_is_one_error_line(
     redis_server.kill()
     late = KeyringRecord(redis_server.url, PREFIX, ring("late"))
     assert not (await late.join()).reached
+    joins = late.join
+    refreshes: list[object] = []
+
+    async def counted(timeout_s: float) -> keyring_check.Verdict:
+        refreshes.append(None)
+        return await joins(timeout_s)
+
+    monkeypatch.setattr(late, "join", counted)
     late.start()  # what check_shared_keyring does where Redis did not answer
     try:
         redis_server.start()
@@ -241,7 +250,8 @@ async def test_a_mismatch_found_after_start_is_one_error_line(
         while not [r for r in caplog.records if r.levelname == "ERROR"]:
             assert time.monotonic() < deadline, "no error line"
             await asyncio.sleep(0.02)
-        await asyncio.sleep(0.3)  # several more refreshes: still one line
+        seen = len(refreshes)
+        await apoll(lambda: len(refreshes) >= seen + 3, TIMEOUT_S, "three more refreshes")
         (line,) = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
         assert SETTING in line and "corrupt_blocks" in line and not late.joined
         await first.close()

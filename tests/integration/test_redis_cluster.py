@@ -146,14 +146,16 @@ def test_master_failover_mid_workload(
         work = Workload(one, two)
         thread = threading.Thread(target=work.run, daemon=True)
         thread.start()
-        time.sleep(2.0)
+        poll(lambda: len(work.gets) >= 20, 60.0, "the workload under way")
         # The node the URL names: the servers' clients were bootstrapped from it.
         victim = redis_cluster.kill_master(redis_cluster.nodes[0])
         killed_at = time.monotonic()
         redis_cluster.wait_promoted(victim)
         promoted_at = time.monotonic()
         assert serving(node1) and serving(node2)
-        time.sleep(RECOVER_S + 2.0)
+        # The workload runs on until blocks put RECOVER_S after the promotion were read across.
+        recovered = promoted_at + RECOVER_S
+        poll(lambda: sum(put > recovered for put, _ in work.gets) >= 20, 60.0, "reads after it")
         work.stop.set()
         thread.join(10.0)
         assert not thread.is_alive()
@@ -237,14 +239,16 @@ def test_manual_failover_mid_workload(
         work = Workload(one, two)
         thread = threading.Thread(target=work.run, daemon=True)
         thread.start()
-        time.sleep(1.5)
+        poll(lambda: len(work.gets) >= 20, 60.0, "the workload under way")
         # A lossless switch: the old master turns replica and answers MOVED for its slots.
         (replica,) = redis_cluster.replicas_of(redis_cluster.nodes[0])
         redis_cluster.failover(replica)
         switched_at = time.monotonic()
         assert redis_cluster.roles()[redis_cluster.nodes[0].port][0] == "slave"
         assert serving(node1) and serving(node2)
-        time.sleep(RECOVER_S + 2.0)
+        # The workload runs on until blocks put RECOVER_S after the switch were read across.
+        recovered = switched_at + RECOVER_S
+        poll(lambda: sum(put > recovered for put, _ in work.gets) >= 20, 60.0, "reads after it")
         work.stop.set()
         thread.join(10.0)
         assert not thread.is_alive()

@@ -179,11 +179,13 @@ def test_no_acknowledged_write_through_lost_when_a_master_dies(
         for thread in [*writers.threads, reader.thread]:
             thread.start()
         try:
-            time.sleep(1.5)
+            poll(lambda: len(writers.acknowledged) >= 50, 60.0, "puts under way")
             # The node the URL names: the servers' clients were bootstrapped from it.
             victim = redis_cluster.kill_master(redis_cluster.nodes[0])
             redis_cluster.wait_promoted(victim)
-            time.sleep(2.0)
+            # Puts go on across the promotion (their copies to the dead master's slots queued).
+            promoted = len(writers.acknowledged)
+            poll(lambda: len(writers.acknowledged) >= promoted + 100, 60.0, "puts after it")
         finally:
             writers.stop.set()
             reader.stop.set()
@@ -241,13 +243,16 @@ def test_a_dead_replica_delays_its_masters_writes_without_losing_them(
         for thread in writers.threads:
             thread.start()
         try:
-            time.sleep(1.0)
+            poll(lambda: len(writers.acknowledged) >= 50, 60.0, "puts under way")
             (replica,) = redis_cluster.replicas_of(redis_cluster.nodes[0])
             assert replica.process is not None
             replica.process.kill()
             replica.process.wait()
             replica.process = None
-            time.sleep(4.0)  # cluster-node-timeout is 1 s: the replica is flagged failed
+            # cluster-node-timeout is 1 s: the replica is flagged failed; puts go on past that.
+            poll(lambda: replica.port not in redis_cluster.roles(), 60.0, "the replica failed")
+            flagged = len(writers.acknowledged)
+            poll(lambda: len(writers.acknowledged) >= flagged + 100, 60.0, "puts after it")
         finally:
             writers.stop.set()
             for thread in writers.threads:

@@ -830,7 +830,6 @@ def test_live_client_survives_a_server_restart(
         assert client.lookup(keys + more_keys) == 8
         if data_plane == "auto":
             assert before == "shm"
-            time.sleep(0.3)
 
             def back_on_shm() -> bool:
                 client.lookup(keys)
@@ -1108,9 +1107,11 @@ def _close_under_readers(
     """Close ``plane`` while two threads read ``keys`` through it; what went wrong for them."""
     errors: list[BaseException] = []
     stop = threading.Event()
+    reads: list[None] = []  # one per read begun, by either thread
 
     def read() -> None:
         while not stop.is_set():
+            reads.append(None)
             outs = [bytearray(len(value)) for value in values]
             try:
                 filled = plane.get_into(keys, outs)
@@ -1129,9 +1130,11 @@ def _close_under_readers(
     threads = [threading.Thread(target=read) for _ in range(2)]
     for thread in threads:
         thread.start()
-    time.sleep(0.05)
+    # (a reader that failed has stopped: what it found is the answer)
+    wait_until(lambda: len(reads) >= 4 or bool(errors), "the readers under way")
     plane.close()
-    time.sleep(0.05)
+    closed_at = len(reads)
+    wait_until(lambda: len(reads) >= closed_at + 4 or bool(errors), "reads on the closed plane")
     stop.set()
     for thread in threads:
         thread.join(timeout=10)

@@ -303,7 +303,7 @@ def test_a_killed_client_does_not_wedge_the_server(
     try:
         assert doomed.stdout is not None
         assert doomed.stdout.readline().strip() == "ready"
-        time.sleep(0.3)  # in the middle of its transfer loop
+        time.sleep(0.3)  # sleep: killed at some moment in the middle of its transfer loop
         doomed.kill()
         doomed.wait()
     finally:

@@ -55,7 +55,7 @@ class Engine:
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 log.append((engine.name, body))
-                time.sleep(engine.delay_s)
+                time.sleep(engine.delay_s)  # sleep: the engine's work, as slow as asked
                 if body.get("stream"):
                     self.send_response(200)
                     self.send_header("Content-Type", "text/event-stream")

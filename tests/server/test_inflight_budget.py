@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from harness.polling import apoll
 
 from kvstore.server.budget import InflightBudget
 
@@ -23,7 +24,7 @@ async def test_take_waits_for_room_and_caps_at_the_limit() -> None:
     assert budget.try_take(8)
     waiting = asyncio.create_task(budget.take(5))
     huge = asyncio.create_task(budget.take(1000))  # waits for an idle budget, not forever
-    await asyncio.sleep(0.01)
+    await apoll(lambda: len(budget._waiters) == 2, 10.0, "both takes waiting for room")
     assert not waiting.done() and not huge.done()
     budget.give(8)
     assert await waiting == 5
@@ -37,7 +38,7 @@ async def test_a_cancelled_waiter_charges_nothing() -> None:
     budget = InflightBudget(4)
     assert budget.try_take(4)
     waiter = asyncio.create_task(budget.take(2))
-    await asyncio.sleep(0.01)
+    await apoll(lambda: len(budget._waiters) == 1, 10.0, "the take waiting for room")
     waiter.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiter

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from harness.polling import apoll
 
 from kvstore.protocol.ucx import UcxTransportError
 from kvstore.server.ucx_endpoints import ClientEndpoint, InflightLimits
@@ -21,8 +22,8 @@ async def test_a_lane_past_its_limit_waits_until_bytes_come_back() -> None:
     await limits.admit("t", [a], [80], 1.0)
     waiting = asyncio.create_task(limits.admit("t", [a, b], [30, 10], 5.0))
     other = asyncio.create_task(limits.admit("t", [b], [90], 5.0))  # another lane: room
-    await asyncio.sleep(0.02)
-    assert not waiting.done() and other.done()
+    await apoll(other.done, 10.0, "the other lane admitted")
+    assert not waiting.done()  # its lane is full until the release below
     limits.release("t", [a], [80])
     await asyncio.wait_for(waiting, 5.0)
     assert limits.by_client[a.client_id] == 30 and limits.by_client[b.client_id] == 100

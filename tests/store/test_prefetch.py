@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from harness.polling import apoll
 from harness.store_blocks import MIB, PAGE, key, payload
 
 from kvstore.errors import InvalidRequestError, StoreUnavailableError, UnknownPrefetchError
@@ -48,12 +49,8 @@ def tiers_of(store: TieredStore, numbers: Sequence[int]) -> list[str]:
 
 
 async def wait_finished(prefetcher: Prefetcher, prefetch_id: int) -> PrefetchProgress:
-    for _ in range(5000):
-        progress = prefetcher.status(prefetch_id)
-        if progress.finished:
-            return progress
-        await asyncio.sleep(0.001)
-    raise AssertionError(f"prefetch {prefetch_id} not finished: {prefetcher.status(prefetch_id)}")
+    await apoll(lambda: prefetcher.status(prefetch_id).finished, 30.0, f"prefetch {prefetch_id}")
+    return prefetcher.status(prefetch_id)
 
 
 class GatedPromote:
@@ -80,11 +77,7 @@ class GatedPromote:
             self.finished += 1
 
     async def wait_calls(self, count: int) -> None:
-        for _ in range(5000):
-            if len(self.calls) >= count:
-                return
-            await asyncio.sleep(0.001)
-        raise AssertionError(f"{len(self.calls)} promote batches started, expected {count}")
+        await apoll(lambda: len(self.calls) >= count, 30.0, f"{count} promote batches started")
 
 
 def gate(store: TieredStore, monkeypatch: pytest.MonkeyPatch) -> GatedPromote:
@@ -138,7 +131,7 @@ async def test_concurrency_is_bounded_across_prefetches_and_batches_go_in_order(
     jobs = {n: [key(1000 * n + i) for i in range(22)] for n in range(1, 4)}  # absent: missing
     ids = {n: prefetcher.submit(keys, NS) for n, keys in jobs.items()}
     await gated.wait_calls(3)
-    await asyncio.sleep(0.02)  # room for a fourth batch to start if the bound leaked
+    await asyncio.sleep(0.02)  # sleep: room for a fourth batch to start if the bound leaked
     assert len(gated.calls) == 3
     assert gated.in_flight == 3
     gated.gate.set()
@@ -167,11 +160,8 @@ async def test_cancel_stops_remaining_batches_and_keeps_moved_blocks(
     assert prefetcher.status(prefetch_id).state is PrefetchState.CANCELLED
     # The batch already in promote is not interrupted: it completes, and its blocks stay.
     gated.gate.set()
-    for _ in range(1000):
-        if gated.finished == 1:
-            break
-        await asyncio.sleep(0.001)
-    await asyncio.sleep(0.02)  # room for a second batch to start if cancel leaked
+    await apoll(lambda: gated.finished == 1, 30.0, "the batch in promote done")
+    await asyncio.sleep(0.02)  # sleep: room for a second batch to start if cancel leaked
     assert len(gated.calls) == 1
     assert prefetcher.status(prefetch_id) == PrefetchProgress(
         PrefetchState.CANCELLED, total=4, ready=2
@@ -193,12 +183,12 @@ async def test_cancel_of_a_queued_prefetch_runs_nothing(
     first = prefetcher.submit([key(1), key(2)], NS)
     await gated.wait_calls(1)
     queued = prefetcher.submit([key(3), key(4)], NS)
-    await asyncio.sleep(0.01)
+    await asyncio.sleep(0.01)  # sleep: room for the queued one to start if the bound leaked
     assert prefetcher.status(queued).state is PrefetchState.QUEUED
     assert prefetcher.cancel(queued) is True
     gated.gate.set()
     assert (await wait_finished(prefetcher, first)).state is PrefetchState.DONE
-    await asyncio.sleep(0.01)
+    await asyncio.sleep(0.01)  # sleep: room for the cancelled one to start if cancel leaked
     assert gated.calls == [[key(1), key(2)]]
     assert prefetcher.status(queued) == PrefetchProgress(PrefetchState.CANCELLED, total=2)
     await prefetcher.close()
@@ -213,7 +203,7 @@ async def test_close_cancels_and_waits_for_batches_in_flight(
     prefetch_id = prefetcher.submit([key(n) for n in range(4)], NS)
     await gated.wait_calls(2)
     closing = asyncio.create_task(prefetcher.close())
-    await asyncio.sleep(0.01)
+    await asyncio.sleep(0.01)  # sleep: room for close() to return early if it does not wait
     assert not closing.done()  # two moves are still in flight
     gated.gate.set()
     await asyncio.wait_for(closing, 5)
@@ -234,7 +224,15 @@ async def test_unknown_and_forgotten_ids(store: TieredStore) -> None:
         prefetcher.cancel(12345)
     ids = [prefetcher.submit([key(n)], NS) for n in range(3)]
     await wait_finished(prefetcher, ids[2])
-    await asyncio.sleep(0.01)  # let the last one's completion settle
+
+    def forgotten() -> bool:  # the last one's completion is settled once the oldest is gone
+        try:
+            prefetcher.status(ids[0])
+        except UnknownPrefetchError:
+            return True
+        return False
+
+    await apoll(forgotten, 10.0, "the oldest finished prefetch forgotten")
     with pytest.raises(UnknownPrefetchError):
         prefetcher.status(ids[0])  # the oldest finished one is forgotten first
     assert [prefetcher.status(i).state for i in ids[1:]] == [PrefetchState.DONE] * 2
@@ -264,7 +262,7 @@ async def test_bad_request_raises_before_anything_is_queued(
     prefetcher = Prefetcher(store, batch_keys=4)
     with pytest.raises(InvalidRequestError, match=message):
         prefetcher.submit(keys, namespace)
-    await asyncio.sleep(0.01)
+    await asyncio.sleep(0.01)  # sleep: room for a batch to start if one had been queued
     assert calls == []
     assert prefetcher.stats() == {
         "prefetch_active": 0,

@@ -7,11 +7,11 @@ and the oldest finished ones are forgotten first.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from harness.polling import apoll
 from harness.store_blocks import MIB, PAGE, key, payload
 
 from kvstore.errors import CapacityError, UnknownPrefetchError
@@ -33,12 +33,8 @@ async def store(tmp_path: Path) -> AsyncIterator[TieredStore]:
 
 
 async def finished(prefetcher: Prefetcher, prefetch_id: int) -> PrefetchProgress:
-    for _ in range(5000):
-        progress = prefetcher.status(prefetch_id)
-        if progress.finished:
-            return progress
-        await asyncio.sleep(0.001)
-    raise AssertionError(f"prefetch {prefetch_id} never finished")
+    await apoll(lambda: prefetcher.status(prefetch_id).finished, 30.0, f"prefetch {prefetch_id}")
+    return prefetcher.status(prefetch_id)
 
 
 async def test_queue_of_unfinished_keys_is_bounded(store: TieredStore) -> None:
@@ -63,10 +59,9 @@ async def test_cancelled_prefetch_gives_its_keys_back(store: TieredStore) -> Non
     assert prefetcher.cancel(first)
     assert (await finished(prefetcher, first)).state is PrefetchState.CANCELLED
     # The keys are given back once its task is done (a moment after the cancel).
-    for _ in range(100):
-        if prefetcher.stats()["prefetch_queued_keys"] == 0:
-            break
-        await asyncio.sleep(0.001)
+    await apoll(
+        lambda: prefetcher.stats()["prefetch_queued_keys"] == 0, 10.0, "the keys given back"
+    )
     prefetcher.submit([key(n) for n in range(4)], NS)
     await prefetcher.close()
 

@@ -600,7 +600,7 @@ async def test_lmdb_map_full_is_handled_by_eviction_not_an_error(tmp_path: Path)
 async def test_pin_taken_during_an_eviction_protects_the_block(store: TieredStore) -> None:
     await put_blocks(store, range(4))
     put = asyncio.ensure_future(store.put([key(9)], [payload(9, 3 * PAGE)], NS))
-    await asyncio.sleep(0)  # the put has chosen keys 0, 1, 2 and is writing key 0 to nvme
+    await asyncio.sleep(0)  # sleep: one loop turn: the put is writing key 0 to nvme
     assert not put.done()
     store.pin([key(2)])
     await put

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from harness.polling import apoll
 from harness.store_blocks import MIB, PAGE, arena, key, make_store, payload
 
 from kvstore.errors import CapacityError, InvalidRequestError, NamespaceMismatchError
@@ -589,8 +590,8 @@ async def test_a_cancelled_acquire_gives_back_the_leases_it_took(store: TieredSt
     assert tiers_of(store, [0, 5]) == ["nvme", "dram"]
     async with store._mover.lock:  # the promotion of block 0 waits for the lock: cancel it there
         task = asyncio.ensure_future(store.acquire([key(5), key(0)], NS))
-        await asyncio.sleep(0.01)
-        assert dram_stats(store)["leases"] == 1  # block 5 was leased before the wait
+        # Block 5 is leased before the wait for the lock.
+        await apoll(lambda: dram_stats(store)["leases"] == 1, 10.0, "block 5 leased")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -612,7 +613,7 @@ async def test_a_cancelled_reserve_gives_back_its_reservations(store: TieredStor
 
     store._mover.make_room = make_room  # type: ignore[method-assign]
     task = asyncio.ensure_future(store.reserve([key(1), key(2)], [PAGE, PAGE], NS))
-    await asyncio.sleep(0.01)
+    await apoll(lambda: calls == 2, 10.0, "the second key's eviction stalled")
     assert dram_stats(store)["reserved_bytes"] == PAGE
     task.cancel()
     with pytest.raises(asyncio.CancelledError):

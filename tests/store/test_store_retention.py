@@ -90,7 +90,7 @@ async def test_retention_runs_out(store: TieredStore) -> None:
 async def test_a_read_starts_the_window_again(store: TieredStore) -> None:
     await put(store, [1], Retention(0.5))
     until = store._index.retained_until(key(1))
-    await asyncio.sleep(0.01)
+    await asyncio.sleep(0.01)  # sleep: time passes, so the read's new window ends later
     await store.get([key(1)], NS)
     assert store._index.retained_until(key(1)) > until
 

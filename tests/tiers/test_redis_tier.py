@@ -224,7 +224,7 @@ async def test_stalled_redis_bounds_every_call(tier: RedisTier, server: RedisSer
         assert tier.stats()["outages"] == 1
         await assert_down_and_fast(tier, bound=0.05)
         # Reconnect attempts against a stalled server keep failing: still down.
-        await asyncio.sleep(3 * OP_TIMEOUT)
+        await asyncio.sleep(3 * OP_TIMEOUT)  # sleep: time for several reconnect attempts
         assert not tier.up
     finally:
         server.resume()
