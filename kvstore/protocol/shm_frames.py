@@ -63,6 +63,7 @@ from typing import Any
 
 from kvstore.deprecation import deprecated
 from kvstore.errors import InvalidRequestError
+from kvstore.formats import SHM_FRAMES
 from kvstore.keys import KEY_BYTES
 from kvstore.retention import KEEP, RETENTION_TIERS, Retention
 
@@ -84,8 +85,9 @@ __all__ = [
     "unpack_hello",
 ]
 
-#: Bumped whenever a frame's layout changes.
-PROTOCOL_VERSION = 3
+#: Bumped whenever a frame's layout changes; declared with the other versioned formats
+#: (:data:`kvstore.formats.SHM_FRAMES`).
+PROTOCOL_VERSION = SHM_FRAMES.latest
 
 #: The most lookups one TOUCH may report (a client holds no more between two TOUCHes).
 MAX_TOUCH_LOOKUPS = 1 << 16

@@ -19,15 +19,19 @@ from kvstore.errors import (
     KVStoreError,
     NamespaceMismatchError,
 )
+from kvstore.formats import SHM_FRAMES
 from kvstore.keys import KEY_BYTES
 from kvstore.protocol.shm_frames import (
     MAX_TOUCH_LOOKUPS,
+    PROTOCOL_VERSION,
     Cursor,
+    Hello,
     Op,
     ProtocolError,
     frame_length,
     max_frame_length,
     pack_keys,
+    unpack_hello,
 )
 from kvstore.protocol.shm_messages import (
     INTERNAL,
@@ -253,3 +257,15 @@ def test_the_old_slot_class_still_imports_with_a_warning() -> None:
     assert "AcquireSlot or ReserveSlot" in str(warning.message) and "removed in" in str(
         warning.message
     )
+
+
+def test_the_hello_carries_the_version_declared_with_the_other_formats() -> None:
+    hello = Hello(1 << 20, 4096, MAX_KEYS, b"i" * 16, ["dram", "nvme"])
+    body = hello.pack()
+    assert body[:4] == struct.pack("<I", SHM_FRAMES.latest) and PROTOCOL_VERSION == 3
+    assert unpack_hello(body) == hello
+    other = struct.pack("<I", SHM_FRAMES.latest + 1) + body[4:]
+    with pytest.raises(ProtocolError, match="shared-memory protocol 4, this client 3"):
+        unpack_hello(other)
+    with pytest.raises(ProtocolError, match="truncated"):
+        unpack_hello(body[:20])
