@@ -11,7 +11,8 @@
 * :mod:`kvstore.protocol.rates`: measured rates (a tier's reads, an engine's prefill) and the
   ``Stats`` keys that carry a tier's.
 
-Modules here import only the standard library, numpy, grpc, the generated ``_proto`` code and
-kvstore's own leaf modules (``errors``, ``keys``, ``types``, ``buffers``): never a client, the
-store, a tier or the server.
+Modules here import only the standard library, numpy, grpc, the generated ``_proto`` code,
+kvstore's vocabulary (``errors``, ``keys``, ``types``, ``buffers``, ``retention``, ``formats``,
+``deprecation``, ...) and its configuration: never a client, the store, a tier or the server
+(``tests/test_layering.py`` holds the list).
 """

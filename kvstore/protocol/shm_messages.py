@@ -2,10 +2,12 @@
 
 :mod:`kvstore.protocol.shm_frames` draws the frame (``length:u32 | code:u8 | body``) and the
 table of every op's body; this module holds the codec of each body with more than a list of keys
-or ids in it, so that the server and the client write and read one layout each, from here:
+or ids in it, so that the server and the client write and read one layout each, from here
+(``pack_reserve`` / ``read_reserve`` for a request, ``pack_reserve_reply`` /
+``read_reserve_reply`` for its reply, and so on):
 
 =============  ===========================================  ========================================
-op             request (:func:`pack_…` / :func:`read_…`)    reply (:func:`pack_…_reply` / ``read``)
+op             request                                      reply
 =============  ===========================================  ========================================
 LOOKUP         keys                                         hits:u32, tier code:u8 per key
 ACQUIRE        keys                                         per key an :class:`AcquireSlot`
@@ -21,8 +23,9 @@ A per-key slot is ``kind:u8`` then, for a slot that lends pages (a LEASE or a RE
 for the other kinds. The two replies number their kinds each from 0, so a kind means something
 only beside the op it answers: the two enums say which.
 
-Every ``read_*`` takes a whole body and raises :class:`~kvstore.protocol.shm_frames.ProtocolError`
-for one that is cut short, runs on past its contents or names a kind, count or tier it may not;
+Every ``read_*`` takes a whole body (a request reader also the server's cursor over one) and
+raises :class:`~kvstore.protocol.shm_frames.ProtocolError` for one that is cut short, runs on past
+its contents or names a kind or a count it may not;
 sizes come from the body only after they were checked against what is left of it, so a
 garbage frame costs no more than its own bytes.
 
