@@ -3,8 +3,9 @@
 What one node writes another reads: block headers on nvme, in Redis and between peers
 (:mod:`kvstore.block`), node descriptions in the cluster index
 (:mod:`kvstore.cluster.records`), index entries (:mod:`kvstore.cluster.layout`,
-:mod:`kvstore.node.publisher`), the RPCs (the ``kvstore.v1`` protobuf package), and, on one node
-across a restart, retention records (:mod:`kvstore.tiers.nvme_retention`). Each carries
+:mod:`kvstore.node.publisher`), the RPCs (the ``kvstore.v1`` protobuf package), and, on one node,
+retention records across a restart (:mod:`kvstore.tiers.nvme_retention`) and the shared-memory
+frames between a node and the engines beside it (:mod:`kvstore.protocol.shm_frames`). Each carries
 a version, and every release keeps one promise (the N-1 promise):
 
 * it **reads and keeps** everything the previous release writes (versions N-1 and N);
@@ -37,6 +38,7 @@ __all__ = [
     "RECORD",
     "RETENTION",
     "RPC_PACKAGE",
+    "SHM_FRAMES",
     "WRITE_FORMATS",
     "Format",
     "NewerFormatError",
@@ -100,6 +102,12 @@ PEER_CALL = Format("peer authenticator", reads=(1,), latest=1, previous=1)
 #: Retention records beside the nvme tier's blocks (:mod:`kvstore.tiers.nvme_retention`): node-
 #: local, but a downgrade reads them too.
 RETENTION = Format("retention record", reads=(1,), latest=1, previous=1)
+
+#: The shared-memory socket's frames (:mod:`kvstore.protocol.shm_frames`, their bodies in
+#: :mod:`kvstore.protocol.shm_messages`), the ``version`` of its HELLO reply: node-local (a client
+#: and the node on its host), so no node description lists it. A client of one version refuses a
+#: node of another and uses gRPC with it, which every release serves.
+SHM_FRAMES = Format("shared-memory frames", reads=(3,), latest=3, previous=3)
 
 #: Every format by the name a node description's ``formats`` field gives it.
 FORMATS = {

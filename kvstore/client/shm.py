@@ -2,8 +2,9 @@
 
 :class:`ShmDataPlane` maps the server's ``dram`` arena and the arena's published index (both
 received as memfds on the first connection) and talks to the server over its UNIX socket (see
-:mod:`kvstore.protocol.shm_frames`). A read first looks every key up in the index and copies
-what it finds straight into the caller's buffer, keeping a copy only if the index entry did not
+:mod:`kvstore.protocol.shm_frames`; the bodies are packed and read by
+:mod:`kvstore.protocol.shm_messages`). A read first looks every key up in the index and copies what
+it finds straight into the caller's buffer, keeping a copy only if the index entry did not
 change meanwhile (:mod:`kvstore.protocol.dram_index`); the server hears of those reads a moment
 later, in a one-way ``TOUCH`` that a background thread sends (:mod:`kvstore.client.shm_touch`).
 The remaining keys take the leased path: acquire leases on their pages (which promotes them from
@@ -39,7 +40,8 @@ from kvstore.errors import DeadlineExceededError
 from kvstore.keys import KEY_BYTES
 from kvstore.protocol.checks import check_pairs
 from kvstore.protocol.dram_index import IndexReader
-from kvstore.protocol.shm_frames import Cursor, Op, Slot, pack_ids, pack_keys
+from kvstore.protocol.shm_frames import Op, pack_ids, pack_keys
+from kvstore.protocol.shm_messages import Lent, read_acquire_reply, read_lookup_reply
 from kvstore.types import LookupResult
 
 __all__ = ["ShmDataPlane", "ShmLease", "ShmReservation", "ShmUnavailableError"]
@@ -118,9 +120,8 @@ class ShmDataPlane(ShmWrites):
             return LookupResult(local, [self._arena_tier] * local)
         rest = keys[local:]
         with self._connection(deadline) as conn:
-            reply = Cursor(conn.call(Op.LOOKUP, pack_keys(rest), deadline))
-            hits = reply.u32()
-            indices = reply.take(len(rest))
+            reply = conn.call(Op.LOOKUP, pack_keys(rest), deadline)
+            hits, indices = read_lookup_reply(reply, len(rest))
         tiers = [self._arena_tier] * local + list(map(self._tier_names.__getitem__, indices))
         return LookupResult(local + hits, tiers)
 
@@ -192,18 +193,16 @@ class ShmDataPlane(ShmWrites):
         leases: list[int] = []
         arena = self._arena
         with closed_on_failure(conn):
-            reply = Cursor(conn.call(Op.ACQUIRE, pack_keys(keys), deadline))
-            for _ in keys:
-                kind = reply.u8()
-                if kind == Slot.LEASE:
-                    leases.append(reply.u64())
-                    ranges = reply.ranges()
-                    parts = [arena[offset : offset + size] for offset, size in ranges]
+            reply = conn.call(Op.ACQUIRE, pack_keys(keys), deadline)
+            for item in read_acquire_reply(reply, len(keys)):
+                if isinstance(item, Lent):
+                    leases.append(item.id)
+                    parts = [arena[offset : offset + size] for offset, size in item.ranges]
                     view = parts[0] if len(parts) == 1 else np.concatenate(parts)
                     view.flags.writeable = False
                     views.append(view)
-                elif kind == Slot.BYTES:
-                    views.append(np.frombuffer(bytes(reply.take(reply.u64())), dtype=np.uint8))
+                elif item is not None:  # inline: a copy, not a view pinning the whole reply
+                    views.append(np.frombuffer(bytes(item), dtype=np.uint8))
                 else:
                     views.append(None)
         return ShmLease(views, lambda: self._release(conn, leases), None, self.registration)
@@ -284,16 +283,15 @@ class ShmDataPlane(ShmWrites):
                 return copied
         wanted = [keys[i] for i in pending]
         with self._connection(deadline) as conn:
-            reply = Cursor(conn.call(Op.ACQUIRE, pack_keys(wanted), deadline))
-            leases: list[int] = []
+            reply = conn.call(Op.ACQUIRE, pack_keys(wanted), deadline)
+            items = read_acquire_reply(reply, len(wanted))
+            leases = [item.id for item in items if isinstance(item, Lent)]
             try:
-                for i in pending:
-                    kind = reply.u8()
-                    if kind == Slot.LEASE:
-                        leases.append(reply.u64())
-                        copied[i] = copy(i, reply.ranges())
-                    elif kind == Slot.BYTES:
-                        copied[i] = copy(i, reply.take(reply.u64()))
+                for i, item in zip(pending, items, strict=True):
+                    if isinstance(item, Lent):
+                        copied[i] = copy(i, list(item.ranges))
+                    elif item is not None:
+                        copied[i] = copy(i, item)
             finally:
                 if leases:
                     conn.send(Op.RELEASE, pack_ids(leases))

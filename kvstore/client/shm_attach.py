@@ -20,7 +20,6 @@ import logging
 import mmap
 import select
 import socket
-import struct
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -34,7 +33,8 @@ from kvstore.client.shm_touch import TouchSender
 from kvstore.client.shm_window import WINDOW_BYTES, ClientWindow
 from kvstore.errors import DeadlineExceededError
 from kvstore.protocol.dram_index import DIRECT_READS_SUPPORTED, IndexReader
-from kvstore.protocol.shm_frames import ABSENT_TIER, Hello, Op, ProtocolError, pack_keys
+from kvstore.protocol.shm_frames import ABSENT_TIER, Hello, Op, ProtocolError
+from kvstore.protocol.shm_messages import pack_touch
 
 __all__ = ["ShmAttachment"]
 
@@ -197,7 +197,7 @@ class ShmAttachment:
 
     def _send_touch(self, keys: Sequence[bytes], calls: int, lookups: int) -> None:
         with self._touch_socket(self._deadline(None)) as conn:
-            conn.send(Op.TOUCH, struct.pack("<II", calls, lookups) + pack_keys(keys))
+            conn.send(Op.TOUCH, pack_touch(calls, lookups, keys))
 
     def _sync(self, deadline: float) -> None:
         with self._touch_socket(deadline) as conn:

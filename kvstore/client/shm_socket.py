@@ -13,10 +13,10 @@ import os
 import socket
 import time
 from collections.abc import Iterator
-from typing import Any
 
-from kvstore.errors import DeadlineExceededError, error_from_status
+from kvstore.errors import DeadlineExceededError
 from kvstore.protocol.shm_frames import Op, frame, frame_length, unpack_hello
+from kvstore.protocol.shm_messages import OK, reply_error
 
 __all__ = ["ShmConnection", "ShmUnavailableError", "closed_on_failure"]
 
@@ -63,8 +63,8 @@ class ShmConnection:
             data += self._recv(4 + length - len(data))
         status = data[4]
         body = memoryview(data)[5 : 4 + length]
-        if status != 0:
-            raise error_from_status(_grpc_code(status), bytes(body).decode(errors="replace"))
+        if status != OK:
+            raise reply_error(status, body)
         return body
 
     def _recv(self, size: int) -> bytes:
@@ -128,12 +128,3 @@ def closed_on_failure(conn: ShmConnection) -> Iterator[None]:
     except BaseException:
         conn.sock.close()
         raise
-
-
-def _grpc_code(value: int) -> Any:
-    import grpc
-
-    for code in grpc.StatusCode:
-        if code.value[0] == value:
-            return code
-    return grpc.StatusCode.UNKNOWN

@@ -16,7 +16,6 @@ are left taken, since the server may still be copying out of them.
 
 from __future__ import annotations
 
-import struct
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -30,7 +29,16 @@ from kvstore.client.shm_socket import ShmConnection, closed_on_failure
 from kvstore.client.shm_window import ClientWindow
 from kvstore.errors import DeadlineExceededError, InvalidRequestError
 from kvstore.protocol.checks import check_pairs
-from kvstore.protocol.shm_frames import Cursor, Op, Slot, pack_ids, pack_keys, pack_retention
+from kvstore.protocol.shm_frames import Op, pack_ids
+from kvstore.protocol.shm_messages import (
+    Lent,
+    ReserveSlot,
+    pack_commit,
+    pack_commit_from,
+    pack_reserve,
+    read_commit_reply,
+    read_reserve_reply,
+)
 from kvstore.retention import KEEP, Retention
 from kvstore.types import PutResult
 
@@ -56,7 +64,6 @@ class ShmWrites(ShmAttachment):
         """
         check_pairs(keys, values, "values")
         views = [byte_view(value) for value in values]
-        lengths = struct.pack(f"<{len(views)}Q", *(len(view) for view in views))
         present = 0
         no_room: list[int] = []
         deadline = self._deadline(timeout)
@@ -64,26 +71,26 @@ class ShmWrites(ShmAttachment):
         answered = True
         with self._connection(deadline) as conn:
             window = self._window_on(conn, deadline) if self.sealed else None
-            asked = pack_keys(keys) + lengths + pack_retention(retention)
-            reply = Cursor(conn.call(Op.RESERVE, asked, deadline))
+            asked = pack_reserve(keys, [len(view) for view in views], retention)
+            reply = conn.call(Op.RESERVE, asked, deadline)
             reserved: list[int] = []
             refused: list[int] = []  # reserved by the server, but no room in the window
             try:
-                for index, view in enumerate(views):
-                    kind = reply.u8()
-                    if kind == Slot.RESERVED:
-                        slot, ranges = reply.u64(), reply.ranges()
+                for index, (view, item) in enumerate(
+                    zip(views, read_reserve_reply(reply, len(keys)), strict=True)
+                ):
+                    if isinstance(item, Lent):
                         if window is None:
-                            reserved.append(slot)
-                            self._write(ranges, view)
+                            reserved.append(item.id)
+                            self._write(item.ranges, view)
                         elif (offset := window.take(len(view))) is None:
-                            refused.append(slot)
+                            refused.append(item.id)
                             no_room.append(index)
                         else:
-                            reserved.append(slot)
+                            reserved.append(item.id)
                             taken.append((offset, len(view)))
                             window.write(offset, np.frombuffer(view, dtype=np.uint8))
-                    elif kind == Slot.PRESENT:
+                    elif item == ReserveSlot.PRESENT:
                         present += 1
                     else:
                         no_room.append(index)
@@ -119,12 +126,10 @@ class ShmWrites(ShmAttachment):
     ) -> tuple[int, int, int]:
         """Commit reserved slots ``ids`` (from ``offsets`` in the window where it is used)."""
         if self.sealed:
-            body = pack_ids(ids) + struct.pack(f"<{len(offsets)}Q", *offsets)
-            reply = conn.call(Op.COMMIT_FROM, body + pack_retention(retention), deadline)
+            reply = conn.call(Op.COMMIT_FROM, pack_commit_from(ids, offsets, retention), deadline)
         else:
-            reply = conn.call(Op.COMMIT, pack_ids(ids) + pack_retention(retention), deadline)
-        stored, already, dropped = Cursor(reply).unpack("III")
-        return stored, already, dropped
+            reply = conn.call(Op.COMMIT, pack_commit(ids, retention), deadline)
+        return read_commit_reply(reply)
 
     def reserve(
         self,
@@ -151,31 +156,27 @@ class ShmWrites(ShmAttachment):
         # A failure closes the socket, and the server then gives back whatever it reserved.
         with closed_on_failure(conn):
             window = self._window_on(conn, deadline) if self.sealed else None
-            lengths = struct.pack(f"<{len(sizes)}Q", *sizes)
-            asked = pack_keys(keys) + lengths + pack_retention(retention)
-            reply = Cursor(conn.call(Op.RESERVE, asked, deadline))
+            reply = conn.call(Op.RESERVE, pack_reserve(keys, sizes, retention), deadline)
             refused: list[int] = []
-            for size in sizes:
-                kind = reply.u8()
-                if kind == Slot.RESERVED:
-                    slot, pages = reply.u64(), reply.ranges()
+            for size, item in zip(sizes, read_reserve_reply(reply, len(keys)), strict=True):
+                if isinstance(item, Lent):
                     if window is None:
-                        ids.append(slot)
-                        ranges.append(pages)
+                        ids.append(item.id)
+                        ranges.append(list(item.ranges))
                         states.append("reserved")
                         continue
                     offset = window.take(size)
                     if offset is not None:
-                        runs[slot] = (offset, size)
-                        ids.append(slot)
+                        runs[item.id] = (offset, size)
+                        ids.append(item.id)
                         ranges.append([(offset, size)])
                         states.append("reserved")
                         continue
-                    refused.append(slot)
-                    kind = Slot.NO_ROOM
+                    refused.append(item.id)
+                    item = ReserveSlot.NO_ROOM
                 ids.append(None)
                 ranges.append([])
-                states.append("present" if kind == Slot.PRESENT else "no_room")
+                states.append("present" if item == ReserveSlot.PRESENT else "no_room")
             if refused:
                 conn.send(Op.CANCEL, pack_ids(refused))
         with self._lock:
@@ -214,7 +215,7 @@ class ShmWrites(ShmAttachment):
         self._give_back(conn)
         return result
 
-    def _write(self, ranges: _Ranges, view: memoryview) -> None:
+    def _write(self, ranges: Sequence[tuple[int, int]], view: memoryview) -> None:
         """Copy ``view`` into reserved pages of an arena this client may write (older servers)."""
         source = np.frombuffer(view, dtype=np.uint8)
         at = 0

@@ -37,6 +37,13 @@ put): RESERVE applies it to keys already present, COMMIT to the blocks it stores
 ``index_size`` is 0 when no index fd came along.
 ``version`` is :data:`PROTOCOL_VERSION`; a client refuses any other (and falls back to gRPC).
 
+Each body with more than keys or ids in it (the per-key slots of ACQUIRE and RESERVE replies,
+:class:`~kvstore.protocol.shm_messages.AcquireSlot` and
+:class:`~kvstore.protocol.shm_messages.ReserveSlot`, each numbered from 0; LOOKUP and COMMIT
+replies; RESERVE, COMMIT, COMMIT_FROM and TOUCH requests) is packed and read by one pair of
+functions in :mod:`kvstore.protocol.shm_messages`, which both endpoints call; this module holds
+the frame, the ops, the limits and the primitives those functions are made of.
+
 Where the server sealed its arena against writes (``F_SEAL_FUTURE_WRITE``, which the client reads
 off the memfd), a client maps it read-only and writes through a window: a memfd of its own, sent
 once per connection with ``WINDOW``, into which it copies each reserved block before
@@ -49,10 +56,14 @@ from __future__ import annotations
 
 import functools
 import struct
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from kvstore.deprecation import deprecated
 from kvstore.errors import InvalidRequestError
+from kvstore.formats import SHM_FRAMES
 from kvstore.keys import KEY_BYTES
 from kvstore.retention import KEEP, RETENTION_TIERS, Retention
 
@@ -65,7 +76,6 @@ __all__ = [
     "Hello",
     "Op",
     "ProtocolError",
-    "Slot",
     "frame",
     "max_frame_length",
     "pack_ids",
@@ -75,8 +85,9 @@ __all__ = [
     "unpack_hello",
 ]
 
-#: Bumped whenever a frame's layout changes.
-PROTOCOL_VERSION = 3
+#: Bumped whenever a frame's layout changes; declared with the other versioned formats
+#: (:data:`kvstore.formats.SHM_FRAMES`).
+PROTOCOL_VERSION = SHM_FRAMES.latest
 
 #: The most lookups one TOUCH may report (a client holds no more between two TOUCHes).
 MAX_TOUCH_LOOKUPS = 1 << 16
@@ -146,17 +157,6 @@ def max_frame_length(op: int | None, max_keys: int) -> int:
     }
     body = max(limits.values()) if op is None else limits.get(op, _MAX_HELLO_BODY)
     return 1 + min(body, MAX_REQUEST_BYTES - 1)
-
-
-class Slot:
-    """Per-key kinds in ACQUIRE and RESERVE replies."""
-
-    MISS = 0
-    LEASE = 1
-    BYTES = 2
-    NO_ROOM = 0
-    PRESENT = 1
-    RESERVED = 2
 
 
 class ProtocolError(InvalidRequestError):
@@ -325,3 +325,28 @@ def unpack_hello(body: bytes | memoryview) -> Hello:
     rest = bytes(cursor.take(len(cursor.rest())))
     tiers = rest.decode().split("\n") if rest else []
     return Hello(arena_size, index_size, max_keys, instance_id, tiers)
+
+
+class _Slot:
+    """The slot kinds of both replies in one class, as they were (ACQUIRE: MISS, LEASE, BYTES;
+    RESERVE: NO_ROOM, PRESENT, RESERVED, numbered from 0 alike)."""
+
+    MISS = NO_ROOM = 0
+    LEASE = PRESENT = 1
+    BYTES = RESERVED = 2
+
+
+def __getattr__(name: str) -> Any:
+    # ``Slot`` held both replies' kinds, equal numbers meaning different things; each reply has
+    # its own enum now, and the old name still works for a release.
+    if name == "Slot":
+        warnings.warn(
+            deprecated(
+                "kvstore.protocol.shm_frames.Slot",
+                "use AcquireSlot or ReserveSlot from kvstore.protocol.shm_messages",
+            ),
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return _Slot
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

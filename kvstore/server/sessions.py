@@ -17,7 +17,10 @@ starts every call) is never refused for a batch larger than the quota: the block
 back inline (reads) or as "no room" (writes, which the client then sends over gRPC), so nothing
 past the quota stays held.
 
-Sessions run on the store's event loop, like every other caller of the store.
+Sessions run on the store's event loop, like every other caller of the store. What they take
+they take from the store (:meth:`TieredStore.acquire`, :meth:`TieredStore.reserve`), whose
+:class:`~kvstore.store.arena.ArenaLender` keeps each lease and reservation consistent with its
+index; a session only names what its holder has and gives it back.
 """
 
 from __future__ import annotations

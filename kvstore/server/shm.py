@@ -32,23 +32,29 @@ import contextlib
 import logging
 import os
 import socket
-import struct
 import time
 from collections.abc import Callable
 from typing import Any
 
-from kvstore.errors import InvalidRequestError, KVStoreError, status_of
+from kvstore.errors import InvalidRequestError, KVStoreError
 from kvstore.protocol.checks import check_namespace
-from kvstore.protocol.shm_frames import (
-    ABSENT_TIER,
-    MAX_TOUCH_LOOKUPS,
-    Cursor,
-    Hello,
-    Op,
-    ProtocolError,
-    Slot,
-    frame,
-    pack_ranges,
+from kvstore.protocol.shm_frames import ABSENT_TIER, Cursor, Hello, Op, ProtocolError, frame
+from kvstore.protocol.shm_messages import (
+    INTERNAL,
+    OK,
+    AcquiredItem,
+    Lent,
+    ReservedItem,
+    ReserveSlot,
+    error_reply,
+    pack_acquire_reply,
+    pack_commit_reply,
+    pack_lookup_reply,
+    pack_reserve_reply,
+    read_commit,
+    read_commit_from,
+    read_reserve,
+    read_touch,
 )
 from kvstore.server.durations import DURATIONS
 from kvstore.server.sessions import ArenaSession, ArenaSessions, Leased, Reserved
@@ -70,7 +76,6 @@ __all__ = ["ShmServer"]
 
 logger = logging.getLogger(__name__)
 
-_OK = 0
 # Requests timed into ``kvstore_request_duration_seconds``, by the op label they get.
 _TIMED_OPS = {
     Op.LOOKUP: "lookup",
@@ -79,8 +84,6 @@ _TIMED_OPS = {
     Op.COMMIT: "put",
     Op.COMMIT_FROM: "put",
 }
-_INTERNAL = 13  # grpc.StatusCode.INTERNAL
-
 # accept() failures that pass once something else gives resources back (descriptors, buffers).
 _ACCEPT_BACKOFF_S = (0.05, 1.0)
 
@@ -262,7 +265,7 @@ class ShmServer:
                     _close_all(session.fds)  # what the request did not keep
                 if reply is None:
                     continue
-                if op == Op.HELLO and reply[4] == _OK:
+                if op == Op.HELLO and reply[4] == OK:
                     # The memfds ride along with the greeting; the kernel dups them.
                     await _send_with_fds(loop, conn, reply, self._greeting_fds())
                 else:
@@ -314,13 +317,12 @@ class ShmServer:
                 result = await result
             cursor.done()
         except KVStoreError as exc:
-            code = status_of(exc).value[0]
-            return None if op in Op.ONE_WAY else frame(code, str(exc).encode())
+            return None if op in Op.ONE_WAY else error_reply(exc)
         except Exception as exc:
             logger.exception("unexpected failure serving a shared-memory request")
             message = f"internal error: {type(exc).__name__}".encode()
-            return None if op in Op.ONE_WAY else frame(_INTERNAL, message)
-        return None if op in Op.ONE_WAY else frame(_OK, result)
+            return None if op in Op.ONE_WAY else frame(INTERNAL, message)
+        return None if op in Op.ONE_WAY else frame(OK, result)
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -348,23 +350,17 @@ class ShmServer:
         result = await self.store.lookup_shared(keys, self._namespace(session))
         codes = {tier.name: level for level, tier in enumerate(self.store.tiers)}
         codes[""] = ABSENT_TIER
-        return struct.pack("<I", result.hits) + bytes(map(codes.__getitem__, result.tiers))
+        return pack_lookup_reply(result.hits, list(map(codes.__getitem__, result.tiers)))
 
     async def _acquire(self, session: _Session, cursor: Cursor) -> bytes:
         keys = cursor.keys(self.store.max_keys_per_request)
         cursor.done()  # the whole request parses before anything is taken
         acquired = await session.acquire(keys, self._namespace(session))
-        parts: list[bytes] = []
-        for item in acquired:
-            if item is None:
-                parts.append(bytes([Slot.MISS]))
-            elif isinstance(item, Leased):
-                parts.append(
-                    struct.pack("<BQ", Slot.LEASE, item.id) + pack_ranges(item.lease.ranges)
-                )
-            else:
-                parts.append(struct.pack("<BQ", Slot.BYTES, len(item)) + bytes(item))
-        return b"".join(parts)
+        items: list[AcquiredItem] = [
+            Lent(item.id, item.lease.ranges) if isinstance(item, Leased) else item
+            for item in acquired
+        ]
+        return pack_acquire_reply(items)
 
     def _release(self, session: _Session, cursor: Cursor) -> bytes:
         ids = cursor.ids()
@@ -373,26 +369,20 @@ class ShmServer:
         return b""
 
     async def _reserve(self, session: _Session, cursor: Cursor) -> bytes:
-        keys = cursor.keys(self.store.max_keys_per_request)
-        lengths = cursor.u64s(len(keys))
-        retention = cursor.retention()
-        cursor.done()
+        keys, lengths, retention = read_reserve(cursor, self.store.max_keys_per_request)
         reserved = await session.reserve(keys, lengths, self._namespace(session), retention)
-        parts: list[bytes] = []
+        items: list[ReservedItem] = []
         for item in reserved:
             if item is None:
-                parts.append(bytes([Slot.NO_ROOM]))
+                items.append(ReserveSlot.NO_ROOM)
             elif isinstance(item, Reserved):
-                ranges = pack_ranges(item.reservation.ranges)
-                parts.append(struct.pack("<BQ", Slot.RESERVED, item.id) + ranges)
+                items.append(Lent(item.id, item.reservation.ranges))
             else:  # "present"
-                parts.append(bytes([Slot.PRESENT]))
-        return b"".join(parts)
+                items.append(ReserveSlot.PRESENT)
+        return pack_reserve_reply(items)
 
     async def _commit(self, session: _Session, cursor: Cursor) -> bytes:
-        ids = cursor.ids()
-        retention = cursor.retention()
-        cursor.done()
+        ids, retention = read_commit(cursor)
         if self._arena.sealed:
             # Nobody but this server can have written the reserved pages: what they hold is
             # whatever was there before, and must not become a block.
@@ -401,7 +391,7 @@ class ShmServer:
                 "window (WINDOW, then COMMIT_FROM), or put them over gRPC"
             )
         result = await session.commit(ids, self._namespace(session), retention)
-        return struct.pack("<III", result.stored, result.already_present, result.dropped)
+        return pack_commit_reply(result.stored, result.already_present, result.dropped)
 
     def _window(self, session: _Session, cursor: Cursor) -> bytes:
         cursor.done()
@@ -414,10 +404,7 @@ class ShmServer:
         return b""
 
     async def _commit_from(self, session: _Session, cursor: Cursor) -> bytes:
-        ids = cursor.ids()
-        offsets = cursor.u64s(len(ids))
-        retention = cursor.retention()
-        cursor.done()
+        ids, offsets, retention = read_commit_from(cursor)
         held = [session.reservations.get(i) for i in ids]
         if session.window is None or any(item is None for item in held):
             # Reservations it names stay open: the client cancels them, or closing does.
@@ -432,17 +419,10 @@ class ShmServer:
             session.cancel(ids)  # an offset past the window: nothing of it is stored
             raise
         result = await session.commit(ids, self._namespace(session), retention)
-        return struct.pack("<III", result.stored, result.already_present, result.dropped)
+        return pack_commit_reply(result.stored, result.already_present, result.dropped)
 
     def _touch(self, session: _Session, cursor: Cursor) -> bytes:
-        calls, lookups = cursor.unpack("II")
-        keys = cursor.keys(self.store.max_keys_per_request)
-        cursor.done()
-        # Every call read at least one of the keys; lookups are capped by the client.
-        if calls > len(keys) or lookups > MAX_TOUCH_LOOKUPS:
-            raise ProtocolError(
-                f"TOUCH of {len(keys)} keys claims {calls} calls, {lookups} lookups"
-            )
+        calls, lookups, keys = read_touch(cursor, self.store.max_keys_per_request)
         self.store.record_direct_reads(keys, self._namespace(session), calls, lookups)
         return b""
 

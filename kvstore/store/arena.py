@@ -1,4 +1,8 @@
-"""``ArenaSessions``: direct access to the dram arena by co-located clients (shared memory, UCX).
+"""``ArenaLender``: direct access to the dram arena by co-located clients (shared memory, UCX).
+
+The store's side of lending pages: what is lent, to whom, and for how long is the server's
+business (its arena sessions, :mod:`kvstore.server.sessions`); this part keeps each lease and
+reservation consistent with the store's index, counters and tiers.
 
 Readers *acquire* leases on a block's arena pages and *release* them when done (the block is pinned
 meanwhile, and its pages outlive a delete or replacement until released); clients that read through
@@ -22,13 +26,13 @@ from kvstore.store.writes import BlockWriter
 from kvstore.tiers.dram import DramLease, DramTier, Reservation
 from kvstore.types import PutResult
 
-__all__ = ["Acquired", "ArenaSessions"]
+__all__ = ["Acquired", "ArenaLender"]
 
 Acquired = DramLease | bytes | memoryview | None
 """One key's answer to :meth:`TieredStore.acquire`: a lease, the payload itself, or a miss."""
 
 
-class ArenaSessions:
+class ArenaLender:
     """Leases and reservations on the arena tier, kept consistent with the index and counters."""
 
     def __init__(

@@ -38,7 +38,7 @@ The class is a facade; each job is a part of its own:
 * :class:`~kvstore.store.reads.BlockReader` (get, promote) and
   :class:`~kvstore.store.writes.BlockWriter` (put, commit);
 * :class:`~kvstore.store.shared_writer.SharedTierWriter`: write-through and write-back to Redis;
-* :class:`~kvstore.store.arena.ArenaSessions`: leases and reservations for co-located clients;
+* :class:`~kvstore.store.arena.ArenaLender`: leases and reservations for co-located clients;
 * :class:`~kvstore.store.counters.StoreCounters` and
   :class:`~kvstore.store.background.BackgroundTasks`.
 """
@@ -54,7 +54,7 @@ from kvstore.buffers import byte_view
 from kvstore.policy import Policy
 from kvstore.protocol.checks import check_keys, check_pairs, check_sizes
 from kvstore.retention import KEEP, Retention
-from kvstore.store.arena import Acquired, ArenaSessions
+from kvstore.store.arena import Acquired, ArenaLender
 from kvstore.store.background import BackgroundTasks
 from kvstore.store.counters import StoreCounters
 from kvstore.store.index import BlockIndex
@@ -107,7 +107,7 @@ class TieredStore:
         parts = (self._stack, self._index, self._counters, self._mover)
         self._reader = BlockReader(*parts, self._tasks)
         self._writer = BlockWriter(*parts, self._shared, self._tasks)
-        self._arena = ArenaSessions(*parts, self._reader, self._writer)
+        self._lender = ArenaLender(*parts, self._reader, self._writer)
         self._listeners: list[Callable[[bytes, str | None], None]] = []
         # Retention survives a restart where a persistent tier keeps its records (nvme).
         keepers = [t.retention_records() for t in self.tiers]
@@ -275,7 +275,7 @@ class TieredStore:
     @property
     def arena(self) -> DramTier | None:
         """The top tier if it is a memfd arena that co-located clients can map, else ``None``."""
-        return self._arena.arena
+        return self._lender.arena
 
     async def acquire(self, keys: Sequence[bytes], namespace: bytes) -> list[Acquired]:
         """Lease each key's pages in the arena for a reader, until :meth:`release`.
@@ -285,11 +285,11 @@ class TieredStore:
         Leased blocks are pinned, and their pages outlive a delete or replacement until released.
         """
         self._check_keys(keys, namespace)
-        return await self._arena.acquire(keys, namespace)
+        return await self._lender.acquire(keys, namespace)
 
     def release(self, leases: Sequence[DramLease]) -> None:
         """Give back leases from :meth:`acquire` (each exactly once)."""
-        self._arena.release(leases)
+        self._lender.release(leases)
 
     def record_direct_reads(
         self, keys: Sequence[bytes], namespace: bytes, calls: int = 1, lookups: int = 0
@@ -304,7 +304,7 @@ class TieredStore:
         """
         if keys or calls:
             self._check_keys(keys, namespace)
-        return self._arena.record_direct_reads(keys, namespace, calls, lookups)
+        return self._lender.record_direct_reads(keys, namespace, calls, lookups)
 
     async def reserve(
         self,
@@ -320,11 +320,11 @@ class TieredStore:
         request is checked first; a bad one raises and reserves nothing.
         """
         self._check_keys(keys, namespace)
-        self._arena.require()
+        self._lender.require()
         check_pairs(keys, lengths, "lengths")
         self.check_sizes(lengths)
         self.check_retention(retention)
-        return await self._arena.reserve(keys, lengths, namespace, retention)
+        return await self._lender.reserve(keys, lengths, namespace, retention)
 
     async def commit(
         self,
@@ -342,11 +342,11 @@ class TieredStore:
         if not retention.stores:
             self.cancel([reservation for _, reservation in written])
             return self.not_stored()
-        return await self._arena.commit(written, namespace, retention)
+        return await self._lender.commit(written, namespace, retention)
 
     def cancel(self, reservations: Sequence[Reservation]) -> None:
         """Give back reservations that will not be committed (idempotent)."""
-        self._arena.cancel(reservations)
+        self._lender.cancel(reservations)
 
     # -- watching what the store holds (the cluster index) -------------------------------------
 

@@ -15,19 +15,19 @@ import os
 import random
 import socket
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvstore.protocol.shm_frames import (
     MAX_TOUCH_LOOKUPS,
-    Cursor,
     Op,
     ProtocolError,
-    Slot,
     frame,
     max_frame_length,
     pack_ids,
     pack_keys,
 )
+from kvstore.protocol.shm_messages import Lent, read_acquire_reply, read_reserve_reply
 
 #: Reply statuses that are server bugs (gRPC's INTERNAL and UNKNOWN).
 BUG_STATUSES = {13: "INTERNAL", 2: "UNKNOWN"}
@@ -198,19 +198,16 @@ class Frames:
             body = body[: max_frame_length(op, self.max_keys) - 1]
         return f"op {op} body {body.hex()[:120]}", frame(op, body), op not in Op.ONE_WAY
 
-    def note(self, op_bytes: bytes, status: int, body: bytes) -> None:
-        """Keep the ids an OK ACQUIRE or RESERVE reply handed out, for later frames."""
-        if status != 0 or len(op_bytes) < 5 or op_bytes[4] not in (Op.ACQUIRE, Op.RESERVE):
+    def note(self, request: bytes, status: int, body: bytes) -> None:
+        """Keep the ids an OK ACQUIRE or RESERVE reply handed out, for later frames (the reply
+        read as the client reads it, for the request's key count)."""
+        if status != 0 or len(request) < 9 or request[4] not in (Op.ACQUIRE, Op.RESERVE):
             return
-        cursor = Cursor(body)
+        count = struct.unpack_from("<I", request, 5)[0]
+        read = read_acquire_reply if request[4] == Op.ACQUIRE else read_reserve_reply
         with contextlib.suppress(ProtocolError):
-            while cursor.rest():
-                kind = cursor.u8()
-                if op_bytes[4] == Op.ACQUIRE and kind == Slot.BYTES:
-                    cursor.take(cursor.u64())
-                elif kind in (Slot.LEASE, Slot.RESERVED):
-                    self.ids.append(cursor.u64())
-                    cursor.ranges()
+            items: Sequence[object] = read(body, count)
+            self.ids.extend(item.id for item in items if isinstance(item, Lent))
         del self.ids[:-256]
 
 

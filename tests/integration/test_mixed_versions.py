@@ -14,14 +14,22 @@ release shares one real redis-server, both as the shared tier and as the cluster
 * Nothing deleted: the Redis keys before the reads are all there after them, no node counted a
   corrupt block, and a block labelled with a header version newer than this release reads is a
   miss for the new node and stays in Redis.
+* The shared-memory socket both ways: this release's client puts, looks up, leases, reads and
+  reserves through a previous-release node's arena without falling back to gRPC, and the
+  previous release's own frame code (:mod:`kvstore.protocol.shm_frames` as it was) reads this
+  release's HELLO, LOOKUP, ACQUIRE and RESERVE replies (its client proper maps the arena
+  writable, which this release's sealed arena refuses: it uses gRPC, as it always did there).
 
 Every payload read is compared with what was put.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
+import sys
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,6 +38,8 @@ import pytest
 from harness.cluster_nodes import NS, blocks_for, cluster_env, holders
 from harness.polling import poll
 
+from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.block import Keyring, decode_value, encode_header
 from kvstore.formats import PREVIOUS_RELEASE
 
@@ -189,3 +199,135 @@ def test_previous_and_this_release_share_a_cluster_losing_nothing(
     # --- nothing deleted ---------------------------------------------------------------------
     after = block_values(redis_server)
     assert after == before
+
+
+def release_env(code: Path) -> dict[str, str]:
+    """The environment of a process that runs the kvstore of ``code``."""
+    return {"PYTHONPATH": str(code), "PYTHONSAFEPATH": "1"}
+
+
+def shm_socket_of(node: ServerProcess) -> str:
+    """The socket the node names in its ``DataPlane`` answer."""
+    import grpc as grpc_lib
+
+    with grpc_lib.insecure_channel(node.target) as channel:
+        reply = pb_grpc.KVStoreStub(channel).DataPlane(pb.DataPlaneRequest(), timeout=5)
+    assert reply.shm_socket, "the node serves no shared-memory socket"
+    return str(reply.shm_socket)
+
+
+def test_this_release_speaks_shared_memory_to_the_previous_one(
+    previous_release: Path, server_factory: ServerFactory
+) -> None:
+    old = server_factory(env=release_env(previous_release))
+    keys, values = blocks_for(30_000, 4)
+    missing, _ = blocks_for(35_000, 1)
+    with old.client(NS, data_plane="shm", timeout=5.0) as client:
+        assert client.put(keys[:3], values[:3]).stored == 3  # RESERVE, then COMMIT (unsealed)
+        assert client.lookup_tiers(keys[:3] + missing).hits == 3
+        assert client.get(keys[:3] + missing) == [*values[:3], None]
+        lease = client.lease(keys[:2] + missing)  # not all in the index: ACQUIRE
+        assert lease is not None
+        with lease:
+            assert [None if v is None else v.tobytes() for v in lease.views] == [
+                *values[:2],
+                None,
+            ]
+        reservation = client.reserve(keys[2:], [len(values[2]), len(values[3])])
+        assert reservation is not None
+        assert reservation.states == ["present", "reserved"]
+        reservation.write(1, values[3])
+        assert reservation.commit().stored == 1
+        assert client.get(keys) == values
+        assert client.data_plane == "shm"  # never fell back
+
+
+OLD_FRAMES = textwrap.dedent(
+    """
+    import json, mmap, os, socket, struct, sys
+    import kvstore
+    from kvstore.protocol.shm_frames import Cursor, Op, Slot, frame, pack_keys, unpack_hello
+
+    path, namespace, stored, absent = sys.argv[1:]
+    namespace = bytes.fromhex(namespace)
+    stored = [bytes.fromhex(k) for k in stored.split(",")]
+    absent = bytes.fromhex(absent)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(path)
+
+    def reply(data=b""):
+        data = bytearray(data)
+        while len(data) < 4 or len(data) < 4 + struct.unpack("<I", data[:4])[0]:
+            chunk = sock.recv(65536)
+            assert chunk, "server closed"
+            data += chunk
+        assert data[4] == 0, bytes(data[5:])
+        return memoryview(data)[5:]
+
+    sock.sendall(frame(Op.HELLO, namespace))
+    data, fds, _, _ = socket.recv_fds(sock, 4096, 2)
+    hello = unpack_hello(reply(data))
+    arena = mmap.mmap(fds[0], hello.arena_size, prot=mmap.PROT_READ)
+    out = {"code": kvstore.__file__, "tiers": hello.tiers}
+    sock.sendall(frame(Op.LOOKUP, pack_keys(stored + [absent])))
+    cursor = Cursor(reply())
+    out["hits"] = cursor.u32()
+    out["lookup"] = list(cursor.take(len(stored) + 1))
+    cursor.done()
+    sock.sendall(frame(Op.ACQUIRE, pack_keys(stored + [absent])))
+    cursor = Cursor(reply())
+    out["acquire"], out["blocks"] = [], []
+    for _ in range(len(stored) + 1):
+        kind = cursor.u8()
+        out["acquire"].append(kind)
+        if kind == Slot.LEASE:
+            cursor.u64()
+            out["blocks"].append(b"".join(arena[o : o + n] for o, n in cursor.ranges()).hex())
+    cursor.done()
+    sock.sendall(frame(Op.RESERVE, pack_keys([stored[0], absent]) + struct.pack("<QQ", 8, 8)))
+    cursor = Cursor(reply())
+    out["reserve"] = []
+    for _ in range(2):
+        kind = cursor.u8()
+        out["reserve"].append(kind)
+        if kind == Slot.RESERVED:
+            cursor.u64()
+            cursor.ranges()
+    cursor.done()
+    print(json.dumps(out))
+    """
+)
+
+
+def test_the_previous_release_reads_this_ones_shared_memory_replies(
+    previous_release: Path, server_factory: ServerFactory
+) -> None:
+    new = server_factory(env=release_env(REPO))
+    keys, values = blocks_for(40_000, 2)
+    absent, _ = blocks_for(45_000, 1)
+    with grpc(new) as writer:
+        assert writer.put(keys, values).stored == 2
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            OLD_FRAMES,
+            shm_socket_of(new),
+            NS.fingerprint().hex(),
+            ",".join(key.hex() for key in keys),
+            absent[0].hex(),
+        ],
+        env=release_env(previous_release),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    assert Path(seen["code"]).is_relative_to(previous_release)  # the old frame code, not ours
+    assert seen["tiers"][0] == "dram" and seen["hits"] == 2
+    assert seen["lookup"] == [0, 0, 255]  # dram, dram, absent
+    assert seen["acquire"] == [1, 1, 0]  # LEASE, LEASE, MISS
+    assert seen["blocks"] == [value.hex() for value in values]
+    assert seen["reserve"] == [1, 2]  # PRESENT, RESERVED

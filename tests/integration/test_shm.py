@@ -46,12 +46,12 @@ from kvstore.protocol.shm_frames import (
     Cursor,
     Hello,
     Op,
-    Slot,
     frame,
     pack_ids,
     pack_keys,
     unpack_hello,
 )
+from kvstore.protocol.shm_messages import AcquireSlot, ReserveSlot
 
 if TYPE_CHECKING:
     from harness.serve import ServerProcess
@@ -170,16 +170,17 @@ class RawShm:
             return True
 
     def acquire(self, keys: Sequence[bytes]) -> list[tuple[int, Any]]:
-        """Per key: (Slot.MISS, None), (Slot.LEASE, (id, ranges)) or (Slot.BYTES, bytes)."""
+        """Per key (kinds of :class:`AcquireSlot`): (MISS, None), (LEASE, (id, ranges)) or
+        (BYTES, bytes)."""
         status, body = self.call(Op.ACQUIRE, pack_keys(keys))
         assert status == OK, bytes(body)
         cursor = Cursor(body)
         out: list[tuple[int, Any]] = []
         for _ in keys:
             kind = cursor.u8()
-            if kind == Slot.LEASE:
+            if kind == AcquireSlot.LEASE:
                 out.append((kind, (cursor.u64(), cursor.ranges())))
-            elif kind == Slot.BYTES:
+            elif kind == AcquireSlot.BYTES:
                 out.append((kind, bytes(cursor.take(cursor.u64()))))
             else:
                 out.append((kind, None))
@@ -188,7 +189,7 @@ class RawShm:
 
     def lease(self, key: bytes) -> tuple[int, list[tuple[int, int]]]:
         [(kind, held)] = self.acquire([key])
-        assert kind == Slot.LEASE, kind
+        assert kind == AcquireSlot.LEASE, kind
         return held  # type: ignore[no-any-return]
 
     def reserve(self, keys: Sequence[bytes], lengths: Sequence[int]) -> list[tuple[int, Any]]:
@@ -199,7 +200,9 @@ class RawShm:
         out: list[tuple[int, Any]] = []
         for _ in keys:
             kind = cursor.u8()
-            out.append((kind, (cursor.u64(), cursor.ranges()) if kind == Slot.RESERVED else None))
+            out.append(
+                (kind, (cursor.u64(), cursor.ranges()) if kind == ReserveSlot.RESERVED else None)
+            )
         cursor.done()
         return out
 
@@ -456,8 +459,9 @@ HOLDER = textwrap.dedent(
     """
     import mmap, os, socket, struct, sys, time
     from kvstore.protocol.shm_frames import (
-        Cursor, Op, Slot, frame, pack_keys, unpack_hello,
+        Cursor, Op, frame, pack_keys, unpack_hello,
     )
+    from kvstore.protocol.shm_messages import AcquireSlot, ReserveSlot
 
     path, namespace, leased, reserved, length = sys.argv[1:]
     namespace = bytes.fromhex(namespace)
@@ -492,7 +496,7 @@ HOLDER = textwrap.dedent(
         sock.sendall(frame(Op.ACQUIRE, pack_keys(keys)))
         cursor = Cursor(recv_reply(sock))
         for _ in keys:
-            assert cursor.u8() == Slot.LEASE
+            assert cursor.u8() == AcquireSlot.LEASE
             cursor.u64()
             cursor.ranges()
     sock, arena = held[0]
@@ -500,7 +504,7 @@ HOLDER = textwrap.dedent(
     sock.sendall(frame(Op.RESERVE, body))
     cursor = Cursor(recv_reply(sock))
     for _ in reserved:
-        assert cursor.u8() == Slot.RESERVED
+        assert cursor.u8() == ReserveSlot.RESERVED
         cursor.u64()
         cursor.ranges()  # reserved, never written nor committed
     print("holding", flush=True)
@@ -568,9 +572,9 @@ def test_closing_a_connection_gives_back_what_it_held(
         before = wait_released(client)
         raw = RawShm(shm_path(server))
         raw_conns.append(raw)
-        assert [kind for kind, _ in raw.acquire(keys)] == [Slot.LEASE] * 2
+        assert [kind for kind, _ in raw.acquire(keys)] == [AcquireSlot.LEASE] * 2
         [(kind, _)] = raw.reserve([os.urandom(16)], [3 * 64 * KiB])
-        assert kind == Slot.RESERVED
+        assert kind == ReserveSlot.RESERVED
         assert dram(client)["leases"] == 2
         raw.close()
         wait_released(client, used=before["used"])
@@ -713,7 +717,7 @@ def test_malformed_requests_are_answered_invalid_argument(
     raw.send(frame(Op.RELEASE, pack_ids([1, 2, 3])))
     raw.send(frame(Op.CANCEL, pack_ids([999])))
     raw.sync()
-    assert [kind for kind, _ in raw.acquire(keys)][:1] == [Slot.LEASE]
+    assert [kind for kind, _ in raw.acquire(keys)][:1] == [AcquireSlot.LEASE]
     raw.close()
     _assert_intact(server, keys, values)
 
@@ -781,7 +785,7 @@ def test_commit_naming_one_reservation_twice_leaks_nothing(
         new_key = os.urandom(16)
         data = os.urandom(64 * KiB)
         [(kind, (reservation_id, _))] = raw.reserve([new_key], [len(data)])
-        assert kind == Slot.RESERVED
+        assert kind == ReserveSlot.RESERVED
         offset = raw.write_window(data)
         ids = pack_ids([reservation_id, reservation_id])
         status, body = raw.call(Op.COMMIT_FROM, ids + struct.pack("<QQ", offset, offset))

@@ -28,11 +28,11 @@ from kvstore.protocol.shm_frames import (
     MAX_REQUEST_BYTES,
     Cursor,
     Op,
-    Slot,
     frame,
     pack_ids,
     pack_keys,
 )
+from kvstore.protocol.shm_messages import AcquireSlot, ReserveSlot
 
 if TYPE_CHECKING:
     from harness.serve import ServerProcess
@@ -109,11 +109,11 @@ class Raw:
         status, body = self.call(
             Op.RESERVE, pack_keys(keys) + struct.pack(f"<{len(lengths)}Q", *lengths)
         )
-        return status, self._slots(status, body, keys, Slot.RESERVED)
+        return status, self._slots(status, body, keys, ReserveSlot.RESERVED)
 
     def acquire(self, keys: Sequence[bytes]) -> tuple[int, list[int]]:
         status, body = self.call(Op.ACQUIRE, pack_keys(keys))
-        return status, self._slots(status, body, keys, Slot.LEASE, inline=Slot.BYTES)
+        return status, self._slots(status, body, keys, AcquireSlot.LEASE, inline=AcquireSlot.BYTES)
 
     def _slots(
         self, status: int, body: bytes, keys: Sequence[bytes], held: int, inline: int = -1
@@ -290,7 +290,7 @@ def test_one_connection_cannot_hold_more_of_the_arena_than_its_quota(
         hog = Raw(path)
         # Reads: four blocks fill the quota, the fifth is refused while they are held.
         status, kinds = hog.acquire(keys[:4])
-        assert status == OK and kinds == [Slot.LEASE] * 4
+        assert status == OK and kinds == [AcquireSlot.LEASE] * 4
         leased = hog.ids
         status, _ = hog.acquire(keys[4:5])
         assert status == RESOURCE_EXHAUSTED
@@ -302,18 +302,18 @@ def test_one_connection_cannot_hold_more_of_the_arena_than_its_quota(
         # Another connection has a quota of its own.
         other = Raw(path)
         status, kinds = other.acquire(keys[4:8])
-        assert status == OK and kinds == [Slot.LEASE] * 4
+        assert status == OK and kinds == [AcquireSlot.LEASE] * 4
         other.sock.sendall(frame(Op.RELEASE, pack_ids(other.ids)))
         # Given back, the hog may reserve again; a batch past its quota from nothing held
         # gets NO_ROOM for the rest (what a client then sends over gRPC).
         hog.sock.sendall(frame(Op.RELEASE, pack_ids(leased)))
         status, kinds = hog.reserve([os.urandom(16) for _ in range(6)], [256 * KiB] * 6)
-        assert status == OK and kinds == [Slot.RESERVED] * 4 + [Slot.NO_ROOM] * 2
+        assert status == OK and kinds == [ReserveSlot.RESERVED] * 4 + [ReserveSlot.NO_ROOM] * 2
         assert client.stats()["tiers"]["dram"]["reserved_bytes"] <= 1 * MiB
         hog.sock.sendall(frame(Op.CANCEL, pack_ids(hog.ids)))
         # And a read of more than its quota from nothing held: the rest comes back inline.
         status, kinds = hog.acquire(keys)
-        assert status == OK and kinds == [Slot.LEASE] * 4 + [Slot.BYTES] * 4
+        assert status == OK and kinds == [AcquireSlot.LEASE] * 4 + [AcquireSlot.BYTES] * 4
         hog.close()
         other.close()
         deadline = time.monotonic() + 5

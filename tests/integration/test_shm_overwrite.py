@@ -41,7 +41,8 @@ ATTACKER = textwrap.dedent(
     import ctypes, hashlib, json, mmap, os, socket, struct, sys
     import numpy as np
     from kvstore.protocol.dram_index import IndexReader
-    from kvstore.protocol.shm_frames import Cursor, Op, Slot, frame, pack_ids, pack_keys
+    from kvstore.protocol.shm_frames import Cursor, Op, frame, pack_ids, pack_keys
+    from kvstore.protocol.shm_messages import ReserveSlot
     from kvstore.protocol.shm_frames import unpack_hello
 
     path, own, victim = sys.argv[1], bytes.fromhex(sys.argv[2]), bytes.fromhex(sys.argv[3])
@@ -95,7 +96,7 @@ ATTACKER = textwrap.dedent(
     sock.sendall(frame(Op.RESERVE, pack_keys([os.urandom(16)]) + struct.pack("<Q", 65536)))
     status, body = reply()
     cursor = Cursor(body)
-    assert cursor.u8() == Slot.RESERVED, body
+    assert cursor.u8() == ReserveSlot.RESERVED, body
     reservation = cursor.u64()
     sock.sendall(frame(Op.COMMIT, pack_ids([reservation])))
     status, body = reply()

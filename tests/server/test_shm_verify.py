@@ -26,7 +26,8 @@ import pytest
 from kvstore.client.shm import ShmDataPlane
 from kvstore.client.shm_window import ClientWindow
 from kvstore.keys import Namespace
-from kvstore.protocol.shm_frames import Cursor, Op, Slot, pack_ids, pack_keys
+from kvstore.protocol.shm_frames import Cursor, Op, pack_ids, pack_keys
+from kvstore.protocol.shm_messages import ReserveSlot
 from kvstore.server.shm import ShmServer, _Session
 from kvstore.store import TieredStore
 from kvstore.tiers.dram import DramTier
@@ -138,7 +139,7 @@ async def reserve(server: ShmServer, held: _Session, length: int) -> int:
     reply = await server._dispatch(held, Op.RESERVE, memoryview(body))
     assert reply is not None and reply[4] == 0, reply
     cursor = Cursor(reply[5:])
-    assert cursor.u8() == Slot.RESERVED
+    assert cursor.u8() == ReserveSlot.RESERVED
     return cursor.u64()
 
 
