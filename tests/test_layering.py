@@ -186,7 +186,6 @@ _SPLIT_PENDING = "issue 39: split pending (file being changed by another issue)"
 #: be over the limit.
 LONG_FUNCTIONS: dict[str, str] = {
     "kvstore/cli/__init__.py:_parsers": "argparse: builds the command line's parsers",
-    "kvstore/node/agent.py:start_cluster": _SPLIT_PENDING,
     "kvstore/node/peer_ucx.py:UcxPeerLink.get": _SPLIT_PENDING,
     "kvstore/node/peers.py:PeerSource._fetch": _SPLIT_PENDING,
     "kvstore/server/app.py:start_server": _SPLIT_PENDING,
