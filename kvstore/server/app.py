@@ -255,17 +255,7 @@ async def start_server(config: Config) -> RunningServer:
     auth = interceptors(config.auth, peer_check if config.cluster.enabled else None)
     tenants = await open_tenants(config)
     gate = PeerGate(tenants)
-    # Clients and the Get stream pack messages up to a soft target plus one whole block; leave
-    # room beyond that so an oversized block reaches the store's own check and its clearer message.
-    message_limit = 2 * config.server.max_block_bytes + MESSAGE_TARGET_BYTES + 1024**2
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_receive_message_length", message_limit),
-            ("grpc.max_send_message_length", message_limit),
-            ("grpc.so_reuseport", 0),
-        ],
-        interceptors=auth or None,
-    )
+    server = _grpc_server(config, auth)
     servicer = KVStoreServicer(
         tenants=tenants, put_stream_timeout_s=config.server.put_stream_timeout_s
     )
@@ -296,19 +286,8 @@ async def start_server(config: Config) -> RunningServer:
         await health.set(service, health_pb2.HealthCheckResponse.SERVING)
     host = config.server.listen.rpartition(":")[0]
     address = f"{host}:{port}"
-    logger.info(
-        "kvstore serving on %s (%s, %s) with tiers %s%s",
-        address,
-        "TLS" if credentials is not None else "plaintext",
-        "authenticated" if config.auth.authenticates else "unauthenticated",
-        [t.name for t in next(iter(tenants)).store.tiers],
-        f" for {len(tenants)} tenants" if config.tenants else "",
-    )
-    stores = {tenant.name: tenant.store for tenant in tenants}
-    cluster = await start_cluster(config, stores, address, servicer.ucx_address, key_schemes)
-    if cluster is not None:  # other nodes' reads are admitted once it has a boot epoch
-        membership = cluster.membership
-        gate.identity = lambda: (membership.node_id, membership.epoch)
+    _log_serving(config, address, credentials is not None, tenants)
+    cluster = await _join_cluster(config, tenants, address, servicer, key_schemes, gate)
     return RunningServer(
         server,
         tenants,
@@ -320,6 +299,53 @@ async def start_server(config: Config) -> RunningServer:
         cluster,
         metrics,
     )
+
+
+def _grpc_server(
+    config: Config, auth: list[grpc.aio.ServerInterceptor[Any, Any]]
+) -> grpc.aio.Server:
+    """The gRPC server, its message limits sized to the largest block (no port bound yet)."""
+    # Clients and the Get stream pack messages up to a soft target plus one whole block; leave
+    # room beyond that so an oversized block reaches the store's own check and its clearer message.
+    message_limit = 2 * config.server.max_block_bytes + MESSAGE_TARGET_BYTES + 1024**2
+    return grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", message_limit),
+            ("grpc.max_send_message_length", message_limit),
+            ("grpc.so_reuseport", 0),
+        ],
+        interceptors=auth or None,
+    )
+
+
+def _log_serving(config: Config, address: str, tls: bool, tenants: Tenants) -> None:
+    """Say where the server serves, how callers are checked, and with which tiers."""
+    logger.info(
+        "kvstore serving on %s (%s, %s) with tiers %s%s",
+        address,
+        "TLS" if tls else "plaintext",
+        "authenticated" if config.auth.authenticates else "unauthenticated",
+        [t.name for t in next(iter(tenants)).store.tiers],
+        f" for {len(tenants)} tenants" if config.tenants else "",
+    )
+
+
+async def _join_cluster(
+    config: Config,
+    tenants: Tenants,
+    address: str,
+    servicer: KVStoreServicer,
+    key_schemes: NodeKeySchemes,
+    gate: PeerGate,
+) -> ClusterNode | None:
+    """Take this node's part in the cluster index (``None`` unless ``cluster.enabled``); the
+    ``gate`` admits other nodes' reads once the node has a boot epoch."""
+    stores = {tenant.name: tenant.store for tenant in tenants}
+    cluster = await start_cluster(config, stores, address, servicer.ucx_address, key_schemes)
+    if cluster is not None:
+        membership = cluster.membership
+        gate.identity = lambda: (membership.node_id, membership.epoch)
+    return cluster
 
 
 async def _start_metrics(config: Config, tenants: Tenants) -> MetricsServer | None:
