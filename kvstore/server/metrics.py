@@ -15,7 +15,7 @@ or with none.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from prometheus_client.core import (
@@ -31,6 +31,7 @@ from kvstore.store.counters import MISS_REASONS
 
 if TYPE_CHECKING:  # tenancy imports the shared-memory server, which records durations
     from kvstore.server.tenancy import Tenant, Tenants
+    from kvstore.store import TieredStore
 
 __all__ = ["SERVER_WIDE", "StoreCollector", "TenantView", "build_registry"]
 
@@ -197,64 +198,22 @@ class StoreCollector(Collector):
         yield info
 
     def _collect_tenant(self, tenant: Tenant, f: dict[str, Any]) -> None:
+        """Add ``tenant``'s series to the families ``f`` (by their :data:`_FAMILIES` key)."""
         name = tenant.name
-        store = tenant.store
-        counters = store.counters
-        stats = store.stats()
-        shared_tier = store.shared_writer.tier
-        for tier_name, entry in stats["tiers"].items():
-            labels = [tier_name, name]
-            f["hits"].add_metric(labels, counters.tier_hits[tier_name])
-            f["read"].add_metric(labels, counters.read_bytes[tier_name])
-            f["written"].add_metric(labels, counters.written_bytes[tier_name])
-            f["evictions"].add_metric(labels, counters.evictions[tier_name])
-            f["demotions"].add_metric(labels, counters.demotions[tier_name])
-            f["promotions"].add_metric(labels, counters.promotions[tier_name])
-            f["write_errors"].add_metric(labels, entry.get("write_errors", 0))
-            f["corrupt"].add_metric(labels, entry.get("corrupt_blocks", 0))
-            f["newer"].add_metric(labels, entry.get("newer_format_blocks", 0))
-            f["blocks"].add_metric(labels, entry.get("blocks", 0))
-            f["early"].add_metric(labels, counters.evicted_early[tier_name])
-            f["retained_blocks"].add_metric(labels, entry.get("retained_blocks", 0))
-            f["retained_bytes"].add_metric(labels, entry.get("retained_bytes", 0))
-            f["bytes"].add_metric(labels, entry.get("used", 0))
-            if not (shared_tier is not None and tier_name == shared_tier.name):
-                # Redis evicts by itself and no node knows its size: the store's stand-in
-                # capacity (2**62) would make every fill ratio read 0.
-                f["capacity"].add_metric(labels, entry.get("capacity", 0))
-        for tier_name, meter in counters.read_rates.items():
-            rate = meter.rate()
-            if rate.known:  # what the vLLM connector weighs loads by (kvstore.client.cost_model)
-                f["read_rate"].add_metric([tier_name, name], rate.per_s)
-                f["read_latency"].add_metric([tier_name, name], rate.latency_s)
-        values = counters.values
-        if "peer_corrupt_blocks" in values:  # a node reading its peers: blocks they sent refused
-            f["corrupt"].add_metric(["peer", name], values["peer_corrupt_blocks"])
-            f["newer"].add_metric(["peer", name], values.get("peer_newer_format_blocks", 0))
-            for reason in ("unverified_node", "unproven"):
-                key = "peer_unverified_nodes" if reason == "unverified_node" else "peer_unproven"
-                f["untrusted"].add_metric([reason, name], values.get(key, 0))
+        counters = tenant.store.counters
+        _tier_series(name, tenant.store, f)
+        _peer_series(name, counters.values, f)
         for reason in MISS_REASONS:
             if reason != "denied":
                 f["misses"].add_metric([reason, name], counters.misses[reason])
-        if tenant.keyring_record is not None:  # with the shared tier it kept off, if it did
-            f["mismatched"].add_metric([name], tenant.keyring_record.mismatched)
-        writer = store.shared_writer
-        shared = writer.tier
-        if shared is not None:
-            f["dropped"].add_metric([name], values["write_through_dropped"])
-            f["resent"].add_metric([name], values["write_through_resent"])
-            f["resend_queue"].add_metric([name], writer.queued_blocks)
-            f["reconnects"].add_metric([name], shared.reconnects)
-            f["up"].add_metric([name], int(shared.up))
-            f["backlog"].add_metric([name], writer.backlog_bytes)
+        _shared_series(tenant, f)
         prefetch = tenant.prefetcher.stats()
         for outcome, counter in _PREFETCH_OUTCOMES.items():
             f["prefetch"].add_metric([outcome, name], prefetch.get(counter, 0))
         f["queue"].add_metric([name], prefetch.get("prefetch_queued_keys", 0))
         for plane in ("grpc", "shm"):
             f["lookups"].add_metric([plane, name], self._durations.count("lookup", plane, name))
-        f["lookups"].add_metric(["index", name], values["index_lookups"])
+        f["lookups"].add_metric(["index", name], counters.values["index_lookups"])
         shm = tenant.shm.stats() if tenant.shm is not None else {}
         f["connections"].add_metric([name], shm.get("connections", 0))
         f["leases"].add_metric([name], shm.get("leases", 0))
@@ -274,6 +233,65 @@ class StoreCollector(Collector):
                 buckets.append(("+Inf" if bound == float("inf") else repr(bound), running))
             family.add_metric(list(labels), buckets, series[-1])
         return family
+
+
+def _tier_series(name: str, store: TieredStore, f: dict[str, Any]) -> None:
+    """Tenant ``name``'s series of each tier of its store: traffic, usage, measured read rates."""
+    counters = store.counters
+    stats = store.stats()
+    shared_tier = store.shared_writer.tier
+    for tier_name, entry in stats["tiers"].items():
+        labels = [tier_name, name]
+        f["hits"].add_metric(labels, counters.tier_hits[tier_name])
+        f["read"].add_metric(labels, counters.read_bytes[tier_name])
+        f["written"].add_metric(labels, counters.written_bytes[tier_name])
+        f["evictions"].add_metric(labels, counters.evictions[tier_name])
+        f["demotions"].add_metric(labels, counters.demotions[tier_name])
+        f["promotions"].add_metric(labels, counters.promotions[tier_name])
+        f["write_errors"].add_metric(labels, entry.get("write_errors", 0))
+        f["corrupt"].add_metric(labels, entry.get("corrupt_blocks", 0))
+        f["newer"].add_metric(labels, entry.get("newer_format_blocks", 0))
+        f["blocks"].add_metric(labels, entry.get("blocks", 0))
+        f["early"].add_metric(labels, counters.evicted_early[tier_name])
+        f["retained_blocks"].add_metric(labels, entry.get("retained_blocks", 0))
+        f["retained_bytes"].add_metric(labels, entry.get("retained_bytes", 0))
+        f["bytes"].add_metric(labels, entry.get("used", 0))
+        if not (shared_tier is not None and tier_name == shared_tier.name):
+            # Redis evicts by itself and no node knows its size: the store's stand-in
+            # capacity (2**62) would make every fill ratio read 0.
+            f["capacity"].add_metric(labels, entry.get("capacity", 0))
+    for tier_name, meter in counters.read_rates.items():
+        rate = meter.rate()
+        if rate.known:  # what the vLLM connector weighs loads by (kvstore.client.cost_model)
+            f["read_rate"].add_metric([tier_name, name], rate.per_s)
+            f["read_latency"].add_metric([tier_name, name], rate.latency_s)
+
+
+def _peer_series(name: str, values: Mapping[str, int], f: dict[str, Any]) -> None:
+    """Tenant ``name``'s series of blocks and nodes refused, where it reads its peers."""
+    if "peer_corrupt_blocks" in values:  # a node reading its peers: blocks they sent refused
+        f["corrupt"].add_metric(["peer", name], values["peer_corrupt_blocks"])
+        f["newer"].add_metric(["peer", name], values.get("peer_newer_format_blocks", 0))
+        for reason in ("unverified_node", "unproven"):
+            key = "peer_unverified_nodes" if reason == "unverified_node" else "peer_unproven"
+            f["untrusted"].add_metric([reason, name], values.get(key, 0))
+
+
+def _shared_series(tenant: Tenant, f: dict[str, Any]) -> None:
+    """``tenant``'s series of the shared tier (Redis): its keyring check and its write-throughs."""
+    name = tenant.name
+    if tenant.keyring_record is not None:  # with the shared tier it kept off, if it did
+        f["mismatched"].add_metric([name], tenant.keyring_record.mismatched)
+    writer = tenant.store.shared_writer
+    shared = writer.tier
+    if shared is not None:
+        values = tenant.store.counters.values
+        f["dropped"].add_metric([name], values["write_through_dropped"])
+        f["resent"].add_metric([name], values["write_through_resent"])
+        f["resend_queue"].add_metric([name], writer.queued_blocks)
+        f["reconnects"].add_metric([name], shared.reconnects)
+        f["up"].add_metric([name], int(shared.up))
+        f["backlog"].add_metric([name], writer.backlog_bytes)
 
 
 def build_registry(tenants: Tenants, version: str | None = None) -> CollectorRegistry:
