@@ -70,7 +70,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvstore.block import Keyring, installed_keyring
-from kvstore.cluster.index import ClusterIndex
+from kvstore.cluster.index import ClusterIndex, Holding
 from kvstore.cluster.layout import REDIS_ERRORS
 from kvstore.cluster.records import NodeInfo
 from kvstore.config.cluster import PEER_TRANSPORTS
@@ -184,6 +184,35 @@ class PeerSource:
         except REDIS_ERRORS as exc:  # TimeoutError among them
             logger.debug("peer fetch: the cluster index did not answer (%s)", exc)
             return payloads, why
+        candidates = self._candidates(keys, holders, why)
+        while candidates:
+            plan: dict[str, list[int]] = {}
+            for position, names in candidates.items():
+                plan.setdefault(names[0], []).append(position)
+            await asyncio.gather(
+                *(
+                    self._fetch(node, keys, positions, namespace, payloads, why, landing)
+                    for node, positions in plan.items()
+                )
+            )
+            # What a holder did not serve goes to the next live one, while time is left.
+            candidates = {
+                position: [node for node in names[1:] if node not in self._suspects]
+                for position, names in candidates.items()
+                if payloads[position] is None
+            }
+            candidates = {position: names for position, names in candidates.items() if names}
+            if candidates:
+                if self._budget() <= 0:
+                    break
+                self.counters.add("peer_retries", len(candidates))
+        return payloads, why
+
+    def _candidates(
+        self, keys: Sequence[bytes], holders: Mapping[str, Holding], why: dict[int, str]
+    ) -> dict[int, list[str]]:
+        """The nodes to ask for each key, in order (the fastest tier first); a key whose holders
+        may not be asked gets its miss reason in ``why`` instead."""
         candidates: dict[int, list[str]] = {}
         refused = self.index.refused  # unsigned descriptions: never asked, not even a miss reason
         for position in range(len(keys)):
@@ -213,28 +242,7 @@ class PeerSource:
                 )
             )
             candidates[position] = usable
-        while candidates:
-            plan: dict[str, list[int]] = {}
-            for position, names in candidates.items():
-                plan.setdefault(names[0], []).append(position)
-            await asyncio.gather(
-                *(
-                    self._fetch(node, keys, positions, namespace, payloads, why, landing)
-                    for node, positions in plan.items()
-                )
-            )
-            # What a holder did not serve goes to the next live one, while time is left.
-            candidates = {
-                position: [node for node in names[1:] if node not in self._suspects]
-                for position, names in candidates.items()
-                if payloads[position] is None
-            }
-            candidates = {position: names for position, names in candidates.items() if names}
-            if candidates:
-                if self._budget() <= 0:
-                    break
-                self.counters.add("peer_retries", len(candidates))
-        return payloads, why
+        return candidates
 
     def _budget(self) -> float:
         left = remaining_s()
