@@ -248,20 +248,7 @@ def load_config(
     origins: dict[str, str] = {}  # setting -> where its value came from, for error messages
     path = path if path is not None else env.get("KVSTORE_CONFIG") or None
     if path is not None:
-        try:
-            with open(path, "rb") as handle:
-                document = tomllib.load(handle)
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise ConfigError(f"cannot read config file {path}: {exc}") from exc
-        if "tenants" in document:
-            tenants = tenant_tables(document.pop("tenants"))
-        for section, values in document.items():
-            if section not in _SECTIONS or not isinstance(values, dict):
-                raise ConfigError(
-                    f"unknown config section [{section}]; known: {sorted(_SECTIONS)} and tenants"
-                )
-            layer = {f"{section}.{name}": value for name, value in values.items()}
-            _merge(merged, origins, layer, f"config file {path}", _deprecated_in_file(path))
+        tenants = _merge_file(merged, origins, path)
     known = setting_names()
     for variable, setting in _LEGACY_FLAGS.items():
         if variable in env:
@@ -277,6 +264,36 @@ def load_config(
             f"{name} ({origins.get(name, '?')}){_did_you_mean(name, known)}" for name in unknown
         ]
         raise ConfigError(f"unknown settings: {'; '.join(hints)}; known: {known}")
+    return _build(merged, origins, tenants)
+
+
+def _merge_file(
+    merged: dict[str, Any], origins: dict[str, str], path: str | os.PathLike[str]
+) -> tuple[TenantConfig, ...]:
+    """Merge the settings of the TOML file at ``path`` into ``merged``; its tenants' tables."""
+    try:
+        with open(path, "rb") as handle:
+            document = tomllib.load(handle)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+    tenants: tuple[TenantConfig, ...] = ()
+    if "tenants" in document:
+        tenants = tenant_tables(document.pop("tenants"))
+    for section, values in document.items():
+        if section not in _SECTIONS or not isinstance(values, dict):
+            raise ConfigError(
+                f"unknown config section [{section}]; known: {sorted(_SECTIONS)} and tenants"
+            )
+        layer = {f"{section}.{name}": value for name, value in values.items()}
+        _merge(merged, origins, layer, f"config file {path}", _deprecated_in_file(path))
+    return tenants
+
+
+def _build(
+    merged: dict[str, Any], origins: dict[str, str], tenants: tuple[TenantConfig, ...]
+) -> Config:
+    """The :class:`Config` of the merged settings (every name known), each coerced to its type
+    (a refusal names where its value came from, ``origins``)."""
     if "server.inflight_bytes" not in merged:
         # Resolved here, not in machine_defaults: it follows dram.capacity however that was set.
         dram = _coerce("dram.capacity", merged["dram.capacity"], origins.get("dram.capacity", ""))

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
-from kvstore.block import installed_keyring
+from kvstore.block import Keyring, installed_keyring
 from kvstore.cluster.index import ClusterIndex
 from kvstore.cluster.layout import Client, Layout, connect
 from kvstore.cluster.records import NodeInfo, reads_now
@@ -100,10 +100,6 @@ async def start_cluster(
     client = connect(url, timeout_s=min(2.0, settings.lease_ttl_s / 3))
     layout = Layout(settings.key_prefix)
     node_id = node_id_for(settings.node_id, config.nvme.path)
-    capacity: dict[str, int] = {}
-    for store in stores.values():
-        for tier in store.tiers:
-            capacity[tier.name] = capacity.get(tier.name, 0) + tier.capacity
     publishers: list[Publisher] = []
 
     def rejoined() -> None:
@@ -112,10 +108,46 @@ async def start_cluster(
 
     # The cluster's secrets, not a tenant's: node descriptions are the whole node's.
     keyring = installed_keyring()
-    membership = Membership(
-        client,
-        layout,
-        lambda epoch: NodeInfo(
+    described = _description(config, node_id, grpc, ucx, _capacity(stores), schemes)
+    membership = Membership(client, layout, described, settings.lease_ttl_s, rejoined, keyring)
+    local = _add_publishers(publishers, config, client, layout, stores, membership)
+    for publisher in publishers:
+        publisher.start()
+    await membership.start()
+    schemes.add_listener(membership.changed)
+    logger.info("cluster index: node %s publishing to %s", node_id, settings.key_prefix)
+    peers: dict[str, tuple[TieredStore, PeerSource]] = {}
+    if settings.shared_data in ("peers", "both"):
+        peers = _read_from_peers(config, client, layout, keyring, node_id, stores)
+    node = ClusterNode(client, membership, publishers, peers, None, schemes)
+    if settings.engine_events:
+        _follow_engine(node, settings.engine_events, settings.engine_max_blocks, local)
+    return node
+
+
+def _capacity(stores: Mapping[str, TieredStore]) -> dict[str, int]:
+    """The node's capacity by tier name, summed over its tenants' stores."""
+    capacity: dict[str, int] = {}
+    for store in stores.values():
+        for tier in store.tiers:
+            capacity[tier.name] = capacity.get(tier.name, 0) + tier.capacity
+    return capacity
+
+
+def _description(
+    config: Config,
+    node_id: str,
+    grpc: str,
+    ucx: str,
+    capacity: dict[str, int],
+    schemes: NodeKeySchemes,
+) -> Callable[[int], NodeInfo]:
+    """The node's description for a membership epoch (its key schemes read each time, so that a
+    re-signed description carries the ones declared since)."""
+    settings = config.cluster
+
+    def described(epoch: int) -> NodeInfo:
+        return NodeInfo(
             node_id,
             epoch,
             settings.grpc_target(grpc),
@@ -124,11 +156,23 @@ async def start_cluster(
             keys=_published(schemes),
             version=RECORD.writes(settings.write_formats),
             formats=reads_now(),
-        ),
-        settings.lease_ttl_s,
-        rejoined,
-        keyring,
-    )
+        )
+
+    return described
+
+
+def _add_publishers(
+    publishers: list[Publisher],
+    config: Config,
+    client: Client,
+    layout: Layout,
+    stores: Mapping[str, TieredStore],
+    membership: Membership,
+) -> dict[str, LocalPublisher]:
+    """Append one (not yet started) publisher per tenant store to ``publishers`` (the list the
+    membership's rejoin callback resyncs); return those that can also publish the engine's
+    blocks, by tenant."""
+    settings = config.cluster
     local: dict[str, LocalPublisher] = {}
     for tenant, store in stores.items():
         # With engine events any tenant may turn out to be the engine's (its namespace's).
@@ -139,38 +183,43 @@ async def start_cluster(
         publishers.append(publisher)
         if isinstance(publisher, LocalPublisher):
             local[tenant] = publisher
-    for publisher in publishers:
-        publisher.start()
-    await membership.start()
-    schemes.add_listener(membership.changed)
-    logger.info("cluster index: node %s publishing to %s", node_id, settings.key_prefix)
+    return local
+
+
+def _read_from_peers(
+    config: Config,
+    client: Client,
+    layout: Layout,
+    keyring: Keyring,
+    node_id: str,
+    stores: Mapping[str, TieredStore],
+) -> dict[str, tuple[TieredStore, PeerSource]]:
+    """Give each tenant store a peer source (``cluster.shared_data`` peers or both): a miss is
+    read from another node that the tenant's index says holds the block."""
+    settings = config.cluster
+    if settings.peer_token:
+        logger.warning("%s", PEER_TOKEN_DEPRECATED)
     peers: dict[str, tuple[TieredStore, PeerSource]] = {}
-    if settings.shared_data in ("peers", "both"):
-        if settings.peer_token:
-            logger.warning("%s", PEER_TOKEN_DEPRECATED)
-        for tenant, store in stores.items():
-            source = PeerSource(
-                ClusterIndex(client, layout.for_tenant(tenant), keyring),
-                node_id,
-                store.counters,
-                tenant=tenant,
-                timeout_s=settings.peer_timeout_s,
-                max_block_bytes=store.max_block_bytes,
-                transport=settings.peer_transport,
-                keyring=store.keyring,
-                ucx_lanes=config.ucx.lanes,
-            )
-            store.set_remote_source(source)
-            peers[tenant] = (store, source)
-        logger.info(
-            "cluster index: reading other nodes' blocks from peers (%s, transport %s)",
-            settings.shared_data,
-            settings.peer_transport,
+    for tenant, store in stores.items():
+        source = PeerSource(
+            ClusterIndex(client, layout.for_tenant(tenant), keyring),
+            node_id,
+            store.counters,
+            tenant=tenant,
+            timeout_s=settings.peer_timeout_s,
+            max_block_bytes=store.max_block_bytes,
+            transport=settings.peer_transport,
+            keyring=store.keyring,
+            ucx_lanes=config.ucx.lanes,
         )
-    node = ClusterNode(client, membership, publishers, peers, None, schemes)
-    if settings.engine_events:
-        _follow_engine(node, settings.engine_events, settings.engine_max_blocks, local)
-    return node
+        store.set_remote_source(source)
+        peers[tenant] = (store, source)
+    logger.info(
+        "cluster index: reading other nodes' blocks from peers (%s, transport %s)",
+        settings.shared_data,
+        settings.peer_transport,
+    )
+    return peers
 
 
 def _published(schemes: NodeKeySchemes) -> tuple[str, ...]:

@@ -66,13 +66,11 @@ import asyncio
 import logging
 import time
 import zlib
-from collections import OrderedDict
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
 
 from kvstore.block import Keyring, installed_keyring
-from kvstore.cluster.index import ClusterIndex
+from kvstore.cluster.index import ClusterIndex, Holding
 from kvstore.cluster.layout import REDIS_ERRORS
 from kvstore.cluster.records import NodeInfo
 from kvstore.config.cluster import PEER_TRANSPORTS
@@ -85,6 +83,7 @@ from kvstore.errors import (
 from kvstore.node.peer_auth import PeerAuthError, PeerSigner, peer_keyring
 from kvstore.node.peer_blocks import SealedBlock, sealed_newer, verify_blocks
 from kvstore.node.peer_grpc import GrpcPeerLink
+from kvstore.node.peer_links import PeerLinks
 from kvstore.node.peer_ucx import UcxPeerLink
 from kvstore.protocol.ucx import UcxTransportError, ucx_unavailable_reason
 from kvstore.store.counters import StoreCounters
@@ -94,37 +93,12 @@ __all__ = ["PeerSource", "holder_rank"]
 
 logger = logging.getLogger(__name__)
 
-#: Links kept open per transport (one per peer; the least recently used is closed).
-MAX_CLIENTS = 64
 #: How long UCX to a peer rests after a failure (its reads go over gRPC meanwhile, under ``auto``).
 UCX_RETRY_S = 30.0
 #: How often descriptions refused before are read again while the index names their nodes.
 REFUSED_RECHECK_S = 10.0
 #: How much later a lease's expiry must be to count as renewed (absorbs clock jitter).
 _RENEWAL_SLACK_S = 0.05
-
-
-class _Closable(Protocol):
-    async def aclose(self) -> None: ...
-
-
-_Key = TypeVar("_Key", bound=Hashable)
-_Connection = TypeVar("_Connection", bound=_Closable)
-
-
-def _cached(
-    cache: OrderedDict[_Key, _Connection], key: _Key, make: Callable[[], _Connection]
-) -> _Connection:
-    """``cache[key]``, made by ``make`` if missing, as the most recently used; past
-    :data:`MAX_CLIENTS` entries the least recently used one is closed (in the background)."""
-    connection = cache.get(key)
-    if connection is None:
-        connection = cache[key] = make()
-        if len(cache) > MAX_CLIENTS:
-            _, old = cache.popitem(last=False)
-            asyncio.get_running_loop().create_task(old.aclose())
-    cache.move_to_end(key)
-    return connection
 
 
 def holder_rank(key: bytes, node: str) -> int:
@@ -186,8 +160,7 @@ class PeerSource:
         self._nodes: dict[str, NodeInfo] = {}
         self._recheck_at = 0.0
         self._suspects: dict[str, _Suspect] = {}
-        self._clients: OrderedDict[str, GrpcPeerLink] = OrderedDict()
-        self._links: OrderedDict[tuple[str, str], UcxPeerLink] = OrderedDict()
+        self._links = PeerLinks(self.signer, max_block_bytes, ucx_lanes)
         counters.add("peer_corrupt_blocks", 0)  # present (at 0) wherever peers are read
         counters.add("peer_unverified_nodes", 0)
         counters.add("peer_unproven", 0)
@@ -211,6 +184,35 @@ class PeerSource:
         except REDIS_ERRORS as exc:  # TimeoutError among them
             logger.debug("peer fetch: the cluster index did not answer (%s)", exc)
             return payloads, why
+        candidates = self._candidates(keys, holders, why)
+        while candidates:
+            plan: dict[str, list[int]] = {}
+            for position, names in candidates.items():
+                plan.setdefault(names[0], []).append(position)
+            await asyncio.gather(
+                *(
+                    self._fetch(node, keys, positions, namespace, payloads, why, landing)
+                    for node, positions in plan.items()
+                )
+            )
+            # What a holder did not serve goes to the next live one, while time is left.
+            candidates = {
+                position: [node for node in names[1:] if node not in self._suspects]
+                for position, names in candidates.items()
+                if payloads[position] is None
+            }
+            candidates = {position: names for position, names in candidates.items() if names}
+            if candidates:
+                if self._budget() <= 0:
+                    break
+                self.counters.add("peer_retries", len(candidates))
+        return payloads, why
+
+    def _candidates(
+        self, keys: Sequence[bytes], holders: Mapping[str, Holding], why: dict[int, str]
+    ) -> dict[int, list[str]]:
+        """The nodes to ask for each key, in order (the fastest tier first); a key whose holders
+        may not be asked gets its miss reason in ``why`` instead."""
         candidates: dict[int, list[str]] = {}
         refused = self.index.refused  # unsigned descriptions: never asked, not even a miss reason
         for position in range(len(keys)):
@@ -240,28 +242,7 @@ class PeerSource:
                 )
             )
             candidates[position] = usable
-        while candidates:
-            plan: dict[str, list[int]] = {}
-            for position, names in candidates.items():
-                plan.setdefault(names[0], []).append(position)
-            await asyncio.gather(
-                *(
-                    self._fetch(node, keys, positions, namespace, payloads, why, landing)
-                    for node, positions in plan.items()
-                )
-            )
-            # What a holder did not serve goes to the next live one, while time is left.
-            candidates = {
-                position: [node for node in names[1:] if node not in self._suspects]
-                for position, names in candidates.items()
-                if payloads[position] is None
-            }
-            candidates = {position: names for position, names in candidates.items() if names}
-            if candidates:
-                if self._budget() <= 0:
-                    break
-                self.counters.add("peer_retries", len(candidates))
-        return payloads, why
+        return candidates
 
     def _budget(self) -> float:
         left = remaining_s()
@@ -338,25 +319,14 @@ class PeerSource:
             )
 
     def _client(self, node: str) -> GrpcPeerLink:
-        target = self._nodes[node].grpc
-        return _cached(
-            self._clients,
-            target,  # a restarted node may listen elsewhere
-            lambda: GrpcPeerLink(target, self.signer, self.max_block_bytes),
-        )
+        return self._links.grpc(self._nodes[node])
 
     def _link(self, node: str) -> UcxPeerLink | None:
         """The UCX link to ``node`` if reads to it go over UCX now, else ``None``."""
         info = self._nodes[node]
         if not self._ucx_ok or not info.ucx:
             return None
-        return _cached(
-            self._links,
-            (info.grpc, info.ucx),  # a restarted node may listen elsewhere
-            lambda: UcxPeerLink(
-                info.grpc, info.ucx, self.signer, self.max_block_bytes, self.ucx_lanes
-            ),
-        )
+        return self._links.ucx(info)
 
     async def _fetch(
         self,
@@ -368,43 +338,26 @@ class PeerSource:
         why: dict[int, str],
         landing: Landing | None = None,
     ) -> None:
+        """Ask ``node`` for the keys at ``positions``: the blocks it serves that verify go into
+        ``payloads``, the miss reason of the others into ``why``."""
         self.counters.add("peer_requests")
         wanted = [keys[position] for position in positions]
-        reason, transport = "", "grpc"
-        got: list[SealedBlock | None] = []
+        reason, forged, transport = "", False, "grpc"
+        got: list[SealedBlock | None] | None = None
         try:
             link = self._link(node)
             if link is not None and (link.usable() or self.transport == "ucx"):
                 transport = "ucx"
-                try:
-                    got = await self._over_ucx(node, link, wanted, namespace, landing)
-                except (DeadlineExceededError, TimeoutError, PeerAuthError):
-                    raise
-                except Exception as exc:
-                    if self.transport == "ucx":
-                        raise
-                    # auto: the same keys over gRPC, in what is left of the deadline.
-                    link.retry_at = time.monotonic() + UCX_RETRY_S
-                    self.counters.add("peer_ucx_fallbacks")
-                    logger.warning(
-                        "peer fetch: UCX to node %s failed (%s); gRPC for %.0fs",
-                        node,
-                        exc,
-                        UCX_RETRY_S,
-                    )
-                    transport = "grpc"
-            if transport == "grpc":
+                got = await self._over_ucx_or_none(node, link, wanted, namespace, landing)
+                transport = "ucx" if got is not None else "grpc"
+            if got is None:
                 got = await self._over_grpc(node, wanted, namespace)
         except (DeadlineExceededError, TimeoutError):
             reason = "peer_timeout"
         except PeerAuthError as exc:  # not a node of this cluster: asked again once it restarts
             logger.warning("peer fetch: node %s did not prove itself: %s", node, exc)
-            for position in positions:
-                why[position] = "peer_down"
-            self.counters.add("peer_downs", len(positions))
             self.counters.add("peer_unproven")
-            await self._suspect(node, forged=True)
-            return
+            reason, forged = "peer_down", True
         except (AuthenticationError, PermissionDeniedError) as exc:
             # A node of the cluster refusing this one: other secrets, clocks apart, tenants.
             logger.warning("peer fetch: node %s refused the request: %s", node, exc)
@@ -416,28 +369,76 @@ class PeerSource:
             for position in positions:
                 why[position] = reason
             self.counters.add(f"{reason}s", len(positions))
-            await self._suspect(node)
+            await self._suspect(node, forged)
             return
-        verdicts = [True] * len(got)
+        assert got is not None
+        verdicts = await self._verify(wanted, namespace, got)
+        await self._take(node, positions, wanted, got, verdicts, transport, payloads, why, landing)
+
+    async def _over_ucx_or_none(
+        self,
+        node: str,
+        link: UcxPeerLink,
+        keys: list[bytes],
+        namespace: bytes,
+        landing: Landing | None,
+    ) -> list[SealedBlock | None] | None:
+        """The keys' blocks over UCX; ``None`` where UCX failed and ``auto`` falls back to gRPC
+        (the same keys, in what is left of the deadline), UCX to that peer resting meanwhile."""
+        try:
+            return await self._over_ucx(node, link, keys, namespace, landing)
+        except (DeadlineExceededError, TimeoutError, PeerAuthError):
+            raise
+        except Exception as exc:
+            if self.transport == "ucx":
+                raise
+            link.retry_at = time.monotonic() + UCX_RETRY_S
+            self.counters.add("peer_ucx_fallbacks")
+            logger.warning(
+                "peer fetch: UCX to node %s failed (%s); gRPC for %.0fs", node, exc, UCX_RETRY_S
+            )
+            return None
+
+    async def _verify(
+        self, keys: list[bytes], namespace: bytes, got: list[SealedBlock | None]
+    ) -> list[bool]:
+        """Whether each block a peer sent is the key's, sealed under the tenant's keyring (off
+        the event loop, unless all of them were verified where they arrived)."""
         keyring = self.keyring or installed_keyring()
         if any(block is not None and block.verified is None for block in got):
-            verdicts = await asyncio.to_thread(
-                verify_blocks, wanted, namespace, got, keyring, self.max_block_bytes
+            return await asyncio.to_thread(
+                verify_blocks, keys, namespace, got, keyring, self.max_block_bytes
             )
-        elif got:  # verified where they arrived (UCX): no second thread hop
-            verdicts = verify_blocks(wanted, namespace, got, keyring, self.max_block_bytes)
+        if got:  # verified where they arrived (UCX): no second thread hop
+            return verify_blocks(keys, namespace, got, keyring, self.max_block_bytes)
+        return []
+
+    async def _take(
+        self,
+        node: str,
+        positions: list[int],
+        keys: list[bytes],
+        got: list[SealedBlock | None],
+        verdicts: list[bool],
+        transport: str,
+        payloads: list[bytes | None],
+        why: dict[int, str],
+        landing: Landing | None,
+    ) -> None:
+        """Keep the blocks ``node`` served that verified; the others are misses (``newer_format``
+        where a later release sealed them, else ``corrupt``: the node is suspect)."""
         refused: list[bytes] = []
         newer: list[bytes] = []
-        for position, block, verified in zip(positions, got, verdicts, strict=True):
+        for position, key, block, verified in zip(positions, keys, got, verdicts, strict=True):
             if block is None:
                 continue  # the peer no longer holds it (evicted since it published): a miss
             if not verified and sealed_newer(block.header):
                 # A later release's seal: a miss, and no sign of a rogue (a rolling upgrade).
-                newer.append(keys[position])
+                newer.append(key)
                 why[position] = "newer_format"
                 continue
             if not verified:  # never installed nor served; the next holder may have it
-                refused.append(keys[position])
+                refused.append(key)
                 why[position] = "corrupt"
                 continue
             payloads[position] = block.payload
@@ -489,9 +490,4 @@ class PeerSource:
 
     async def aclose(self) -> None:
         """Close every gRPC and UCX link."""
-        clients, self._clients = list(self._clients.values()), OrderedDict()
-        for client in clients:
-            await client.aclose()
-        links, self._links = list(self._links.values()), OrderedDict()
-        for link in links:
-            await link.aclose()
+        await self._links.aclose()

@@ -13,7 +13,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from kvstore.cluster.index import ClusterIndex
 from kvstore.cluster.layout import Client, Layout, connect
-from kvstore.config import Config, hash_secret
+from kvstore.config import Config, RouterConfig, hash_secret
 from kvstore.errors import ConfigError
 from kvstore.router.keys import RouterKeys, parse_namespace
 from kvstore.router.lookup import ScriptIndex
@@ -57,32 +57,15 @@ def build_router(config: Config) -> tuple[Router, Client | None]:
             "the router names chunks by the key scheme its nodes publish in the cluster index, "
             "and has none: set cluster.url (or redis.url) to the index the nodes publish to"
         )
-    if settings.hash_algorithm not in ("xxh3_128", "sha256"):
-        raise ConfigError(
-            f"router.hash_algorithm: cannot use {settings.hash_algorithm!r}: "
-            "one of xxh3_128, sha256"
-        )
-    keys = None
-    if settings.namespace:  # deprecated: only while no node publishes a scheme
-        keys = RouterKeys(
-            parse_namespace(settings.namespace),
-            settings.chunk_size,
-            hash_secret(),
-            "sha256" if settings.hash_algorithm == "sha256" else "xxh3_128",
-        )
+    keys = _configured_keys(settings)
     # The socket timeout is the cap: the adaptive deadline (index_query) cuts queries off first.
     cap_s = max(settings.index_timeout_max_s, settings.index_timeout_s)
     client = connect(url, cap_s) if url else None
     layout = Layout(config.cluster.key_prefix, settings.tenant)
-    index: Index | None = None
-    if isinstance(client, RedisCluster):
-        index = ClusterIndex(client, layout, timeout_s=settings.index_timeout_s)
-    elif client is not None:
-        index = ScriptIndex(client, layout)
     router = Router(
         replicas,
         keys,
-        index,
+        _index(client, layout, settings.index_timeout_s),
         tokenizer=load_tokenizer(settings.tokenizer),
         provisional_ttl_s=settings.provisional_ttl_s,
         hit_weight=settings.hit_weight,
@@ -108,6 +91,35 @@ def build_router(config: Config) -> tuple[Router, Client | None]:
             request_cost_tokens=settings.request_cost_tokens,
         )
     return router, client
+
+
+def _configured_keys(settings: RouterConfig) -> RouterKeys | None:
+    """How the router names chunks by its own settings (``router.namespace``, deprecated: only
+    while no node publishes a scheme); ``None`` where it reads the nodes' schemes."""
+    if settings.hash_algorithm not in ("xxh3_128", "sha256"):
+        raise ConfigError(
+            f"router.hash_algorithm: cannot use {settings.hash_algorithm!r}: "
+            "one of xxh3_128, sha256"
+        )
+    if not settings.namespace:
+        return None
+    return RouterKeys(
+        parse_namespace(settings.namespace),
+        settings.chunk_size,
+        hash_secret(),
+        "sha256" if settings.hash_algorithm == "sha256" else "xxh3_128",
+    )
+
+
+def _index(client: Client | None, layout: Layout, timeout_s: float) -> Index | None:
+    """Who holds which chunks, from the tenant's cluster index (``None`` without one): one
+    script call per question on a single Redis (:class:`ScriptIndex`), a pipeline on a Redis
+    Cluster, whose keys of one request lie in many slots."""
+    if isinstance(client, RedisCluster):
+        return ClusterIndex(client, layout, timeout_s=timeout_s)
+    if client is not None:
+        return ScriptIndex(client, layout)
+    return None
 
 
 def pd_replicas(replicas: str, prefill: str, decode: str) -> tuple[list[Replica], list[Replica]]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -27,23 +26,19 @@ from kvstore.node.agent import ClusterNode, start_cluster
 from kvstore.node.key_schemes import NodeKeySchemes
 from kvstore.policy import Policy
 from kvstore.protocol.messages import MESSAGE_TARGET_BYTES
-from kvstore.protocol.ucx import UcxTransportError
 from kvstore.server.auth import check_exposure, interceptors, server_credentials
 from kvstore.server.budget import InflightBudget
 from kvstore.server.health import add_health_to_server
 from kvstore.server.integrity import load_keyring
 from kvstore.server.keyring_check import check_shared_keyring
-from kvstore.server.metrics import build_registry
 from kvstore.server.metrics_http import MetricsServer
 from kvstore.server.peer_gate import PeerGate
+from kvstore.server.planes import start_metrics, start_shm, start_ucx
 from kvstore.server.servicer import SERVICE_NAME, KVStoreServicer, add_to_server
-from kvstore.server.sessions import ArenaSessions
 from kvstore.server.shm import ShmServer
-from kvstore.server.shm_limits import ShmLimits
-from kvstore.server.shm_paths import remove_private_dir, shm_socket_path, tenant_socket_path
+from kvstore.server.shm_paths import remove_private_dir
 from kvstore.server.tenancy import TENANTS_DIR, Tenant, Tenants, check_tenants, tenant_config
-from kvstore.server.ucx import UcxDataServer, UcxScope
-from kvstore.server.ucx_service import add_ucx_to_server
+from kvstore.server.ucx import UcxDataServer
 from kvstore.store import TieredStore
 from kvstore.store.prefetch import Prefetcher
 from kvstore.tiers import build_tiers
@@ -255,17 +250,7 @@ async def start_server(config: Config) -> RunningServer:
     auth = interceptors(config.auth, peer_check if config.cluster.enabled else None)
     tenants = await open_tenants(config)
     gate = PeerGate(tenants)
-    # Clients and the Get stream pack messages up to a soft target plus one whole block; leave
-    # room beyond that so an oversized block reaches the store's own check and its clearer message.
-    message_limit = 2 * config.server.max_block_bytes + MESSAGE_TARGET_BYTES + 1024**2
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_receive_message_length", message_limit),
-            ("grpc.max_send_message_length", message_limit),
-            ("grpc.so_reuseport", 0),
-        ],
-        interceptors=auth or None,
-    )
+    server = _grpc_server(config, auth)
     servicer = KVStoreServicer(
         tenants=tenants, put_stream_timeout_s=config.server.put_stream_timeout_s
     )
@@ -283,32 +268,21 @@ async def start_server(config: Config) -> RunningServer:
     try:
         if port == 0:
             raise OSError(f"cannot listen on {config.server.listen}")
-        metrics = await _start_metrics(config, tenants)
+        metrics = await start_metrics(config, tenants)
     except OSError:
         for tenant in tenants:  # nothing serves them: leave LMDB closed for the next start
             await _close_tenant(tenant)
         raise
     for tenant in tenants:
-        tenant.shm = await _start_shm(config, tenant)
-    ucx = await _start_ucx(config, tenants, server, servicer)
+        tenant.shm = await start_shm(config, tenant)
+    ucx = await start_ucx(config, tenants, server, servicer)
     await server.start()
     for service in ("", SERVICE_NAME):
         await health.set(service, health_pb2.HealthCheckResponse.SERVING)
     host = config.server.listen.rpartition(":")[0]
     address = f"{host}:{port}"
-    logger.info(
-        "kvstore serving on %s (%s, %s) with tiers %s%s",
-        address,
-        "TLS" if credentials is not None else "plaintext",
-        "authenticated" if config.auth.authenticates else "unauthenticated",
-        [t.name for t in next(iter(tenants)).store.tiers],
-        f" for {len(tenants)} tenants" if config.tenants else "",
-    )
-    stores = {tenant.name: tenant.store for tenant in tenants}
-    cluster = await start_cluster(config, stores, address, servicer.ucx_address, key_schemes)
-    if cluster is not None:  # other nodes' reads are admitted once it has a boot epoch
-        membership = cluster.membership
-        gate.identity = lambda: (membership.node_id, membership.epoch)
+    _log_serving(config, address, credentials is not None, tenants)
+    cluster = await _join_cluster(config, tenants, address, servicer, key_schemes, gate)
     return RunningServer(
         server,
         tenants,
@@ -322,95 +296,51 @@ async def start_server(config: Config) -> RunningServer:
     )
 
 
-async def _start_metrics(config: Config, tenants: Tenants) -> MetricsServer | None:
-    """Serve ``/metrics`` on ``server.metrics_listen`` (``None`` where it is off)."""
-    if not config.server.metrics_listen:
-        return None
-    owners = (
-        {identity: spec.name for spec in config.tenants for identity in spec.identities}
-        if config.tenants
-        else None
+def _grpc_server(
+    config: Config, auth: list[grpc.aio.ServerInterceptor[Any, Any]]
+) -> grpc.aio.Server:
+    """The gRPC server, its message limits sized to the largest block (no port bound yet)."""
+    # Clients and the Get stream pack messages up to a soft target plus one whole block; leave
+    # room beyond that so an oversized block reaches the store's own check and its clearer message.
+    message_limit = 2 * config.server.max_block_bytes + MESSAGE_TARGET_BYTES + 1024**2
+    return grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", message_limit),
+            ("grpc.max_send_message_length", message_limit),
+            ("grpc.so_reuseport", 0),
+        ],
+        interceptors=auth or None,
     )
-    metrics = MetricsServer(
-        build_registry(tenants), config.server.metrics_listen, config.auth, owners
+
+
+def _log_serving(config: Config, address: str, tls: bool, tenants: Tenants) -> None:
+    """Say where the server serves, how callers are checked, and with which tiers."""
+    logger.info(
+        "kvstore serving on %s (%s, %s) with tiers %s%s",
+        address,
+        "TLS" if tls else "plaintext",
+        "authenticated" if config.auth.authenticates else "unauthenticated",
+        [t.name for t in next(iter(tenants)).store.tiers],
+        f" for {len(tenants)} tenants" if config.tenants else "",
     )
-    url = await metrics.start()
-    logger.info("metrics on %s", url)
-    return metrics
 
 
-async def _start_shm(config: Config, tenant: Tenant) -> ShmServer | None:
-    """Serve a tenant's dram arena to its co-located clients, if configured and it has one.
-
-    A socket that cannot be created (no such directory, no permission, a path too long) turns
-    only this data plane off: the server announces no socket and clients use gRPC.
-    """
-    store = tenant.store
-    settings = config.shm
-    if not tenant.socket_setting or store.arena is None:
-        if tenant.name and store.arena is not None:
-            logger.info(
-                "tenant %s: no shared-memory data plane (tenants.%s.shm is false); its clients "
-                "use gRPC or UCX",
-                tenant.name,
-                tenant.name,
-            )
-        return None
-    limits = ShmLimits(
-        max_connections=settings.max_connections,
-        max_connections_per_uid=settings.max_connections_per_uid,
-        session_bytes=_session_bytes(config, store),
-        frame_timeout_s=settings.frame_timeout_s,
-    )
-    path = ""
-    try:
-        if tenant.name:
-            path = tenant_socket_path(tenant.socket_setting, tenant.name, settings.socket_mode)
-        else:
-            path = shm_socket_path(tenant.socket_setting, settings.socket_mode)
-        shm = ShmServer(
-            store,
-            path,
-            os.urandom(16),
-            mode=settings.socket_mode,
-            limits=limits,
-            allowed_uids=tenant.uids,
-            allowed_gids=tenant.gids,
-            tenant=tenant.name,
-        )
-        await shm.start()
-    except OSError as exc:
-        if path:
-            remove_private_dir(path)
-        logger.warning(
-            "shared-memory data plane off: cannot create socket %s (%s); "
-            "co-located clients will use gRPC",
-            path or tenant.socket_setting,
-            exc,
-        )
-        return None
-    if tenant.name and tenant.uids is None and tenant.gids is None:
-        logger.warning(
-            "tenant %s lists no uids or gids: its shared-memory socket admits every local "
-            "process that mode %s lets in and that knows its path (only the path is secret); "
-            "set tenants.%s.uids or tenants.%s.gids to admit the tenant's own users only",
-            tenant.name,
-            oct(settings.socket_mode),
-            tenant.name,
-            tenant.name,
-        )
-    return shm
-
-
-def _session_bytes(config: Config, store: TieredStore) -> int | None:
-    """Arena bytes one connection or transfer may hold leased or reserved (``None``: no arena).
-
-    A quarter of the arena unless told otherwise: several engines share it, and none may pin or
-    fill all of it.
-    """
-    if store.arena is None:
-        return None
-    return config.shm.session_bytes or max(store.arena.capacity // 4, 1)
+async def _join_cluster(
+    config: Config,
+    tenants: Tenants,
+    address: str,
+    servicer: KVStoreServicer,
+    key_schemes: NodeKeySchemes,
+    gate: PeerGate,
+) -> ClusterNode | None:
+    """Take this node's part in the cluster index (``None`` unless ``cluster.enabled``); the
+    ``gate`` admits other nodes' reads once the node has a boot epoch."""
+    stores = {tenant.name: tenant.store for tenant in tenants}
+    cluster = await start_cluster(config, stores, address, servicer.ucx_address, key_schemes)
+    if cluster is not None:
+        membership = cluster.membership
+        gate.identity = lambda: (membership.node_id, membership.epoch)
+    return cluster
 
 
 async def run_server(
@@ -432,40 +362,3 @@ async def run_server(
     await stop.wait()
     logger.info("shutting down (grace %.1fs)", running.grace_s)
     await running.stop()
-
-
-async def _start_ucx(
-    config: Config, tenants: Tenants, server: grpc.aio.Server, servicer: KVStoreServicer
-) -> UcxDataServer | None:
-    """Serve bulk transfers to remote clients over UCX, if configured and ucxx is installed.
-
-    Each call works on its caller's tenant's store, and one transfer holds at most what one
-    shared-memory connection may (``shm.session_bytes``) of that tenant's arena.
-    """
-    if not config.ucx.listen:
-        return None
-    scopes = {
-        tenant.name: UcxScope(
-            tenant.name,
-            tenant.store,
-            ArenaSessions(tenant.store, _session_bytes(config, tenant.store)),
-        )
-        for tenant in tenants
-    }
-    try:
-        ucx = await add_ucx_to_server(
-            server,
-            next(iter(tenants)).store,
-            config.ucx.listen,
-            transfer_timeout_s=config.ucx.transfer_timeout_s,
-            scopes=lambda: scopes[tenants.current().name],
-            max_lanes=config.ucx.max_lanes,
-            connection_bytes=config.ucx.connection_bytes_in_flight,
-            tenant_bytes=config.ucx.tenant_bytes_in_flight,
-        )
-    except UcxTransportError as exc:
-        logger.warning("UCX data path off: %s", exc)
-        return None
-    servicer.ucx_address = ucx.address
-    logger.info("UCX data path on %s", ucx.address)
-    return ucx

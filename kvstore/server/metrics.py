@@ -15,8 +15,8 @@ or with none.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -31,6 +31,7 @@ from kvstore.store.counters import MISS_REASONS
 
 if TYPE_CHECKING:  # tenancy imports the shared-memory server, which records durations
     from kvstore.server.tenancy import Tenant, Tenants
+    from kvstore.store import TieredStore
 
 __all__ = ["SERVER_WIDE", "StoreCollector", "TenantView", "build_registry"]
 
@@ -49,8 +50,128 @@ _PREFETCH_OUTCOMES = {
 SERVER_WIDE = frozenset({"kvstore_build_info"})
 
 
-def _family(kind: Any, name: str, doc: str, labels: list[str]) -> Any:
-    return kind(name, doc, labels=labels)
+class _Spec(NamedTuple):
+    """One metric family a scrape reads from the stores."""
+
+    kind: type[CounterMetricFamily] | type[GaugeMetricFamily]
+    name: str
+    help: str
+    labels: tuple[str, ...]
+
+
+_COUNTER, _GAUGE = CounterMetricFamily, GaugeMetricFamily
+_TIER = ("tier", "tenant")
+_TENANT = ("tenant",)
+
+#: The families read from the stores, by the key :meth:`StoreCollector._collect_tenant` fills
+#: them under, in the order a scrape shows them.
+_FAMILIES: dict[str, _Spec] = {
+    "hits": _Spec(_COUNTER, "kvstore_tier_hits", "Blocks served from the tier", _TIER),
+    "misses": _Spec(_COUNTER, "kvstore_misses", "Keys not served, by reason", ("reason", "tenant")),
+    "read": _Spec(_COUNTER, "kvstore_tier_read_bytes", "Payload bytes served from the tier", _TIER),
+    "written": _Spec(
+        _COUNTER, "kvstore_tier_written_bytes", "Payload bytes written into the tier", _TIER
+    ),
+    "evictions": _Spec(_COUNTER, "kvstore_tier_evictions", "Blocks evicted from the tier", _TIER),
+    "demotions": _Spec(
+        _COUNTER, "kvstore_tier_demotions", "Blocks moved down out of the tier", _TIER
+    ),
+    "promotions": _Spec(
+        _COUNTER, "kvstore_tier_promotions", "Blocks moved up into the tier", _TIER
+    ),
+    "write_errors": _Spec(
+        _COUNTER, "kvstore_tier_write_errors", "Writes the tier's medium refused", _TIER
+    ),
+    "corrupt": _Spec(
+        _COUNTER, "kvstore_tier_corrupt_blocks", "Blocks that failed verification", _TIER
+    ),
+    "newer": _Spec(
+        _COUNTER,
+        "kvstore_tier_newer_format_blocks",
+        "Blocks in a format version newer than this release reads: misses, left in place",
+        _TIER,
+    ),
+    "untrusted": _Spec(
+        _COUNTER,
+        "kvstore_peer_untrusted",
+        "Peers not trusted: descriptions in the index that do not verify "
+        "(unverified_node), holders that did not prove themselves (unproven)",
+        ("reason", "tenant"),
+    ),
+    "dropped": _Spec(
+        _COUNTER,
+        "kvstore_shared_writes_dropped",
+        "Blocks never shared: write-throughs given up (backlog or re-send queue full)",
+        _TENANT,
+    ),
+    "resent": _Spec(
+        _COUNTER,
+        "kvstore_shared_writes_resent",
+        "Write-throughs Redis refused, then took when sent again",
+        _TENANT,
+    ),
+    "reconnects": _Spec(
+        _COUNTER, "kvstore_shared_reconnects", "Shared-tier outages ended", _TENANT
+    ),
+    "prefetch": _Spec(
+        _COUNTER, "kvstore_prefetch_keys", "Prefetched keys by outcome", ("outcome", "tenant")
+    ),
+    "lookups": _Spec(_COUNTER, "kvstore_lookups", "Lookup calls", ("plane", "tenant")),
+    "early": _Spec(
+        _COUNTER,
+        "kvstore_tier_retained_evicted_early",
+        "Retained blocks evicted before their time (the tier was full of retained ones)",
+        _TIER,
+    ),
+    "blocks": _Spec(_GAUGE, "kvstore_tier_resident_blocks", "Blocks the tier holds", _TIER),
+    "retained_blocks": _Spec(
+        _GAUGE, "kvstore_tier_retained_blocks", "Blocks held whose retention is not up", _TIER
+    ),
+    "retained_bytes": _Spec(
+        _GAUGE, "kvstore_tier_retained_bytes", "Bytes of blocks whose retention is not up", _TIER
+    ),
+    "bytes": _Spec(_GAUGE, "kvstore_tier_resident_bytes", "Bytes the tier holds", _TIER),
+    "capacity": _Spec(_GAUGE, "kvstore_tier_capacity_bytes", "The tier's capacity", _TIER),
+    "read_rate": _Spec(
+        _GAUGE,
+        "kvstore_tier_read_rate_bytes_per_second",
+        "Measured read rate of the tier (or of peers), fitted over recent batched reads",
+        _TIER,
+    ),
+    "read_latency": _Spec(
+        _GAUGE,
+        "kvstore_tier_read_latency_seconds",
+        "Measured fixed cost of one batched read from the tier (or from peers)",
+        _TIER,
+    ),
+    "up": _Spec(_GAUGE, "kvstore_shared_tier_up", "1 while the shared tier answers", _TENANT),
+    "mismatched": _Spec(
+        _GAUGE,
+        "kvstore_shared_keyring_mismatched_nodes",
+        "Nodes on the shared tier whose integrity keyring shares no secret with this one",
+        _TENANT,
+    ),
+    "backlog": _Spec(
+        _GAUGE,
+        "kvstore_shared_write_backlog_bytes",
+        "Payload bytes on their way to the shared tier",
+        _TENANT,
+    ),
+    "resend_queue": _Spec(
+        _GAUGE,
+        "kvstore_shared_write_queue_blocks",
+        "Write-throughs Redis refused, waiting to be sent again",
+        _TENANT,
+    ),
+    "queue": _Spec(_GAUGE, "kvstore_prefetch_queue_keys", "Keys of unfinished prefetches", _TENANT),
+    "connections": _Spec(
+        _GAUGE, "kvstore_shm_connections", "Shared-memory connections open", _TENANT
+    ),
+    "leases": _Spec(_GAUGE, "kvstore_shm_leases", "Arena leases held by clients", _TENANT),
+    "reservations": _Spec(
+        _GAUGE, "kvstore_shm_reservations", "Arena reservations held by clients", _TENANT
+    ),
+}
 
 
 class StoreCollector(Collector):
@@ -63,121 +184,9 @@ class StoreCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         """One family per metric name, a series per tenant (and tier, reason...)."""
-        c = CounterMetricFamily
-        g = GaugeMetricFamily
-        tt = ["tier", "tenant"]
         f: dict[str, Any] = {
-            "hits": _family(c, "kvstore_tier_hits", "Blocks served from the tier", tt),
-            "misses": _family(
-                c, "kvstore_misses", "Keys not served, by reason", ["reason", "tenant"]
-            ),
-            "read": _family(c, "kvstore_tier_read_bytes", "Payload bytes served from the tier", tt),
-            "written": _family(
-                c, "kvstore_tier_written_bytes", "Payload bytes written into the tier", tt
-            ),
-            "evictions": _family(c, "kvstore_tier_evictions", "Blocks evicted from the tier", tt),
-            "demotions": _family(
-                c, "kvstore_tier_demotions", "Blocks moved down out of the tier", tt
-            ),
-            "promotions": _family(
-                c, "kvstore_tier_promotions", "Blocks moved up into the tier", tt
-            ),
-            "write_errors": _family(
-                c, "kvstore_tier_write_errors", "Writes the tier's medium refused", tt
-            ),
-            "corrupt": _family(
-                c, "kvstore_tier_corrupt_blocks", "Blocks that failed verification", tt
-            ),
-            "newer": _family(
-                c,
-                "kvstore_tier_newer_format_blocks",
-                "Blocks in a format version newer than this release reads: misses, left in place",
-                tt,
-            ),
-            "untrusted": _family(
-                c,
-                "kvstore_peer_untrusted",
-                "Peers not trusted: descriptions in the index that do not verify "
-                "(unverified_node), holders that did not prove themselves (unproven)",
-                ["reason", "tenant"],
-            ),
-            "dropped": _family(
-                c,
-                "kvstore_shared_writes_dropped",
-                "Blocks never shared: write-throughs given up (backlog or re-send queue full)",
-                ["tenant"],
-            ),
-            "resent": _family(
-                c,
-                "kvstore_shared_writes_resent",
-                "Write-throughs Redis refused, then took when sent again",
-                ["tenant"],
-            ),
-            "reconnects": _family(
-                c, "kvstore_shared_reconnects", "Shared-tier outages ended", ["tenant"]
-            ),
-            "prefetch": _family(
-                c, "kvstore_prefetch_keys", "Prefetched keys by outcome", ["outcome", "tenant"]
-            ),
-            "lookups": _family(c, "kvstore_lookups", "Lookup calls", ["plane", "tenant"]),
-            "early": _family(
-                c,
-                "kvstore_tier_retained_evicted_early",
-                "Retained blocks evicted before their time (the tier was full of retained ones)",
-                tt,
-            ),
-            "blocks": _family(g, "kvstore_tier_resident_blocks", "Blocks the tier holds", tt),
-            "retained_blocks": _family(
-                g, "kvstore_tier_retained_blocks", "Blocks held whose retention is not up", tt
-            ),
-            "retained_bytes": _family(
-                g, "kvstore_tier_retained_bytes", "Bytes of blocks whose retention is not up", tt
-            ),
-            "bytes": _family(g, "kvstore_tier_resident_bytes", "Bytes the tier holds", tt),
-            "capacity": _family(g, "kvstore_tier_capacity_bytes", "The tier's capacity", tt),
-            "read_rate": _family(
-                g,
-                "kvstore_tier_read_rate_bytes_per_second",
-                "Measured read rate of the tier (or of peers), fitted over recent batched reads",
-                tt,
-            ),
-            "read_latency": _family(
-                g,
-                "kvstore_tier_read_latency_seconds",
-                "Measured fixed cost of one batched read from the tier (or from peers)",
-                tt,
-            ),
-            "up": _family(
-                g, "kvstore_shared_tier_up", "1 while the shared tier answers", ["tenant"]
-            ),
-            "mismatched": _family(
-                g,
-                "kvstore_shared_keyring_mismatched_nodes",
-                "Nodes on the shared tier whose integrity keyring shares no secret with this one",
-                ["tenant"],
-            ),
-            "backlog": _family(
-                g,
-                "kvstore_shared_write_backlog_bytes",
-                "Payload bytes on their way to the shared tier",
-                ["tenant"],
-            ),
-            "resend_queue": _family(
-                g,
-                "kvstore_shared_write_queue_blocks",
-                "Write-throughs Redis refused, waiting to be sent again",
-                ["tenant"],
-            ),
-            "queue": _family(
-                g, "kvstore_prefetch_queue_keys", "Keys of unfinished prefetches", ["tenant"]
-            ),
-            "connections": _family(
-                g, "kvstore_shm_connections", "Shared-memory connections open", ["tenant"]
-            ),
-            "leases": _family(g, "kvstore_shm_leases", "Arena leases held by clients", ["tenant"]),
-            "reservations": _family(
-                g, "kvstore_shm_reservations", "Arena reservations held by clients", ["tenant"]
-            ),
+            key: spec.kind(spec.name, spec.help, labels=list(spec.labels))
+            for key, spec in _FAMILIES.items()
         }
         for tenant in self._tenants:
             self._collect_tenant(tenant, f)
@@ -189,64 +198,22 @@ class StoreCollector(Collector):
         yield info
 
     def _collect_tenant(self, tenant: Tenant, f: dict[str, Any]) -> None:
+        """Add ``tenant``'s series to the families ``f`` (by their :data:`_FAMILIES` key)."""
         name = tenant.name
-        store = tenant.store
-        counters = store.counters
-        stats = store.stats()
-        shared_tier = store.shared_writer.tier
-        for tier_name, entry in stats["tiers"].items():
-            labels = [tier_name, name]
-            f["hits"].add_metric(labels, counters.tier_hits[tier_name])
-            f["read"].add_metric(labels, counters.read_bytes[tier_name])
-            f["written"].add_metric(labels, counters.written_bytes[tier_name])
-            f["evictions"].add_metric(labels, counters.evictions[tier_name])
-            f["demotions"].add_metric(labels, counters.demotions[tier_name])
-            f["promotions"].add_metric(labels, counters.promotions[tier_name])
-            f["write_errors"].add_metric(labels, entry.get("write_errors", 0))
-            f["corrupt"].add_metric(labels, entry.get("corrupt_blocks", 0))
-            f["newer"].add_metric(labels, entry.get("newer_format_blocks", 0))
-            f["blocks"].add_metric(labels, entry.get("blocks", 0))
-            f["early"].add_metric(labels, counters.evicted_early[tier_name])
-            f["retained_blocks"].add_metric(labels, entry.get("retained_blocks", 0))
-            f["retained_bytes"].add_metric(labels, entry.get("retained_bytes", 0))
-            f["bytes"].add_metric(labels, entry.get("used", 0))
-            if not (shared_tier is not None and tier_name == shared_tier.name):
-                # Redis evicts by itself and no node knows its size: the store's stand-in
-                # capacity (2**62) would make every fill ratio read 0.
-                f["capacity"].add_metric(labels, entry.get("capacity", 0))
-        for tier_name, meter in counters.read_rates.items():
-            rate = meter.rate()
-            if rate.known:  # what the vLLM connector weighs loads by (kvstore.client.cost_model)
-                f["read_rate"].add_metric([tier_name, name], rate.per_s)
-                f["read_latency"].add_metric([tier_name, name], rate.latency_s)
-        values = counters.values
-        if "peer_corrupt_blocks" in values:  # a node reading its peers: blocks they sent refused
-            f["corrupt"].add_metric(["peer", name], values["peer_corrupt_blocks"])
-            f["newer"].add_metric(["peer", name], values.get("peer_newer_format_blocks", 0))
-            for reason in ("unverified_node", "unproven"):
-                key = "peer_unverified_nodes" if reason == "unverified_node" else "peer_unproven"
-                f["untrusted"].add_metric([reason, name], values.get(key, 0))
+        counters = tenant.store.counters
+        _tier_series(name, tenant.store, f)
+        _peer_series(name, counters.values, f)
         for reason in MISS_REASONS:
             if reason != "denied":
                 f["misses"].add_metric([reason, name], counters.misses[reason])
-        if tenant.keyring_record is not None:  # with the shared tier it kept off, if it did
-            f["mismatched"].add_metric([name], tenant.keyring_record.mismatched)
-        writer = store.shared_writer
-        shared = writer.tier
-        if shared is not None:
-            f["dropped"].add_metric([name], values["write_through_dropped"])
-            f["resent"].add_metric([name], values["write_through_resent"])
-            f["resend_queue"].add_metric([name], writer.queued_blocks)
-            f["reconnects"].add_metric([name], shared.reconnects)
-            f["up"].add_metric([name], int(shared.up))
-            f["backlog"].add_metric([name], writer.backlog_bytes)
+        _shared_series(tenant, f)
         prefetch = tenant.prefetcher.stats()
         for outcome, counter in _PREFETCH_OUTCOMES.items():
             f["prefetch"].add_metric([outcome, name], prefetch.get(counter, 0))
         f["queue"].add_metric([name], prefetch.get("prefetch_queued_keys", 0))
         for plane in ("grpc", "shm"):
             f["lookups"].add_metric([plane, name], self._durations.count("lookup", plane, name))
-        f["lookups"].add_metric(["index", name], values["index_lookups"])
+        f["lookups"].add_metric(["index", name], counters.values["index_lookups"])
         shm = tenant.shm.stats() if tenant.shm is not None else {}
         f["connections"].add_metric([name], shm.get("connections", 0))
         f["leases"].add_metric([name], shm.get("leases", 0))
@@ -266,6 +233,65 @@ class StoreCollector(Collector):
                 buckets.append(("+Inf" if bound == float("inf") else repr(bound), running))
             family.add_metric(list(labels), buckets, series[-1])
         return family
+
+
+def _tier_series(name: str, store: TieredStore, f: dict[str, Any]) -> None:
+    """Tenant ``name``'s series of each tier of its store: traffic, usage, measured read rates."""
+    counters = store.counters
+    stats = store.stats()
+    shared_tier = store.shared_writer.tier
+    for tier_name, entry in stats["tiers"].items():
+        labels = [tier_name, name]
+        f["hits"].add_metric(labels, counters.tier_hits[tier_name])
+        f["read"].add_metric(labels, counters.read_bytes[tier_name])
+        f["written"].add_metric(labels, counters.written_bytes[tier_name])
+        f["evictions"].add_metric(labels, counters.evictions[tier_name])
+        f["demotions"].add_metric(labels, counters.demotions[tier_name])
+        f["promotions"].add_metric(labels, counters.promotions[tier_name])
+        f["write_errors"].add_metric(labels, entry.get("write_errors", 0))
+        f["corrupt"].add_metric(labels, entry.get("corrupt_blocks", 0))
+        f["newer"].add_metric(labels, entry.get("newer_format_blocks", 0))
+        f["blocks"].add_metric(labels, entry.get("blocks", 0))
+        f["early"].add_metric(labels, counters.evicted_early[tier_name])
+        f["retained_blocks"].add_metric(labels, entry.get("retained_blocks", 0))
+        f["retained_bytes"].add_metric(labels, entry.get("retained_bytes", 0))
+        f["bytes"].add_metric(labels, entry.get("used", 0))
+        if not (shared_tier is not None and tier_name == shared_tier.name):
+            # Redis evicts by itself and no node knows its size: the store's stand-in
+            # capacity (2**62) would make every fill ratio read 0.
+            f["capacity"].add_metric(labels, entry.get("capacity", 0))
+    for tier_name, meter in counters.read_rates.items():
+        rate = meter.rate()
+        if rate.known:  # what the vLLM connector weighs loads by (kvstore.client.cost_model)
+            f["read_rate"].add_metric([tier_name, name], rate.per_s)
+            f["read_latency"].add_metric([tier_name, name], rate.latency_s)
+
+
+def _peer_series(name: str, values: Mapping[str, int], f: dict[str, Any]) -> None:
+    """Tenant ``name``'s series of blocks and nodes refused, where it reads its peers."""
+    if "peer_corrupt_blocks" in values:  # a node reading its peers: blocks they sent refused
+        f["corrupt"].add_metric(["peer", name], values["peer_corrupt_blocks"])
+        f["newer"].add_metric(["peer", name], values.get("peer_newer_format_blocks", 0))
+        for reason in ("unverified_node", "unproven"):
+            key = "peer_unverified_nodes" if reason == "unverified_node" else "peer_unproven"
+            f["untrusted"].add_metric([reason, name], values.get(key, 0))
+
+
+def _shared_series(tenant: Tenant, f: dict[str, Any]) -> None:
+    """``tenant``'s series of the shared tier (Redis): its keyring check and its write-throughs."""
+    name = tenant.name
+    if tenant.keyring_record is not None:  # with the shared tier it kept off, if it did
+        f["mismatched"].add_metric([name], tenant.keyring_record.mismatched)
+    writer = tenant.store.shared_writer
+    shared = writer.tier
+    if shared is not None:
+        values = tenant.store.counters.values
+        f["dropped"].add_metric([name], values["write_through_dropped"])
+        f["resent"].add_metric([name], values["write_through_resent"])
+        f["resend_queue"].add_metric([name], writer.queued_blocks)
+        f["reconnects"].add_metric([name], shared.reconnects)
+        f["up"].add_metric([name], int(shared.up))
+        f["backlog"].add_metric([name], writer.backlog_bytes)
 
 
 def build_registry(tenants: Tenants, version: str | None = None) -> CollectorRegistry:
