@@ -32,20 +32,6 @@ _OWNED = (
 
 #: "importing file (from the repository root) -> imported module" -> why it is still there.
 LEFT: dict[str, str] = {
-    "tests/integration/test_save_in_place.py -> test_shm": _OWNED.format("test_shm.py, issue 41"),
-    "tests/integration/test_shm_lease.py -> test_shm": _OWNED.format("test_shm.py, issue 41"),
-    "tests/integration/test_shm_reserve.py -> test_shm": _OWNED.format("test_shm.py, issue 41"),
-    "tests/integration/test_key_scheme_rpc.py -> test_tenants": _OWNED.format(
-        "test_tenants.py, issue 40"
-    ),
-    "tests/integration/test_node_auth.py -> test_tenants": _OWNED.format(
-        "test_tenants.py, issue 40"
-    ),
-    "tests/integration/test_tenant_leaks.py -> test_tenants": _OWNED.format(
-        "test_tenants.py, issue 40"
-    ),
-    "tests/integration/test_device_fill.py -> test_ucx": _OWNED.format("test_ucx.py, issue 40"),
-    "tests/integration/test_ucx_checksums.py -> test_ucx": _OWNED.format("test_ucx.py, issue 40"),
     # cuda_stand_in.py is changed by issue 41's branch and imported from tests/integrations/:
     # moved with both.
     "tests/client/test_arena_registration.py -> cuda_stand_in": _OWNED.format(
@@ -54,15 +40,6 @@ LEFT: dict[str, str] = {
     "tests/integration/test_arena_dma.py -> cuda_stand_in": _OWNED.format(
         "cuda_stand_in.py, issue 41; its other users are in tests/integrations/"
     ),
-    # Written beside this check by issues 40 and 41 and merged with it: their fixtures move into
-    # tests/harness/ with test_retention's, test_tenants' and test_ucx's (the next session's).
-    "tests/integration/test_retention_restart.py -> test_retention": _OWNED.format(
-        "test_retention.py, issue 41"
-    ),
-    "tests/integration/test_shm_overwrite.py -> test_tenants": _OWNED.format(
-        "test_tenants.py, issue 41"
-    ),
-    "tests/integration/test_ucx_lanes.py -> test_ucx": _OWNED.format("test_ucx.py, issue 40"),
     "tests/server/test_shm_verify.py -> cuda_stand_in": _OWNED.format(
         "cuda_stand_in.py, issue 41; its other users are in tests/integrations/"
     ),
