@@ -31,19 +31,7 @@ _OWNED = (
 )
 
 #: "importing file (from the repository root) -> imported module" -> why it is still there.
-LEFT: dict[str, str] = {
-    # cuda_stand_in.py is changed by issue 41's branch and imported from tests/integrations/:
-    # moved with both.
-    "tests/client/test_arena_registration.py -> cuda_stand_in": _OWNED.format(
-        "cuda_stand_in.py, issue 41; its other users are in tests/integrations/"
-    ),
-    "tests/integration/test_arena_dma.py -> cuda_stand_in": _OWNED.format(
-        "cuda_stand_in.py, issue 41; its other users are in tests/integrations/"
-    ),
-    "tests/server/test_shm_verify.py -> cuda_stand_in": _OWNED.format(
-        "cuda_stand_in.py, issue 41; its other users are in tests/integrations/"
-    ),
-}
+LEFT: dict[str, str] = {}
 
 #: Folders whose test modules still import each other, and why.
 LEFT_FOLDERS: dict[str, str] = {

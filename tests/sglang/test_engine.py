@@ -1,8 +1,9 @@
 """The engine tier: real SGLang engines on this CPU, with HiCache and kvstore as its storage.
 
-Two SGLang server processes run ``docs/sglang.md``'s server command (:mod:`sglang_server`: the
-launcher with the CPU stand-ins, a tiny random-weight Llama built here, a free port, this test's
-``kvstore serve`` with ``keys.chunk_size`` equal to the command's ``--page-size``). The writer
+Two SGLang server processes run ``docs/sglang.md``'s server command
+(:mod:`harness.sglang_server`: the launcher with the CPU stand-ins, a tiny random-weight Llama
+built here, a free port, this test's ``kvstore serve`` with ``keys.chunk_size`` equal to the
+command's ``--page-size``). The writer
 answers a prompt of several pages with nothing cached (``cached_tokens`` 0: every token computed,
 no byte from the backend used, so its answer is a cold engine's) and HiCache writes the prompt's
 pages through to kvstore. The reader, another process with empty device and host caches, answers
@@ -27,7 +28,7 @@ from typing import Any
 import pytest
 from harness.ports import free_port
 from harness.serve import ServerProcess
-from sglang_server import (
+from harness.sglang_server import (
     SGLangServer,
     cpu_command,
     documented_command,
