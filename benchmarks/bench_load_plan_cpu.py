@@ -39,11 +39,11 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNNER = ROOT / "tests" / "vllm" / "engine_runner.py"
-for extra in (ROOT, ROOT / "tests", ROOT / "tests" / "vllm"):
+for extra in (ROOT, ROOT / "tests"):
     sys.path.insert(0, str(extra))
 
 from harness.netns_hosts import Hosts  # noqa: E402
-from tiny_model import build_tiny_llama  # noqa: E402
+from harness.tiny_model import build_tiny_llama  # noqa: E402
 
 CHUNK = 256
 SUFFIX = 16

@@ -52,9 +52,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 RUNNER = ROOT / "tests" / "vllm" / "engine_runner.py"
 sys.path.insert(0, str(ROOT / "tests"))  # the tests' harness
-sys.path.insert(0, str(ROOT / "tests" / "vllm"))
 
-from tiny_model import build_tiny_llama  # noqa: E402
+from harness.tiny_model import build_tiny_llama  # noqa: E402
 
 SUFFIX = 16
 CHUNK = 256

@@ -6,8 +6,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
-__all__ = ["poll"]
+import pytest
+
+__all__ = ["poll", "poll_value"]
+
+T = TypeVar("T")
 
 
 def poll(condition: Callable[[], object], within: float, what: str, every: float = 0.05) -> None:
@@ -15,4 +20,18 @@ def poll(condition: Callable[[], object], within: float, what: str, every: float
     deadline = time.monotonic() + within
     while not condition():
         assert time.monotonic() < deadline, f"{what} not within {within} s"
+        time.sleep(every)
+
+
+def poll_value(check: Callable[[], T], what: str, within: float = 30.0, every: float = 0.5) -> T:
+    """Return the first true value of ``check()`` (a dict of figures, say); fail the test naming
+    ``what`` after ``within`` s. For conditions slow to come true (an engine's next step), hence
+    the longer default interval."""
+    deadline = time.monotonic() + within
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} within {within:.0f} s")
         time.sleep(every)

@@ -3,7 +3,7 @@ in one place, the nodes' ``keys.chunk_size``, and the connector, the node and th
 
 Two real ``kvstore serve`` nodes with the cluster index on (a real redis-server) and
 ``keys.chunk_size = 64``; a real connector (both halves, vLLM's objects stood in for as in
-:mod:`test_connector_logic`) with no chunk size in its config, on node A; a real ``kvstore
+:mod:`harness.connector_sides`) with no chunk size in its config, on node A; a real ``kvstore
 router`` with no key settings in front of two fake engines. The connector names chunks of 64
 tokens and saves a prompt's; the router names that prompt's chunks as the nodes publish and routes
 it by prefix to A's engine. Then only the nodes' ``keys.chunk_size`` changes (to 32, a restart):

@@ -1,5 +1,5 @@
 """The connector's load-or-recompute decision (kvstore.integrations.vllm.cost) and the scheduler
-half consulting it, without vLLM: the stand-ins of test_connector_logic.py, whose
+half consulting it, without vLLM: the stand-ins of :mod:`harness.connector_sides`, whose
 :class:`FakeStore` reports each chunk's tier and answers ``stats`` with the rates a test sets.
 The decision itself on rates alone is tested in tests/test_cost_model.py."""
 

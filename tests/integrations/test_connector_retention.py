@@ -2,7 +2,7 @@
 reads it, plans saves that carry it (none for ``"none"``), and the worker half stores the chunks
 with it in a real ``kvstore serve``, where they outlive a flood of one-off prompts.
 
-Stand-ins for vLLM's objects and the in-memory store come from :mod:`test_connector_logic`.
+Stand-ins for vLLM's objects and the in-memory store come from :mod:`harness.connector_sides`.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ ALLOWED = {
     "tests/project/test_k8s_manifests.py": "the port the Kubernetes manifests declare",
     "tests/node/test_peer_auth.py": "addresses of made-up nodes on 10.0.0.0/8, never dialled",
     "tests/node/test_records_v2.py": "addresses of made-up nodes on 10.0.0.0/8, never dialled",
-    "tests/vllm/test_openai_server.py": "the README's command, whose target the test replaces",
+    "tests/harness/vllm_readme_server.py": "the README's command, whose target the tests replace",
     "tests/harness/sglang_server.py": "docs/sglang.md's command, whose target the tests replace",
     "tests/harness/serve.py": "its docstring: the defaults it keeps away from",
     "tests/test_serve_launcher.py": "a config file naming the defaults, which the launcher drops",

@@ -45,18 +45,17 @@ LOGPROB_TOLERANCE = 1e-3  # another process, a shorter prefill: sums may round d
 
 
 def build_model(path: Path) -> Path:
-    """The vLLM suite's tiny random Llama (``tests/vllm/tiny_model.py``), built in a child
+    """The vLLM suite's tiny random Llama (:mod:`harness.tiny_model`), built in a child
     process that installs the CPU stand-ins first (transformers imports torchvision)."""
     import subprocess
 
     code = (
-        "import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]];"
+        "import sys; sys.path[:0] = [sys.argv[1]];"
         "from harness import sglang_cpu; sglang_cpu.install();"
-        "from tiny_model import build_tiny_llama; build_tiny_llama(sys.argv[3])"
+        "from harness.tiny_model import build_tiny_llama; build_tiny_llama(sys.argv[2])"
     )
-    tests = ROOT / "tests"
     subprocess.run(
-        [sys.executable, "-c", code, str(tests), str(tests / "vllm"), str(path)],
+        [sys.executable, "-c", code, str(ROOT / "tests"), str(path)],
         check=True,
         timeout=600,
         env=server_env(),

@@ -27,16 +27,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-HERE = Path(__file__).parent
-from api_server import (  # noqa: E402
+from harness.ports import free_port
+from harness.redis_server import RedisServer
+from harness.serve import ServerProcess, without_settings
+from harness.vllm_api_server import (
     ApiServerProcess,
     connector_command,
     server_env,
     wait_all_healthy,
 )
-from harness.ports import free_port  # noqa: E402
-from harness.redis_server import RedisServer  # noqa: E402
-from harness.serve import ServerProcess, without_settings  # noqa: E402
 
 if TYPE_CHECKING:
     from kvstore.cluster import Layout
@@ -50,6 +49,8 @@ __all__ = [
     "build_model",
 ]
 
+#: The vLLM suite's folder, where the tiny model's script lives.
+VLLM_TESTS = Path(__file__).resolve().parents[1] / "vllm"
 #: Tokens per chunk: the nodes' ``keys.chunk_size`` (not the default 256, so that a part of
 #: the fleet that fell back to the default would show).
 CHUNK = 128
@@ -79,7 +80,7 @@ def build_model(directory: Path, **sizes: int) -> Path:
     path = directory / "tiny-llama"
     flags = [f"--{name}={value}" for name, value in sizes.items()]
     subprocess.run(
-        [sys.executable, str(HERE / "tiny_model.py"), str(path), *flags],
+        [sys.executable, str(VLLM_TESTS / "tiny_model.py"), str(path), *flags],
         check=True,
         timeout=300,
         capture_output=True,
