@@ -7,7 +7,7 @@ that a field the connector starts to read is added in one place:
 * :func:`stand_in_request` for ``vllm.v1.request.Request``;
 * :class:`StandInBlocks` for ``KVCacheBlocks`` (what ``update_state_after_alloc`` is given);
 * :class:`StandInManager` for ``KVCacheManager`` (the request's block ids, set by the test);
-* :func:`stand_in_output` for ``SchedulerOutput`` (new requests only, none cached or preempted).
+* :func:`stand_in_output` for ``SchedulerOutput`` (new and running requests, none preempted).
 
 None of them is vLLM's: a test that passes here says nothing of a field vLLM renames. The real
 engines' suite (``tests/vllm/``) is what catches that.
@@ -15,6 +15,7 @@ engines' suite (``tests/vllm/``) is what catches that.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -60,13 +61,17 @@ class StandInManager:
         return (self.blocks[req_id],)
 
 
-def stand_in_output(new: list[tuple[str, int, int]], finished: set[str] | None = None) -> Any:
-    """Stands in for ``SchedulerOutput``: new requests ``(req_id, num_computed, num_scheduled)``,
-    none cached or preempted, and the requests that ``finished`` this step."""
+def stand_in_output(
+    new: Sequence[tuple[str, int, int]], cached: Sequence[tuple[str, int, int]] = ()
+) -> Any:
+    """Stands in for ``SchedulerOutput``: new and running (``cached``) requests ``(req_id,
+    num_computed, num_scheduled)``, none preempted or finished."""
     return SimpleNamespace(
         scheduled_new_reqs=[SimpleNamespace(req_id=r, num_computed_tokens=c) for r, c, _ in new],
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
-        num_scheduled_tokens={r: n for r, _, n in new},
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[r for r, _, _ in cached], num_computed_tokens=[c for _, c, _ in cached]
+        ),
+        num_scheduled_tokens={r: n for r, _, n in [*new, *cached]},
         preempted_req_ids=set(),
-        finished_req_ids=finished or set(),
+        finished_req_ids=set(),
     )
