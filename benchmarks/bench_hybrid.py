@@ -4,7 +4,7 @@ Exact command (repository root, in the vLLM environment; about 15 minutes on 2 b
 
     .venv-vllm/bin/python benchmarks/bench_hybrid.py --out benchmarks/results/hybrid_cpu
 
-Two shapes from ``tests/vllm/tiny_families.py``: a sliding-window hybrid (``gpt_oss``: layers
+Two shapes from ``tests/harness/tiny_families.py``: a sliding-window hybrid (``gpt_oss``: layers
 sliding 128 / full alternating, attention sinks) and a recurrent hybrid (``qwen3_next``: three
 Gated DeltaNet layers, one full-attention layer, bf16). Each runs two ways:
 
@@ -41,11 +41,10 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the tests' harness
-sys.path.insert(0, str(ROOT / "tests" / "vllm"))
 
 from _common import run_engine  # noqa: E402
 from harness.serve import ServerProcess  # noqa: E402
-from tiny_families import build_family  # noqa: E402
+from harness.tiny_families import build_family  # noqa: E402
 
 SHAPES = {"sliding": "gpt_oss", "recurrent": "qwen3_next"}
 #: Tokens per chunk: a whole number of the engine's blocks (vLLM raises the recurrent hybrid's

@@ -38,12 +38,12 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-for extra in (ROOT, ROOT / "tests", ROOT / "tests" / "vllm"):
+for extra in (ROOT, ROOT / "tests"):
     sys.path.insert(0, str(extra))
 
 from _common import engine_or_exit, run_engine  # noqa: E402
 from harness.netns_hosts import Hosts  # noqa: E402
-from tiny_model import build_tiny_llama  # noqa: E402
+from harness.tiny_model import build_tiny_llama  # noqa: E402
 
 CHUNK = 256
 SUFFIX = 16

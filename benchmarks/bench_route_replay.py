@@ -7,7 +7,7 @@ Exact command (repository root; vLLM's CPU build in ``.venv-vllm``; always under
 
 About three and a half minutes on two cores: the fleet's start-up, then about 70 s per policy.
 
-The fleet is ``tests/vllm/fleet.py``'s: two vLLM CPU OpenAI API servers (the suite's tiny
+The fleet is ``tests/harness/vllm_fleet.py``'s: two vLLM CPU OpenAI API servers (the suite's tiny
 random Llama, one core each), each with the kvstore connector on its own ``kvstore serve`` node
 (cluster index on, one redis-server), and one ``kvstore router`` per policy in front of both.
 
@@ -47,9 +47,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests"))  # the tests' harness
-sys.path.insert(0, str(ROOT / "tests" / "vllm"))
 from _common import machine_info, markdown_table, percentile  # noqa: E402
-from fleet import Fleet, Reply, RouterProcess, build_model  # noqa: E402
+from harness.vllm_fleet import Fleet, Reply, RouterProcess, build_model  # noqa: E402
 
 TRACE_BLOCK = 512  # tokens per hash id in the trace
 VOCAB = 1024  # the tiny model's

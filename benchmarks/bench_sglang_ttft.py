@@ -7,7 +7,7 @@ Exact command (repository root, in the SGLang environment; about 10 minutes on 2
         --out benchmarks/results/sglang_ttft
 
 Two SGLang servers start side by side, each with ``docs/sglang.md``'s server command on this CPU
-(``tests/sglang/sglang_server.py``: the CPU stand-ins, a tiny random-weight Llama built here,
+(``tests/harness/sglang_server.py``: the CPU stand-ins, a tiny random-weight Llama built here,
 hidden 512, 8 layers, 4 KV heads of 64; float32 weights, and SGLang's ``--dtype auto`` makes
 its KV float16: 8 KiB per token, 512 KiB per 64-token page): one with kvstore as
 HiCache storage (a ``kvstore serve`` on loopback, dram + nvme, chunk = SGLang's page), one with
@@ -42,12 +42,12 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "sglang"), str(ROOT / "tests" / "vllm")]
+sys.path[:0] = [str(ROOT / "tests")]  # the tests' harness
 
 from _common import machine_info  # noqa: E402
 from harness.ports import free_port  # noqa: E402
 from harness.serve import ServerProcess  # noqa: E402
-from sglang_server import (  # noqa: E402
+from harness.sglang_server import (  # noqa: E402
     SGLangServer,
     cpu_command,
     documented_command,
@@ -70,13 +70,12 @@ def build_model(path: Path) -> Path:
     import subprocess
 
     code = (
-        "import json, sys; sys.path[:0] = [sys.argv[1], sys.argv[2]];"
+        "import json, sys; sys.path[:0] = [sys.argv[1]];"
         "from harness import sglang_cpu; sglang_cpu.install();"
-        "from tiny_model import build_tiny_llama;"
-        "build_tiny_llama(sys.argv[3], **json.loads(sys.argv[4]))"
+        "from harness.tiny_model import build_tiny_llama;"
+        "build_tiny_llama(sys.argv[2], **json.loads(sys.argv[3]))"
     )
-    tests = ROOT / "tests"
-    argv = [str(tests), str(tests / "vllm"), str(path), json.dumps(MODEL_SIZES)]
+    argv = [str(ROOT / "tests"), str(path), json.dumps(MODEL_SIZES)]
     subprocess.run([sys.executable, "-c", code, *argv], check=True, timeout=900, env=server_env())
     return path
 

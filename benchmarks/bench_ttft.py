@@ -51,10 +51,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the tests' harness
-sys.path.insert(0, str(ROOT / "tests" / "vllm"))
 
 from _common import engine_or_exit, run_engine  # noqa: E402
-from tiny_model import build_tiny_llama  # noqa: E402
+from harness.tiny_model import build_tiny_llama  # noqa: E402
 
 SUFFIX = 16
 CHUNK = 256

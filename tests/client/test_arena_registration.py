@@ -1,7 +1,7 @@
 """Page-locking a client's arena mapping for DMA: in pieces, in the background, in the right order.
 
 :class:`~kvstore.client.arena_registration.ArenaRegistration` is driven here by a stand-in
-registrar (tests/cuda_stand_in.py: it records ranges, and can refuse or be slow), since no CUDA
+registrar (harness/cuda_stand_in.py: it records ranges, and can refuse or be slow), since no CUDA
 runs here; the registration of a real mapping with the CUDA runtime is a ``gpu`` test in
 tests/integration/test_arena_dma.py. Also the runtime's lookup among this process's mappings and
 the client setting that bounds the bytes.
@@ -13,7 +13,7 @@ import threading
 import time
 
 import pytest
-from cuda_stand_in import StandInRegistrar
+from harness.cuda_stand_in import StandInRegistrar
 
 from kvstore.client.arena_registration import ArenaRegistration
 from kvstore.client.cuda_runtime import CudaRuntimeUnavailable, cuda_runtime, loaded_runtime_path

@@ -46,14 +46,19 @@ def blocks_for(first_token: int, count: int) -> tuple[list[bytes], list[bytes]]:
     return keys, [rng.integers(0, 256, BLOCK_BYTES, dtype=np.uint8).tobytes() for _ in keys]
 
 
-def cluster_env(url: str, node: str) -> dict[str, str]:
-    return {
+def cluster_env(url: str, node: str, lease_ttl_s: float | None = LEASE_TTL_S) -> dict[str, str]:
+    """The environment that makes a ``kvstore serve`` the cluster node ``node`` of the index at
+    ``url``, publishing every 50 ms; its lease lasts ``lease_ttl_s`` (``None``: the default's),
+    short by default so that the tests of a node that stops see its lease end soon."""
+    env = {
         "KVSTORE_CLUSTER_ENABLED": "1",
         "KVSTORE_CLUSTER_URL": url,
         "KVSTORE_CLUSTER_NODE_ID": node,
-        "KVSTORE_CLUSTER_LEASE_TTL_S": str(LEASE_TTL_S),
         "KVSTORE_CLUSTER_PUBLISH_INTERVAL_S": "0.05",
     }
+    if lease_ttl_s is not None:
+        env["KVSTORE_CLUSTER_LEASE_TTL_S"] = str(lease_ttl_s)
+    return env
 
 
 def holders(url: str, keys: list[bytes]) -> dict[str, Holding]:

@@ -7,8 +7,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
-__all__ = ["apoll", "poll"]
+import pytest
+
+__all__ = ["apoll", "poll", "poll_value"]
+
+T = TypeVar("T")
 
 
 def poll(condition: Callable[[], object], within: float, what: str, every: float = 0.05) -> None:
@@ -27,3 +32,17 @@ async def apoll(
     while not condition():
         assert time.monotonic() < deadline, f"{what} not within {within} s"
         await asyncio.sleep(every)
+
+
+def poll_value(check: Callable[[], T], what: str, within: float = 30.0, every: float = 0.5) -> T:
+    """Return the first true value of ``check()`` (a dict of figures, say); fail the test naming
+    ``what`` after ``within`` s. For conditions slow to come true (an engine's next step), hence
+    the longer default interval."""
+    deadline = time.monotonic() + within
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} within {within:.0f} s")
+        time.sleep(every)

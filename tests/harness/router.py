@@ -6,6 +6,8 @@ the test's environment left out), waits for its ready line, and talks HTTP to it
 (:meth:`call`), raw requests whose bytes the test chooses (:meth:`send`), metrics, its log and
 its memory (``/proc/PID/status``). ``policy`` and ``args`` (any other flags: ``--prefill`` /
 ``--decode`` for P/D mode, ``--index-timeout-s``, ...) cover what the real-engine suites need.
+:func:`launch_router` is the start alone, which the vLLM fleet's router (:mod:`.vllm_fleet`)
+shares.
 """
 
 from __future__ import annotations
@@ -19,11 +21,34 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from harness.serve import without_settings
 
-__all__ = ["RouterProcess"]
+__all__ = ["RouterProcess", "launch_router"]
+
+
+def launch_router(
+    flags: Sequence[str], env: Mapping[str, str], log_path: Path
+) -> tuple[subprocess.Popen[bytes], BinaryIO, str, int]:
+    """Start ``python -m kvstore.cli router --listen 127.0.0.1:0 FLAGS`` with ``env``, its log in
+    ``log_path`` (opened for reading back too), and wait for its ready line: the process, the
+    open log, and the host and port it listens on. Raises :class:`RuntimeError`, with the log,
+    when the router exits before it is ready (outside pytest too: the benchmarks use it)."""
+    command = [sys.executable, "-m", "kvstore.cli", "router", "--listen", "127.0.0.1:0", *flags]
+    log = log_path.open("w+b")
+    proc = subprocess.Popen(command, env=dict(env), stdout=subprocess.PIPE, stderr=log)
+    assert proc.stdout is not None
+    line = proc.stdout.readline().decode()
+    match = re.match(r"kvstore router on http://(\S+):(\d+)", line)
+    if not match:
+        proc.kill()
+        proc.wait()
+        log.seek(0)
+        logged = log.read().decode(errors="replace")
+        log.close()
+        raise RuntimeError(f"router did not start: {line!r}\n{logged}")
+    return proc, log, match.group(1), int(match.group(2))
 
 
 class RouterProcess:
@@ -42,27 +67,21 @@ class RouterProcess:
         policy: str = "",
         args: Sequence[str] = (),
     ) -> None:
-        full_env = without_settings(env)
-        command = [sys.executable, "-m", "kvstore.cli", "router", "--listen", "127.0.0.1:0"]
-        command += ["--log-level", log_level]
+        flags = ["--log-level", log_level]
         for replica in replicas:
-            command += ["--replica", replica]
+            flags += ["--replica", replica]
         if namespace:  # deprecated: the nodes publish their key scheme in the index
-            command += ["--namespace", namespace]
+            flags += ["--namespace", namespace]
         if chunk_size is not None:
-            command += ["--chunk-size", str(chunk_size)]
+            flags += ["--chunk-size", str(chunk_size)]
         if index_url:
-            command += ["--index-url", index_url]
+            flags += ["--index-url", index_url]
         if policy:
-            command += ["--policy", policy]
-        command += args
-        self.log = (tmp / "router.log").open("w+b")
-        self.proc = subprocess.Popen(command, env=full_env, stdout=subprocess.PIPE, stderr=self.log)
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline().decode()
-        match = re.match(r"kvstore router on http://(\S+):(\d+)", line)
-        assert match, f"router did not start: {line!r} {self.stderr()}"
-        self.host, self.port = match.group(1), int(match.group(2))
+            flags += ["--policy", policy]
+        self.log_path = tmp / "router.log"
+        self.proc, self.log, self.host, self.port = launch_router(
+            [*flags, *args], without_settings(env), self.log_path
+        )
 
     @property
     def url(self) -> str:

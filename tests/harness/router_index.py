@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from harness.cluster_nodes import cluster_env
 from kvstore import ChunkHasher, Namespace
 from kvstore.cluster import ClusterIndex, Layout, connect
 
@@ -19,9 +20,9 @@ __all__ = [
     "HASHER",
     "NS",
     "PREFIX",
-    "cluster_env",
     "index_leading",
     "namespace_json",
+    "node_env",
     "store",
     "tokens",
 ]
@@ -39,13 +40,11 @@ def namespace_json() -> str:
     return json.dumps(fields)
 
 
-def cluster_env(url: str, node: str) -> dict[str, str]:
+def node_env(url: str, node: str) -> dict[str, str]:
+    """The environment of a node the router tests put behind a router: :func:`cluster_env`'s
+    (the default lease), publishing the key scheme the router names chunks by."""
     return {
-        "KVSTORE_CLUSTER_ENABLED": "1",
-        "KVSTORE_CLUSTER_URL": url,
-        "KVSTORE_CLUSTER_NODE_ID": node,
-        "KVSTORE_CLUSTER_PUBLISH_INTERVAL_S": "0.05",
-        # The key scheme the nodes publish, which the router names chunks by.
+        **cluster_env(url, node, lease_ttl_s=None),
         "KVSTORE_KEYS_CHUNK_SIZE": str(CHUNK),
         "KVSTORE_KEYS_NAMESPACE": namespace_json(),
         "KVSTORE_HASH_SECRET": "",

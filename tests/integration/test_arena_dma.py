@@ -1,7 +1,7 @@
 """DMA between page-locked arena pages and device memory: the plan per layer and the copies.
 
 :func:`~kvstore.integrations.paged.arena_dma.plan_rows` is pure arithmetic, tested alone. The copies
-run twice: on the CPU through the CUDA stand-in (tests/cuda_stand_in.py: queued streams, a
+run twice: on the CPU through the CUDA stand-in (tests/harness/cuda_stand_in.py: queued streams, a
 registrar that locks nothing), and, marked ``gpu``, on a real CUDA device with a real mapping
 registered through the CUDA runtime, pieces small enough that rows straddle them.
 """
@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from cuda_stand_in import StandInDevice, StandInRegistrar
+from harness.cuda_stand_in import StandInDevice, StandInRegistrar
 
 from kvstore.client.arena_registration import ArenaRegistration
 from kvstore.integrations.paged.arena_dma import (

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pytest
 import torch
-from test_ucx import NO_SHM, UCX, kv_client, ucx_address
+from harness.ucx_servers import NO_SHM, UCX, kv_client, ucx_address
 
 from kvstore.client.device_fill import (
     DEVICE_TRANSPORTS,

@@ -3,7 +3,7 @@ in one place, the nodes' ``keys.chunk_size``, and the connector, the node and th
 
 Two real ``kvstore serve`` nodes with the cluster index on (a real redis-server) and
 ``keys.chunk_size = 64``; a real connector (both halves, vLLM's objects stood in for as in
-:mod:`test_connector_logic`) with no chunk size in its config, on node A; a real ``kvstore
+:mod:`harness.connector_sides`) with no chunk size in its config, on node A; a real ``kvstore
 router`` with no key settings in front of two fake engines. The connector names chunks of 64
 tokens and saves a prompt's; the router names that prompt's chunks as the nodes publish and routes
 it by prefix to A's engine. Then only the nodes' ``keys.chunk_size`` changes (to 32, a restart):
@@ -22,21 +22,19 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "integrations"))
+from harness.connector_sides import (
+    BLOCK,
+    random_caches,
+    stand_in_kv_cache_config,
+    stand_in_vllm_config,
+)
 from harness.fake_engine import FakeEngine
 from harness.node_schemes import cluster_settings, published_schemes
 from harness.polling import poll
 from harness.redis_server import RedisServer
 from harness.router import RouterProcess
 from harness.router_index import index_leading
-from test_connector_logic import (
-    BLOCK,
-    _caches,
-    _kv_cache_config,
-    _Manager,
-    _output,
-    _request,
-    _vllm_config,
-)
+from harness.vllm_scheduler import StandInManager, stand_in_output, stand_in_request
 
 from kvstore import ChunkHasher
 from kvstore.integrations.vllm.common import ConnectorSettings
@@ -104,13 +102,13 @@ def chain(tmp_path: Path, server_factory: ServerFactory) -> Iterator[Chain]:
 
 
 def _engine_config() -> Any:
-    config = _vllm_config()
+    config = stand_in_vllm_config()
     config.model_config.max_model_len = 1024
     return config
 
 
 def _kv_config() -> Any:
-    config = _kv_cache_config()
+    config = stand_in_kv_cache_config()
     return SimpleNamespace(num_blocks=NUM_BLOCKS, kv_cache_groups=config.kv_cache_groups)
 
 
@@ -125,18 +123,18 @@ def save_through_the_connector(target: str, tokens: list[int]) -> tuple[int, lis
     try:
         chunk = side._settings.chunk_size
         assert worker._settings.chunk_size == chunk
-        manager = _Manager()
+        manager = StandInManager()
         side.bind_kv_cache_manager(manager)  # type: ignore[arg-type]
-        request = _request("r", tokens)
+        request = stand_in_request("r", tokens)
         side.get_num_new_matched_tokens(request, 0)
         manager.blocks["r"] = list(range(len(tokens) // BLOCK + 1))
-        plan = side.build_connector_meta(_output([("r", 0, len(tokens))]))
+        plan = side.build_connector_meta(stand_in_output([("r", 0, len(tokens))]))
         keys = [bytes(k) for k in side._state(request).keys]
         # Named as the node says: chunks of its size, with the declared namespace and secret.
         expected = ChunkHasher(chunk, side._base, secret=SECRET.encode()).keys(tokens)
         assert keys == [bytes(k) for k in expected]
         assert [key for spec in plan.saves for key in spec.keys] == keys
-        worker.register_kv_caches(_caches(1))
+        worker.register_kv_caches(random_caches(1))
         worker.wait_for_save(plan)
     finally:
         worker.shutdown()  # waits for the queued puts to reach the store

@@ -16,7 +16,7 @@ import grpc
 import pytest
 from harness.node_schemes import cluster_settings, published_schemes, wait_published
 from harness.redis_server import RedisServer
-from test_tenants import TOKENS, write_config
+from harness.tenant_config import TOKENS, write_config
 
 from kvstore import AsyncKVStoreClient, KVStoreClient, Namespace
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb

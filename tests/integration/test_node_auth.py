@@ -33,10 +33,10 @@ from harness.cluster_nodes import NS, PREFIX, blocks_for, counters, grpc_client,
 from harness.index_records import CLUSTER_SECRET, described, plant, rewrite
 from harness.polling import poll
 from harness.rogue_peer import RoguePeer, put, rogue_first
-from test_tenants import NS as TENANT_NS
-from test_tenants import TOKENS as TENANT_TOKENS
-from test_tenants import blocks as tenant_blocks
-from test_tenants import write_config
+from harness.tenant_config import NS as TENANT_NS
+from harness.tenant_config import TOKENS as TENANT_TOKENS
+from harness.tenant_config import blocks as tenant_blocks
+from harness.tenant_config import write_config
 
 from kvstore import KVStoreClient
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb

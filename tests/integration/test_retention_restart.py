@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from harness.polling import poll
 from harness.redis_server import RedisServer
-from test_retention import HOUR, NS, blocks, flood
+from harness.retention_blocks import HOUR, NS, blocks, flood
 
 from kvstore import Retention
 

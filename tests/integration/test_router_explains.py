@@ -26,7 +26,7 @@ from harness.fake_engine import FakeEngine
 from harness.polling import poll
 from harness.redis_server import RedisServer
 from harness.router import RouterProcess
-from harness.router_index import CHUNK, cluster_env, index_leading, namespace_json, store, tokens
+from harness.router_index import CHUNK, index_leading, namespace_json, node_env, store, tokens
 
 if TYPE_CHECKING:
     from harness.server_factory import ServerFactory
@@ -37,8 +37,8 @@ Setup = tuple[RedisServer, Any, Any, FakeEngine, FakeEngine, RouterProcess]
 @pytest.fixture
 def setup(tmp_path: Path, server_factory: ServerFactory) -> Iterator[Setup]:
     with RedisServer(tmp_path / "redis") as redis_server:
-        a = server_factory(env=cluster_env(redis_server.url, "node-a"))
-        b = server_factory(env=cluster_env(redis_server.url, "node-b"))
+        a = server_factory(env=node_env(redis_server.url, "node-a"))
+        b = server_factory(env=node_env(redis_server.url, "node-b"))
         engine_a, engine_b = FakeEngine("a"), FakeEngine("b")
         router = RouterProcess(
             tmp_path,

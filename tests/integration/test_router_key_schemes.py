@@ -17,11 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
+from harness.cluster_nodes import cluster_env
 from harness.fake_engine import FakeEngine
 from harness.polling import poll
 from harness.redis_server import RedisServer
 from harness.router import RouterProcess
-from harness.router_index import cluster_env, index_leading
+from harness.router_index import index_leading
 
 from kvstore import ChunkHasher, Namespace
 from kvstore.key_scheme import namespace_to_json
@@ -42,7 +43,7 @@ Setup = tuple[RedisServer, dict[str, Any], dict[str, FakeEngine], RouterProcess]
 
 def node_env(url: str, node: str, chunk_size: int) -> dict[str, str]:
     return {
-        **cluster_env(url, node),
+        **cluster_env(url, node, lease_ttl_s=None),
         "KVSTORE_KEYS_CHUNK_SIZE": str(chunk_size),
         "KVSTORE_KEYS_NAMESPACE": namespace_to_json(NS),
         "KVSTORE_HASH_SECRET": SECRET,

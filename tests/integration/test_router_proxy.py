@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from harness.polling import poll
 from harness.router_index import (
-    cluster_env,
     index_leading,
+    node_env,
     store,
     tokens,
 )
@@ -37,8 +37,8 @@ def setup(
     tmp_path: Path, server_factory: ServerFactory
 ) -> Iterator[tuple[RedisServer, Any, Any, FakeEngine, FakeEngine, RouterProcess]]:
     with RedisServer(tmp_path / "redis") as redis_server:
-        a = server_factory(env=cluster_env(redis_server.url, "node-a"))
-        b = server_factory(env=cluster_env(redis_server.url, "node-b"))
+        a = server_factory(env=node_env(redis_server.url, "node-a"))
+        b = server_factory(env=node_env(redis_server.url, "node-b"))
         engine_a, engine_b = FakeEngine("a", delay_s=0.3), FakeEngine("b", delay_s=0.3)
         router = RouterProcess(
             tmp_path,

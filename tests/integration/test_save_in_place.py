@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import kvstore_kernels  # type: ignore[import-not-found, unused-ignore]
 import torch
-from test_shm import NS, make_blocks
+from harness.shm_blocks import NS, make_blocks
 
 from kvstore import KVStoreClient
 from kvstore.integrations.paged.device_pipeline import Device, Event

@@ -33,6 +33,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from harness.shm_blocks import NS, dram, make_blocks, wait_released
 
 from kvstore import AsyncKVStoreClient, KVStoreClient, Namespace, StoreUnavailableError
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
@@ -59,16 +60,10 @@ if TYPE_CHECKING:
 
 KiB = 1024
 MiB = 1024**2
-NS = Namespace(model="shm-test", num_layers=2, num_kv_heads=2, head_size=64, dtype="bfloat16")
 NS_BYTES = NS.fingerprint()
 OTHER_NS = Namespace(model="shm-test-other")
 OK, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, INTERNAL = 0, 3, 8, 13
 POLL_S = 5.0
-
-
-def make_blocks(seed: int, count: int, size: int) -> tuple[list[bytes], list[bytes]]:
-    rng = np.random.default_rng(seed)
-    return [rng.bytes(16) for _ in range(count)], [rng.bytes(size) for _ in range(count)]
 
 
 def shm_path(server: ServerProcess) -> str:
@@ -78,36 +73,12 @@ def shm_path(server: ServerProcess) -> str:
     return str(reply.shm_socket)
 
 
-def dram(client: KVStoreClient) -> dict[str, int]:
-    return dict(client.stats()["tiers"]["dram"])
-
-
 def wait_until(condition: Callable[[], bool], what: str, timeout: float = POLL_S) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for: {what}")
         time.sleep(0.02)
-
-
-def wait_released(client: KVStoreClient, used: int | None = None) -> dict[str, int]:
-    """Poll until the server holds no leases and no reservations (and ``used`` is back)."""
-    seen: dict[str, int] = {}
-
-    def settled() -> bool:
-        seen.update(dram(client))
-        return (
-            seen["leases"] == 0
-            and seen["reserved_bytes"] == 0
-            and seen["retired_bytes"] == 0
-            and (used is None or seen["used"] == used)
-        )
-
-    try:
-        wait_until(settled, "the server to give everything back")
-    except AssertionError as exc:
-        raise AssertionError(f"{exc}; dram stats {seen}, expected used {used}") from None
-    return seen
 
 
 class RawShm:

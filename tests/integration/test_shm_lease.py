@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import kvstore_kernels  # type: ignore[import-not-found, unused-ignore]
 import numpy as np
 import torch
-from test_shm import NS, dram, make_blocks, wait_released
+from harness.shm_blocks import NS, dram, make_blocks, wait_released
 
 from kvstore import KVStoreClient
 from kvstore.client.settings import ClientSettings

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from test_tenants import NS, OTHER_NS, blocks, client, data_plane_of, write_config
+from harness.tenant_config import NS, OTHER_NS, blocks, client, data_plane_of, write_config
 
 from kvstore.client.shm import ShmDataPlane
 from kvstore.protocol.messages import namespace_bytes

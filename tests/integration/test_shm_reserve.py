@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
-from test_shm import NS, dram, make_blocks, wait_released
+from harness.shm_blocks import NS, dram, make_blocks, wait_released
 
 from kvstore import AsyncKVStoreClient, KVStoreClient
 from kvstore.errors import InvalidRequestError

@@ -24,7 +24,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from test_tenants import NOBODY, NOGROUP, NS, TOKENS, blocks, client, data_plane_of, write_config
+from harness.tenant_config import (
+    NOBODY,
+    NOGROUP,
+    NS,
+    TOKENS,
+    blocks,
+    client,
+    data_plane_of,
+    write_config,
+)
 
 from kvstore import KVStoreClient, Namespace
 from kvstore.errors import KVStoreError, NamespaceMismatchError

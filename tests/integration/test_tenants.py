@@ -8,7 +8,6 @@ as ``nobody`` (the suite runs as root), speaking the shared-memory socket's prot
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import subprocess
@@ -17,15 +16,13 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
 import pytest
 
-from kvstore import ChunkHasher, KVStoreClient, Namespace
-from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
-from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore import KVStoreClient
 from kvstore.errors import KVStoreError, PermissionDeniedError
 from kvstore.protocol.messages import namespace_bytes
 from kvstore.protocol.shm_frames import Op, frame
@@ -36,48 +33,18 @@ if TYPE_CHECKING:
 
 from harness.redis_server import RedisServer
 from harness.serve import clean_env
-
-NS = Namespace(model="tenants", num_layers=2, num_kv_heads=2, head_size=64)
-OTHER_NS = Namespace(model="tenants-other", num_layers=2, num_kv_heads=2, head_size=64)
-TOKENS = {"alice": "token-of-alice", "bob": "token-of-bob", "carol": "token-of-carol"}
-NOBODY = 65534
-NOGROUP = 65534  # nobody's primary group on Debian
-BLOCK_BYTES = 64 * 1024
-
-
-def blocks(seed: int, count: int = 4) -> tuple[list[bytes], list[bytes]]:
-    keys = ChunkHasher(chunk_size=16, namespace=NS).keys(list(range(16 * count)))
-    rng = np.random.default_rng(seed)
-    return keys, [rng.integers(0, 256, BLOCK_BYTES, dtype=np.uint8).tobytes() for _ in keys]
-
-
-def write_config(
-    tmp_path: Path,
-    extra: str = "",
-    b_uids: str = f"[0, {NOBODY}]",
-    a_uids: str = "[0]",
-    shm: str = "true",
-) -> Path:
-    """Tokens for alice, bob and carol; tenant a is alice (local users ``a_uids``: root), tenant
-    b is bob (``b_uids``); carol is in no tenant. Both tenants' engines share their arenas over
-    shared memory unless ``shm`` is "false"."""
-    tokens = tmp_path / "tokens"
-    tokens.write_text(
-        "".join(f"{name} {hashlib.sha256(t.encode()).hexdigest()}\n" for name, t in TOKENS.items())
-    )
-    config = tmp_path / "tenants.toml"
-    config.write_text(
-        f'[auth]\ntokens_file = "{tokens}"\n[shm]\nsocket_mode = 0o666\n{extra}\n'
-        f'[tenants.a]\nidentities = ["alice"]\nuids = {a_uids}\ndram = "16MiB"\nnvme = "16MiB"\n'
-        f"shm = {shm}\n"
-        f'[tenants.b]\nidentities = ["bob"]\nuids = {b_uids}\ndram = "16MiB"\nnvme = "16MiB"\n'
-        f"shm = {shm}\n"
-    )
-    return config
-
-
-def client(server: ServerProcess, who: str, **kwargs: Any) -> KVStoreClient:
-    return KVStoreClient(server.target, namespace=NS, token=TOKENS[who], **kwargs)
+from harness.tenant_config import (
+    BLOCK_BYTES,
+    NOBODY,
+    NOGROUP,
+    NS,
+    OTHER_NS,
+    TOKENS,
+    blocks,
+    client,
+    data_plane_of,
+    write_config,
+)
 
 
 @pytest.fixture
@@ -150,13 +117,6 @@ def test_credentials_of_no_tenant_are_refused_everywhere(tenant_server: ServerPr
                 call()
             # The answer names what carol presented, nothing of the tenants that exist.
             assert "alice" not in str(failure.value) and "tenants.a" not in str(failure.value)
-
-
-def data_plane_of(server: ServerProcess, who: str) -> pb.DataPlaneResponse:
-    with grpc.insecure_channel(server.target) as channel:
-        stub = pb_grpc.KVStoreStub(channel)
-        metadata = [("authorization", f"Bearer {TOKENS[who]}")]
-        return stub.DataPlane(pb.DataPlaneRequest(), timeout=10, metadata=metadata)
 
 
 # Run as another user: connect to a socket, say HELLO, report the reply's size and fd count.

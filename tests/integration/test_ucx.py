@@ -15,7 +15,6 @@ dependency must not turn into a quietly skipped suite.
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -23,41 +22,34 @@ import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import grpc
 import numpy as np
 import pytest
 from harness.ports import free_port
+from harness.ucx_servers import (
+    NO_SHM,
+    UCX,
+    keys_of,
+    kv_client,
+    ucx_address,
+    ucx_client,
+    values_of,
+)
+from harness.ucx_servers import address as address  # fixtures, shared
+from harness.ucx_servers import kv as kv
+from harness.ucx_servers import ucx_server as ucx_server
 
 from kvstore import KVStoreClient, Namespace
-from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
-from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore.client.ucx import UcxDataClient
 from kvstore.errors import InvalidRequestError, NamespaceMismatchError, StoreUnavailableError
 from kvstore.integrations.vllm.common import Breaker, warm_up
-from kvstore.protocol.messages import namespace_bytes
-from kvstore.protocol.ucx import ucx_unavailable_reason
 
 if TYPE_CHECKING:
     from harness.serve import ServerProcess
     from harness.server_factory import ServerFactory
 
-_REASON = ucx_unavailable_reason()
-if _REASON is not None:
-    if os.environ.get("KVSTORE_SKIP_UCX") == "1":
-        pytest.skip(f"KVSTORE_SKIP_UCX=1: {_REASON}", allow_module_level=True)
-    raise ImportError(
-        f"{_REASON}\nInstall the ucx extra (pip install -e '.[ucx]'), or set KVSTORE_SKIP_UCX=1 "
-        "where UCX is not expected."
-    )
-
-from kvstore.client.ucx import UcxDataClient  # noqa: E402
-
-NAMESPACE = Namespace(model="ucx-test", num_layers=2, num_kv_heads=2, head_size=64)
 OTHER = Namespace(model="ucx-test-other", num_layers=2, num_kv_heads=2, head_size=64)
-# The UCX listener binds every interface: an unauthenticated server must say it allows that.
-UCX = ("--ucx-listen", "127.0.0.1:0", "--allow-unauthenticated")
-NO_SHM = ("--shm-socket", "")
 SIZES = [1, 4095, 8192, 65536 + 7, 1024**2, 3 * 1024**2 + 1]
 
 
@@ -73,38 +65,6 @@ def data_plane() -> str:
 
 
 # -- helpers ----------------------------------------------------------------------------------
-
-
-def ucx_address(server: ServerProcess) -> str:
-    """The UCX listener the server advertises in ``DataPlane`` ("" when it has none)."""
-    with grpc.insecure_channel(server.target) as channel:
-        response = pb_grpc.KVStoreStub(channel).DataPlane(pb.DataPlaneRequest(), timeout=10.0)
-    return str(response.ucx_address)
-
-
-def kv_client(
-    server: ServerProcess,
-    data_plane: str,
-    namespace: Namespace = NAMESPACE,
-    timeout: float = 10.0,
-) -> KVStoreClient:
-    return KVStoreClient(server.target, namespace=namespace, timeout=timeout, data_plane=data_plane)
-
-
-def ucx_client(
-    kv: KVStoreClient, address: str, namespace: Namespace = NAMESPACE, **kwargs: Any
-) -> UcxDataClient:
-    """A :class:`UcxDataClient` whose control calls use ``kv``'s channel (its gRPC transport's)."""
-    return UcxDataClient(kv._transport.channel, address, namespace_bytes(namespace), **kwargs)
-
-
-def keys_of(count: int) -> list[bytes]:
-    return [os.urandom(16) for _ in range(count)]
-
-
-def values_of(sizes: list[int], seed: int = 0) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 256, size, dtype=np.uint8) for size in sizes]
 
 
 def as_bytes(values: list[np.ndarray]) -> list[bytes | None]:
@@ -127,29 +87,6 @@ def restart_without_ucx(server: ServerProcess) -> None:
 
 
 # -- fixtures ---------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def ucx_server(module_server_factory: ServerFactory) -> Iterator[ServerProcess]:
-    """The module's server: UCX listener on, shared memory on (the default)."""
-    server = module_server_factory(*UCX, dram_capacity="256MiB", nvme_capacity="256MiB")
-    yield server
-    if server.running:
-        server.stop()
-
-
-@pytest.fixture(scope="module")
-def address(ucx_server: ServerProcess) -> str:
-    advertised = ucx_address(ucx_server)
-    assert advertised.startswith("127.0.0.1:"), ucx_server.stderr()
-    return advertised
-
-
-@pytest.fixture
-def kv(ucx_server: ServerProcess) -> Iterator[KVStoreClient]:
-    """A gRPC-only client: the control channel of ``ucx``, and the reference path."""
-    with kv_client(ucx_server, "grpc") as client:
-        yield client
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pytest
 import xxhash
-from test_ucx import NAMESPACE, NO_SHM, UCX, kv_client, ucx_address
+from harness.ucx_servers import NAMESPACE, NO_SHM, UCX, kv_client, ucx_address
 
 from kvstore.block import Keyring, verify_sealed
 from kvstore.node.peer_auth import PeerAuthError, PeerSigner, peer_keyring

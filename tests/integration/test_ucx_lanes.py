@@ -4,7 +4,7 @@ A client with several lanes spreads a batch's messages over them; blocks lying n
 other in both sides' memory move as one message. Faults are real: a lane's UCX endpoint is
 aborted while its messages are in flight (scheduled on the UCX loop right after the transfer's
 operations are posted), and the batch must then complete over the other lanes or fall back,
-never hand back wrong bytes. Needs ``ucxx`` (see test_ucx.py).
+never hand back wrong bytes. Needs ``ucxx`` (see :mod:`harness.ucx_servers`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,10 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import numpy as np
 import pytest
-from test_ucx import NAMESPACE, UCX, address, keys_of, kv, ucx_client, ucx_server, values_of
+from harness.ucx_servers import NAMESPACE, UCX, keys_of, ucx_address, ucx_client, values_of
+from harness.ucx_servers import address as address  # fixtures, shared
+from harness.ucx_servers import kv as kv
+from harness.ucx_servers import ucx_server as ucx_server
 
 import kvstore.client.ucx_lanes as client_ucx
 from kvstore import KVStoreClient
@@ -28,8 +31,6 @@ from kvstore.protocol.messages import namespace_bytes
 
 if TYPE_CHECKING:
     from harness.server_factory import ServerFactory
-
-__all__ = ["address", "kv", "ucx_server"]  # fixtures shared with test_ucx.py
 
 BLOCK = 256 * 1024
 
@@ -172,8 +173,6 @@ def test_the_server_bounds_the_lanes_of_a_transfer(
 def test_a_server_with_one_lane_allowed_refuses_two(server_factory: ServerFactory) -> None:
     server = server_factory(*UCX, env={"KVSTORE_UCX_MAX_LANES": "1"})
     with KVStoreClient(server.target, namespace=NAMESPACE, timeout=10, data_plane="grpc") as kv:
-        from test_ucx import ucx_address
-
         client = UcxDataClient(
             kv._transport.channel, ucx_address(server), namespace_bytes(NAMESPACE), lanes=2
         )

@@ -1,5 +1,5 @@
 """The connector's load-or-recompute decision (kvstore.integrations.vllm.cost) and the scheduler
-half consulting it, without vLLM: the stand-ins of test_connector_logic.py, whose
+half consulting it, without vLLM: the stand-ins of :mod:`harness.connector_sides`, whose
 :class:`FakeStore` reports each chunk's tier and answers ``stats`` with the rates a test sets.
 The decision itself on rates alone is tested in tests/test_cost_model.py."""
 
@@ -12,17 +12,16 @@ from typing import Any
 
 import pytest
 import torch
-from test_connector_logic import (
+from harness.connector_sides import (
     CHUNK,
     FakeStore,
-    _answer,
-    _chunk_keys,
-    _kv_cache_config,
-    _output,
-    _request,
-    _settings,
-    _vllm_config,
+    answer_when_known,
+    chunk_keys_of,
+    connector_settings,
+    stand_in_kv_cache_config,
+    stand_in_vllm_config,
 )
+from harness.vllm_scheduler import stand_in_output, stand_in_request
 
 from kvstore.errors import ConfigError
 from kvstore.integrations.vllm.cost import LoadDecider, dtype_bytes
@@ -111,14 +110,17 @@ def test_a_decision_that_declines_logs_at_info_with_its_inputs(
 
 def test_an_unknown_load_policy_is_refused_with_the_allowed_values() -> None:
     with pytest.raises(ConfigError, match=r"load_policy.*'sometimes'.*cost, always, never"):
-        _settings(load_policy="sometimes")
+        connector_settings(load_policy="sometimes")
 
 
 @pytest.fixture()
 def sides(store: FakeStore) -> Iterator[dict[str, SchedulerSide]]:
     made = {
         policy: SchedulerSide(
-            _settings(load_policy=policy), _vllm_config(), _kv_cache_config(), client=store
+            connector_settings(load_policy=policy),
+            stand_in_vllm_config(),
+            stand_in_kv_cache_config(),
+            client=store,
         )  # type: ignore[arg-type]
         for policy in ("cost", "always", "never")
     }
@@ -134,13 +136,13 @@ def store() -> FakeStore:
 
 def _measure_a_step(side: SchedulerSide) -> None:
     """One engine step through the scheduler half's hooks: 4 chunks' prefill, timed."""
-    side.build_connector_meta(_output([("warm", 0, 4 * CHUNK)]))
+    side.build_connector_meta(stand_in_output([("warm", 0, 4 * CHUNK)]))
     time.sleep(0.005)  # the step's forward pass
     side.update_connector_output(0, [])
 
 
 def _wait_for_rates(side: SchedulerSide, tier: str) -> None:
-    side.get_num_new_matched_tokens(_request("rates", [7] * (2 * CHUNK + 1)), 0)
+    side.get_num_new_matched_tokens(stand_in_request("rates", [7] * (2 * CHUNK + 1)), 0)
     deadline = time.monotonic() + 10
     while tier not in side.decider.inputs()["tiers"]:
         assert time.monotonic() < deadline, "the store's rates never arrived"
@@ -151,7 +153,7 @@ def test_the_scheduler_loads_up_to_the_slow_tier_and_counts_the_rest_declined(
     sides: dict[str, SchedulerSide], store: FakeStore, caplog: pytest.LogCaptureFixture
 ) -> None:
     tokens = list(range(5 * CHUNK + 3))
-    keys = _chunk_keys(sides["cost"], _request("probe", tokens))
+    keys = chunk_keys_of(sides["cost"], stand_in_request("probe", tokens))
     for index, key in enumerate(keys):
         store.chunks[key] = torch.zeros(1)
         store.tiers[key] = "dram" if index < 3 else "redis"
@@ -160,9 +162,12 @@ def test_the_scheduler_loads_up_to_the_slow_tier_and_counts_the_rest_declined(
     _wait_for_rates(side, "redis")
     _measure_a_step(side)
     with caplog.at_level(logging.INFO, logger="kvstore.integrations.vllm.cost"):
-        assert _answer(side, _request("a", tokens), 0) == 3 * CHUNK
+        assert answer_when_known(side, stand_in_request("a", tokens), 0) == 3 * CHUNK
         # Asked again (vLLM does, e.g. after a preemption): the same decision, made once.
-        assert side.get_num_new_matched_tokens(_request("a", tokens), 0) == (3 * CHUNK, False)
+        assert side.get_num_new_matched_tokens(stand_in_request("a", tokens), 0) == (
+            3 * CHUNK,
+            False,
+        )
     assert len([r for r in caplog.records if "load 3 of 5" in r.getMessage()]) == 1
     # The declined chunks are brought up into dram for the next request with this prefix.
     deadline = time.monotonic() + 10
@@ -172,21 +177,21 @@ def test_the_scheduler_loads_up_to_the_slow_tier_and_counts_the_rest_declined(
     stats: dict[str, Any] = side.take_stats() or {}
     assert stats["hit_tokens"] == 5 * CHUNK and stats["declined_tokens"] == 2 * CHUNK
     # Turned off: every hit loads, as before; forced: none does.
-    assert _answer(sides["always"], _request("b", tokens), 0) == 5 * CHUNK
-    assert _answer(sides["never"], _request("c", tokens), 0) == 0
+    assert answer_when_known(sides["always"], stand_in_request("b", tokens), 0) == 5 * CHUNK
+    assert answer_when_known(sides["never"], stand_in_request("c", tokens), 0) == 0
 
 
 def test_without_measured_rates_every_hit_loads(
     sides: dict[str, SchedulerSide], store: FakeStore
 ) -> None:
     tokens = list(range(4 * CHUNK + 1))
-    for key in _chunk_keys(sides["cost"], _request("probe", tokens)):
+    for key in chunk_keys_of(sides["cost"], stand_in_request("probe", tokens)):
         store.chunks[key] = torch.zeros(1)
         store.tiers[key] = "redis"
     store.stats_answer = {"tiers": {"redis": CRAWL}, "counters": {}}
     side = sides["cost"]
     _wait_for_rates(side, "redis")
     # No step measured yet: no prefill rate, so the slow tier is loaded all the same.
-    assert _answer(side, _request("a", tokens), 0) == 4 * CHUNK
+    assert answer_when_known(side, stand_in_request("a", tokens), 0) == 4 * CHUNK
     _measure_a_step(side)
-    assert _answer(side, _request("b", tokens), 0) == 0
+    assert answer_when_known(side, stand_in_request("b", tokens), 0) == 0

@@ -1,29 +1,42 @@
 """The vLLM connector's logic without vLLM: load and save planning, key ranks, the breaker.
 
 vLLM is not imported here. Its objects are stood in for by plain namespaces carrying only the
-fields the connector reads: ``_vllm_config`` and ``_kv_cache_config`` stand in for vLLM's
-``VllmConfig`` and ``KVCacheConfig``, ``_request`` for ``vllm.v1.request.Request``, ``_Blocks``
-for ``KVCacheBlocks``, ``_Manager`` for ``KVCacheManager`` and ``_output`` for
-``SchedulerOutput``. The store is :class:`FakeStore`, an in-memory stand-in for
-:class:`kvstore.KVStoreClient` (the breaker's resumption runs real clients instead, over
-:class:`kvstore.MockTransport`); the KV caches are real CPU tensors in vLLM's CPU layout. The same
-halves against a real store and a real engine are tested in tests/vllm (the vLLM suite).
+fields the connector reads (:mod:`harness.vllm_scheduler`: the request, ``KVCacheBlocks``,
+``KVCacheManager``, ``SchedulerOutput``; :mod:`harness.connector_sides`: ``VllmConfig`` and
+``KVCacheConfig``). The store is :class:`~harness.connector_sides.FakeStore`, an in-memory
+stand-in for :class:`kvstore.KVStoreClient` (the breaker's resumption runs real clients instead,
+over :class:`kvstore.MockTransport`); the KV caches are real CPU tensors in vLLM's CPU layout.
+The same halves against a real store and a real engine are tested in tests/vllm (the vLLM suite).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Iterator, Sequence
 from types import SimpleNamespace
 from typing import Any
 
 import grpc
 import pytest
 import torch
+from harness.connector_sides import (
+    BLOCK,
+    CHUNK,
+    LAYERS,
+    NUM_BLOCKS,
+    FakeStore,
+    answer_when_known,
+    chunk_keys_of,
+    connector_settings,
+    random_caches,
+    stand_in_kv_cache_config,
+    stand_in_vllm_config,
+)
+from harness.connector_sides import scheduler as scheduler  # fixtures, shared
+from harness.connector_sides import store as store
+from harness.connector_sides import worker as worker
 from harness.memory_store import MemoryStore
-from harness.store_stand_in import StoreStandIn
+from harness.vllm_scheduler import StandInBlocks, StandInManager, stand_in_output, stand_in_request
 
 from kvstore import KVStoreClient, MockTransport, Namespace
 from kvstore.errors import ConfigError, DeadlineExceededError, StoreUnavailableError
@@ -41,264 +54,80 @@ from kvstore.integrations.vllm.common import (
 )
 from kvstore.integrations.vllm.scheduler import SchedulerSide
 from kvstore.integrations.vllm.worker import WorkerSide
-from kvstore.key_scheme import KeyScheme
-from kvstore.types import LookupResult
-
-BLOCK = 16
-CHUNK = 32  # two blocks per chunk
-LAYERS = 2
-NUM_BLOCKS = 24
-
-
-class FakeStore(StoreStandIn):
-    """Stands in for :class:`kvstore.KVStoreClient`: chunks in a dict, calls counted."""
-
-    #: A store whose node names chunks of CHUNK tokens, as the tests' settings do.
-    scheme = KeyScheme(chunk_size=CHUNK)
-
-    def __init__(self) -> None:
-        self.chunks: dict[bytes, torch.Tensor] = {}
-        self.down = False
-        #: Answers nothing within a call's deadline (a loaded or stalled store, not a dead one).
-        self.slow = False
-        self.lookups = 0
-        self.lock = threading.Lock()
-        #: The tier each stored chunk is reported in (``dram`` where not named) ...
-        self.tiers: dict[bytes, str] = {}
-        #: ... and what ``stats`` answers (the tiers' measured rates, for the load plan).
-        self.stats_answer: dict[str, Any] = {}
-        #: Keys asked to be prefetched into dram.
-        self.prefetched: list[bytes] = []
-
-    def _check(self) -> None:
-        if self.down:
-            raise StoreUnavailableError("store is down")
-        if self.slow:
-            raise DeadlineExceededError("deadline exceeded before the store answered")
-
-    def lookup(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
-        return self.lookup_tiers(keys, timeout=timeout).hits
-
-    def lookup_tiers(self, keys: Sequence[bytes], *, timeout: float | None = None) -> LookupResult:
-        self.lookups += 1
-        self._check()
-        tiers = [self.tiers.get(key, "dram") if key in self.chunks else "" for key in keys]
-        hits = next((i for i, tier in enumerate(tiers) if not tier), len(keys))
-        return LookupResult(hits, tiers)
-
-    def get_into(
-        self, keys: Sequence[bytes], buffers: Sequence[torch.Tensor], **_: Any
-    ) -> list[bool]:
-        self._check()
-        found = []
-        for key, buffer in zip(keys, buffers, strict=True):
-            chunk = self.chunks.get(key)
-            if chunk is not None and chunk.shape == buffer.shape:
-                buffer.copy_(chunk)
-            found.append(chunk is not None)
-        return found
-
-    def put(self, keys: Sequence[bytes], values: Sequence[torch.Tensor], **_: Any) -> None:
-        self._check()
-        with self.lock:
-            for key, value in zip(keys, values, strict=True):
-                self.chunks[key] = value.clone()
-
-    def stats(self, *, timeout: float | None = None) -> dict[str, Any]:
-        self._check()
-        return self.stats_answer
-
-    def prefetch(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
-        self._check()
-        with self.lock:
-            self.prefetched.extend(keys)
-        return 1
-
-    def open_data_plane(self, *, timeout: float | None = None) -> str:
-        self._check()
-        return "grpc"
-
-
-def _vllm_config(tp_size: int = 1, pp_size: int = 1) -> Any:
-    return SimpleNamespace(
-        model_config=SimpleNamespace(model="test-model", revision=None, max_model_len=4 * CHUNK),
-        parallel_config=SimpleNamespace(
-            tensor_parallel_size=tp_size, pipeline_parallel_size=pp_size
-        ),
-        device_config=SimpleNamespace(device_type="cpu"),
-        cache_config=SimpleNamespace(kv_cache_layout=None, cache_dtype="auto"),
-    )
-
-
-def _kv_cache_config() -> Any:
-    spec = SimpleNamespace(block_size=BLOCK, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
-    group = SimpleNamespace(
-        layer_names=[f"layers.{i}.attn" for i in range(LAYERS)], kv_cache_spec=spec
-    )
-    return SimpleNamespace(num_blocks=NUM_BLOCKS, kv_cache_groups=[group])
-
-
-def _settings(**extra: Any) -> ConnectorSettings:
-    return ConnectorSettings.from_extra_config(
-        {"target": "127.0.0.1:1", "chunk_size": CHUNK, **extra}, env={}
-    )
-
-
-def _request(req_id: str, tokens: list[int], **fields: Any) -> Any:
-    return SimpleNamespace(
-        **{
-            "request_id": req_id,
-            "prompt_token_ids": tokens,
-            "mm_features": [],
-            "prompt_embeds": None,
-            "lora_request": None,
-            "cache_salt": None,
-            **fields,
-        }
-    )
-
-
-class _Blocks:
-    def __init__(self, ids: list[int]) -> None:
-        self.ids = ids
-
-    def get_block_ids(self) -> tuple[list[int]]:
-        return (self.ids,)
-
-
-class _Manager:
-    def __init__(self) -> None:
-        self.blocks: dict[str, list[int]] = {}
-
-    def get_block_ids(self, req_id: str) -> tuple[list[int]]:
-        return (self.blocks[req_id],)
-
-
-def _output(new: list[tuple[str, int, int]]) -> Any:
-    """A scheduler output with new requests ``(req_id, num_computed, num_scheduled)``."""
-    return SimpleNamespace(
-        scheduled_new_reqs=[SimpleNamespace(req_id=r, num_computed_tokens=c) for r, c, _ in new],
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
-        num_scheduled_tokens={r: n for r, _, n in new},
-        preempted_req_ids=set(),
-    )
-
-
-def _caches(seed: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    shape = (NUM_BLOCKS, 2, BLOCK, 16)  # vLLM CPU: [blocks, kv heads, block size, 2 * head size]
-    return {
-        f"layers.{i}.attn": torch.randn(shape, generator=gen).to(torch.bfloat16)
-        for i in range(LAYERS)
-    }
-
-
-def _answer(side: SchedulerSide, request: Any, computed: int) -> int | None:
-    """Ask until the lookup has answered (the first call may say "not known yet")."""
-    deadline = time.monotonic() + 5
-    while True:
-        tokens, is_async = side.get_num_new_matched_tokens(request, computed)
-        assert is_async is False
-        if tokens is not None or time.monotonic() > deadline:
-            return tokens
-
-
-@pytest.fixture()
-def store() -> FakeStore:
-    return FakeStore()
-
-
-@pytest.fixture()
-def scheduler(store: FakeStore) -> Iterator[tuple[SchedulerSide, _Manager]]:
-    side = SchedulerSide(_settings(), _vllm_config(), _kv_cache_config(), client=store)  # type: ignore[arg-type]
-    manager = _Manager()
-    side.bind_kv_cache_manager(manager)  # type: ignore[arg-type]
-    yield side, manager
-    side.shutdown()
-
-
-@pytest.fixture()
-def worker(store: FakeStore) -> Iterator[WorkerSide]:
-    side = WorkerSide(_settings(), _vllm_config(), _kv_cache_config(), client=store)  # type: ignore[arg-type]
-    yield side
-    side.shutdown()
-
-
-def _chunk_keys(side: SchedulerSide, request: Any) -> list[bytes]:
-    return side._state(request).keys
-
 
 # -- the scheduler half: lookups and load planning -----------------------------------------------
 
 
 def test_lookup_hits_count_beyond_the_computed_tokens(
-    scheduler: tuple[SchedulerSide, _Manager], store: FakeStore
+    scheduler: tuple[SchedulerSide, StandInManager], store: FakeStore
 ) -> None:
     side, _ = scheduler
     tokens = list(range(3 * CHUNK + 5))
-    keys = _chunk_keys(side, _request("probe", tokens))
+    keys = chunk_keys_of(side, stand_in_request("probe", tokens))
     assert len(keys) == 3
     for key in keys[:2]:
         store.chunks[key] = torch.zeros(1)
-    assert _answer(side, _request("a", tokens), 0) == 2 * CHUNK
-    assert _answer(side, _request("b", tokens), BLOCK) == 2 * CHUNK - BLOCK
-    assert _answer(side, _request("c", tokens), 2 * CHUNK) == 0
+    assert answer_when_known(side, stand_in_request("a", tokens), 0) == 2 * CHUNK
+    assert answer_when_known(side, stand_in_request("b", tokens), BLOCK) == 2 * CHUNK - BLOCK
+    assert answer_when_known(side, stand_in_request("c", tokens), 2 * CHUNK) == 0
 
 
 def test_the_last_prompt_token_is_never_loaded(
-    scheduler: tuple[SchedulerSide, _Manager], store: FakeStore
+    scheduler: tuple[SchedulerSide, StandInManager], store: FakeStore
 ) -> None:
     side, _ = scheduler
     tokens = list(range(3 * CHUNK))  # three whole chunks, all stored
-    for key in _chunk_keys(side, _request("probe", tokens)):
+    for key in chunk_keys_of(side, stand_in_request("probe", tokens)):
         store.chunks[key] = torch.zeros(1)
     # vLLM must compute at least one token, so the third chunk is not loadable.
-    assert _answer(side, _request("a", tokens), 0) == 2 * CHUNK
+    assert answer_when_known(side, stand_in_request("a", tokens), 0) == 2 * CHUNK
 
 
 def test_requests_that_token_ids_do_not_describe_neither_load_nor_save(
-    scheduler: tuple[SchedulerSide, _Manager], store: FakeStore
+    scheduler: tuple[SchedulerSide, StandInManager], store: FakeStore
 ) -> None:
     side, _ = scheduler
     tokens = list(range(3 * CHUNK))
     for fields in ({"mm_features": ["image"]}, {"prompt_embeds": object()}):
-        request = _request("mm", tokens, **fields)
-        assert _chunk_keys(side, request) == []
+        request = stand_in_request("mm", tokens, **fields)
+        assert chunk_keys_of(side, request) == []
         assert side.get_num_new_matched_tokens(request, 0) == (0, False)
         side.request_finished(request, [])
     assert store.lookups == 0
 
 
-def test_salt_and_lora_separate_keys(scheduler: tuple[SchedulerSide, _Manager]) -> None:
+def test_salt_and_lora_separate_keys(scheduler: tuple[SchedulerSide, StandInManager]) -> None:
     side, _ = scheduler
     tokens = list(range(2 * CHUNK + 1))
-    plain = _chunk_keys(side, _request("p", tokens))
-    salted = _chunk_keys(side, _request("s", tokens, cache_salt="tenant-7"))
+    plain = chunk_keys_of(side, stand_in_request("p", tokens))
+    salted = chunk_keys_of(side, stand_in_request("s", tokens, cache_salt="tenant-7"))
     lora = SimpleNamespace(lora_name="adapter", lora_path="/adapters/a")
-    adapted = _chunk_keys(side, _request("l", tokens, lora_request=lora))
+    adapted = chunk_keys_of(side, stand_in_request("l", tokens, lora_request=lora))
     assert len(plain) == len(salted) == len(adapted) == 2
     assert len(set(plain) | set(salted) | set(adapted)) == 6
-    assert _chunk_keys(side, _request("p2", tokens)) == plain
+    assert chunk_keys_of(side, stand_in_request("p2", tokens)) == plain
 
 
 def test_load_plan_writes_only_the_blocks_the_engine_lacks(
-    scheduler: tuple[SchedulerSide, _Manager], store: FakeStore
+    scheduler: tuple[SchedulerSide, StandInManager], store: FakeStore
 ) -> None:
     side, _ = scheduler
     tokens = list(range(3 * CHUNK + 3))
-    request = _request("b", tokens)
-    keys = _chunk_keys(side, request)
+    request = stand_in_request("b", tokens)
+    keys = chunk_keys_of(side, request)
     for key in keys:
         store.chunks[key] = torch.zeros(1)
     # The engine's own prefix cache holds the first block; the store supplies the rest.
-    assert _answer(side, request, BLOCK) == 3 * CHUNK - BLOCK
-    side.update_state_after_alloc(request, _Blocks([30, 20, 21, 22, 23, 24, 25]), 3 * CHUNK - BLOCK)  # type: ignore[arg-type]
-    plan = side.build_connector_meta(_output([]))
+    assert answer_when_known(side, request, BLOCK) == 3 * CHUNK - BLOCK
+    side.update_state_after_alloc(
+        request, StandInBlocks([30, 20, 21, 22, 23, 24, 25]), 3 * CHUNK - BLOCK
+    )  # type: ignore[arg-type]
+    plan = side.build_connector_meta(stand_in_output([]))
     # The load counts the request's 80 new tokens (3 chunks less the block it holds).
     assert plan.loads == [LoadSpec("b", keys, [-1, 20, 21, 22, 23, 24], tokens=3 * CHUNK - BLOCK)]
-    assert side.build_connector_meta(_output([])).loads == []  # handed out once
-    side.update_state_after_alloc(request, _Blocks([1]), 0)  # type: ignore[arg-type]
-    assert side.build_connector_meta(_output([])).loads == []
+    assert side.build_connector_meta(stand_in_output([])).loads == []  # handed out once
+    side.update_state_after_alloc(request, StandInBlocks([1]), 0)  # type: ignore[arg-type]
+    assert side.build_connector_meta(stand_in_output([])).loads == []
 
 
 def test_load_targets() -> None:
@@ -319,21 +148,21 @@ def test_load_targets() -> None:
 
 
 def test_save_plan_covers_chunks_completed_this_step_and_absent_from_the_store(
-    scheduler: tuple[SchedulerSide, _Manager], store: FakeStore
+    scheduler: tuple[SchedulerSide, StandInManager], store: FakeStore
 ) -> None:
     side, manager = scheduler
     tokens = list(range(3 * CHUNK + 5))
-    request = _request("a", tokens)
-    keys = _chunk_keys(side, request)
+    request = stand_in_request("a", tokens)
+    keys = chunk_keys_of(side, request)
     store.chunks[keys[0]] = torch.zeros(1)
-    assert _answer(side, request, 0) == CHUNK
+    assert answer_when_known(side, request, 0) == CHUNK
     manager.blocks["a"] = list(range(7, 14))
     # A first step computes 2.5 chunks: chunk 0 is stored already, chunk 1 is new.
-    plan = side.build_connector_meta(_output([("a", 0, 2 * CHUNK + CHUNK // 2)]))
+    plan = side.build_connector_meta(stand_in_output([("a", 0, 2 * CHUNK + CHUNK // 2)]))
     assert [(s.req_id, s.keys, s.block_ids) for s in plan.saves] == [("a", [keys[1]], [9, 10])]
     # The next completes the prompt: chunk 2 only.
     cached = SimpleNamespace(req_ids=["a"], num_computed_tokens=[2 * CHUNK + CHUNK // 2])
-    output = _output([])
+    output = stand_in_output([])
     output.scheduled_cached_reqs = cached
     output.num_scheduled_tokens = {"a": CHUNK}
     plan = side.build_connector_meta(output)
@@ -342,15 +171,17 @@ def test_save_plan_covers_chunks_completed_this_step_and_absent_from_the_store(
 
 
 def test_a_chunk_is_planned_once_across_requests_sharing_it(
-    scheduler: tuple[SchedulerSide, _Manager],
+    scheduler: tuple[SchedulerSide, StandInManager],
 ) -> None:
     side, manager = scheduler
     tokens = list(range(2 * CHUNK + 1))
-    first, second = _request("a", tokens), _request("b", tokens)
-    assert _answer(side, first, 0) == 0
-    assert _answer(side, second, 0) == 0
+    first, second = stand_in_request("a", tokens), stand_in_request("b", tokens)
+    assert answer_when_known(side, first, 0) == 0
+    assert answer_when_known(side, second, 0) == 0
     manager.blocks["a"], manager.blocks["b"] = [1, 2, 3, 4, 5], [6, 7, 8, 9, 10]
-    plan = side.build_connector_meta(_output([("a", 0, len(tokens)), ("b", 0, len(tokens))]))
+    plan = side.build_connector_meta(
+        stand_in_output([("a", 0, len(tokens)), ("b", 0, len(tokens))])
+    )
     assert [(s.req_id, len(s.keys)) for s in plan.saves] == [("a", 2)]
     assert side.request_finished(first, []) == (True, None)
     assert side.request_finished(second, []) == (False, None)  # nothing of its own to save
@@ -358,7 +189,10 @@ def test_a_chunk_is_planned_once_across_requests_sharing_it(
 
 @pytest.mark.parametrize(("failure", "saved"), [("down", []), ("slow", [("a", 2)])])
 def test_a_failing_store_is_not_asked_for_a_while_and_only_a_dead_one_loses_saves(
-    scheduler: tuple[SchedulerSide, _Manager], store: FakeStore, failure: str, saved: list[Any]
+    scheduler: tuple[SchedulerSide, StandInManager],
+    store: FakeStore,
+    failure: str,
+    saved: list[Any],
 ) -> None:
     """A dead store trips the breaker, so nothing waits on it. A lookup's deadline is short (it
     holds the request): a store that misses it under load is slow, not gone, and its puts have
@@ -366,12 +200,12 @@ def test_a_failing_store_is_not_asked_for_a_while_and_only_a_dead_one_loses_save
     side, manager = scheduler
     setattr(store, failure, True)
     tokens = list(range(2 * CHUNK + 1))
-    assert _answer(side, _request("a", tokens), 0) == 0
+    assert answer_when_known(side, stand_in_request("a", tokens), 0) == 0
     calls = store.lookups
-    assert _answer(side, _request("b", tokens), 0) == 0
+    assert answer_when_known(side, stand_in_request("b", tokens), 0) == 0
     assert store.lookups == calls  # answered a miss without asking the store
     manager.blocks["a"] = [1, 2, 3, 4, 5]
-    plan = side.build_connector_meta(_output([("a", 0, len(tokens))]))
+    plan = side.build_connector_meta(stand_in_output([("a", 0, len(tokens))]))
     assert [(s.req_id, len(s.keys)) for s in plan.saves] == saved
 
 
@@ -398,14 +232,14 @@ def _wait_for(condition: Any, what: str) -> None:
 def test_saved_chunks_load_into_only_the_planned_blocks(
     worker: WorkerSide, store: FakeStore
 ) -> None:
-    source = _caches(1)
+    source = random_caches(1)
     worker.register_kv_caches(source)
     keys = [bytes([i]) * 16 for i in range(3)]
     worker.wait_for_save(StepPlan(saves=[SaveSpec("a", keys, list(range(7, 13)))]))
     _wait_for(lambda: len(store.chunks) == 3, "saved chunks never reached the store")
     assert worker.get_finished({"a"}) == ({"a"}, None)
 
-    target = _caches(2)
+    target = random_caches(2)
     untouched = {name: t.clone() for name, t in target.items()}
     worker.register_kv_caches(target)
     plan = StepPlan(loads=[LoadSpec("b", keys, [-1, 20, 21, 22, 23, -1])])
@@ -424,7 +258,7 @@ def test_saved_chunks_load_into_only_the_planned_blocks(
 def test_a_failed_load_is_reported_once_and_leaves_blocks_alone(
     worker: WorkerSide, store: FakeStore
 ) -> None:
-    target = _caches(3)
+    target = random_caches(3)
     untouched = {name: t.clone() for name, t in target.items()}
     worker.register_kv_caches(target)
     present, missing = bytes(16), b"\x01" * 16
@@ -444,7 +278,7 @@ def test_a_failed_load_is_reported_once_and_leaves_blocks_alone(
 def test_a_layer_never_loaded_makes_the_whole_step_recompute(
     worker: WorkerSide, store: FakeStore
 ) -> None:
-    worker.register_kv_caches(_caches(4))
+    worker.register_kv_caches(random_caches(4))
     key = bytes(16)
     store.chunks[key] = torch.ones((LAYERS, 2, 2, BLOCK, 16), dtype=torch.bfloat16)
     plan = StepPlan(loads=[LoadSpec("x", [key], [5, 6])])
@@ -479,12 +313,12 @@ def test_kernel_ids_split_engine_blocks() -> None:
 
 
 def test_each_rank_stores_under_its_own_keys() -> None:
-    config = _vllm_config(tp_size=2, pp_size=2)
-    settings = _settings()
+    config = stand_in_vllm_config(tp_size=2, pp_size=2)
+    settings = connector_settings()
     keys = [bytes([i]) * 16 for i in range(3)]
 
     def ranked(tp_rank: int, pp_rank: int) -> list[bytes]:
-        shape = engine_shape(config, _kv_cache_config(), pp_rank=pp_rank)
+        shape = engine_shape(config, stand_in_kv_cache_config(), pp_rank=pp_rank)
         namespace = base_namespace(config, shape, settings, tp_rank=tp_rank)
         return rank_keys(keys, namespace, tp_rank, pp_rank)
 
@@ -503,7 +337,12 @@ def test_secret_comes_from_the_config_loader_unless_given() -> None:
     given = {**extra, "secret": "mine"}
     assert ConnectorSettings.from_extra_config(given, env=env).secret == "mine"
     with pytest.raises(ConfigError, match="multiple of the engine's block size"):
-        SchedulerSide(_settings(chunk_size=24), _vllm_config(), _kv_cache_config(), FakeStore())  # type: ignore[arg-type]
+        SchedulerSide(
+            connector_settings(chunk_size=24),
+            stand_in_vllm_config(),
+            stand_in_kv_cache_config(),
+            FakeStore(),
+        )  # type: ignore[arg-type]
 
 
 def test_token_and_tls_ca_are_read_and_the_token_is_not_shown() -> None:
@@ -570,12 +409,24 @@ def test_both_connector_halves_resume_as_soon_as_the_store_connects_again() -> N
     scheduler_link, worker_link = _CountingTransport(memory), _CountingTransport(memory)
     ns = Namespace(model="test-model")
     scheduler_client = KVStoreClient("unused", namespace=ns, transport=scheduler_link)
-    side = SchedulerSide(_settings(), _vllm_config(), _kv_cache_config(), client=scheduler_client)
-    side.bind_kv_cache_manager(_Manager())  # type: ignore[arg-type]
+    side = SchedulerSide(
+        connector_settings(),
+        stand_in_vllm_config(),
+        stand_in_kv_cache_config(),
+        client=scheduler_client,
+    )
+    side.bind_kv_cache_manager(StandInManager())  # type: ignore[arg-type]
     worker_client = KVStoreClient("unused", namespace=ns, transport=worker_link)
-    worker = WorkerSide(_settings(), _vllm_config(), _kv_cache_config(), client=worker_client)
+    worker = WorkerSide(
+        connector_settings(),
+        stand_in_vllm_config(),
+        stand_in_kv_cache_config(),
+        client=worker_client,
+    )
     try:
-        assert _answer(side, _request("r", list(range(3 * CHUNK))), 0) == 0  # a miss, not an error
+        assert (
+            answer_when_known(side, stand_in_request("r", list(range(3 * CHUNK))), 0) == 0
+        )  # a miss, not an error
         _wait_for(lambda: side._breaker.is_open(), "the scheduler's breaker opens")
         memory.fail = None
         # Two watches each: the key-scheme agreement at start found the store down (it asks again
@@ -588,7 +439,7 @@ def test_both_connector_halves_resume_as_soon_as_the_store_connects_again() -> N
         assert worker._breaker.is_open() and worker_link.watches == 2
         worker_link.reconnect()
         assert not worker._breaker.is_open()
-        assert _answer(side, _request("r2", list(range(3 * CHUNK))), 0) == 0
+        assert answer_when_known(side, stand_in_request("r2", list(range(3 * CHUNK))), 0) == 0
         assert "Lookup" in memory.methods()
     finally:
         side.shutdown()

@@ -2,7 +2,7 @@
 reads it, plans saves that carry it (none for ``"none"``), and the worker half stores the chunks
 with it in a real ``kvstore serve``, where they outlive a flood of one-off prompts.
 
-Stand-ins for vLLM's objects and the in-memory store come from :mod:`test_connector_logic`.
+Stand-ins for vLLM's objects and the in-memory store come from :mod:`harness.connector_sides`.
 """
 
 from __future__ import annotations
@@ -14,19 +14,17 @@ from typing import Any
 
 import numpy as np
 import pytest
-from harness.serve import ServerProcess
-from test_connector_logic import (
+from harness.connector_sides import (
     CHUNK,
     FakeStore,
-    _caches,
-    _chunk_keys,
-    _kv_cache_config,
-    _Manager,
-    _output,
-    _request,
-    _settings,
-    _vllm_config,
+    chunk_keys_of,
+    connector_settings,
+    random_caches,
+    stand_in_kv_cache_config,
+    stand_in_vllm_config,
 )
+from harness.serve import ServerProcess
+from harness.vllm_scheduler import StandInManager, stand_in_output, stand_in_request
 
 from kvstore import KVStoreClient, Retention
 from kvstore.integrations.vllm.common import base_namespace, engine_shape
@@ -35,9 +33,14 @@ from kvstore.integrations.vllm.scheduler import SchedulerSide
 from kvstore.integrations.vllm.worker import WorkerSide
 
 
-def _side(store: FakeStore | None, **extra: Any) -> tuple[SchedulerSide, _Manager]:
-    side = SchedulerSide(_settings(**extra), _vllm_config(), _kv_cache_config(), client=store)  # type: ignore[arg-type]
-    manager = _Manager()
+def _side(store: FakeStore | None, **extra: Any) -> tuple[SchedulerSide, StandInManager]:
+    side = SchedulerSide(
+        connector_settings(**extra),
+        stand_in_vllm_config(),
+        stand_in_kv_cache_config(),
+        client=store,
+    )  # type: ignore[arg-type]
+    manager = StandInManager()
     side.bind_kv_cache_manager(manager)  # type: ignore[arg-type]
     return side, manager
 
@@ -87,14 +90,16 @@ def test_saves_carry_the_retention_and_none_plans_no_save(sides: list[SchedulerS
     side, manager = _side(FakeStore())
     sides.append(side)
     tokens = list(range(3 * CHUNK + 5))
-    kept = _request("kept", tokens, kv_transfer_params={"kvstore_retention_s": 600})
-    skipped = _request("skip", [t + 1 for t in tokens], kv_transfer_params=dict(NONE))
+    kept = stand_in_request("kept", tokens, kv_transfer_params={"kvstore_retention_s": 600})
+    skipped = stand_in_request("skip", [t + 1 for t in tokens], kv_transfer_params=dict(NONE))
     for request in (kept, skipped):
         assert side.get_num_new_matched_tokens(request, 0) == (0, False)
         manager.blocks[request.request_id] = list(range(7))
-    plan = side.build_connector_meta(_output([("kept", 0, len(tokens)), ("skip", 0, len(tokens))]))
+    plan = side.build_connector_meta(
+        stand_in_output([("kept", 0, len(tokens)), ("skip", 0, len(tokens))])
+    )
     assert [(s.req_id, s.retention) for s in plan.saves] == [("kept", Retention(600))]
-    assert plan.saves[0].keys == _chunk_keys(side, kept)
+    assert plan.saves[0].keys == chunk_keys_of(side, kept)
     assert side.request_finished(skipped, manager.blocks["skip"]) == (False, None)
 
 
@@ -104,18 +109,18 @@ def test_a_retained_request_saves_again_what_a_plain_one_just_saved(
     side, manager = _side(FakeStore())
     sides.append(side)
     tokens = list(range(2 * CHUNK + 5))
-    plain = _request("plain", tokens)
+    plain = stand_in_request("plain", tokens)
     side.get_num_new_matched_tokens(plain, 0)
     manager.blocks["plain"] = list(range(5))
-    first = side.build_connector_meta(_output([("plain", 0, len(tokens))]))
+    first = side.build_connector_meta(stand_in_output([("plain", 0, len(tokens))]))
     assert len(first.saves) == 1 and first.saves[0].retention == Retention()
-    again = _request("again", tokens)  # plain: deduplicated against the recent save
-    pinned = _request("pinned", tokens, kv_transfer_params={"kvstore_retention_s": 60})
+    again = stand_in_request("again", tokens)  # plain: deduplicated against the recent save
+    pinned = stand_in_request("pinned", tokens, kv_transfer_params={"kvstore_retention_s": 60})
     for request in (again, pinned):
         side.get_num_new_matched_tokens(request, 0)
         manager.blocks[request.request_id] = list(range(5))
     plan = side.build_connector_meta(
-        _output([("again", 0, len(tokens)), ("pinned", 0, len(tokens))])
+        stand_in_output([("again", 0, len(tokens)), ("pinned", 0, len(tokens))])
     )
     assert [(s.req_id, s.retention) for s in plan.saves] == [("pinned", Retention(60))]
 
@@ -139,9 +144,11 @@ def test_a_retained_prompt_saved_by_the_connector_survives_a_flood(
         settings = {"target": server.target}
         side, manager = _side(None, **settings)
         sides.append(side)
-        worker = WorkerSide(_settings(**settings), _vllm_config(), _kv_cache_config())  # type: ignore[arg-type]
+        worker = WorkerSide(
+            connector_settings(**settings), stand_in_vllm_config(), stand_in_kv_cache_config()
+        )  # type: ignore[arg-type]
         try:
-            worker.register_kv_caches(_caches(1))
+            worker.register_kv_caches(random_caches(1))
             prompts = {
                 "plain": (list(range(3 * CHUNK + 5)), None),
                 "pinned": (list(range(1000, 1000 + 3 * CHUNK + 5)), {"kvstore_retention_s": 600}),
@@ -149,21 +156,24 @@ def test_a_retained_prompt_saved_by_the_connector_survives_a_flood(
             }
             requests = {}
             for name, (tokens, params) in prompts.items():
-                request = _request(name, tokens, kv_transfer_params=params)
+                request = stand_in_request(name, tokens, kv_transfer_params=params)
                 requests[name] = request
                 side.get_num_new_matched_tokens(request, 0)
                 manager.blocks[name] = list(range(7))
             plan = side.build_connector_meta(
-                _output([(name, 0, len(tokens)) for name, (tokens, _) in prompts.items()])
+                stand_in_output([(name, 0, len(tokens)) for name, (tokens, _) in prompts.items()])
             )
             worker.wait_for_save(plan)
         finally:
             worker.shutdown()  # waits for the queued puts to reach the store
         base = base_namespace(
-            _vllm_config(), engine_shape(_vllm_config(), _kv_cache_config(), 0), _settings(), 0
+            stand_in_vllm_config(),
+            engine_shape(stand_in_vllm_config(), stand_in_kv_cache_config(), 0),
+            connector_settings(),
+            0,
         )
         with KVStoreClient(server.target, namespace=base) as client:
-            keys = {name: _chunk_keys(side, request) for name, request in requests.items()}
+            keys = {name: chunk_keys_of(side, request) for name, request in requests.items()}
             assert client.lookup(keys["plain"]) == 3 and client.lookup(keys["pinned"]) == 3
             assert client.lookup(keys["none"]) == 0
             rng = np.random.default_rng(0)

@@ -19,21 +19,19 @@ from typing import Any
 
 import pytest
 import torch
-from harness.serve import ServerProcess
-from test_connector_logic import (
+from harness.connector_sides import (
     BLOCK,
     CHUNK,
     FakeStore,
-    _answer,
-    _caches,
-    _chunk_keys,
-    _kv_cache_config,
-    _Manager,
-    _output,
-    _request,
-    _settings,
-    _vllm_config,
+    answer_when_known,
+    chunk_keys_of,
+    connector_settings,
+    random_caches,
+    stand_in_kv_cache_config,
+    stand_in_vllm_config,
 )
+from harness.serve import ServerProcess
+from harness.vllm_scheduler import StandInManager, stand_in_output, stand_in_request
 
 from kvstore import KVStoreClient
 from kvstore.errors import ConfigError
@@ -44,12 +42,14 @@ from kvstore.integrations.vllm.worker import WorkerSide
 
 def _side(
     store: FakeStore | None, role: str | None, **extra: Any
-) -> tuple[SchedulerSide, _Manager]:
+) -> tuple[SchedulerSide, StandInManager]:
     """A scheduler half in ``role``; ``store`` None: a real client of ``extra``'s target."""
-    config = _vllm_config()
+    config = stand_in_vllm_config()
     config.kv_transfer_config = SimpleNamespace(kv_role=role)
-    side = SchedulerSide(_settings(**extra), config, _kv_cache_config(), client=store)  # type: ignore[arg-type]
-    manager = _Manager()
+    side = SchedulerSide(
+        connector_settings(**extra), config, stand_in_kv_cache_config(), client=store
+    )  # type: ignore[arg-type]
+    manager = StandInManager()
     side.bind_kv_cache_manager(manager)  # type: ignore[arg-type]
     return side, manager
 
@@ -83,14 +83,14 @@ def test_a_producer_never_loads_and_saves_every_chunk_and_reports_them(
     side, manager = _side(store, "kv_producer")
     sides.append(side)
     tokens = list(range(3 * CHUNK + 5))
-    request = _request("p", tokens)
-    keys = _chunk_keys(side, request)
+    request = stand_in_request("p", tokens)
+    keys = chunk_keys_of(side, request)
     for key in keys:  # all stored already: a kv_both engine would load two and save none
         store.chunks[key] = torch.zeros(1)
     assert side.get_num_new_matched_tokens(request, 0) == (0, False)
     assert store.lookups == 0
     manager.blocks["p"] = list(range(7))
-    plan = side.build_connector_meta(_output([("p", 0, len(tokens))]))
+    plan = side.build_connector_meta(stand_in_output([("p", 0, len(tokens))]))
     assert plan.loads == []
     assert [(s.keys, s.block_ids) for s in plan.saves] == [(keys, list(range(6)))]
     assert side.request_finished(request, manager.blocks["p"]) == (True, {HANDOFF_KEY: 3})
@@ -100,11 +100,13 @@ def test_a_producer_reports_chunks_already_being_saved_too(sides: list[Scheduler
     side, manager = _side(FakeStore(), "kv_producer")
     sides.append(side)
     tokens = list(range(2 * CHUNK + 1))
-    first, second = _request("a", tokens), _request("b", tokens)
+    first, second = stand_in_request("a", tokens), stand_in_request("b", tokens)
     side.get_num_new_matched_tokens(first, 0)
     side.get_num_new_matched_tokens(second, 0)
     manager.blocks["a"], manager.blocks["b"] = [1, 2, 3, 4, 5], [6, 7, 8, 9, 10]
-    plan = side.build_connector_meta(_output([("a", 0, len(tokens)), ("b", 0, len(tokens))]))
+    plan = side.build_connector_meta(
+        stand_in_output([("a", 0, len(tokens)), ("b", 0, len(tokens))])
+    )
     assert [(s.req_id, len(s.keys)) for s in plan.saves] == [("a", 2)]
     # b saved nothing itself, but its two chunks are on their way: the hand-off may wait for them.
     assert side.request_finished(second, []) == (False, {HANDOFF_KEY: 2})
@@ -115,13 +117,13 @@ def test_a_consumer_loads_and_never_saves(sides: list[SchedulerSide]) -> None:
     side, manager = _side(store, "kv_consumer")
     sides.append(side)
     tokens = list(range(3 * CHUNK + 5))
-    request = _request("c", tokens)
-    keys = _chunk_keys(side, request)
+    request = stand_in_request("c", tokens)
+    keys = chunk_keys_of(side, request)
     store.chunks[keys[0]] = torch.zeros(1)
-    assert _answer(side, request, 0) == CHUNK
+    assert answer_when_known(side, request, 0) == CHUNK
     manager.blocks["c"] = list(range(7))
     side.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: ([0, 1],)), CHUNK)  # type: ignore[arg-type]
-    plan = side.build_connector_meta(_output([("c", 0, len(tokens))]))
+    plan = side.build_connector_meta(stand_in_output([("c", 0, len(tokens))]))
     assert [load.keys for load in plan.loads] == [[keys[0]]]
     assert plan.saves == []
     assert side.request_finished(request, manager.blocks["c"]) == (False, None)
@@ -134,18 +136,23 @@ def test_a_handoff_waits_for_the_producers_chunks_without_blocking(
     side, _ = _side(store, "kv_consumer", handoff_wait_s=30.0)
     sides.append(side)
     tokens = list(range(3 * CHUNK + 5))
-    keys = _chunk_keys(side, _request("probe", tokens))
+    keys = chunk_keys_of(side, stand_in_request("probe", tokens))
     store.chunks[keys[0]] = torch.zeros(1)  # the producer's later puts are still on their way
-    request = _request("d", tokens, kv_transfer_params={HANDOFF_KEY: 3})
+    request = stand_in_request("d", tokens, kv_transfer_params={HANDOFF_KEY: 3})
     # Asked repeatedly (as vLLM does each step), it answers "not known yet" while one is missing.
     deadline = time.monotonic() + 0.5
     while time.monotonic() < deadline:
         assert side.get_num_new_matched_tokens(request, 0) == (None, False)
     assert store.lookups > 2  # it asked the store again, not once
     store.chunks[keys[1]] = store.chunks[keys[2]] = torch.zeros(1)
-    assert _answer(side, request, 0) == 3 * CHUNK  # every whole chunk, now that they are there
+    assert (
+        answer_when_known(side, request, 0) == 3 * CHUNK
+    )  # every whole chunk, now that they are there
     # A request without the producer's count does not wait.
-    assert _answer(side, _request("plain", tokens[: 2 * CHUNK + 3]), BLOCK) == 2 * CHUNK - BLOCK
+    assert (
+        answer_when_known(side, stand_in_request("plain", tokens[: 2 * CHUNK + 3]), BLOCK)
+        == 2 * CHUNK - BLOCK
+    )
 
 
 def test_a_handoff_goes_ahead_with_what_arrived_after_handoff_wait_s(
@@ -155,10 +162,10 @@ def test_a_handoff_goes_ahead_with_what_arrived_after_handoff_wait_s(
     side, _ = _side(store, "kv_both", handoff_wait_s=0.2)
     sides.append(side)
     tokens = list(range(3 * CHUNK + 5))
-    keys = _chunk_keys(side, _request("probe", tokens))
+    keys = chunk_keys_of(side, stand_in_request("probe", tokens))
     store.chunks[keys[0]] = torch.zeros(1)
-    request = _request("d", tokens, kv_transfer_params={HANDOFF_KEY: 3})
-    assert _answer(side, request, 0) == CHUNK
+    request = stand_in_request("d", tokens, kv_transfer_params={HANDOFF_KEY: 3})
+    assert answer_when_known(side, request, 0) == CHUNK
 
 
 @pytest.mark.parametrize("params", [None, {}, {HANDOFF_KEY: "3"}, {HANDOFF_KEY: True}, {"x": 1}])
@@ -166,8 +173,8 @@ def test_other_transfer_params_do_not_wait(sides: list[SchedulerSide], params: A
     store = FakeStore()
     side, _ = _side(store, "kv_consumer", handoff_wait_s=30.0)
     sides.append(side)
-    request = _request("d", list(range(3 * CHUNK + 5)), kv_transfer_params=params)
-    assert _answer(side, request, 0) == 0
+    request = stand_in_request("d", list(range(3 * CHUNK + 5)), kv_transfer_params=params)
+    assert answer_when_known(side, request, 0) == 0
     assert store.lookups == 1
 
 
@@ -203,37 +210,44 @@ def test_a_consumer_loads_a_producers_chunks_still_being_put_bit_for_bit(
         consumer, _ = _side(None, "kv_consumer", **settings)
         sides += [producer, consumer]
         base = base_namespace(
-            _vllm_config(), engine_shape(_vllm_config(), _kv_cache_config(), 0), _settings(), 0
+            stand_in_vllm_config(),
+            engine_shape(stand_in_vllm_config(), stand_in_kv_cache_config(), 0),
+            connector_settings(),
+            0,
         )
         slow = _SlowPuts(KVStoreClient(server.target, namespace=base), delay_s=1.0)
-        config = _vllm_config()
+        config = stand_in_vllm_config()
         config.kv_transfer_config = SimpleNamespace(kv_role="kv_producer")
-        writer = WorkerSide(_settings(**settings), config, _kv_cache_config(), client=slow)  # type: ignore[arg-type]
-        source = _caches(1)
+        writer = WorkerSide(
+            connector_settings(**settings), config, stand_in_kv_cache_config(), client=slow
+        )  # type: ignore[arg-type]
+        source = random_caches(1)
         writer.register_kv_caches(source)
         tokens = list(range(3 * CHUNK + 5))
-        request = _request("p", tokens)
+        request = stand_in_request("p", tokens)
         producer.get_num_new_matched_tokens(request, 0)
         manager.blocks["p"] = list(range(7))
-        plan = producer.build_connector_meta(_output([("p", 0, len(tokens))]))
+        plan = producer.build_connector_meta(stand_in_output([("p", 0, len(tokens))]))
         writer.wait_for_save(plan)  # queued: the puts reach the store a second later
         _, params = producer.request_finished(request, manager.blocks["p"])
         assert params == {HANDOFF_KEY: 3}
 
         # The decode engine gets the request at once, before the store holds the chunks.
-        decode = _request("d", tokens, kv_transfer_params=params)
+        decode = stand_in_request("d", tokens, kv_transfer_params=params)
         assert consumer.get_num_new_matched_tokens(decode, 0) == (None, False)
-        assert _answer(consumer, decode, 0) == 3 * CHUNK
+        assert answer_when_known(consumer, decode, 0) == 3 * CHUNK
         consumer.update_state_after_alloc(
             decode,
             SimpleNamespace(get_block_ids=lambda: ([12, 13, 14, 15, 16, 17, 18],)),
             3 * CHUNK,
         )  # type: ignore[arg-type]
-        load = consumer.build_connector_meta(_output([("d", 0, len(tokens))]))
+        load = consumer.build_connector_meta(stand_in_output([("d", 0, len(tokens))]))
         assert load.saves == []
-        reader = WorkerSide(_settings(**settings), _vllm_config(), _kv_cache_config())  # type: ignore[arg-type]
+        reader = WorkerSide(
+            connector_settings(**settings), stand_in_vllm_config(), stand_in_kv_cache_config()
+        )  # type: ignore[arg-type]
         try:
-            target = _caches(2)
+            target = random_caches(2)
             reader.register_kv_caches(target)
             reader.start_load_kv(load)
             for name in target:

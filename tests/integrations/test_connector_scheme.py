@@ -16,23 +16,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from harness.connector_sides import (
+    BLOCK,
+    CHUNK,
+    FakeStore,
+    connector_settings,
+    random_caches,
+    stand_in_kv_cache_config,
+    stand_in_vllm_config,
+)
 from harness.node_schemes import cluster_settings, wait_published
 from harness.polling import poll
 from harness.ports import free_port
 from harness.redis_server import RedisServer
 from harness.serve import ServerProcess
-from test_connector_logic import (
-    BLOCK,
-    CHUNK,
-    FakeStore,
-    _caches,
-    _kv_cache_config,
-    _Manager,
-    _output,
-    _request,
-    _settings,
-    _vllm_config,
-)
+from harness.vllm_scheduler import StandInManager, stand_in_output, stand_in_request
 
 from kvstore.errors import (
     CapacityError,
@@ -83,7 +81,7 @@ def _unpinned(target: str = "127.0.0.1:1", **extra: Any) -> ConnectorSettings:
 
 
 def _scheduler(settings: ConnectorSettings, store: Any = None) -> SchedulerSide:
-    return SchedulerSide(settings, _vllm_config(), _kv_cache_config(), client=store)
+    return SchedulerSide(settings, stand_in_vllm_config(), stand_in_kv_cache_config(), client=store)
 
 
 def _scheme_lines(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
@@ -98,7 +96,9 @@ def test_both_halves_take_the_stores_chunk_size_and_algorithm_when_the_config_se
     store = SchemeStore(KeyScheme(chunk_size=4 * BLOCK, hash_algorithm="sha256"))
     with caplog.at_level(logging.INFO, logger=SCHEME_LOGGER):
         side = _scheduler(_unpinned(), store)
-        worker = WorkerSide(_unpinned(), _vllm_config(), _kv_cache_config(), client=store)  # type: ignore[arg-type]
+        worker = WorkerSide(
+            _unpinned(), stand_in_vllm_config(), stand_in_kv_cache_config(), client=store
+        )  # type: ignore[arg-type]
     try:
         assert (side._settings.chunk_size, side._settings.hash_algorithm) == (64, "sha256")
         assert (side.layout.blocks_per_chunk(0), worker._blocks_per_chunk) == (4, 4)
@@ -107,8 +107,10 @@ def test_both_halves_take_the_stores_chunk_size_and_algorithm_when_the_config_se
         assert namespace == side._base and check == secret_fingerprint("")
         tokens = list(range(2 * 64 + 1))
         expected = ChunkHasher(64, side._base, algorithm="sha256").keys(tokens)
-        assert side._state(_request("r", tokens)).keys == [bytes(k) for k in expected]
-        assert side.build_connector_meta(_output([])).chunk_size == 64  # told to the workers
+        assert side._state(stand_in_request("r", tokens)).keys == [bytes(k) for k in expected]
+        assert (
+            side.build_connector_meta(stand_in_output([])).chunk_size == 64
+        )  # told to the workers
         assert _scheme_lines(caplog, logging.WARNING) == _scheme_lines(caplog, logging.ERROR) == []
     finally:
         worker.shutdown()
@@ -149,7 +151,7 @@ def test_a_store_chunk_size_that_is_no_whole_number_of_blocks_is_refused() -> No
         _scheduler(_unpinned(), store)
     # The connector's own setting is checked before the store is asked.
     with pytest.raises(ConfigError, match="extra_config chunk_size 24 must be a multiple"):
-        _scheduler(_settings(chunk_size=24), store)
+        _scheduler(connector_settings(chunk_size=24), store)
     assert len(store.asked) == 1
 
 
@@ -165,7 +167,7 @@ def test_a_store_chunk_size_that_is_no_whole_number_of_blocks_is_refused() -> No
 def test_a_refusal_by_the_store_stops_the_start(refusal: KVStoreError) -> None:
     store = SchemeStore(None, refusal)
     with pytest.raises(ConfigError, match=re.escape(f"refused its key scheme: {refusal}")):
-        _scheduler(_settings(), store)
+        _scheduler(connector_settings(), store)
 
 
 def test_a_store_without_the_call_leaves_the_connector_its_own_settings(
@@ -173,7 +175,7 @@ def test_a_store_without_the_call_leaves_the_connector_its_own_settings(
 ) -> None:
     store = SchemeStore(None, InternalStoreError("UNIMPLEMENTED: Method not found!"))
     with caplog.at_level(logging.WARNING, logger=SCHEME_LOGGER):
-        side = _scheduler(_settings(), store)
+        side = _scheduler(connector_settings(), store)
     try:
         (line,) = _scheme_lines(caplog, logging.WARNING)
         assert "cannot ask the store for its key scheme (UNIMPLEMENTED" in line
@@ -187,7 +189,7 @@ def test_an_unreachable_store_is_asked_again_when_it_answers_and_confirms(
 ) -> None:
     store = SchemeStore(None)
     with caplog.at_level(logging.INFO, logger=SCHEME_LOGGER):
-        side = _scheduler(_settings(), store)
+        side = _scheduler(connector_settings(), store)
         try:
             (warning,) = _scheme_lines(caplog, logging.WARNING)
             assert "did not answer at start" in warning and "chunk_size=32" in warning
@@ -210,7 +212,7 @@ def test_a_store_too_slow_at_start_is_asked_again_after_retry_after_s(
 ) -> None:
     store = SchemeStore(None, DeadlineExceededError("deadline exceeded"))
     with caplog.at_level(logging.INFO, logger=SCHEME_LOGGER):
-        side = _scheduler(_settings(retry_after_s=0), store)  # asked again after 1 s
+        side = _scheduler(connector_settings(retry_after_s=0), store)  # asked again after 1 s
         try:
             assert store.reconnect_callbacks == []  # its connection may be up all along
             store.refusal, store.scheme = None, KeyScheme(chunk_size=CHUNK)
@@ -225,7 +227,7 @@ def test_a_store_that_answers_otherwise_after_a_start_without_it_stops_loads_and
 ) -> None:
     store = SchemeStore(None)
     side = _scheduler(_unpinned(), store)  # the default chunk size, 256 tokens
-    manager = _Manager()
+    manager = StandInManager()
     side.bind_kv_cache_manager(manager)  # type: ignore[arg-type]
     try:
         store.scheme = KeyScheme(chunk_size=CHUNK)
@@ -236,10 +238,10 @@ def test_a_store_that_answers_otherwise_after_a_start_without_it_stops_loads_and
         (line,) = _scheme_lines(caplog, logging.ERROR)
         assert "the connector's default chunk_size=256 differs from the store's" in line
         assert "keys.chunk_size=32" in line and "not loading or saving" in line
-        request = _request("r", list(range(2 * 256 + 1)))
+        request = stand_in_request("r", list(range(2 * 256 + 1)))
         assert side.get_num_new_matched_tokens(request, 0) == (0, False)
         manager.blocks["r"] = list(range(24))
-        assert side.build_connector_meta(_output([("r", 0, 513)])).saves == []
+        assert side.build_connector_meta(stand_in_output([("r", 0, 513)])).saves == []
         assert store.lookups == 0  # never asked, never named chunks of the wrong size
     finally:
         side.shutdown()
@@ -249,9 +251,11 @@ def test_a_worker_told_another_chunk_size_by_its_scheduler_stops_with_one_error_
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     store = SchemeStore(KeyScheme(chunk_size=CHUNK))
-    worker = WorkerSide(_settings(), _vllm_config(), _kv_cache_config(), client=store)  # type: ignore[arg-type]
+    worker = WorkerSide(
+        connector_settings(), stand_in_vllm_config(), stand_in_kv_cache_config(), client=store
+    )  # type: ignore[arg-type]
     try:
-        worker.register_kv_caches(_caches(1))
+        worker.register_kv_caches(random_caches(1))
         key = b"k" * 16
         same = StepPlan(loads=[LoadSpec("r", [key], [0, 1])], chunk_size=CHUNK)
         assert worker.scheme.plan_agrees(same.chunk_size) and not worker._breaker.is_open()
@@ -271,7 +275,9 @@ def test_a_node_with_keys_settings_decides_the_chunk_size_of_both_halves(tmp_pat
         settings = {"keys.chunk_size": 8 * BLOCK, **cluster_settings(redis.url, "n")}
         with ServerProcess(tmp_path / "node", settings=settings) as node:
             side = _scheduler(_unpinned(node.target))
-            worker = WorkerSide(_unpinned(node.target), _vllm_config(), _kv_cache_config())
+            worker = WorkerSide(
+                _unpinned(node.target), stand_in_vllm_config(), stand_in_kv_cache_config()
+            )
             try:
                 assert side._settings.chunk_size == worker._settings.chunk_size == 128
                 assert worker._blocks_per_chunk == 8
@@ -282,7 +288,7 @@ def test_a_node_with_keys_settings_decides_the_chunk_size_of_both_halves(tmp_pat
                 worker.shutdown()
                 side.shutdown()
             with pytest.raises(ConfigError, match="chunk_size=32 differs from the store's keys"):
-                _scheduler(_settings(target=node.target))
+                _scheduler(connector_settings(target=node.target))
 
 
 @pytest.mark.parametrize(("node_chunk", "stops"), [(CHUNK, False), (2 * CHUNK, True)])
@@ -291,7 +297,7 @@ def test_a_node_that_comes_up_after_the_engine_is_checked_on_its_first_answer(
 ) -> None:
     port = free_port()
     with caplog.at_level(logging.INFO, logger=SCHEME_LOGGER):
-        side = _scheduler(_settings(target=f"127.0.0.1:{port}"))
+        side = _scheduler(connector_settings(target=f"127.0.0.1:{port}"))
         try:
             assert "did not answer at start" in _scheme_lines(caplog, logging.WARNING)[0]
             settings = {"keys.chunk_size": node_chunk}

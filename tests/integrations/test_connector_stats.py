@@ -11,22 +11,22 @@ import threading
 
 import pytest
 import torch
-from test_connector_logic import (
+from harness.connector_sides import (
     BLOCK,
     CHUNK,
     LAYERS,
     FakeStore,
-    _answer,
-    _caches,
-    _kv_cache_config,
-    _request,
-    _settings,
-    _vllm_config,
-    _wait_for,
+    answer_when_known,
+    connector_settings,
+    random_caches,
+    stand_in_kv_cache_config,
+    stand_in_vllm_config,
 )
-from test_connector_logic import scheduler as scheduler  # fixtures, shared
-from test_connector_logic import store as store
-from test_connector_logic import worker as worker
+from harness.connector_sides import scheduler as scheduler  # fixtures, shared
+from harness.connector_sides import store as store
+from harness.connector_sides import worker as worker
+from harness.polling import poll
+from harness.vllm_scheduler import stand_in_request
 
 from kvstore.integrations.vllm import stats as vllm_stats
 from kvstore.integrations.vllm import worker as vllm_worker
@@ -116,15 +116,15 @@ def test_the_scheduler_counts_loadable_tokens_looked_up_and_hit(
     store: FakeStore,
 ) -> None:
     side, _ = scheduler
-    request = _request("r", list(range(3 * CHUNK + 5)))
+    request = stand_in_request("r", list(range(3 * CHUNK + 5)))
     keys = side._state(request).keys
     store.chunks[keys[0]] = torch.zeros(1)
-    assert _answer(side, request, 0) == CHUNK
+    assert answer_when_known(side, request, 0) == CHUNK
     data = side.take_stats()
     assert data is not None
     assert (data["lookup_tokens"], data["hit_tokens"]) == (3 * CHUNK, CHUNK)
     assert len(data["lookup_seconds"]) == 1
-    _answer(side, request, 0)  # answered before: not counted again
+    answer_when_known(side, request, 0)  # answered before: not counted again
     assert side.take_stats() is None
 
 
@@ -132,12 +132,12 @@ def test_the_worker_counts_loaded_failed_and_saved_tokens(
     worker: WorkerSide,
     store: FakeStore,
 ) -> None:
-    worker.register_kv_caches(_caches(1))
+    worker.register_kv_caches(random_caches(1))
     keys = [bytes([i]) * 16 for i in range(3)]
     worker.wait_for_save(StepPlan(saves=[SaveSpec("a", keys[:2], list(range(4)))]))
-    _wait_for(lambda: len(store.chunks) == 2, "saved chunks never reached the store")
-    _wait_for(
-        lambda: worker.counters._data["saved_tokens"] == 2 * CHUNK, "the put was never counted"
+    poll(lambda: len(store.chunks) == 2, 10, "saved chunks never reached the store")
+    poll(
+        lambda: worker.counters._data["saved_tokens"] == 2 * CHUNK, 10, "the put was never counted"
     )
     assert worker.take_stats() == {**vllm_stats.empty(), "saved_tokens": 2 * CHUNK}
 
@@ -159,7 +159,7 @@ def test_a_dead_store_counts_its_failures_by_reason(
     worker: WorkerSide,
     store: FakeStore,
 ) -> None:
-    worker.register_kv_caches(_caches(2))
+    worker.register_kv_caches(random_caches(2))
     store.down = True
     plan = StepPlan(loads=[LoadSpec("x", [bytes(16)], [5, 6])])
     worker.start_load_kv(plan)
@@ -183,7 +183,12 @@ def test_only_the_first_rank_reports(
 ) -> None:
     # Every rank loads and saves the same chunks; the engine's figures count them once.
     monkeypatch.setattr(vllm_worker, "_ranks", lambda config: (1, 0))
-    side = WorkerSide(_settings(), _vllm_config(tp_size=2), _kv_cache_config(), client=store)  # type: ignore[arg-type]
+    side = WorkerSide(
+        connector_settings(),
+        stand_in_vllm_config(tp_size=2),
+        stand_in_kv_cache_config(),
+        client=store,
+    )  # type: ignore[arg-type]
     try:
         side.counters.record_save(CHUNK)
         assert side.take_stats() is None

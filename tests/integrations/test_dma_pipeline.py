@@ -1,6 +1,6 @@
 """The load pipeline's direct path on the CUDA STAND-IN: DMA from the arena, order, cancellation.
 
-tests/cuda_stand_in.py queues every DMA, gather and scatter until something waits for it, so these
+harness/cuda_stand_in.py queues every DMA, gather and scatter until something waits for it, so these
 tests see what a real device would do with a missing wait: a scatter reading its staging before
 the layer's DMA ran, a lease ended while a DMA still reads the arena. The arena is a plain buffer
 here, "page-locked" by the stand-in registrar; the same code runs on a GPU in the harness
@@ -13,12 +13,12 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-import cuda_stand_in
 import kvstore_kernels  # type: ignore[import-not-found, unused-ignore]
 import numpy as np
 import pytest
 import torch
-from cuda_stand_in import StandInDevice, StandInRegistrar
+from harness import cuda_stand_in
+from harness.cuda_stand_in import StandInDevice, StandInRegistrar
 
 from kvstore.client.arena_registration import ArenaRegistration
 from kvstore.integrations.paged import device_pipeline

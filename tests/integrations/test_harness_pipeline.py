@@ -1,7 +1,7 @@
 """The connector's worker half round-trips KV bit for bit through a real ``kvstore serve``.
 
 Every cache layout of :mod:`kvstore.integrations.paged.kv_layout`, on the CPU (default suite) and on
-CUDA (marked ``gpu``); see tests/gpu_harness.py for how the engines are stood in for. Each runs
+CUDA (marked ``gpu``); see harness/gpu_harness.py for how the engines are stood in for. Each runs
 over shared memory (the store on the same host) and, for a worker on another host, over UCX (on
 CUDA, received straight into device memory where UCX reaches it): every layout on CUDA, two on
 the CPU, where the UCX path does not depend on the layout.
@@ -18,10 +18,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import cuda_stand_in
 import pytest
 import torch
-from gpu_harness import CASES, CHUNK, UCX_FLAGS, Case, round_trip
+from harness import cuda_stand_in
+from harness.gpu_harness import CASES, CHUNK, UCX_FLAGS, Case, round_trip
 from harness.serve import ServerProcess
 
 from kvstore.client.shm import ShmLease, ShmReservation
@@ -133,7 +133,7 @@ def _after_every(log: list[tuple[str, int, int]], copy: str, end: str) -> bool:
 @pytest.fixture
 def stand_in(monkeypatch: pytest.MonkeyPatch) -> cuda_stand_in.StandInRegistrar:
     """Workers built from here on see the CUDA stand-in (queued streams, kernels and DMAs; see
-    tests/cuda_stand_in.py); returns the registrar their arena registration uses."""
+    tests/harness/cuda_stand_in.py); returns the registrar their arena registration uses."""
     monkeypatch.setattr(vllm_worker, "Device", cuda_stand_in.StandInDevice)
     cuda_stand_in.log.clear()
     for cls, name in ((ShmLease, "release"), (ShmReservation, "commit")):

@@ -3,15 +3,16 @@
 A helper defined in a test module and imported by others ties the modules together (collecting
 one runs the other's module code, a rename in one breaks the other), and no one looks for it
 there. So every module under ``tests/`` outside ``tests/harness/`` imports nothing of
-``tests/`` but ``harness`` (``conftest.py`` modules included: pytest loads them, no one imports
-them). An import of a test module is one of:
+``tests/`` but ``harness`` (``conftest.py`` modules and the scripts the tests run included).
+An import of a test module is one of:
 
-* a name ``pyproject.toml``'s ``pythonpath`` puts on the path: a file or folder of ``tests/``;
-* a module beside the importing file (pytest puts each test file's folder on the path);
+* a name of a file or folder anywhere under ``tests/`` (``pyproject.toml``'s ``pythonpath`` puts
+  ``tests/`` on the path, and pytest each collected test file's folder: so a module of one
+  folder is importable from any other);
 * a relative import, or one of ``tests.`` itself.
 
-:data:`LEFT` names the imports not moved yet, each with why; :data:`LEFT_FOLDERS` the folders
-whose owners finish the move. Each entry of :data:`LEFT` must still be needed.
+The engines' folders (``tests/vllm/``, ``tests/sglang/``) are checked like any other; only their
+names are not test modules' (``import vllm`` is vLLM's).
 """
 
 from __future__ import annotations
@@ -22,100 +23,51 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = ROOT / "tests"
 
-#: Top-level names that are packages of their own, not folders of tests/ (the engines).
+#: Names of tests/ that are packages of their own, not folders of tests/ (the engines).
 ENGINES = frozenset({"vllm", "sglang"})
 
-_OWNED = (
-    "issue 39 item 6, left for the lead: the helper lives in a test module another issue's "
-    "branch is changing ({}); move it into tests/harness/ once that is merged"
-)
 
-#: "importing file (from the repository root) -> imported module" -> why it is still there.
-LEFT: dict[str, str] = {
-    "tests/integration/test_save_in_place.py -> test_shm": _OWNED.format("test_shm.py, issue 41"),
-    "tests/integration/test_shm_lease.py -> test_shm": _OWNED.format("test_shm.py, issue 41"),
-    "tests/integration/test_shm_reserve.py -> test_shm": _OWNED.format("test_shm.py, issue 41"),
-    "tests/integration/test_key_scheme_rpc.py -> test_tenants": _OWNED.format(
-        "test_tenants.py, issue 40"
-    ),
-    "tests/integration/test_node_auth.py -> test_tenants": _OWNED.format(
-        "test_tenants.py, issue 40"
-    ),
-    "tests/integration/test_tenant_leaks.py -> test_tenants": _OWNED.format(
-        "test_tenants.py, issue 40"
-    ),
-    "tests/integration/test_device_fill.py -> test_ucx": _OWNED.format("test_ucx.py, issue 40"),
-    "tests/integration/test_ucx_checksums.py -> test_ucx": _OWNED.format("test_ucx.py, issue 40"),
-    # cuda_stand_in.py is changed by issue 41's branch and imported from tests/integrations/:
-    # moved with both.
-    "tests/client/test_arena_registration.py -> cuda_stand_in": _OWNED.format(
-        "cuda_stand_in.py, issue 41; its other users are in tests/integrations/"
-    ),
-    "tests/integration/test_arena_dma.py -> cuda_stand_in": _OWNED.format(
-        "cuda_stand_in.py, issue 41; its other users are in tests/integrations/"
-    ),
-    # Written beside this check by issues 40 and 41 and merged with it: their fixtures move into
-    # tests/harness/ with test_retention's, test_tenants' and test_ucx's (the next session's).
-    "tests/integration/test_retention_restart.py -> test_retention": _OWNED.format(
-        "test_retention.py, issue 41"
-    ),
-    "tests/integration/test_shm_overwrite.py -> test_tenants": _OWNED.format(
-        "test_tenants.py, issue 41"
-    ),
-    "tests/integration/test_ucx_lanes.py -> test_ucx": _OWNED.format("test_ucx.py, issue 40"),
-    "tests/server/test_shm_verify.py -> cuda_stand_in": _OWNED.format(
-        "cuda_stand_in.py, issue 41; its other users are in tests/integrations/"
-    ),
-}
-
-#: Folders whose test modules still import each other, and why.
-LEFT_FOLDERS: dict[str, str] = {
-    "tests/vllm/": "issue 39 item 6, left for the lead: the real-vLLM suite's fleet, servers and "
-    "stand-ins (being changed by issues 36 and 38) move into tests/harness/ with that work",
-    "tests/integrations/": "issue 39 item 6, left for the lead: the connector tests share "
-    "test_connector_logic's stand-ins (being changed by issue 36): one vLLM stand-in in "
-    "tests/harness/ once merged (cuda_stand_in, gpu_harness with it)",
-    "tests/sglang/": "issue 39 item 6, left for the lead: the SGLang suite (issue 37) is new",
-}
+def importable_names(tests: Path) -> set[str]:
+    """What a module under ``tests`` could import of it: each file's and folder's name outside
+    ``tests/harness/`` (but the engines'). Pytest puts the folder of every test file it collects
+    on the path, so a module of one folder is importable from any other once both are collected
+    (``from test_connector_logic import ...`` worked from tests/integration/)."""
+    harness = tests / "harness"
+    names: set[str] = set()
+    for path in tests.rglob("*"):
+        if path == harness or harness in path.parents or path.name == "__pycache__":
+            continue
+        if path.is_dir():
+            names.add(path.name)
+        elif path.suffix == ".py":
+            names.add(path.stem)
+    return names - {"harness", "__init__", *ENGINES}
 
 
 def imports_of_test_modules(tests: Path) -> list[str]:
     """Every import of a module of ``tests/`` (but ``harness``) by a module under ``tests``
     outside ``tests/harness/``, as ``"FILE -> MODULE"`` with FILE from the repository root."""
-    top = {p.stem for p in tests.glob("*.py")} | {p.name for p in tests.iterdir() if p.is_dir()}
-    top -= {"harness", *ENGINES}
+    names = importable_names(tests)
     found = []
     for path in sorted(tests.rglob("*.py")):
         if (tests / "harness") in path.parents:
             continue
-        beside = {p.stem for p in path.parent.glob("*.py")} - {path.stem}
-        if path.parent == tests:
-            beside = set()  # the same names as ``top``
         for node in ast.walk(ast.parse(path.read_text("utf-8"))):
             if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
+                imported = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom):
-                names = ["." * node.level + (node.module or "")]
+                imported = ["." * node.level + (node.module or "")]
             else:
                 continue
-            for name in names:
+            for name in imported:
                 first = name.split(".")[0]
-                if name.startswith(".") or first == "tests" or first in top | beside:
+                if name.startswith(".") or first == "tests" or first in names:
                     found.append(f"{path.relative_to(tests.parent)} -> {name}")
     return found
 
 
-def _left(line: str) -> bool:
-    return line in LEFT or any(line.startswith(folder) for folder in LEFT_FOLDERS)
-
-
 def test_no_test_module_imports_another() -> None:
-    assert [line for line in imports_of_test_modules(TESTS) if not _left(line)] == []
-
-
-def test_every_import_left_is_still_there() -> None:
-    found = set(imports_of_test_modules(TESTS))
-    assert sorted(set(LEFT) - found) == []
+    assert imports_of_test_modules(TESTS) == []
 
 
 def test_the_check_catches_each_kind(tmp_path: Path) -> None:
@@ -130,9 +82,14 @@ def test_the_check_catches_each_kind(tmp_path: Path) -> None:
     (tests / "store" / "test_b.py").write_text(
         "from test_a import helper\nfrom shared import x\nfrom . import c\nimport tests.store\n"
     )
+    (tests / "vllm").mkdir()
+    (tests / "vllm" / "fleet.py").write_text("import vllm\nfrom harness.ports import free_port\n")
+    (tests / "vllm" / "test_c.py").write_text("from fleet import Fleet\nfrom test_b import y\n")
     assert imports_of_test_modules(tests) == [
         "tests/store/test_b.py -> test_a",
         "tests/store/test_b.py -> shared",
         "tests/store/test_b.py -> .",
         "tests/store/test_b.py -> tests.store",
+        "tests/vllm/test_c.py -> fleet",
+        "tests/vllm/test_c.py -> test_b",  # another folder's: importable once both are collected
     ]

@@ -214,7 +214,7 @@ async def test_the_arena_is_page_locked_read_only_and_the_window_writable(
     DMA out of it), the write window as writable (saves DMA into it), and a reservation's views
     lie in the window's registration."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from cuda_stand_in import StandInRegistrar
+    from harness.cuda_stand_in import StandInRegistrar
 
     registrar = StandInRegistrar()
     plane = await asyncio.to_thread(ShmDataPlane, verifying.path, NS)

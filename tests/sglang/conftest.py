@@ -3,7 +3,7 @@
 Where SGLang is installed, its CPU stand-ins (:mod:`harness.sglang_cpu`: an import-only
 ``sgl_kernel``, torchvision's CUDA-only registrations skipped, unpinned host pools) are put in
 place here, before any test module imports SGLang. The contract tier's store is a fixture here;
-its other parts are :mod:`contract_parts`'s.
+its other parts are :mod:`harness.sglang_contract`'s.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from contract_parts import PAGE_SIZE
 from harness.serve import ServerProcess
+from harness.sglang_contract import PAGE_SIZE
 from harness.sglang_guard import sglang_installed, sglang_missing
 
 _MISSING = sglang_missing()

@@ -16,8 +16,15 @@ from typing import Any
 
 import pytest
 import torch
-from contract_parts import PAGE_SIZE, hashes, host_pool, open_backend, page_indices, storage_config
 from harness.serve import ServerProcess
+from harness.sglang_contract import (
+    PAGE_SIZE,
+    hashes,
+    host_pool,
+    open_backend,
+    page_indices,
+    storage_config,
+)
 
 from kvstore.errors import ConfigError
 

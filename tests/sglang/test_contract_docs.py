@@ -13,8 +13,8 @@ import re
 import shlex
 from pathlib import Path
 
-from contract_parts import hashes, host_pool, open_backend, page_indices, storage_config
 from harness.serve import ServerProcess
+from harness.sglang_contract import hashes, host_pool, open_backend, page_indices, storage_config
 
 DOC = Path(__file__).parents[2] / "docs" / "sglang.md"
 

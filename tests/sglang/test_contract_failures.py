@@ -12,10 +12,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from contract_parts import PAGE_SIZE, hashes, host_pool, open_backend, page_indices, storage_config
 from harness.polling import poll
 from harness.redis_server import RedisServer
 from harness.serve import ServerProcess
+from harness.sglang_contract import (
+    PAGE_SIZE,
+    hashes,
+    host_pool,
+    open_backend,
+    page_indices,
+    storage_config,
+)
 
 CHUNKS = {"keys.chunk_size": PAGE_SIZE}
 

@@ -1,8 +1,9 @@
 """The engine tier: real SGLang engines on this CPU, with HiCache and kvstore as its storage.
 
-Two SGLang server processes run ``docs/sglang.md``'s server command (:mod:`sglang_server`: the
-launcher with the CPU stand-ins, a tiny random-weight Llama built here, a free port, this test's
-``kvstore serve`` with ``keys.chunk_size`` equal to the command's ``--page-size``). The writer
+Two SGLang server processes run ``docs/sglang.md``'s server command
+(:mod:`harness.sglang_server`: the launcher with the CPU stand-ins, a tiny random-weight Llama
+built here, a free port, this test's ``kvstore serve`` with ``keys.chunk_size`` equal to the
+command's ``--page-size``). The writer
 answers a prompt of several pages with nothing cached (``cached_tokens`` 0: every token computed,
 no byte from the backend used, so its answer is a cold engine's) and HiCache writes the prompt's
 pages through to kvstore. The reader, another process with empty device and host caches, answers
@@ -27,7 +28,7 @@ from typing import Any
 import pytest
 from harness.ports import free_port
 from harness.serve import ServerProcess
-from sglang_server import (
+from harness.sglang_server import (
     SGLangServer,
     cpu_command,
     documented_command,
@@ -44,18 +45,17 @@ LOGPROB_TOLERANCE = 1e-3  # another process, a shorter prefill: sums may round d
 
 
 def build_model(path: Path) -> Path:
-    """The vLLM suite's tiny random Llama (``tests/vllm/tiny_model.py``), built in a child
+    """The vLLM suite's tiny random Llama (:mod:`harness.tiny_model`), built in a child
     process that installs the CPU stand-ins first (transformers imports torchvision)."""
     import subprocess
 
     code = (
-        "import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]];"
+        "import sys; sys.path[:0] = [sys.argv[1]];"
         "from harness import sglang_cpu; sglang_cpu.install();"
-        "from tiny_model import build_tiny_llama; build_tiny_llama(sys.argv[3])"
+        "from harness.tiny_model import build_tiny_llama; build_tiny_llama(sys.argv[2])"
     )
-    tests = ROOT / "tests"
     subprocess.run(
-        [sys.executable, "-c", code, str(tests), str(tests / "vllm"), str(path)],
+        [sys.executable, "-c", code, str(ROOT / "tests"), str(path)],
         check=True,
         timeout=600,
         env=server_env(),

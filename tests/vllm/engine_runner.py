@@ -25,39 +25,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
-import logging.config
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# Run by path, only this file's folder is on the path: the shared parts are tests/harness/'s.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def kv_transfer_config(args: argparse.Namespace) -> dict[str, Any] | None:
-    """The ``kv_transfer_config`` for the chosen connector, or ``None`` for none."""
-    if args.connector == "none":
-        return None
-    if args.connector == "example":
-        return {
-            "kv_connector": "ExampleConnector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {"shared_storage_path": args.storage_path},
-        }
-    extra: dict[str, Any] = {"target": args.target, "timeout_s": args.timeout_s}
-    if args.chunk_size:  # 0: the store's (its node's keys.chunk_size)
-        extra["chunk_size"] = args.chunk_size
-    if args.load_policy:
-        extra["load_policy"] = args.load_policy
-    return {
-        "kv_connector": "KVStoreConnector",
-        "kv_connector_module_path": "kvstore.integrations.vllm",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": extra,
-    }
+from harness.vllm_engine_config import configure_logging, kv_transfer_config
 
 
 def main() -> None:
@@ -96,7 +75,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.connector == "kvstore" and not args.target:
         parser.error("--connector kvstore needs --target HOST:PORT (the store to use)")
-    _configure_logging(Path(args.out).with_suffix(".logging.json"), args.kvstore_log_level)
+    configure_logging(Path(args.out).with_suffix(".logging.json"), args.kvstore_log_level)
 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -155,32 +134,6 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(report))
     # The engine's worker processes must not outlive this one, whatever happens next.
     llm.llm_engine.engine_core.shutdown()
-
-
-def _configure_logging(path: Path, kvstore_level: str) -> None:
-    """Make every engine process (they are spawned) log vLLM's and the connector's records.
-
-    vLLM configures only its own logger, in each process, from ``VLLM_LOGGING_CONFIG_PATH``;
-    a config naming the ``kvstore`` logger too is the one way to see the connector's lines.
-    """
-    if "VLLM_LOGGING_CONFIG_PATH" in os.environ:
-        return
-    handler = {"class": "logging.StreamHandler", "formatter": "plain", "stream": "ext://sys.stdout"}
-    config = {
-        "version": 1,
-        "disable_existing_loggers": False,
-        "formatters": {
-            "plain": {"format": "%(asctime)s %(process)d %(name)s %(levelname)s %(message)s"}
-        },
-        "handlers": {"plain": handler},
-        "loggers": {
-            "vllm": {"handlers": ["plain"], "level": "INFO", "propagate": False},
-            "kvstore": {"handlers": ["plain"], "level": kvstore_level, "propagate": False},
-        },
-    }
-    path.write_text(json.dumps(config))
-    os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(path)
-    logging.config.dictConfig(config)
 
 
 def _kvstore_counters(llm: Any) -> dict[str, float]:

@@ -19,9 +19,10 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-sys.path.insert(0, str(Path(__file__).parent))
+# Run by path, only this file's folder is on the path: the shared parts are tests/harness/'s.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine_runner import _configure_logging, kv_transfer_config
+from harness.vllm_engine_config import configure_logging, kv_transfer_config
 
 
 def main() -> None:
@@ -32,7 +33,7 @@ def main() -> None:
     parser.add_argument("--chunk-size", type=int, default=256)
     parser.add_argument("--workdir", required=True)
     args = parser.parse_args()
-    _configure_logging(Path(args.workdir) / "events_engine.logging.json", "INFO")
+    configure_logging(Path(args.workdir) / "events_engine.logging.json", "INFO")
 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt

@@ -1,8 +1,9 @@
 """The connector's two halves driven directly, without an engine: planning, loads, saves, failures.
 
 The engine's configuration and scheduler objects are small stand-ins carrying only the fields the
-connector reads; the store is a real ``kvstore serve`` and the KV caches are real CPU tensors in
-vLLM's CPU layout. What the engine itself does with the plans is covered by test_vllm_e2e.py.
+connector reads (the scheduler's are :mod:`harness.vllm_scheduler`'s); the store is a real
+``kvstore serve`` and the KV caches are real CPU tensors in vLLM's CPU layout. What the engine
+itself does with the plans is covered by test_vllm_e2e.py.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 import torch
 from harness.ports import free_port
 from harness.serve import ServerProcess
+from harness.vllm_scheduler import StandInBlocks, StandInManager, stand_in_output, stand_in_request
 
 from kvstore.errors import ConfigError
 from kvstore.integrations.vllm.common import (
@@ -59,17 +61,6 @@ def _settings(target: str, **extra: Any) -> ConnectorSettings:
     return ConnectorSettings.from_extra_config({"target": target, "chunk_size": CHUNK, **extra})
 
 
-def _request(req_id: str, tokens: list[int], salt: str | None = None) -> Any:
-    return SimpleNamespace(
-        request_id=req_id,
-        prompt_token_ids=tokens,
-        mm_features=[],
-        prompt_embeds=None,
-        lora_request=None,
-        cache_salt=salt,
-    )
-
-
 def _caches(seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     shape = (NUM_BLOCKS, 2, BLOCK, 64)  # vLLM CPU: [blocks, kv heads, block size, 2 * head size]
@@ -77,33 +68,6 @@ def _caches(seed: int) -> dict[str, torch.Tensor]:
         f"layers.{i}.attn": torch.randn(shape, generator=gen).to(torch.bfloat16)
         for i in range(LAYERS)
     }
-
-
-class _Blocks:
-    def __init__(self, ids: list[int]) -> None:
-        self.ids = ids
-
-    def get_block_ids(self) -> tuple[list[int]]:
-        return (self.ids,)
-
-
-class _Manager:
-    def __init__(self) -> None:
-        self.blocks: dict[str, list[int]] = {}
-
-    def get_block_ids(self, req_id: str) -> tuple[list[int]]:
-        return (self.blocks[req_id],)
-
-
-def _output(new: list[tuple[str, int, int]], finished: set[str] | None = None) -> Any:
-    """A scheduler output with new requests ``(req_id, num_computed, num_scheduled)``."""
-    return SimpleNamespace(
-        scheduled_new_reqs=[SimpleNamespace(req_id=r, num_computed_tokens=c) for r, c, _ in new],
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
-        num_scheduled_tokens={r: n for r, _, n in new},
-        preempted_req_ids=set(),
-        finished_req_ids=finished or set(),
-    )
 
 
 def _answer(side: SchedulerSide, request: Any, computed: int) -> int | None:
@@ -150,11 +114,11 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 
 
 @pytest.fixture()
-def pair(store: ServerProcess) -> Iterator[tuple[SchedulerSide, WorkerSide, _Manager]]:
+def pair(store: ServerProcess) -> Iterator[tuple[SchedulerSide, WorkerSide, StandInManager]]:
     settings = _settings(store.target)
     scheduler = SchedulerSide(settings, _vllm_config(), _kv_cache_config())
     worker = WorkerSide(settings, _vllm_config(), _kv_cache_config())
-    manager = _Manager()
+    manager = StandInManager()
     scheduler.bind_kv_cache_manager(manager)  # type: ignore[arg-type]
     yield scheduler, worker, manager
     worker.shutdown()
@@ -173,7 +137,7 @@ def test_settings_are_validated() -> None:
 
 
 def test_save_then_load_round_trips_blocks(
-    pair: tuple[SchedulerSide, WorkerSide, _Manager],
+    pair: tuple[SchedulerSide, WorkerSide, StandInManager],
 ) -> None:
     scheduler, worker, manager = pair
     tokens = list(range(100, 100 + 3 * CHUNK + 5))  # three whole chunks and a tail
@@ -181,10 +145,10 @@ def test_save_then_load_round_trips_blocks(
     worker.register_kv_caches(source)
 
     # Replica A: a miss, then the prefill step saves the three whole chunks.
-    req_a = _request("a", tokens)
+    req_a = stand_in_request("a", tokens)
     assert _answer(scheduler, req_a, 0) == 0
     manager.blocks["a"] = list(range(7, 7 + 7))
-    meta = scheduler.build_connector_meta(_output([("a", 0, len(tokens))]))
+    meta = scheduler.build_connector_meta(stand_in_output([("a", 0, len(tokens))]))
     assert [len(s.keys) for s in meta.saves] == [3]
     assert meta.saves[0].block_ids == list(range(7, 13))
     worker.wait_for_save(meta)
@@ -196,12 +160,12 @@ def test_save_then_load_round_trips_blocks(
     target = _caches(2)
     untouched = {name: t.clone() for name, t in target.items()}
     worker.register_kv_caches(target)
-    req_b = _request("b", [*tokens[: 3 * CHUNK], 1, 2, 3])
+    req_b = stand_in_request("b", [*tokens[: 3 * CHUNK], 1, 2, 3])
     assert _answer(scheduler, req_b, BLOCK) == 3 * CHUNK - BLOCK
     b_blocks = [30, 20, 21, 22, 23, 24, 25]
-    scheduler.update_state_after_alloc(req_b, _Blocks(b_blocks), 3 * CHUNK - BLOCK)  # type: ignore[arg-type]
+    scheduler.update_state_after_alloc(req_b, StandInBlocks(b_blocks), 3 * CHUNK - BLOCK)  # type: ignore[arg-type]
     manager.blocks["b"] = b_blocks
-    meta = scheduler.build_connector_meta(_output([("b", 3 * CHUNK, 3)]))
+    meta = scheduler.build_connector_meta(stand_in_output([("b", 3 * CHUNK, 3)]))
     assert meta.saves == []  # everything B could save is in the store already
     (load,) = meta.loads
     assert load.block_ids == [-1, 20, 21, 22, 23, 24]  # block 30 is B's own: never written
@@ -219,14 +183,14 @@ def test_save_then_load_round_trips_blocks(
 
 
 def test_failed_load_is_reported_and_leaves_blocks_alone(
-    pair: tuple[SchedulerSide, WorkerSide, _Manager],
+    pair: tuple[SchedulerSide, WorkerSide, StandInManager],
 ) -> None:
     scheduler, worker, _ = pair
     target = _caches(3)
     untouched = {name: t.clone() for name, t in target.items()}
     worker.register_kv_caches(target)
     # Plan a load of chunks the store never held (as after an eviction since the lookup).
-    missing = scheduler._state(_request("x", list(range(5000, 5000 + 2 * CHUNK + 1)))).keys
+    missing = scheduler._state(stand_in_request("x", list(range(5000, 5000 + 2 * CHUNK + 1)))).keys
     meta = StepPlan(loads=[LoadSpec("x", missing, [1, 2, 3, 4])])
     worker.start_load_kv(meta)
     for name in target:
@@ -238,11 +202,11 @@ def test_failed_load_is_reported_and_leaves_blocks_alone(
         assert torch.equal(target[name], untouched[name])
 
 
-def test_salt_separates_keys(pair: tuple[SchedulerSide, WorkerSide, _Manager]) -> None:
+def test_salt_separates_keys(pair: tuple[SchedulerSide, WorkerSide, StandInManager]) -> None:
     scheduler, _, _ = pair
     tokens = list(range(2 * CHUNK + 1))
-    plain = scheduler._state(_request("p", tokens)).keys
-    salted = scheduler._state(_request("s", tokens, salt="tenant-7")).keys
+    plain = scheduler._state(stand_in_request("p", tokens)).keys
+    salted = scheduler._state(stand_in_request("s", tokens, cache_salt="tenant-7")).keys
     assert len(plain) == len(salted) == 2
     assert not set(plain) & set(salted)
 
@@ -253,7 +217,7 @@ def test_dead_store_costs_nothing() -> None:
     try:
         started = time.monotonic()
         for i in range(20):
-            request = _request(f"r{i}", list(range(i, i + 4 * CHUNK)))
+            request = stand_in_request(f"r{i}", list(range(i, i + 4 * CHUNK)))
             assert _answer(scheduler, request, 0) == 0
         assert time.monotonic() - started < 3
     finally:
@@ -261,7 +225,7 @@ def test_dead_store_costs_nothing() -> None:
 
 
 def test_slow_lookup_answers_not_known_yet(
-    pair: tuple[SchedulerSide, WorkerSide, _Manager],
+    pair: tuple[SchedulerSide, WorkerSide, StandInManager],
 ) -> None:
     scheduler, _, _ = pair
     release = time.monotonic() + 0.3
@@ -273,7 +237,7 @@ def test_slow_lookup_answers_not_known_yet(
 
     # The scheduler asks for the tiers too (its load plan weighs where each hit is).
     scheduler._client.lookup_tiers = slow_lookup  # type: ignore[method-assign]
-    request = _request("slow", list(range(7, 7 + 2 * CHUNK + 1)))
+    request = stand_in_request("slow", list(range(7, 7 + 2 * CHUNK + 1)))
     started = time.monotonic()
     assert scheduler.get_num_new_matched_tokens(request, 0) == (None, False)
     assert time.monotonic() - started < 0.1  # the scheduler was not held up

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import IO
 
 import pytest
-from fleet import build_model
 from harness.ports import free_port
+from harness.vllm_fleet import build_model
 
 from kvstore import Namespace
 from kvstore.integrations.vllm.common import ConnectorSettings, make_hasher

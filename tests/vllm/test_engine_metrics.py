@@ -18,16 +18,17 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from harness.polling import poll_value
 from harness.serve import ServerProcess
-from test_openai_server import CHUNK, PROMPT_WORDS, ApiServer, _poll
-from test_openai_server import model as model  # the fixture, shared
+from harness.vllm_readme_server import CHUNK, PROMPT_WORDS, ReadmeApiServer
+from harness.vllm_readme_server import model as model  # the fixture, shared
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 _SAMPLE = re.compile(r"^(vllm:kvstore_[a-z_]+)(\{[^}]*\})? ([0-9.e+-]+)$")
 
 
-def kvstore_metrics(server: ApiServer) -> dict[str, float]:
+def kvstore_metrics(server: ReadmeApiServer) -> dict[str, float]:
     """``vllm:kvstore_*`` samples of the server's ``/metrics``, by name and ``reason`` label."""
     with urllib.request.urlopen(server.url + "/metrics", timeout=10) as response:
         text = response.read().decode()
@@ -55,15 +56,15 @@ def test_each_engine_reports_the_prompt_tokens_kvstore_saved_it(
 ) -> None:
     prompt = " ".join(f"t{3 + (i * 37) % 1000}" for i in range(PROMPT_WORDS))
 
-    first = ApiServer("server1", tmp_path, model, store.target)
+    first = ReadmeApiServer("server1", tmp_path, model, store.target)
     try:
         prompt_tokens = int(first.complete(model, prompt)["usage"]["prompt_tokens"])
         whole = prompt_tokens // CHUNK * CHUNK  # stored: every whole chunk
         loadable = (prompt_tokens - 1) // CHUNK * CHUNK  # the last token is always computed
         assert loadable >= 2 * CHUNK, first.tail()
-        _poll(lambda: store.stats()["blocks"] >= prompt_tokens // CHUNK, "chunks stored")
+        poll_value(lambda: store.stats()["blocks"] >= prompt_tokens // CHUNK, "chunks stored")
         first.complete(model, "a short prompt")  # one more step reports the finished puts
-        one = _poll(
+        one = poll_value(
             lambda: (m := kvstore_metrics(first)).get("vllm:kvstore_saved_tokens_total") and m,
             "server 1's /metrics shows saved tokens",
         )
@@ -76,10 +77,10 @@ def test_each_engine_reports_the_prompt_tokens_kvstore_saved_it(
     assert failed(one, "save") == {}
     assert one["vllm:kvstore_lookup_seconds_count"] == 1  # the short prompt has no whole chunk
 
-    second = ApiServer("server2", tmp_path, model, store.target)
+    second = ReadmeApiServer("server2", tmp_path, model, store.target)
     try:
         second.complete(model, prompt)
-        two = _poll(
+        two = poll_value(
             lambda: (m := kvstore_metrics(second)).get("vllm:kvstore_loaded_tokens_total") and m,
             "server 2's /metrics shows loaded tokens",
         )

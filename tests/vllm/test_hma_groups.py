@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 from harness.serve import ServerProcess
+from harness.vllm_scheduler import stand_in_output
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.sampling_params import SamplingParams
@@ -111,19 +112,6 @@ def _caches(config: KVCacheConfig, seed: int) -> dict[str, torch.Tensor]:
     return {n: torch.randn((NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD), generator=gen) for n in names}
 
 
-def _output(new: list[tuple[str, int, int]], cached: list[tuple[str, int, int]] = ()) -> Any:  # type: ignore[assignment]
-    """A scheduler output: new and running requests ``(req_id, num_computed, num_scheduled)``."""
-    return SimpleNamespace(
-        scheduled_new_reqs=[SimpleNamespace(req_id=r, num_computed_tokens=c) for r, c, _ in new],
-        scheduled_cached_reqs=SimpleNamespace(
-            req_ids=[r for r, _, _ in cached], num_computed_tokens=[c for _, c, _ in cached]
-        ),
-        num_scheduled_tokens={r: n for r, _, n in [*new, *cached]},
-        preempted_req_ids=set(),
-        finished_req_ids=set(),
-    )
-
-
 def _answer(side: SchedulerSide, request: Request, computed: int = 0) -> tuple[int, bool]:
     deadline = time.monotonic() + 5
     while True:
@@ -178,7 +166,7 @@ class _Engine:
             request, len(request.prompt_token_ids or ()), new_computed_blocks=blocks
         )
         meta = self.scheduler.build_connector_meta(
-            _output([(request.request_id, 0, len(request.prompt_token_ids or ()))])
+            stand_in_output([(request.request_id, 0, len(request.prompt_token_ids or ()))])
         )
         self.workers.wait_for_save(meta)
         delay, _ = self.scheduler.request_finished(
@@ -276,7 +264,7 @@ def test_a_sliding_window_hit_loads_only_the_window_and_never_the_null_block(
         full_ids, sliding_ids = b.manager.get_block_ids("b")
         null = b.manager.block_pool.null_block.block_id
         assert null in sliding_ids  # vLLM skipped the blocks before the window
-        meta = b.scheduler.build_connector_meta(_output([]))
+        meta = b.scheduler.build_connector_meta(stand_in_output([]))
         by_group = {spec.group: spec for spec in meta.loads}
         assert len(by_group[0].keys) == 6  # full attention: every chunk
         # Sliding: tokens 153..191 are the window before token 192: chunks 4 and 5 only.
@@ -330,7 +318,7 @@ def test_saves_skip_window_blocks_vllm_freed_and_the_hit_needs_only_the_window(
         blocks, _, *_ = a.manager.get_computed_blocks(request)
         assert _answer(a.scheduler, request) == (0, False)
         a.manager.allocate_slots(request, 60, new_computed_blocks=blocks)
-        first = a.scheduler.build_connector_meta(_output([("a2", 0, 60)]))
+        first = a.scheduler.build_connector_meta(stand_in_output([("a2", 0, 60)]))
         assert sorted((s.group, len(s.keys)) for s in first.saves) == [(0, 1), (1, 1)]
         a.workers.wait_for_save(first)
         request.num_computed_tokens = 60
@@ -339,7 +327,9 @@ def test_saves_skip_window_blocks_vllm_freed_and_the_hit_needs_only_the_window(
         null = a.manager.block_pool.null_block.block_id
         assert sliding_ids[:3] == [null] * 3  # tokens before 60 - 7 = 53 left the window
         a.workers.handle_preemptions(first)  # the next step starts: windowed gathers are done
-        second = a.scheduler.build_connector_meta(_output([], cached=[("a2", 60, PROMPT - 60)]))
+        second = a.scheduler.build_connector_meta(
+            stand_in_output([], cached=[("a2", 60, PROMPT - 60)])
+        )
         saves = {s.group: s for s in second.saves}
         assert len(saves[0].keys) == 5  # chunks 1..5 of full attention
         assert len(saves[1].keys) == 4  # chunks 2..5: chunk 1's block 2 is null now
@@ -371,7 +361,7 @@ def test_a_failed_hybrid_load_is_a_failed_request_not_block_ids(store: ServerPro
         untouched = {name: t.clone() for name, t in engine.caches.items()}
         request = _request("lost", list(range(9000, 9000 + PROMPT)))
         state = engine.scheduler._state(request)  # keys the store never held
-        meta = engine.scheduler.build_connector_meta(_output([]))
+        meta = engine.scheduler.build_connector_meta(stand_in_output([]))
         meta.loads = engine.scheduler.layout.load_specs(
             "lost", state.group_keys, [list(range(1, 13)), list(range(20, 32))], 0, 192, 0
         )
@@ -420,7 +410,7 @@ def test_a_group_kvstore_does_not_store_starts_and_answers_nothing(
             request = _request(f"r{i}", list(range(i, i + PROMPT)))
             assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
             assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)  # asked again
-        meta = scheduler.build_connector_meta(_output([("r0", 0, PROMPT)]))
+        meta = scheduler.build_connector_meta(stand_in_output([("r0", 0, PROMPT)]))
         assert (meta.loads, meta.saves) == ([], [])
         stats = scheduler.take_stats()
         assert stats is not None
@@ -452,7 +442,7 @@ def test_an_all_sliding_model_loads_its_window_and_counts_the_prompt_tokens(
             request_b, PROMPT - hit, new_computed_blocks=blocks, num_external_computed_tokens=hit
         )
         b.scheduler.update_state_after_alloc(request_b, b.manager.get_blocks("s-b"), hit)
-        meta = b.scheduler.build_connector_meta(_output([("s-b", hit, PROMPT - hit)]))
+        meta = b.scheduler.build_connector_meta(stand_in_output([("s-b", hit, PROMPT - hit)]))
         (load,) = meta.loads
         assert len(load.keys) == 2  # the window's chunks 4 and 5
         b.workers.start_load_kv(meta)

@@ -44,7 +44,7 @@ from typing import Any, ClassVar
 
 import pytest
 from harness.serve import ServerProcess
-from tiny_families import FAMILIES, WINDOW
+from harness.tiny_families import FAMILIES, WINDOW
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 

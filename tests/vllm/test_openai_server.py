@@ -15,41 +15,28 @@ two minutes on two cores, mostly the start-up of two API servers.
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from api_server import ApiServerProcess, server_env, wait_all_healthy
-from fleet import build_model
-from harness.ports import free_port
+from harness.polling import poll_value
 from harness.serve import ServerProcess
+from harness.vllm_readme_server import (
+    CHUNK,
+    PROMPT_WORDS,
+    README_MODEL,
+    README_TARGET,
+    ReadmeApiServer,
+    readme_server_command,
+)
+from harness.vllm_readme_server import model as model  # the fixture, shared
 
 from kvstore.key_scheme import namespace_from_json
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
-
-HERE = Path(__file__).parent
-README = HERE.parent.parent / "README.md"
-MARKER = "<!-- tested: vllm-server -->"
-README_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
-README_TARGET = "127.0.0.1:50051"
-CHUNK = 256
-PROMPT_WORDS = 700  # the tiny tokenizer makes more than two whole chunks of tokens of them
-# Test-only additions: keep the engine small and skip a ~45 s torch.compile warm-up.
-TEST_FLAGS = " --max-model-len 2048 --enforce-eager"
-
-
-def readme_server_command() -> str:
-    """The shell command in the fenced block that follows the marker in README.md."""
-    text = README.read_text()
-    match = re.search(re.escape(MARKER) + r"\s*```(?:bash|sh)?\n(.*?)```", text, re.DOTALL)
-    assert match, f"README.md has no fenced block after {MARKER}"
-    return match.group(1).strip()
 
 
 def test_readme_block_is_the_api_server_command() -> None:
@@ -60,49 +47,9 @@ def test_readme_block_is_the_api_server_command() -> None:
         assert needed in command
 
 
-class ApiServer(ApiServerProcess):
-    """The README's command in a shell, started and waited for until ``/health`` answers."""
-
-    def __init__(self, name: str, workdir: Path, model: Path, target: str) -> None:
-        port = free_port()
-        command = (
-            readme_server_command()
-            .replace(README_MODEL, str(model))
-            .replace("--port 8000", f"--port {port}")
-            .replace(README_TARGET, target)
-        )
-        python_dir = str(Path(sys.executable).parent)
-        env = server_env(PATH=python_dir + os.pathsep + os.environ.get("PATH", ""))
-        super().__init__(
-            name, ["bash", "-c", command + TEST_FLAGS], workdir / f"{name}.log", env, port
-        )
-        wait_all_healthy([self])
-
-    def complete(self, model: Path, prompt: str) -> dict[str, Any]:
-        """One greedy completion over HTTP; the response's JSON."""
-        body = {"model": str(model), "prompt": prompt, "max_tokens": 4, "temperature": 0.0}
-        return self.post_completion(body, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_model(tmp_path_factory.mktemp("model"))
-
-
 def _cached_tokens(response: dict[str, Any]) -> int:
     details = response["usage"].get("prompt_tokens_details") or {}
     return int(details.get("cached_tokens") or 0)
-
-
-def _poll(check: Any, what: str, timeout: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what} within {timeout:.0f} s")
-        time.sleep(0.5)
 
 
 def _cli_stats(target: str) -> dict[str, Any]:
@@ -131,14 +78,14 @@ def test_second_server_reports_tokens_cached_in_kvstore(
 ) -> None:
     prompt = " ".join(f"t{3 + (i * 37) % 1000}" for i in range(PROMPT_WORDS))
 
-    first = ApiServer("server1", tmp_path, model, store.target)
+    first = ReadmeApiServer("server1", tmp_path, model, store.target)
     try:
         response = first.complete(model, prompt)
         prompt_tokens = int(response["usage"]["prompt_tokens"])
         assert prompt_tokens > 2 * CHUNK, first.tail()
         assert _cached_tokens(response) == 0
         # The worker saves after the request; wait until every whole chunk reached the store.
-        _poll(lambda: store.stats()["blocks"] >= prompt_tokens // CHUNK, "chunks stored")
+        poll_value(lambda: store.stats()["blocks"] >= prompt_tokens // CHUNK, "chunks stored")
         # The connector's start-up line shows in the server's own output (vLLM configures only
         # its own logger), with the namespace `kvstore router --namespace` takes, as it takes it.
         line = re.search(r"kvstore router --namespace '(\{.*\})'", first.log.read_text())
@@ -148,14 +95,14 @@ def test_second_server_reports_tokens_cached_in_kvstore(
     finally:
         first.stop()
 
-    second = ApiServer("server2", tmp_path, model, store.target)
+    second = ReadmeApiServer("server2", tmp_path, model, store.target)
     try:
         response = second.complete(model, prompt)
         # The store hears of reads through its published index a moment later, from the
         # reader's background TOUCH (at most one per 50 ms window): ask while the engine that
         # read is still up, as a user watching `kvstore stats` would (a process stopped at once
         # may take its last window's count with it).
-        stats = _poll(
+        stats = poll_value(
             lambda: (s := _cli_stats(store.target))["counters"].get("hits", 0) > 0 and s,
             "kvstore stats shows hits",
         )

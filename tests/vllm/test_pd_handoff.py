@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fleet import build_model
 from harness.serve import ServerProcess
-from pd_servers import ApiServer, RouterProcess, post_json, start_servers
+from harness.vllm_fleet import build_model
+from harness.vllm_pd_servers import ApiServer, RouterProcess, post_json, start_servers
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

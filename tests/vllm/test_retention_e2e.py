@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fleet import build_model
 from harness.serve import ServerProcess
-from test_vllm_e2e import CHUNK, Engine
+from harness.vllm_engine_runs import CHUNK, Engine
+from harness.vllm_fleet import build_model
 
 from kvstore import KVStoreClient, Namespace
 

@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from fleet import CHUNK, Fleet, RouterProcess, build_model
+from harness.vllm_fleet import CHUNK, Fleet, RouterProcess, build_model
 
 from kvstore.cluster import ClusterIndex, Layout, connect
 from kvstore.config import hash_secret

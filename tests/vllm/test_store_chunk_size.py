@@ -15,11 +15,11 @@ import random
 from pathlib import Path
 
 import pytest
-from fleet import build_model
 from harness.node_schemes import cluster_settings, published_schemes
 from harness.redis_server import RedisServer
 from harness.serve import ServerProcess
-from test_vllm_e2e import Engine
+from harness.vllm_engine_runs import Engine
+from harness.vllm_fleet import build_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 

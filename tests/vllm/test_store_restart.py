@@ -19,9 +19,10 @@ import time
 from pathlib import Path
 
 import pytest
+from harness.polling import poll_value
 from harness.serve import ServerProcess
-from test_openai_server import CHUNK, PROMPT_WORDS, ApiServer, _poll
-from test_openai_server import model as model  # the fixture, shared
+from harness.vllm_readme_server import CHUNK, PROMPT_WORDS, ReadmeApiServer
+from harness.vllm_readme_server import model as model  # the fixture, shared
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -38,7 +39,7 @@ def _prompt(n: int) -> str:
 class _Driver(threading.Thread):
     """Sends distinct prompts one after another until stopped; when each started."""
 
-    def __init__(self, server: ApiServer, model: Path, first: int) -> None:
+    def __init__(self, server: ReadmeApiServer, model: Path, first: int) -> None:
         super().__init__(daemon=True)
         self._server, self._model, self._next = server, model, first
         self.started: list[float] = []
@@ -60,13 +61,13 @@ def test_saves_resume_within_two_seconds_of_a_restarted_stores_serving_on(
 ) -> None:
     workdir = tmp_path / "store"
     store = ServerProcess(workdir, settings={"dram.capacity": "1GiB"}, name="store").start()
-    server = ApiServer("engine", tmp_path, model, store.target)
+    server = ReadmeApiServer("engine", tmp_path, model, store.target)
     driver: _Driver | None = None
     try:
         tokens = int(server.complete(model, _prompt(0))["usage"]["prompt_tokens"])
         chunks = tokens // CHUNK
         assert chunks >= 2, server.tail()
-        _poll(lambda: store.stats()["blocks"] >= chunks, "the first prompt's chunks stored")
+        poll_value(lambda: store.stats()["blocks"] >= chunks, "the first prompt's chunks stored")
 
         driver = _Driver(server, model, first=1)
         driver.start()

@@ -13,27 +13,19 @@ a half minutes on two cores, mostly the start-up of four engine processes.
 
 from __future__ import annotations
 
-import json
 import random
-import subprocess
-import sys
-import time
 from pathlib import Path
-from typing import Any
 
 import pytest
-from fleet import build_model
 from harness.serve import ServerProcess
+from harness.vllm_engine_runs import CHUNK, Engine
+from harness.vllm_fleet import build_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
-HERE = Path(__file__).parent
-CHUNK = 256
 # Prefix lengths: chunk-aligned, unaligned (the last stored chunk of A then holds some of A's
 # suffix, so B can load one chunk fewer), and short.
 PREFIX_LENGTHS = (1024, 1000, 700)
-ENGINE_TIMEOUT_S = 240
-MAX_TOKENS = 12
 
 
 def _prompts() -> tuple[list[list[int]], list[list[int]]]:
@@ -42,56 +34,6 @@ def _prompts() -> tuple[list[list[int]], list[list[int]]]:
     a = [p + [rng.randrange(3, 1000) for _ in range(37)] for p in prefixes]
     b = [p + [rng.randrange(3, 1000) for _ in range(53)] for p in prefixes]
     return a, b
-
-
-class Engine:
-    """One engine_runner.py subprocess."""
-
-    def __init__(
-        self, name: str, workdir: Path, model: Path, prompts: list[list[int]], *args: str
-    ) -> None:
-        self.name = name
-        self.out = workdir / f"{name}.json"
-        self.log = workdir / f"{name}.log"
-        prompts_file = workdir / f"{name}.prompts.json"
-        prompts_file.write_text(json.dumps(prompts))
-        command = [
-            sys.executable,
-            str(HERE / "engine_runner.py"),
-            "--model",
-            str(model),
-            "--prompts",
-            str(prompts_file),
-            "--out",
-            str(self.out),
-            "--max-tokens",
-            str(MAX_TOKENS),
-            "--chunk-size",
-            str(CHUNK),
-            "--max-model-len",
-            "2048",
-            *args,
-        ]
-        self.started = time.monotonic()
-        with self.log.open("wb") as log:
-            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-
-    def result(self) -> dict[str, Any]:
-        """Wait for the engine (bounded) and return its JSON output."""
-        try:
-            code = self.proc.wait(timeout=ENGINE_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            pytest.fail(f"engine {self.name} hung for {ENGINE_TIMEOUT_S} s:\n{self._tail()}")
-        self.elapsed = time.monotonic() - self.started
-        if code != 0 or not self.out.exists():
-            pytest.fail(f"engine {self.name} exited with {code}:\n{self._tail()}")
-        data: dict[str, Any] = json.loads(self.out.read_text())
-        return data
-
-    def _tail(self) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-40:])
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,8 @@ The copies by address (:meth:`Device.dma_to_device`, :meth:`Device.dma_to_host`)
 direct path between the store's arena and device memory: page-locked arena pages
 (:mod:`kvstore.client.arena_registration`) in, device buffers out, one DMA for many rows, through
 the CUDA runtime torch loaded (:mod:`kvstore.client.cuda_runtime`). They exist on CUDA only; the
-CPU tests replace the whole class with a stand-in that queues them (``tests/cuda_stand_in.py``).
+CPU tests replace the whole class with a stand-in that queues them
+(``tests/harness/cuda_stand_in.py``).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from sglang_pool_stand_in import HostPoolStandIn
+from harness.sglang_pool_stand_in import HostPoolStandIn
 
 from kvstore.errors import ConfigError
 from kvstore.integrations.sglang.identity import (

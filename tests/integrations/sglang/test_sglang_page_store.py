@@ -1,5 +1,5 @@
 """The SGLang backend's calls on a real ``kvstore serve``, without SGLang: pages of a host pool
-(:mod:`sglang_pool_stand_in`) stored and loaded over shared memory and over gRPC, prefixes,
+(:mod:`harness.sglang_pool_stand_in`) stored and loaded over shared memory and over gRPC, prefixes,
 misses, a store that dies, the page-size agreement and the counters
 (:mod:`kvstore.integrations.sglang.opening`, :mod:`~kvstore.integrations.sglang.transfer`)."""
 
@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 from harness.serve import ServerProcess
+from harness.sglang_pool_stand_in import HostPoolStandIn, same_bytes
 from prometheus_client import REGISTRY
-from sglang_pool_stand_in import HostPoolStandIn, same_bytes
 
 from kvstore.errors import ConfigError
 from kvstore.integrations.sglang.metrics import Metrics

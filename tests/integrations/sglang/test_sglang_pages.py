@@ -1,7 +1,7 @@
 """The SGLang backend's page copies without SGLang: the canonical page view of every host layout,
 host indices, run coalescing and one copy per run (:mod:`kvstore.integrations.sglang.pages`).
 
-The host pools are :mod:`sglang_pool_stand_in`'s, which allocate SGLang's dimensions; the
+The host pools are :mod:`harness.sglang_pool_stand_in`'s, which allocate SGLang's dimensions; the
 contract tier checks the same against SGLang's real pools.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from sglang_pool_stand_in import HostPoolStandIn, same_bytes
+from harness.sglang_pool_stand_in import HostPoolStandIn, same_bytes
 
 from kvstore.integrations.sglang.identity import LAYOUTS, pool_shape
 from kvstore.integrations.sglang.pages import (

@@ -41,7 +41,7 @@ __all__ = [
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "sglang.md"
-LAUNCHER = Path(__file__).resolve().parent / "launch_cpu_server.py"
+LAUNCHER = ROOT / "tests" / "sglang" / "launch_cpu_server.py"
 DOC_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 DOC_PORT = "30000"
 DOC_TARGET = "127.0.0.1:50051"

@@ -18,15 +18,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from api_server import (
+
+from harness.ports import free_port
+from harness.serve import without_settings
+from harness.vllm_api_server import (
     ApiServerProcess,
     GroupProcess,
     connector_command,
     server_env,
     wait_all_healthy,
 )
-from harness.ports import free_port
-from harness.serve import without_settings
 
 __all__ = ["ApiServer", "RouterProcess", "post_json", "start_servers"]
 

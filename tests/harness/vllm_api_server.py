@@ -1,9 +1,9 @@
 """vLLM's OpenAI API server as the vLLM tests start it: in its own process group, logging to a file.
 
-The fleet (``fleet.py``), the P/D hand-off (``pd_servers.py``) and the README's server test
-(``test_openai_server.py``) each build their own command line; starting, waiting for ``/health``,
-asking for a completion and stopping the whole group (vLLM spawns an engine core and workers) is
-this module's.
+The fleet (:mod:`.vllm_fleet`), the P/D hand-off (:mod:`.vllm_pd_servers`) and the README's
+server command (:mod:`.vllm_readme_server`) each build their own command line; starting, waiting
+for ``/health``, asking for a completion and stopping the whole group (vLLM spawns an engine core
+and workers) is this module's.
 """
 
 from __future__ import annotations

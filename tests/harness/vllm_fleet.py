@@ -27,16 +27,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-HERE = Path(__file__).parent
-from api_server import (  # noqa: E402
+from harness.ports import free_port
+from harness.redis_server import RedisServer
+from harness.router import launch_router
+from harness.serve import ServerProcess, without_settings
+from harness.vllm_api_server import (
     ApiServerProcess,
     connector_command,
     server_env,
     wait_all_healthy,
 )
-from harness.ports import free_port  # noqa: E402
-from harness.redis_server import RedisServer  # noqa: E402
-from harness.serve import ServerProcess, without_settings  # noqa: E402
 
 if TYPE_CHECKING:
     from kvstore.cluster import Layout
@@ -50,10 +50,11 @@ __all__ = [
     "build_model",
 ]
 
+#: The vLLM suite's folder, where the tiny model's script lives.
+VLLM_TESTS = Path(__file__).resolve().parents[1] / "vllm"
 #: Tokens per chunk: the nodes' ``keys.chunk_size`` (not the default 256, so that a part of
 #: the fleet that fell back to the default would show).
 CHUNK = 128
-_KVSTORE = [sys.executable, "-c", "import sys; from kvstore.cli import main; sys.exit(main())"]
 _LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
@@ -79,7 +80,7 @@ def build_model(directory: Path, **sizes: int) -> Path:
     path = directory / "tiny-llama"
     flags = [f"--{name}={value}" for name, value in sizes.items()]
     subprocess.run(
-        [sys.executable, str(HERE / "tiny_model.py"), str(path), *flags],
+        [sys.executable, str(VLLM_TESTS / "tiny_model.py"), str(path), *flags],
         check=True,
         timeout=300,
         capture_output=True,
@@ -222,19 +223,12 @@ class RouterProcess:
         environ = without_settings({"PYTHONPATH": os.environ.get("PYTHONPATH", ""), **(env or {})})
         if "KVSTORE_HASH_SECRET" in os.environ:  # the fleet's key secret, which the router needs
             environ.setdefault("KVSTORE_HASH_SECRET", os.environ["KVSTORE_HASH_SECRET"])
-        command = [*_KVSTORE, "router", "--listen", "127.0.0.1:0", "--policy", policy]
+        flags = ["--policy", policy]
         for replica in replicas:
-            command += ["--replica", replica]
-        command += ["--index-url", index_url]
+            flags += ["--replica", replica]
+        flags += ["--index-url", index_url]
         self.log_path = workdir / f"router-{policy}.log"
-        self.log = self.log_path.open("wb")
-        self.proc = subprocess.Popen(command, env=environ, stdout=subprocess.PIPE, stderr=self.log)
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline().decode()
-        match = re.match(r"kvstore router on http://(\S+):(\d+)", line)
-        if not match:
-            raise RuntimeError(f"router did not start: {line!r}\n{self.log_path.read_text()}")
-        self.host, self.port = match.group(1), int(match.group(2))
+        self.proc, self.log, self.host, self.port = launch_router(flags, environ, self.log_path)
 
     def call(self, method: str, path: str, body: Any = None) -> tuple[int, bytes]:
         """One plain HTTP exchange."""

@@ -1,0 +1,79 @@
+"""Real vLLM engines, each in its own process: ``tests/vllm/engine_runner.py`` over a prompts file,
+its results read back as JSON.
+
+Every engine is its own subprocess, as separate replicas would be; greedy sampling with
+``ignore_eos`` keeps outputs deterministic and :data:`MAX_TOKENS` long. Used by the end-to-end
+tests of the vLLM suite (``tests/vllm/``).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+__all__ = ["CHUNK", "ENGINE_TIMEOUT_S", "MAX_TOKENS", "RUNNER", "Engine"]
+
+#: The script each engine runs.
+RUNNER = Path(__file__).resolve().parents[1] / "vllm" / "engine_runner.py"
+#: Tokens per chunk, as the engines' connectors are told.
+CHUNK = 256
+ENGINE_TIMEOUT_S = 240
+MAX_TOKENS = 12
+
+
+class Engine:
+    """One ``tests/vllm/engine_runner.py`` subprocess over ``prompts``, with ``args`` added to its
+    command line (the connector's flags, say); :meth:`result` waits for its JSON output."""
+
+    def __init__(
+        self, name: str, workdir: Path, model: Path, prompts: list[list[int]], *args: str
+    ) -> None:
+        self.name = name
+        self.out = workdir / f"{name}.json"
+        self.log = workdir / f"{name}.log"
+        prompts_file = workdir / f"{name}.prompts.json"
+        prompts_file.write_text(json.dumps(prompts))
+        command = [
+            sys.executable,
+            str(RUNNER),
+            "--model",
+            str(model),
+            "--prompts",
+            str(prompts_file),
+            "--out",
+            str(self.out),
+            "--max-tokens",
+            str(MAX_TOKENS),
+            "--chunk-size",
+            str(CHUNK),
+            "--max-model-len",
+            "2048",
+            *args,
+        ]
+        self.started = time.monotonic()
+        with self.log.open("wb") as log:
+            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+
+    def result(self) -> dict[str, Any]:
+        """Wait for the engine (bounded) and return its JSON output."""
+        try:
+            code = self.proc.wait(timeout=ENGINE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            pytest.fail(f"engine {self.name} hung for {ENGINE_TIMEOUT_S} s:\n{self._tail()}")
+        self.elapsed = time.monotonic() - self.started
+        if code != 0 or not self.out.exists():
+            pytest.fail(f"engine {self.name} exited with {code}:\n{self._tail()}")
+        data: dict[str, Any] = json.loads(self.out.read_text())
+        return data
+
+    def _tail(self) -> str:
+        """The last lines of the engine's log, for a failure's message."""
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-40:])
