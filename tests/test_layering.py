@@ -187,14 +187,10 @@ _SPLIT_PENDING = "issue 39: split pending (file being changed by another issue)"
 LONG_FUNCTIONS: dict[str, str] = {
     "kvstore/cli/__init__.py:_parsers": "argparse: builds the command line's parsers",
     "kvstore/node/agent.py:start_cluster": _SPLIT_PENDING,
-    "kvstore/node/peer_ucx.py:UcxPeerLink.get": _SPLIT_PENDING,
     "kvstore/node/peers.py:PeerSource._fetch": _SPLIT_PENDING,
     "kvstore/server/app.py:start_server": _SPLIT_PENDING,
     # a table of metric families, in a file issue 41 adds families to: data once merged
     "kvstore/server/metrics.py:StoreCollector.collect": _SPLIT_PENDING,
-    # issue 40's batched UCX transfers, merged beside this limit: split with that issue's next step
-    "kvstore/client/ucx.py:UcxDataClient._get_once": _SPLIT_PENDING,
-    "kvstore/server/ucx.py:UcxDataServer.get": _SPLIT_PENDING,
 }
 
 PACKAGE = Path(kvstore.__file__).parent

@@ -49,6 +49,11 @@ class Lane:
     client_id: bytes
     in_flight: int = 0
     dead: bool = field(default=False)
+    #: The key ``UcxBind`` gave it (``None``: its control calls go over gRPC), whether a bind
+    #: was tried, and the ``seq`` of its last control message (:mod:`kvstore.client.ucx_control`).
+    control_key: bytes | None = None
+    bind_tried: bool = False
+    control_seq: int = 0
 
 
 class LanePool:
@@ -130,15 +135,17 @@ class LanePool:
         views: Sequence[Any],
         messages: Sequence[int],
         timeout: float,
+        tags: Sequence[int] | None = None,
     ) -> Moving:
-        """Post a plan's messages over ``lanes`` (the plan's lane rule), charged to them."""
+        """Post a plan's messages over ``lanes`` (the plan's lane rule), charged to them
+        (``tags``: see :func:`~kvstore.protocol.ucx_wire.move_messages`)."""
         lane_of = assign_lanes(messages, len(lanes))
         loads = lane_loads(messages, lane_of, len(lanes))
         self.charge(lanes, loads)
         endpoints = [lane.endpoint for lane in lanes]
         try:
             future = self._loop().submit(
-                move_messages(op, endpoints, transfer_id, views, lane_of, timeout)
+                move_messages(op, endpoints, transfer_id, views, lane_of, timeout, tags)
             )
         except BaseException:
             self.discharge(lanes, loads)

@@ -133,9 +133,12 @@ async def move_messages(
     views: Sequence[Any],
     lane_of: Sequence[int],
     timeout: float,
+    tags: Sequence[int] | None = None,
 ) -> dict[int, BaseException]:
     """Send or receive message ``m`` (``views[m]``) of a transfer over endpoint
     ``lanes[lane_of[m]]``, all at once; the lanes that failed, with why (empty: all moved).
+    Message ``m`` is tagged ``(transfer_id, m)``, or ``(transfer_id, tags[m])`` (a server of
+    the previous release tags each block by its key's index).
 
     A lane whose operation fails is aborted (cancelling its other operations); past ``timeout``
     every lane still busy is. Returns only after every posted operation has ended.
@@ -143,13 +146,14 @@ async def move_messages(
     posted: list[tuple[int, asyncio.Future[Any]]] = []
     failed: dict[int, BaseException] = {}
     for index, (view, lane) in enumerate(zip(views, lane_of, strict=True)):
+        tag = index if tags is None else tags[index]
         endpoint = lanes[lane]
         if lane in failed:
             continue
         try:
             call = endpoint.send if op == "send" else endpoint.recv
             posted.append(
-                (lane, asyncio.ensure_future(call(view, tag=transfer_tag(transfer_id, index))))
+                (lane, asyncio.ensure_future(call(view, tag=transfer_tag(transfer_id, tag))))
             )
         except Exception as exc:  # the endpoint closed already
             failed[lane] = exc
