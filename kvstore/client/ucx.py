@@ -89,7 +89,7 @@ class UcxDataClient:
         lanes: int = 1,
         lane_bytes: int = LANE_BYTES,
         post_early: bool = True,
-        ucx_control: bool = True,
+        ucx_control: bool = False,
     ) -> None:
         self.address = ucx_address
         host, port = parse_address(ucx_address)

@@ -3,9 +3,11 @@
 
 :class:`ControlPath` binds new lanes with one ``UcxBind`` gRPC call (authenticated as every call
 of the client's channel), then sends each request over the call's first lane and waits for the
-answer there: one UCX round trip instead of a gRPC one. A server without ``UcxBind`` (an older
-release) answers UNIMPLEMENTED, and this client keeps the gRPC calls for good; a bind that fails
-otherwise leaves those lanes on gRPC. An answer that does not verify, a refused message, or one
+answer there: one UCX round trip instead of a gRPC one (only with ``KVSTORE_UCX_CONTROL=1``:
+on 2 shared cores over TCP the gRPC call measured faster; the bind is made either way). A server
+without ``UcxBind`` (the previous release) answers UNIMPLEMENTED, and this client keeps the gRPC
+calls and that release's framing for good; a bind that fails otherwise leaves those lanes on
+gRPC. An answer that does not verify, a refused message, or one
 that is late, is a transport failure (the call falls back to gRPC); request errors raise the
 :class:`~kvstore.errors.KVStoreError` the gRPC call would.
 """
@@ -73,14 +75,15 @@ class ControlPath:
         self.legacy = False
         #: Largest control message the server receives (its ``UcxBind`` answer says).
         self.max_bytes = ctl.MAX_CONTROL_BYTES
-        #: Whether requests go over UCX where lanes are bound (False: gRPC only, or a server
-        #: without ``UcxBind``).
+        #: Whether requests go over UCX where lanes are bound (``KVSTORE_UCX_CONTROL``).
         self.over_ucx = over_ucx
 
     def bind(self, lanes: list[Lane], timeout: float) -> None:
-        """Bind the lanes not tried yet (one ``UcxBind``); failures leave them on gRPC."""
+        """Bind the lanes not tried yet (one ``UcxBind``); failures leave them on gRPC. Made with
+        control messages off too: it tells a server of the previous release (UNIMPLEMENTED),
+        whose framing differs (:attr:`legacy`)."""
         new = [lane for lane in lanes if not lane.bind_tried]
-        if not self.over_ucx or not new:
+        if self.legacy or not new:
             return
         for lane in new:
             lane.bind_tried = True
@@ -91,13 +94,11 @@ class ControlPath:
             response = self._stub.UcxBind(request, timeout=timeout)
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # an older server: gRPC for good
-                self.over_ucx = False
                 self.legacy = True
             logger.debug("UcxBind failed (%s): control calls over gRPC", exc.code())
             return
         if response.version not in UCX_CONTROL.reads or len(response.key) != ctl.KEY_BYTES:
-            self.over_ucx = response.version != 0 and self.over_ucx
-            return
+            return  # no version both speak: these lanes stay on gRPC
         if response.max_message_bytes:
             self.max_bytes = min(ctl.MAX_CONTROL_BYTES, response.max_message_bytes)
         for lane in new:
@@ -107,14 +108,14 @@ class ControlPath:
         """The answer to ``request`` (``REQUEST_GET`` or ``REQUEST_PUT``), over UCX on
         ``lanes[0]`` where it is bound, else over gRPC."""
         lane = lanes[0]
-        if not self.over_ucx or lane.control_key is None or len(request.keys) > MAX_CONTROL_KEYS:
+        key = lane.control_key
+        if not self.over_ucx or self.legacy or key is None or len(request.keys) > MAX_CONTROL_KEYS:
             return self._grpc(kind, request, timeout, lanes)
-        self.counters["control_ucx"] += 1
         answer_bytes = _ANSWER_BASE + _ANSWER_PER_KEY * len(request.keys)
         body = request.SerializeToString()
         if ctl.HEADER_BYTES + len(body) > self.max_bytes:
-            self.counters["control_ucx"] -= 1
             return self._grpc(kind, request, timeout, lanes)
+        self.counters["control_ucx"] += 1
         answer = np.empty(answer_bytes, dtype=np.uint8)
         exchange = _exchange(lane, kind, int(request.transfer_id), body, answer, timeout)
         try:
@@ -126,7 +127,7 @@ class ControlPath:
             ) from exc
         expected = ctl.ANSWER_GET if kind == ctl.REQUEST_GET else ctl.ANSWER_PUT
         try:
-            frame = ctl.decode(lane.control_key, answer, {expected, ctl.ANSWER_ERROR})
+            frame = ctl.decode(key, answer, {expected, ctl.ANSWER_ERROR})
         except ctl.ControlError as exc:
             raise UcxTransportError(f"UCX control answer refused: {exc}") from exc
         if frame.seq != seq or frame.transfer_id != request.transfer_id:
@@ -191,12 +192,9 @@ async def _exchange(
         answer_bytes=int(answer.nbytes),
     )
     try:
-        await asyncio.wait_for(
-            asyncio.gather(
-                endpoint.send(np.frombuffer(frame, dtype=np.uint8), tag=ctl.CONTROL_TAG), receiving
-            ),
-            timeout,
-        )
+        # A small message goes eagerly: the send ends at once (or fails: the lane is gone).
+        await endpoint.send(np.frombuffer(frame, dtype=np.uint8), tag=ctl.CONTROL_TAG)
+        await asyncio.wait_for(receiving, timeout)
     except BaseException:
         receiving.cancel()
         raise

@@ -176,18 +176,25 @@ class UcxControl(UcxPuts):
         return ctl.encode_error(binding.key, frame.seq, frame.transfer_id, _code(code), details)
 
     async def _answer(self, client: ClientEndpoint, transfer_id: int, frame: bytes) -> None:
-        """Send an answer on its transfer's answer tag; a failure drops the endpoint."""
+        """Send an answer on its transfer's answer tag; a failure drops the endpoint. Not
+        waited for: a small message leaves at once, and the client waits for it anyway."""
         try:
-            await asyncio.wait_for(
+            sending = asyncio.ensure_future(
                 client.endpoint.send(
                     np.frombuffer(frame, dtype=np.uint8), tag=ctl.answer_tag(transfer_id)
-                ),
-                self.transfer_timeout_s,
+                )
             )
-        except Exception as exc:
+        except Exception as exc:  # the endpoint closed already
             self._drop(client, f"control answer failed: {type(exc).__name__}: {exc}")
             return
         self.counters["control_messages"] += 1
+
+        def sent(future: asyncio.Future[Any]) -> None:
+            error = None if future.cancelled() else future.exception()
+            if error is not None and self._clients.get(client.client_id) is client:
+                self._drop(client, f"control answer failed: {type(error).__name__}: {error}")
+
+        sending.add_done_callback(sent)
 
     def _refused(self, client: ClientEndpoint, exc: Exception) -> None:
         self.counters["control_refused"] += 1

@@ -324,7 +324,7 @@ def test_a_ucx_endpoint_serves_only_the_tenant_that_first_used_it(
     address = data_plane_of(server, "alice").ucx_address
     keys, values = blocks(7)
     with client(server, "alice", data_plane="grpc") as a, client(server, "bob") as b:
-        ucx = UcxDataClient(a._transport.channel, address, namespace_bytes(NS))
+        ucx = UcxDataClient(a._transport.channel, address, namespace_bytes(NS), ucx_control=True)
         try:
             stored = ucx.put(keys, values)
             assert stored is not None and stored.stored == 4, ucx.last_error

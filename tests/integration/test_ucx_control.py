@@ -80,6 +80,7 @@ def ucx_client(kv: KVStoreClient, server: ServerProcess, **kwargs: Any) -> UcxDa
     address = ucx_address(server)
     assert address, server.stderr()
     channel = kv._transport.channel  # type: ignore[attr-defined]
+    kwargs.setdefault("ucx_control", True)
     return UcxDataClient(channel, address, namespace_bytes(NAMESPACE), timeout=20.0, **kwargs)
 
 
