@@ -30,26 +30,26 @@ land in a caller's buffer after the fallback has filled it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-import numpy as np
 
 from kvstore._proto.kvstore.v1 import ucx_pb2 as ucx_pb
 from kvstore.buffers import byte_view, writable_byte_view
 from kvstore.client.device_fill import device_transports_in, is_device_tensor
-from kvstore.client.ucx_control import ControlPath, Forgotten
+from kvstore.client.ucx_control import ControlPath, Forgotten, Prepared
 from kvstore.client.ucx_lanes import LANE_BYTES, Lane, LanePool, Moving
+from kvstore.client.ucx_outcome import GetOutcome, landing, settle
 from kvstore.protocol import messages as _wire
 from kvstore.protocol import ucx_control as ctl
 from kvstore.protocol.checks import check_pairs
-from kvstore.protocol.ucx import UcxTransportError, load_ucxx, parse_address, verify_payloads
+from kvstore.protocol.ucx import UcxTransportError, load_ucxx, parse_address
 from kvstore.protocol.ucx_plan import (
     StreamLayout,
     check_plan,
@@ -194,7 +194,7 @@ class UcxDataClient:
 
     def _call_get(
         self, keys: Sequence[bytes], views: list[Any] | None, timeout: float | None
-    ) -> _GetOutcome | None:
+    ) -> GetOutcome | None:
         if not self.usable:
             return None
         deadline = self._deadline(timeout)
@@ -229,7 +229,7 @@ class UcxDataClient:
 
     def _get_once(
         self, keys: Sequence[bytes], views: list[Any] | None, deadline: float, posted: bool
-    ) -> _GetOutcome:
+    ) -> GetOutcome:
         sizes = [] if views is None else [int(view.nbytes) for view in views]
         lanes = self._take(sum(sizes), deadline)
         posted = posted and not self._ctl.legacy  # it would not send the posted plan
@@ -245,9 +245,11 @@ class UcxDataClient:
             receive_any=views is None,
             joined=[] if mine is None else _joined(mine, len(keys)),
         )
-        early = None
+        early, prepared = None, None
         if posted and mine is not None and mine.total:
             request.messages.extend(plan_messages(mine.total, mine.breaks))
+            # The receives and the control message go to the loop in one wake-up.
+            prepared = self._ctl.prepare(ctl.REQUEST_GET, request, _remaining(deadline), lanes)
             early = self._pool.start(
                 "recv",
                 lanes,
@@ -255,11 +257,12 @@ class UcxDataClient:
                 mine.views(request.messages),
                 request.messages,
                 _remaining(deadline),
+                then=None if prepared is None else prepared.exchange,
             )
-        response = self._get_answer(request, deadline, lanes, early)
+        response = self._get_answer(request, deadline, lanes, early, prepared)
         sent = list(response.sent)
         indices = [index for index, flag in enumerate(sent) if flag]
-        outcome = _GetOutcome(sent, _landing(views, response.lengths, indices))
+        outcome = GetOutcome(sent, landing(views, response.lengths, indices))
         if early is not None:
             assert mine is not None
             layout, placed = mine, list(range(len(keys)))
@@ -274,7 +277,7 @@ class UcxDataClient:
             lost = self._receive_plan(lanes, transfer_id, layout, response, deadline, indices)
         else:
             return outcome
-        _settle(outcome, layout, placed, lost, response)
+        settle(outcome, layout, placed, lost, response)
         return outcome
 
     def _get_answer(
@@ -283,11 +286,13 @@ class UcxDataClient:
         deadline: float,
         lanes: list[Lane],
         early: Moving | None,
+        prepared: Prepared | None,
     ) -> ucx_pb.UcxGetResponse:
         """The control call's answer, well-formed; whatever fails abandons the posted receives
         (nothing posted may write into the buffers later)."""
+        started = None if early is None else early.then
         try:
-            response = self._control(ctl.REQUEST_GET, request, deadline, lanes)
+            response = self._control(ctl.REQUEST_GET, request, deadline, lanes, prepared, started)
         except BaseException:
             if early is not None:
                 early.abandon()
@@ -350,12 +355,21 @@ class UcxDataClient:
         )
         # Send at once: UCX holds the payloads until the server posts its receives, so the
         # whole put is one control round trip.
+        prepared = self._ctl.prepare(ctl.REQUEST_PUT, request, _remaining(deadline), lanes)
         sending = self._pool.start(
-            "send", lanes, transfer_id, layout.views(messages), messages, _remaining(deadline)
+            "send",
+            lanes,
+            transfer_id,
+            layout.views(messages),
+            messages,
+            _remaining(deadline),
+            then=None if prepared is None else prepared.exchange,
         )
         error: BaseException | None = None
         try:
-            response = self._control(ctl.REQUEST_PUT, request, deadline, lanes)
+            response = self._control(
+                ctl.REQUEST_PUT, request, deadline, lanes, prepared, sending.then
+            )
         except BaseException as exc:  # settle the sends first, then decide
             error = exc
             if not isinstance(exc, UcxTransportError):
@@ -377,12 +391,21 @@ class UcxDataClient:
         self.counters["messages"] += len(moving.messages)
         self.counters["lane_failures"] += len(moving.failed)
 
-    def _control(self, kind: int, request: Any, deadline: float, lanes: list[Lane]) -> Any:
-        """Make a control call (:class:`~kvstore.client.ucx_control.ControlPath`); transport
-        failures raise UcxTransportError, request errors their KVStoreError; :class:`Forgotten`
-        if the server forgot these endpoints (it restarted): they are dropped."""
+    def _control(
+        self,
+        kind: int,
+        request: Any,
+        deadline: float,
+        lanes: list[Lane],
+        prepared: Prepared | None = None,
+        started: concurrent.futures.Future[Any] | None = None,
+    ) -> Any:
+        """Make a control call (:class:`~kvstore.client.ucx_control.ControlPath`; ``prepared``
+        and ``started``: one already on its way); transport failures raise UcxTransportError,
+        request errors their KVStoreError; :class:`Forgotten` if the server forgot these
+        endpoints (it restarted): they are dropped."""
         try:
-            return self._ctl.call(kind, request, _remaining(deadline), lanes)
+            return self._ctl.call(kind, request, _remaining(deadline), lanes, prepared, started)
         except Forgotten:
             self._pool.drop(lanes)
             raise
@@ -418,52 +441,6 @@ class UcxDataClient:
             exc,
             self.retry_after_s,
         )
-
-
-@dataclass
-class _GetOutcome:
-    sent: list[bool]
-    buffers: dict[int, Any]
-    #: Indices whose messages a dead lane carried: not in ``buffers``, to be asked again.
-    failed: set[int] = field(default_factory=set)
-
-
-def _landing(views: list[Any] | None, lengths: Sequence[int], indices: list[int]) -> dict[int, Any]:
-    """Where each sent block lands: the caller's buffer, or (no buffers: ``receive_any``) its
-    slice of one buffer for the whole stream, in which every message lands in place."""
-    if views is not None:
-        return {index: views[index] for index in indices}
-    stream = np.empty(sum(lengths[i] for i in indices), dtype=np.uint8)
-    buffers, offset = {}, 0
-    for index in indices:
-        buffers[index] = stream[offset : offset + lengths[index]]
-        offset += lengths[index]
-    return buffers
-
-
-def _settle(
-    outcome: _GetOutcome,
-    layout: StreamLayout,
-    placed: Sequence[int],
-    lost: list[tuple[int, int]],
-    response: ucx_pb.UcxGetResponse,
-) -> None:
-    """Mark failed the sent blocks a lost message covered (block ``placed[p]`` is block ``p``
-    of ``layout``), check the others' checksums, and take the failed ones out."""
-    sent, lengths = outcome.sent, response.lengths
-    for position, index in enumerate(placed):
-        start = layout.block_starts[position]
-        if sent[index] and any(s < start + lengths[index] and start < e for s, e in lost):
-            outcome.failed.add(index)
-    # Device memory cannot be hashed here; what the host received is checked.
-    host = {
-        i: b
-        for i, b in outcome.buffers.items()
-        if not is_device_tensor(b) and i not in outcome.failed
-    }
-    verify_payloads(host, response.checksums)
-    for index in outcome.failed:
-        outcome.buffers.pop(index, None)
 
 
 def _joined(layout: StreamLayout, count: int) -> list[bool]:

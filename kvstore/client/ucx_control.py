@@ -15,9 +15,11 @@ that is late, is a transport failure (the call falls back to gRPC); request erro
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -31,9 +33,9 @@ from kvstore.errors import error_from_status
 from kvstore.formats import UCX_CONTROL
 from kvstore.protocol import ucx_control as ctl
 from kvstore.protocol.ucx import UcxTransportError
-from kvstore.protocol.ucx_wire import LoopThread
+from kvstore.protocol.ucx_wire import LoopThread, wait_for_loop
 
-__all__ = ["MAX_CONTROL_KEYS", "ControlPath", "Forgotten"]
+__all__ = ["MAX_CONTROL_KEYS", "ControlPath", "Forgotten", "Prepared"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +55,15 @@ _REFUSED = "UCX control message refused"
 
 class Forgotten(UcxTransportError):
     """The server does not know the lanes a call named (it restarted): new lanes, once."""
+
+
+@dataclass
+class Prepared:
+    """A control exchange not yet started (:meth:`ControlPath.prepare`)."""
+
+    key: bytes
+    answer: Any
+    exchange: Coroutine[Any, Any, int]
 
 
 class ControlPath:
@@ -104,27 +115,51 @@ class ControlPath:
         for lane in new:
             lane.control_key = response.key
 
-    def call(self, kind: int, request: Any, timeout: float, lanes: list[Lane]) -> Any:
-        """The answer to ``request`` (``REQUEST_GET`` or ``REQUEST_PUT``), over UCX on
-        ``lanes[0]`` where it is bound, else over gRPC."""
+    def prepare(
+        self, kind: int, request: Any, timeout: float, lanes: list[Lane]
+    ) -> Prepared | None:
+        """The exchange of ``request`` over ``lanes[0]``, not started (``None``: it goes over
+        gRPC); :meth:`call` runs it, or waits for it where the caller started it on the loop
+        with its transfer's messages (one wake-up of the loop for both)."""
         lane = lanes[0]
         key = lane.control_key
         if not self.over_ucx or self.legacy or key is None or len(request.keys) > MAX_CONTROL_KEYS:
-            return self._grpc(kind, request, timeout, lanes)
-        answer_bytes = _ANSWER_BASE + _ANSWER_PER_KEY * len(request.keys)
+            return None
         body = request.SerializeToString()
         if ctl.HEADER_BYTES + len(body) > self.max_bytes:
-            return self._grpc(kind, request, timeout, lanes)
-        self.counters["control_ucx"] += 1
-        answer = np.empty(answer_bytes, dtype=np.uint8)
+            return None
+        answer = np.empty(_ANSWER_BASE + _ANSWER_PER_KEY * len(request.keys), dtype=np.uint8)
         exchange = _exchange(lane, kind, int(request.transfer_id), body, answer, timeout)
+        return Prepared(key, answer, exchange)
+
+    def call(
+        self,
+        kind: int,
+        request: Any,
+        timeout: float,
+        lanes: list[Lane],
+        prepared: Prepared | None = None,
+        started: concurrent.futures.Future[int] | None = None,
+    ) -> Any:
+        """The answer to ``request`` (``REQUEST_GET`` or ``REQUEST_PUT``), over UCX on
+        ``lanes[0]`` where it is bound (``prepared``, and ``started``: its future, if the
+        caller started it), else over gRPC."""
+        if prepared is None:
+            prepared = self.prepare(kind, request, timeout, lanes)
+            if prepared is None:
+                return self._grpc(kind, request, timeout, lanes)
+        self.counters["control_ucx"] += 1
         try:
-            seq = self._loop().run(exchange, timeout)
+            if started is None:
+                seq = self._loop().run(prepared.exchange, timeout)
+            else:
+                seq = wait_for_loop(started, timeout)
         except Exception as exc:
             # Late or failed: the lane goes (its posted answer receive with it).
             raise UcxTransportError(
                 f"UCX control message over its lane failed: {type(exc).__name__}: {exc}"
             ) from exc
+        key, answer = prepared.key, prepared.answer
         expected = ctl.ANSWER_GET if kind == ctl.REQUEST_GET else ctl.ANSWER_PUT
         try:
             frame = ctl.decode(key, answer, {expected, ctl.ANSWER_ERROR})
