@@ -29,6 +29,7 @@ from kvstore.formats import PREVIOUS_RELEASE
 from kvstore.protocol import ucx_control as ctl
 from kvstore.protocol.messages import namespace_bytes
 from kvstore.protocol.ucx import ucx_unavailable_reason
+from kvstore.protocol.ucx_wire import abort_endpoint
 
 if TYPE_CHECKING:
     from harness.serve import ServerProcess
@@ -245,3 +246,23 @@ def test_a_server_of_the_previous_release_gets_grpc_control_calls(
             client.close()
         with KVStoreClient(old.target, namespace=NAMESPACE, data_plane="grpc") as reference:
             assert reference.get(big) == [piece.tobytes() for piece in slices]
+
+
+def test_a_lane_aborted_between_calls_is_replaced_and_bound_again(
+    kv: KVStoreClient, ucx_server: ServerProcess
+) -> None:
+    client = ucx_client(kv, ucx_server)
+    try:
+        keys, values = blocks(3, 1024**2 + 5, seed=4)
+        assert client.put(keys, values) is not None, client.last_error
+        (lane,) = client.lanes.live()
+        client._loop().run(abort_endpoint(lane.endpoint), 10.0)  # as a peer's failure would
+        out = [np.zeros(1024**2 + 5, dtype=np.uint8) for _ in keys]
+        assert client.get_into(keys, out) == [True] * 3
+        assert all(np.array_equal(a, b) for a, b in zip(values, out, strict=True))
+        (new,) = client.lanes.live()
+        assert new is not lane and new.control_key is not None
+        assert new.control_key != lane.control_key
+        assert client.counters["control_grpc"] == 0 and client.counters["fallbacks"] == 0
+    finally:
+        client.close()
