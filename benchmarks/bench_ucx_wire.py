@@ -14,10 +14,13 @@ blocks, 8; 4 for 16 MiB) between a staging array (the batch's blocks one after a
 engine's staging buffer) and the store, and these cases run interleaved, round-robin:
 
 * ``kvstore UCX get`` / ``put``, 1 lane and 2 lanes: :class:`~kvstore.client.ucx.UcxDataClient`
-  (the path a client on another host takes): one gRPC control call and the batch as its message
+  (the path a client on another host takes): one control message over UCX (the endpoint was
+  bound by one ``UcxBind`` call) and the batch as its message
   plan's UCX messages (blocks next to each other on both sides as one message), the receives of
   a get posted before its control call; and ``get, server plan``: the same get with its receives
-  posted only after the answer (``post_early=False``), to show what the overlap is worth;
+  posted only after the answer (``post_early=False``), to show what the overlap is worth; and
+  ``1 lane, gRPC control``: the same get and put with their control calls over gRPC
+  (``ucx_control=False``, the path before control messages over UCX);
 * ``redis-py GET`` / ``SET``: one pipeline of the batch (redis-py + hiredis; GET returns new bytes
   objects, which is the client's receive).
 
@@ -81,6 +84,8 @@ MIN_REPS, MAX_REPS = 10, 60
 LANES = (1, 2)
 #: The key of the client whose gets wait for the server's plan (receives posted after the answer).
 SERVER_PLAN = 0
+#: The key of the client whose control calls stay on gRPC (``ucx_control=False``): the before.
+GRPC_CONTROL = -1
 
 
 def batch_and_reps(args: argparse.Namespace, label: str) -> tuple[int, int]:
@@ -167,6 +172,10 @@ def _cases(
         if lanes == SERVER_PLAN:
             cases["kvstore UCX get, 1 lane, server plan"] = get(client)
             continue
+        if lanes == GRPC_CONTROL:
+            cases["kvstore UCX get, 1 lane, gRPC control"] = get(client)
+            cases["kvstore UCX put, 1 lane, gRPC control"] = put(client)
+            continue
         cases[f"kvstore UCX get, {lanes} lane{'s' if lanes > 1 else ''}"] = get(client)
         cases[f"kvstore UCX put, {lanes} lane{'s' if lanes > 1 else ''}"] = put(client)
     cases["redis-py GET"] = redis_get
@@ -212,8 +221,9 @@ def bench_store_paths(
                 timeout=CALL_TIMEOUT_S,
                 lanes=max(lanes, 1),
                 post_early=lanes != SERVER_PLAN,
+                ucx_control=lanes != GRPC_CONTROL,
             )
-            for lanes in (*LANES, SERVER_PLAN)
+            for lanes in (*LANES, SERVER_PLAN, GRPC_CONTROL)
         }
         for client in ucx.values():
             stack.callback(client.close)
@@ -246,9 +256,8 @@ def bench_store_paths(
             )
         for lanes, client in ucx.items():
             check(client.counters["fallbacks"] == 0, f"UCX ({lanes} lanes) fell back to gRPC")
-            counters["server plan" if lanes == SERVER_PLAN else f"{lanes} lanes"] = dict(
-                client.counters
-            )
+            name = {SERVER_PLAN: "server plan", GRPC_CONTROL: "gRPC control"}.get(lanes)
+            counters[name or f"{lanes} lanes"] = dict(client.counters)
     return results, counters
 
 
@@ -300,9 +309,11 @@ ORDER = (
     "ucx_perftest tcp",
     "ucxx alone",
     "kvstore UCX get, 1 lane",
+    "kvstore UCX get, 1 lane, gRPC control",
     "kvstore UCX get, 2 lanes",
     "kvstore UCX get, 1 lane, server plan",
     "kvstore UCX put, 1 lane",
+    "kvstore UCX put, 1 lane, gRPC control",
     "kvstore UCX put, 2 lanes",
     "Mooncake Store get",
     "Mooncake Store put",
@@ -356,6 +367,10 @@ def ratios(medians: dict[str, dict[str, float]]) -> str:
             redis_name = "redis-py GET" if op == "get" else "redis-py SET"
             if paths.get(redis_name):
                 parts.append(f"{best / paths[redis_name]:.2f}x {redis_name}")
+            before = paths.get(f"kvstore UCX {op}, 1 lane, gRPC control")
+            after = paths.get(f"kvstore UCX {op}, 1 lane")
+            if before and after:
+                parts.append(f"UCX control / gRPC control, 1 lane: {after / before:.2f}x")
             lines.append("- " + ", ".join(parts))
     return "\n".join(lines)
 

@@ -39,6 +39,7 @@ __all__ = [
     "RETENTION",
     "RPC_PACKAGE",
     "SHM_FRAMES",
+    "UCX_CONTROL",
     "WRITE_FORMATS",
     "Format",
     "NewerFormatError",
@@ -99,6 +100,11 @@ INDEX = Format("index entry", reads=(1,), latest=1, previous=1)
 
 #: The authenticator a node's peer read carries (:mod:`kvstore.node.peer_auth`, gRPC metadata).
 PEER_CALL = Format("peer authenticator", reads=(1,), latest=1, previous=1)
+#: Control messages over a UCX endpoint (:mod:`kvstore.protocol.ucx_control`), in place of the
+#: ``UcxGet`` / ``UcxPut`` gRPC calls. Negotiated per connection (``UcxBind``): a client offers the
+#: versions it speaks, the server picks one or answers UNIMPLEMENTED (a release without it), and
+#: the client keeps making the gRPC calls then.
+UCX_CONTROL = Format("UCX control message", reads=(1,), latest=1, previous=1)
 #: Retention records beside the nvme tier's blocks (:mod:`kvstore.tiers.nvme_retention`): node-
 #: local, but a downgrade reads them too.
 RETENTION = Format("retention record", reads=(1,), latest=1, previous=1)
@@ -115,6 +121,7 @@ FORMATS = {
     "record": RECORD,
     "index": INDEX,
     "peer_call": PEER_CALL,
+    "ucx_control": UCX_CONTROL,
     "retention": RETENTION,
 }
 

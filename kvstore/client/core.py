@@ -214,6 +214,7 @@ class ClientCore:
                     self.namespace,
                     timeout=self.timeout,
                     lanes=self.settings.ucx_lanes,
+                    ucx_control=self.settings.ucx_control,
                 )
         return stale
 

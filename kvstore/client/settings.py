@@ -25,6 +25,10 @@ REGISTER``               a size such as ``16GiB``         process page-locks for
                                                           ``auth.tokens_file``
 ``KVSTORE_TLS_CA``       a PEM file (default none)        the CA of the server's certificate;
                                                           set, the client connects over TLS
+``KVSTORE_UCX_CONTROL``  ``0`` (default), ``1``           ``1``: UCX gets and puts send their
+                                                          control messages over the UCX endpoint
+                                                          (see :mod:`kvstore.client.ucx_control`)
+                                                          instead of a gRPC call
 ======================== ================================ =======================================
 """
 
@@ -45,6 +49,7 @@ __all__ = [
     "PREFAULT_ENV",
     "TLS_CA_ENV",
     "TOKEN_ENV",
+    "UCX_CONTROL_ENV",
     "UCX_LANES_ENV",
     "ClientSettings",
 ]
@@ -58,6 +63,7 @@ CUDA_REGISTER_ENV = "KVSTORE_SHM_CUDA_REGISTER"
 TOKEN_ENV = "KVSTORE_TOKEN"
 TLS_CA_ENV = "KVSTORE_TLS_CA"
 UCX_LANES_ENV = "KVSTORE_UCX_LANES"
+UCX_CONTROL_ENV = "KVSTORE_UCX_CONTROL"
 #: Most UCX lanes a client may open (as ``ucx.max_lanes`` allows at most on a server).
 _MAX_LANES = 8
 _SWITCH = {"1": True, "0": False}
@@ -81,6 +87,10 @@ class ClientSettings:
     tls_ca: str = ""
     #: UCX endpoints (lanes) the client opens to a server.
     ucx_lanes: int = 1
+    #: Whether UCX gets and puts send their control messages over the UCX endpoint itself
+    #: (bound by ``UcxBind``) instead of a gRPC call; off by default: on 2 shared cores over TCP
+    #: it measured slower than the gRPC call (BENCHMARKS.md, issue 40).
+    ucx_control: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.ucx_lanes <= _MAX_LANES:
@@ -103,7 +113,13 @@ class ClientSettings:
         data_plane = env.get(DATA_PLANE_ENV) or "auto"
         direct = env.get(DIRECT_READS_ENV) or "1"
         prefault = env.get(PREFAULT_ENV) or "1"
-        for name, value in ((DIRECT_READS_ENV, direct), (PREFAULT_ENV, prefault)):
+        control = env.get(UCX_CONTROL_ENV) or "0"
+        switches = (
+            (DIRECT_READS_ENV, direct),
+            (PREFAULT_ENV, prefault),
+            (UCX_CONTROL_ENV, control),
+        )
+        for name, value in switches:
             if value not in _SWITCH:
                 raise ConfigError(f"{name} must be 1 or 0, got {value!r}")
         return cls(
@@ -114,6 +130,7 @@ class ClientSettings:
             token=env.get(TOKEN_ENV, ""),
             tls_ca=env.get(TLS_CA_ENV, ""),
             ucx_lanes=_lanes(env.get(UCX_LANES_ENV) or "1"),
+            ucx_control=_SWITCH[control],
         )
 
 

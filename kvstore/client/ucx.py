@@ -1,18 +1,19 @@
 """The client side of the UCX data path, for the blocking :class:`kvstore.KVStoreClient`.
 
-The caller's thread makes the gRPC control calls itself (on the client's existing channel); the
-UCX operations run on the process's UCX loop thread (:mod:`kvstore.protocol.ucx_wire`), over a
-small pool of endpoints to the server (:mod:`kvstore.client.ucx_lanes`), and the caller waits for
-them with a deadline. A batch moves as its plan's messages (:mod:`kvstore.protocol.ucx_plan`):
-blocks next to each other in both sides' memory as one message, spread over the lanes, all in
-flight at once. The control call overlaps the data: a put posts its sends before its control
-call and the server answers once every byte is in; ``get_into`` (host buffers) posts its
-receives before its control call too, for its own plan (``UcxGetRequest.messages``: its buffers
-one after another, those that follow each other in memory as one message), and the server sends
-each planned message whole, from its pages (a copy only where they are not contiguous there), or
-empty where a block in it is missing or of another size: nothing lands in a miss's buffer, and
-the blocks found that shared an empty message are asked for again without a plan. ``get`` (no
-buffers yet) tells the server it takes the stream in one buffer and receives the server's plan.
+The control calls go over the first lane's UCX endpoint itself once a ``UcxBind`` call bound it
+(:mod:`kvstore.client.ucx_control`), else over gRPC on the client's channel; the UCX operations run
+on the process's UCX loop thread (:mod:`kvstore.protocol.ucx_wire`), over a small pool of endpoints
+to the server (:mod:`kvstore.client.ucx_lanes`), and the caller waits for them with a deadline. A
+batch moves as its plan's messages (:mod:`kvstore.protocol.ucx_plan`): blocks next to each other in
+both sides' memory as one message, spread over the lanes, all in flight at once. The control call
+overlaps the data: a put posts its sends before its control call and the server answers once every
+byte is in; ``get_into`` (host buffers) posts its receives before its control call too, for its own
+plan (``UcxGetRequest.messages``: its buffers one after another, those that follow each other in
+memory as one message), and the server sends each planned message whole, from its pages (a copy
+only where they are not contiguous there), or empty where a block in it is missing or of another
+size: nothing lands in a miss's buffer, and the blocks found that shared an empty message are asked
+for again without a plan. ``get`` (no buffers yet) tells the server it takes the stream in one
+buffer and receives the server's plan.
 
 Each :class:`UcxDataClient` method returns ``None`` when the bytes could not move over UCX (ucxx
 missing, no connection, a failed or late transfer, a server without the service): the caller then
@@ -29,25 +30,26 @@ land in a caller's buffer after the fallback has filled it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-import numpy as np
 
 from kvstore._proto.kvstore.v1 import ucx_pb2 as ucx_pb
-from kvstore._proto.kvstore.v1 import ucx_pb2_grpc as ucx_pb_grpc
 from kvstore.buffers import byte_view, writable_byte_view
 from kvstore.client.device_fill import device_transports_in, is_device_tensor
+from kvstore.client.ucx_control import ControlPath, Forgotten, Prepared
 from kvstore.client.ucx_lanes import LANE_BYTES, Lane, LanePool, Moving
+from kvstore.client.ucx_outcome import GetOutcome, landing, settle
 from kvstore.protocol import messages as _wire
+from kvstore.protocol import ucx_control as ctl
 from kvstore.protocol.checks import check_pairs
-from kvstore.protocol.ucx import UcxTransportError, load_ucxx, parse_address, verify_payloads
+from kvstore.protocol.ucx import UcxTransportError, load_ucxx, parse_address
 from kvstore.protocol.ucx_plan import (
     StreamLayout,
     check_plan,
@@ -61,8 +63,6 @@ __all__ = ["CONNECT_SHARE", "UcxDataClient"]
 
 logger = logging.getLogger(__name__)
 
-#: gRPC codes that mean "the UCX path failed", not "the request was bad": fall back to gRPC.
-_TRANSPORT_CODES = {grpc.StatusCode.ABORTED, grpc.StatusCode.UNIMPLEMENTED}
 #: The share of a call's remaining time a new connection may take: a listener that vanished can
 #: stall the handshake (no refusal comes), and the call's gRPC fallback needs the rest.
 CONNECT_SHARE = 0.5
@@ -89,8 +89,8 @@ class UcxDataClient:
         lanes: int = 1,
         lane_bytes: int = LANE_BYTES,
         post_early: bool = True,
+        ucx_control: bool = False,
     ) -> None:
-        self._stub = ucx_pb_grpc.UcxTransferStub(channel)
         self.address = ucx_address
         host, port = parse_address(ucx_address)
         self._namespace = namespace
@@ -105,10 +105,13 @@ class UcxDataClient:
         self._closed = False
         self._device_transports: tuple[str, ...] | None = None
         #: ``transfers``, ``fallbacks``, ``connects``, ``messages``, ``lane_failures``,
-        #: ``retries``: for logs, tests and benchmarks.
+        #: ``retries``, ``control_ucx``, ``control_grpc``: for logs, tests and benchmarks.
         self.counters: Counter[str] = Counter()
         #: Why the last fallback happened ("" if none yet).
         self.last_error = ""
+        #: The control calls: over UCX once the server bound the lanes (``ucx_control``), and
+        #: counted in ``control_ucx`` / ``control_grpc``.
+        self._ctl = ControlPath(channel, self._loop, self.counters, over_ucx=ucx_control)
 
     @property
     def usable(self) -> bool:
@@ -191,7 +194,7 @@ class UcxDataClient:
 
     def _call_get(
         self, keys: Sequence[bytes], views: list[Any] | None, timeout: float | None
-    ) -> _GetOutcome | None:
+    ) -> GetOutcome | None:
         if not self.usable:
             return None
         deadline = self._deadline(timeout)
@@ -201,7 +204,7 @@ class UcxDataClient:
         try:
             try:
                 outcome = self._get_once(keys, views, deadline, posted)
-            except _Forgotten:  # the server restarted, or dropped a lane: once more, new lanes
+            except Forgotten:  # the server restarted, or dropped a lane: once more, new lanes
                 self.counters["retries"] += 1
                 outcome = self._get_once(keys, views, deadline, False)
             if outcome.failed:
@@ -226,9 +229,10 @@ class UcxDataClient:
 
     def _get_once(
         self, keys: Sequence[bytes], views: list[Any] | None, deadline: float, posted: bool
-    ) -> _GetOutcome:
+    ) -> GetOutcome:
         sizes = [] if views is None else [int(view.nbytes) for view in views]
         lanes = self._take(sum(sizes), deadline)
+        posted = posted and not self._ctl.legacy  # it would not send the posted plan
         transfer_id = next(self._transfer_ids)
         mine = None if views is None else StreamLayout([[view] for view in views])
         request = ucx_pb.UcxGetRequest(
@@ -241,9 +245,11 @@ class UcxDataClient:
             receive_any=views is None,
             joined=[] if mine is None else _joined(mine, len(keys)),
         )
-        early = None
+        early, prepared = None, None
         if posted and mine is not None and mine.total:
             request.messages.extend(plan_messages(mine.total, mine.breaks))
+            # The receives and the control message go to the loop in one wake-up.
+            prepared = self._ctl.prepare(ctl.REQUEST_GET, request, _remaining(deadline), lanes)
             early = self._pool.start(
                 "recv",
                 lanes,
@@ -251,70 +257,80 @@ class UcxDataClient:
                 mine.views(request.messages),
                 request.messages,
                 _remaining(deadline),
+                then=None if prepared is None else prepared.exchange,
             )
-        try:
-            response = self._control(self._stub.UcxGet, request, deadline, lanes)
-        except BaseException:
-            if early is not None:
-                early.abandon()  # nothing posted may write into the buffers later
-            raise
-        if len(response.lengths) != len(keys) or len(response.sent) != len(keys):
-            if early is not None:
-                early.abandon()
-            self._pool.drop(lanes)  # its sends, if any, end with the endpoints
-            raise UcxTransportError("malformed UcxGet answer")
+        response = self._get_answer(request, deadline, lanes, early, prepared)
         sent = list(response.sent)
         indices = [index for index, flag in enumerate(sent) if flag]
-        if views is None:
-            # One buffer for the whole stream (receive_any): every message lands in place.
-            stream = np.empty(sum(response.lengths[i] for i in indices), dtype=np.uint8)
-            buffers, offset = {}, 0
-            for index in indices:
-                buffers[index] = stream[offset : offset + response.lengths[index]]
-                offset += response.lengths[index]
-        else:
-            buffers = {index: views[index] for index in indices}
-        outcome = _GetOutcome(sent, buffers)
+        outcome = GetOutcome(sent, landing(views, response.lengths, indices))
         if early is not None:
-            layout = mine
+            assert mine is not None
+            layout, placed = mine, list(range(len(keys)))
             lost = early.finish(_left(deadline))
             self._count(early)
             # Found and the right size, but a posted message it shared with a miss went empty.
             outcome.failed.update(
                 i for i, n in enumerate(response.lengths) if not sent[i] and 0 < n == sizes[i]
             )
-        elif buffers:
-            layout = StreamLayout([[buffers[index]] for index in indices])
-            messages = list(response.messages)
-            try:
-                check_plan(messages, layout.total, layout.breaks)
-            except ValueError as exc:
-                self._pool.drop(lanes)
-                raise UcxTransportError(f"UcxGet answer with a bad plan: {exc}") from exc
-            moving = self._pool.start(
-                "recv", lanes, transfer_id, layout.views(messages), messages, _remaining(deadline)
-            )
-            lost = moving.finish(_left(deadline))
-            self._count(moving)
+        elif outcome.buffers:
+            layout, placed = StreamLayout([[outcome.buffers[i]] for i in indices]), indices
+            lost = self._receive_plan(lanes, transfer_id, layout, response, deadline, indices)
         else:
             return outcome
-        assert layout is not None
-        # Block ``index`` is block ``position`` of the layout received into.
-        placed = range(len(keys)) if early is not None else indices
-        for position, index in enumerate(placed):
-            start = layout.block_starts[position]
-            if sent[index] and any(
-                s < start + response.lengths[index] and start < e for s, e in lost
-            ):
-                outcome.failed.add(index)
-        # Device memory cannot be hashed here; what the host received is checked.
-        host = {
-            i: b for i, b in buffers.items() if not is_device_tensor(b) and i not in outcome.failed
-        }
-        verify_payloads(host, response.checksums)
-        for index in outcome.failed:
-            outcome.buffers.pop(index, None)
+        settle(outcome, layout, placed, lost, response)
         return outcome
+
+    def _get_answer(
+        self,
+        request: ucx_pb.UcxGetRequest,
+        deadline: float,
+        lanes: list[Lane],
+        early: Moving | None,
+        prepared: Prepared | None,
+    ) -> ucx_pb.UcxGetResponse:
+        """The control call's answer, well-formed; whatever fails abandons the posted receives
+        (nothing posted may write into the buffers later)."""
+        started = None if early is None else early.then
+        try:
+            response = self._control(ctl.REQUEST_GET, request, deadline, lanes, prepared, started)
+        except BaseException:
+            if early is not None:
+                early.abandon()
+            raise
+        count = len(request.keys)
+        if len(response.lengths) != count or len(response.sent) != count:
+            if early is not None:
+                early.abandon()
+            self._pool.drop(lanes)  # its sends, if any, end with the endpoints
+            raise UcxTransportError("malformed UcxGet answer")
+        return response  # type: ignore[no-any-return]
+
+    def _receive_plan(
+        self,
+        lanes: list[Lane],
+        transfer_id: int,
+        layout: StreamLayout,
+        response: ucx_pb.UcxGetResponse,
+        deadline: float,
+        indices: list[int],
+    ) -> list[tuple[int, int]]:
+        """Receive the server's plan into ``layout`` (of the blocks ``indices``); the stream
+        ranges lost with a lane."""
+        messages, tags = list(response.messages), None
+        if self._ctl.legacy and not messages:  # one message per block, tagged by key index
+            messages, tags = [response.lengths[i] for i in indices], indices
+        try:
+            if tags is None:
+                check_plan(messages, layout.total, layout.breaks)
+        except ValueError as exc:
+            self._pool.drop(lanes)
+            raise UcxTransportError(f"UcxGet answer with a bad plan: {exc}") from exc
+        moving = self._pool.start(
+            "recv", lanes, transfer_id, layout.views(messages), messages, _remaining(deadline), tags
+        )
+        lost = moving.finish(_left(deadline))
+        self._count(moving)
+        return lost
 
     # -- put -------------------------------------------------------------------------------
 
@@ -323,8 +339,10 @@ class UcxDataClient:
     ) -> PutResult | None:
         """One try of a put; ``None`` if a lane died under it (nothing was stored)."""
         layout = StreamLayout([[view] for view in views])
-        messages = plan_messages(layout.total, layout.breaks)
         lanes = self._take(layout.total, deadline)
+        messages = plan_messages(layout.total, layout.breaks)
+        if self._ctl.legacy:  # the previous release receives one whole message per value
+            messages = [n for n in (int(view.nbytes) for view in views) if n]
         transfer_id = next(self._transfer_ids)
         request = ucx_pb.UcxPutRequest(
             namespace=_wire.namespace_bytes(self._namespace),
@@ -337,12 +355,21 @@ class UcxDataClient:
         )
         # Send at once: UCX holds the payloads until the server posts its receives, so the
         # whole put is one control round trip.
+        prepared = self._ctl.prepare(ctl.REQUEST_PUT, request, _remaining(deadline), lanes)
         sending = self._pool.start(
-            "send", lanes, transfer_id, layout.views(messages), messages, _remaining(deadline)
+            "send",
+            lanes,
+            transfer_id,
+            layout.views(messages),
+            messages,
+            _remaining(deadline),
+            then=None if prepared is None else prepared.exchange,
         )
         error: BaseException | None = None
         try:
-            response = self._control(self._stub.UcxPut, request, deadline, lanes)
+            response = self._control(
+                ctl.REQUEST_PUT, request, deadline, lanes, prepared, sending.then
+            )
         except BaseException as exc:  # settle the sends first, then decide
             error = exc
             if not isinstance(exc, UcxTransportError):
@@ -364,20 +391,24 @@ class UcxDataClient:
         self.counters["messages"] += len(moving.messages)
         self.counters["lane_failures"] += len(moving.failed)
 
-    def _control(self, method: Any, request: Any, deadline: float, lanes: list[Lane]) -> Any:
-        """Make a control call; transport failures raise UcxTransportError, request errors their
-        KVStoreError; :class:`_Forgotten` if the server forgot these endpoints (it restarted)."""
+    def _control(
+        self,
+        kind: int,
+        request: Any,
+        deadline: float,
+        lanes: list[Lane],
+        prepared: Prepared | None = None,
+        started: concurrent.futures.Future[Any] | None = None,
+    ) -> Any:
+        """Make a control call (:class:`~kvstore.client.ucx_control.ControlPath`; ``prepared``
+        and ``started``: one already on its way); transport failures raise UcxTransportError,
+        request errors their KVStoreError; :class:`Forgotten` if the server forgot these
+        endpoints (it restarted): they are dropped."""
         try:
-            return method(request, timeout=_remaining(deadline))
-        except grpc.RpcError as exc:
-            code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-            details = exc.details() if hasattr(exc, "details") else str(exc)
-            if code == grpc.StatusCode.ABORTED and "unknown UCX client" in (details or ""):
-                self._pool.drop(lanes)
-                raise _Forgotten(f"the server forgot this client's lanes: {details}") from exc
-            if code in _TRANSPORT_CODES or code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise UcxTransportError(f"UCX control call failed: {code.name}: {details}") from exc
-            raise _wire.map_rpc_error(exc) from exc
+            return self._ctl.call(kind, request, _remaining(deadline), lanes, prepared, started)
+        except Forgotten:
+            self._pool.drop(lanes)
+            raise
 
     # -- connection ------------------------------------------------------------------------
 
@@ -391,9 +422,12 @@ class UcxDataClient:
         """Lanes for a transfer of ``nbytes`` (opening missing ones in a share of the time left)."""
         timeout = min(self.connect_timeout_s, _remaining(deadline) * CONNECT_SHARE)
         try:
-            return self._pool.take(nbytes, deadline, timeout)
+            lanes = self._pool.take(nbytes, deadline, timeout)
         finally:
             self.counters["connects"] = self._pool.connects
+        self._ctl.bind(lanes, timeout)
+        # A server of the previous release moves every block over the first endpoint.
+        return lanes[:1] if self._ctl.legacy else lanes
 
     def _fail(self, exc: UcxTransportError) -> None:
         """Fall back for this call and leave UCX alone for ``retry_after_s`` seconds."""
@@ -407,18 +441,6 @@ class UcxDataClient:
             exc,
             self.retry_after_s,
         )
-
-
-class _Forgotten(UcxTransportError):
-    """The server does not know the lanes a call named (it restarted): new lanes, once."""
-
-
-@dataclass
-class _GetOutcome:
-    sent: list[bool]
-    buffers: dict[int, Any]
-    #: Indices whose messages a dead lane carried: not in ``buffers``, to be asked again.
-    failed: set[int] = field(default_factory=set)
 
 
 def _joined(layout: StreamLayout, count: int) -> list[bool]:

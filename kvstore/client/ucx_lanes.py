@@ -19,7 +19,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -49,6 +49,11 @@ class Lane:
     client_id: bytes
     in_flight: int = 0
     dead: bool = field(default=False)
+    #: The key ``UcxBind`` gave it (``None``: its control calls go over gRPC), whether a bind
+    #: was tried, and the ``seq`` of its last control message (:mod:`kvstore.client.ucx_control`).
+    control_key: bytes | None = None
+    bind_tried: bool = False
+    control_seq: int = 0
 
 
 class LanePool:
@@ -130,20 +135,31 @@ class LanePool:
         views: Sequence[Any],
         messages: Sequence[int],
         timeout: float,
+        tags: Sequence[int] | None = None,
+        then: Coroutine[Any, Any, Any] | None = None,
     ) -> Moving:
-        """Post a plan's messages over ``lanes`` (the plan's lane rule), charged to them."""
+        """Post a plan's messages over ``lanes`` (the plan's lane rule), charged to them
+        (``tags``: see :func:`~kvstore.protocol.ucx_wire.move_messages`); ``then``, a coroutine
+        started on the loop right after (a control exchange), in the same wake-up: its future is
+        :attr:`Moving.then`."""
         lane_of = assign_lanes(messages, len(lanes))
         loads = lane_loads(messages, lane_of, len(lanes))
         self.charge(lanes, loads)
         endpoints = [lane.endpoint for lane in lanes]
+        move = move_messages(op, endpoints, transfer_id, views, lane_of, timeout, tags)
+        after: concurrent.futures.Future[Any] | None = None
         try:
-            future = self._loop().submit(
-                move_messages(op, endpoints, transfer_id, views, lane_of, timeout)
-            )
+            if then is None:
+                future = self._loop().submit(move)
+            else:
+                future, after = self._loop().submit_both(move, then)
         except BaseException:
             self.discharge(lanes, loads)
+            move.close()
+            if then is not None:
+                then.close()
             raise
-        return Moving(self, lanes, list(messages), lane_of, loads, future)
+        return Moving(self, lanes, list(messages), lane_of, loads, future, then=after)
 
     def close(self) -> None:
         """Drop every lane."""
@@ -198,6 +214,8 @@ class Moving:
     lane_of: list[int]
     loads: list[int]
     future: concurrent.futures.Future[dict[int, BaseException]]
+    #: The future of the coroutine started with the messages (:meth:`LanePool.start`'s ``then``).
+    then: concurrent.futures.Future[Any] | None = None
     #: Lanes that failed, once :meth:`finish` returned.
     failed: dict[int, BaseException] = field(default_factory=dict)
 

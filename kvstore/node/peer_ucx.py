@@ -148,29 +148,9 @@ class UcxPeerLink:
                 sealed=True,
                 receive_any=landing is None,
             )
-            signed = self._sign(request, holder)
-            metadata = None if signed is None else ((CALL_METADATA, signed.metadata()),)
-            call = self._stub.UcxGet(request, timeout=_remaining(deadline), metadata=metadata)
-            try:
-                response = await call
-                if signed is not None and self.signer is not None:
-                    self.signer.check(signed, await call.initial_metadata())
-            except PeerAuthError:
-                await self.drop()  # whatever it sends ends with the endpoint, never received
-                raise
-            except grpc.aio.AioRpcError as exc:
-                details = exc.details() or ""
-                if exc.code() == grpc.StatusCode.ABORTED and "unknown UCX client" in details:
-                    # The peer restarted (or dropped us): a new endpoint, once.
-                    await self.drop()
-                    if attempt == 1:
-                        continue
-                if exc.code() in _TRANSPORT_CODES:
-                    await self.drop()
-                    raise UcxTransportError(
-                        f"UCX control call failed: {exc.code().name}: {details}"
-                    ) from exc
-                raise _wire.map_rpc_error(exc) from exc
+            response = await self._ask(request, holder, deadline, retry=attempt == 1)
+            if response is None:
+                continue  # the peer forgot the endpoint: a new one, once
             if not _well_formed(response, len(keys), self.max_block_bytes):
                 await self.drop()  # the peer's sends, if any, end with the endpoint
                 raise UcxTransportError("malformed UcxGet answer")
@@ -205,6 +185,41 @@ class UcxPeerLink:
                 sealed[index] = SealedBlock(response.headers[index], cast(bytes, block), verdict)
             return sealed
         raise UcxTransportError("the peer forgot this UCX endpoint twice")  # pragma: no cover
+
+    async def _ask(
+        self,
+        request: ucx_pb.UcxGetRequest,
+        holder: tuple[str, int],
+        deadline: float,
+        *,
+        retry: bool,
+    ) -> ucx_pb.UcxGetResponse | None:
+        """The signed ``UcxGet`` control call and its answer, the holder's proof checked;
+        ``None`` if the peer forgot this endpoint and ``retry`` allows a new one."""
+        signed = self._sign(request, holder)
+        metadata = None if signed is None else ((CALL_METADATA, signed.metadata()),)
+        call = self._stub.UcxGet(request, timeout=_remaining(deadline), metadata=metadata)
+        try:
+            response = await call
+            if signed is not None and self.signer is not None:
+                self.signer.check(signed, await call.initial_metadata())
+        except PeerAuthError:
+            await self.drop()  # whatever it sends ends with the endpoint, never received
+            raise
+        except grpc.aio.AioRpcError as exc:
+            details = exc.details() or ""
+            if exc.code() == grpc.StatusCode.ABORTED and "unknown UCX client" in details:
+                # The peer restarted (or dropped us): a new endpoint, once.
+                await self.drop()
+                if retry:
+                    return None
+            if exc.code() in _TRANSPORT_CODES:
+                await self.drop()
+                raise UcxTransportError(
+                    f"UCX control call failed: {exc.code().name}: {details}"
+                ) from exc
+            raise _wire.map_rpc_error(exc) from exc
+        return response  # type: ignore[no-any-return]
 
     def _check(
         self,

@@ -1,8 +1,9 @@
 """The UCX data path between hosts: what its server and client sides share.
 
-gRPC carries the control messages (``kvstore.v1.UcxTransfer``: which keys, the namespace, the
-lengths, found or missing) and UCX carries the payload bytes as the tagged messages of the call's
-plan (blocks next to each other in both sides' memory as one message, over one or more
+The control messages (``kvstore.v1.UcxTransfer``: which keys, the namespace, the lengths, found or
+missing) go over gRPC or, once bound, over the UCX endpoint itself
+(:mod:`kvstore.protocol.ucx_control`), and UCX carries the payload bytes as the tagged messages of
+the call's plan (blocks next to each other in both sides' memory as one message, over one or more
 endpoints: :mod:`kvstore.protocol.ucx_plan`), so a whole batch costs one control round trip. UCX
 picks its transports itself (RDMA where there is some, TCP otherwise). The pieces live in small
 modules:

@@ -32,6 +32,7 @@ __all__ = [
     "move_messages",
     "open_endpoint",
     "shared_loop",
+    "wait_for_loop",
 ]
 
 T = TypeVar("T")
@@ -58,14 +59,51 @@ class LoopThread:
         """Schedule ``coroutine`` on the loop."""
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
 
+    def submit_both(
+        self, first: Coroutine[Any, Any, T], second: Coroutine[Any, Any, Any]
+    ) -> tuple[concurrent.futures.Future[T], concurrent.futures.Future[Any]]:
+        """Schedule two coroutines with one wake-up of the loop, ``first`` started first (a
+        get's receives before its control message: one thread hop fewer than two submits)."""
+        futures: tuple[concurrent.futures.Future[T], concurrent.futures.Future[Any]] = (
+            concurrent.futures.Future(),
+            concurrent.futures.Future(),
+        )
+
+        def start() -> None:
+            for coroutine, future in zip((first, second), futures, strict=True):
+                task = asyncio.ensure_future(coroutine)
+                task.add_done_callback(functools.partial(_settle, future))
+
+        self.loop.call_soon_threadsafe(start)
+        return futures
+
     def run(self, coroutine: Coroutine[Any, Any, T], timeout: float) -> T:
         """Run ``coroutine`` on the loop and wait for it, at most ``timeout`` seconds (+ grace)."""
-        future = self.submit(coroutine)
-        try:
-            return future.result(max(timeout, 0.0) + LOOP_GRACE_S)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise UcxTransportError("the UCX event loop did not answer in time") from None
+        return wait_for_loop(self.submit(coroutine), timeout)
+
+
+def wait_for_loop(future: concurrent.futures.Future[T], timeout: float) -> T:
+    """The result of a coroutine submitted to the loop, waited for at most ``timeout`` seconds
+    (+ grace)."""
+    try:
+        return future.result(max(timeout, 0.0) + LOOP_GRACE_S)
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+        raise UcxTransportError("the UCX event loop did not answer in time") from None
+
+
+def _settle(future: concurrent.futures.Future[Any], task: asyncio.Task[Any]) -> None:
+    """Copy how ``task`` ended into ``future`` (unless the waiter gave up on it)."""
+    if future.cancelled():
+        if not task.cancelled():
+            task.exception()  # retrieved
+        return
+    if task.cancelled():
+        future.cancel()
+    elif task.exception() is not None:
+        future.set_exception(task.exception())
+    else:
+        future.set_result(task.result())
 
 
 _loop_thread: LoopThread | None = None
@@ -133,9 +171,12 @@ async def move_messages(
     views: Sequence[Any],
     lane_of: Sequence[int],
     timeout: float,
+    tags: Sequence[int] | None = None,
 ) -> dict[int, BaseException]:
     """Send or receive message ``m`` (``views[m]``) of a transfer over endpoint
     ``lanes[lane_of[m]]``, all at once; the lanes that failed, with why (empty: all moved).
+    Message ``m`` is tagged ``(transfer_id, m)``, or ``(transfer_id, tags[m])`` (a server of
+    the previous release tags each block by its key's index).
 
     A lane whose operation fails is aborted (cancelling its other operations); past ``timeout``
     every lane still busy is. Returns only after every posted operation has ended.
@@ -143,13 +184,14 @@ async def move_messages(
     posted: list[tuple[int, asyncio.Future[Any]]] = []
     failed: dict[int, BaseException] = {}
     for index, (view, lane) in enumerate(zip(views, lane_of, strict=True)):
+        tag = index if tags is None else tags[index]
         endpoint = lanes[lane]
         if lane in failed:
             continue
         try:
             call = endpoint.send if op == "send" else endpoint.recv
             posted.append(
-                (lane, asyncio.ensure_future(call(view, tag=transfer_tag(transfer_id, index))))
+                (lane, asyncio.ensure_future(call(view, tag=transfer_tag(transfer_id, tag))))
             )
         except Exception as exc:  # the endpoint closed already
             failed[lane] = exc

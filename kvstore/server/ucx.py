@@ -55,8 +55,9 @@ from kvstore.protocol.ucx_plan import (
     plan_messages,
 )
 from kvstore.server.sessions import ArenaSessions, Leased, gather
+from kvstore.server.ucx_control import UcxControl
 from kvstore.server.ucx_endpoints import ClientEndpoint
-from kvstore.server.ucx_put import UcxPuts, UcxScope, check_batch
+from kvstore.server.ucx_put import UcxScope, check_batch
 from kvstore.store import TieredStore
 from kvstore.tiers.dram import DramTier
 
@@ -65,7 +66,7 @@ __all__ = ["UcxDataServer", "UcxScope"]
 logger = logging.getLogger(__name__)
 
 
-class UcxDataServer(UcxPuts):
+class UcxDataServer(UcxControl):
     """A UCX listener serving one store's blocks to remote clients, plus its gRPC control service.
 
     Create it with :func:`~kvstore.server.ucx_service.add_ucx_to_server`, which also registers
@@ -109,13 +110,19 @@ class UcxDataServer(UcxPuts):
     async def get(
         self, request: ucx_pb.UcxGetRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> ucx_pb.UcxGetResponse:
+        """The ``UcxGet`` gRPC call: :meth:`serve_get` as the calling tenant, by its deadline."""
+        return await self.serve_get(self._scope(), request, self._deadline_of(context))
+
+    async def serve_get(
+        self, scope: UcxScope, request: ucx_pb.UcxGetRequest, deadline: float
+    ) -> ucx_pb.UcxGetResponse:
         """Look the keys up and answer; the found payloads then follow over UCX.
 
         With a dram arena, blocks are leased (:meth:`TieredStore.acquire`) and sent straight from
         their pages; the leases are given back when the sends end, however they end. Sealed: each
-        with its sealed header (:func:`_seal_payloads`).
+        with its sealed header (:func:`_seal_payloads`). ``deadline``: ``time.monotonic()`` by
+        which the payloads must have moved (capped by ``transfer_timeout_s``).
         """
-        scope = self._scope()
         clients = self._lanes(request.client_id, request.lanes, scope.owner)
         keys = list(request.keys)
         check_batch(len(keys))
@@ -126,71 +133,23 @@ class UcxDataServer(UcxPuts):
             check_pairs(keys, request.joined, "joined flags")
         arena = scope.store.arena
         if arena is None:
-            return await self._get_copies(scope, clients, request, keys, sizes, context)
+            return await self._get_copies(scope, clients, request, keys, sizes, deadline)
         tiers = _tiers_before_acquire(scope.store, arena, keys, request.namespace)
         session = scope.sessions.open()
         sending = False
         try:
             acquired = await session.acquire(keys, request.namespace)
-            lengths = [_acquired_length(item) for item in acquired]
-            sent = [n > 0 and (not sizes or sizes[i] == n) for i, n in enumerate(lengths)]
-            payloads: list[tuple[int, Any]] = []  # what is hashed and sealed, per block
-            pieces: dict[int, list[Any]] = {}  # what is sent: UCX reads the leased pages
-            travelling: set[int] = set()
-            for index, item in enumerate(acquired):
-                if item is None or not sent[index]:
-                    continue
-                if not isinstance(item, Leased):
-                    payloads.append((index, item))  # bytes the store could not lease
-                    pieces[index] = [host_piece(item)]
-                    continue
-                pieces[index] = [arena.range_view(*run) for run in item.lease.ranges]
-                travelling.add(item.id)
-                if len(item.lease.ranges) == 1:
-                    payloads.append((index, pieces[index][0]))
-                else:  # hashed (and sealed) as one payload; sent run by run from the pages
-                    payloads.append((index, gather(arena, item.lease.ranges, lengths[index])))
-            headers: list[bytes] = [b""] * len(keys) if request.sealed else []
-            if request.sealed and payloads:
-                # One thread hop for the seals and the transport checksums both.
-                seals, checksums = await asyncio.to_thread(
-                    _seal_payloads, keys, request.namespace, acquired, payloads, scope.store.keyring
-                )
-                for index, seal in seals.items():
-                    if seal is None:  # changed since its put: never signed nor sent
-                        sent[index] = False
-                        item = acquired[index]
-                        if isinstance(item, Leased):
-                            travelling.discard(item.id)
-                payloads = [(index, payload) for index, payload in payloads if sent[index]]
-                headers = [
-                    seals.get(index) or b"" if sent[index] else b"" for index in range(len(keys))
-                ]
-            else:
-                checksums = await _checksums(payloads, len(keys))
-            messages = list(request.messages)
-            if messages:  # the caller posted its receives: its plan, each message whole or empty
-                views, voided = _posted_views(sizes, sent, pieces, messages)
-                for index in voided:
-                    sent[index] = False
-                    checksums[index] = 0
-                    if headers:
-                        headers[index] = b""
-                    item = acquired[index]
-                    if isinstance(item, Leased):
-                        travelling.discard(item.id)
-            elif payloads:
-                sending_pieces = [pieces[index] for index, _ in payloads]
-                layout, messages = _get_plan(request, [i for i, _ in payloads], sending_pieces)
-                views = layout.views(messages)
+            got = _Leases(arena, acquired, sizes)
+            await got.seal_or_hash(keys, request, scope.store.keyring)
+            views, messages = got.plan(request, sizes)
             # Only the leases UCX reads from travel with the sends; the others come back now.
-            session.release([i for i in session.leases if i not in travelling])
+            session.release([i for i in session.leases if i not in got.travelling])
             if messages:
                 # The sends are posted before the answer goes. The task's done callback runs
                 # however it ends (even cancelled before it started), so the leases it sends
                 # from always come back.
                 task = await self._send(
-                    scope, clients, request.transfer_id, views, messages, context
+                    scope, clients, request.transfer_id, views, messages, deadline
                 )
                 task.add_done_callback(lambda _: scope.sessions.close(session))
                 sending = True
@@ -203,11 +162,11 @@ class UcxDataServer(UcxPuts):
             elif isinstance(item, Leased) and not tiers[index]:
                 tiers[index] = arena.name  # stored meanwhile: the arena served it
         return ucx_pb.UcxGetResponse(
-            lengths=lengths,
-            sent=sent,
+            lengths=got.lengths,
+            sent=got.sent,
             tiers=tiers,
-            checksums=checksums,
-            headers=headers,
+            checksums=got.checksums,
+            headers=got.headers,
             messages=messages,
         )
 
@@ -218,7 +177,7 @@ class UcxDataServer(UcxPuts):
         request: ucx_pb.UcxGetRequest,
         keys: list[bytes],
         sizes: list[int],
-        context: grpc.aio.ServicerContext[Any, Any],
+        deadline: float,
     ) -> ucx_pb.UcxGetResponse:
         """The get of a store without a dram arena: send copies of the payloads (sealed: with
         their sealed headers)."""
@@ -240,7 +199,7 @@ class UcxDataServer(UcxPuts):
             )
             views = layout.views(messages)
         if messages:
-            await self._send(scope, clients, request.transfer_id, views, messages, context)
+            await self._send(scope, clients, request.transfer_id, views, messages, deadline)
         tiers = [r.tier for r in results]
         headers = []
         if request.sealed:
@@ -261,13 +220,13 @@ class UcxDataServer(UcxPuts):
         transfer_id: int,
         views: list[Any],
         messages: list[int],
-        context: grpc.aio.ServicerContext[Any, Any],
+        deadline: float,
     ) -> asyncio.Task[None]:
         """Once the bytes fit in flight: the task sending ``views`` over the lanes, message ``m``
         over the lane the plan ``messages`` gives it (a posted plan's empty messages too)."""
         lane_of = assign_lanes(messages, len(clients))
         loads = lane_loads([int(view.nbytes) for view in views], lane_of, len(clients))
-        timeout = self._timeout(context)
+        timeout = self._left(deadline)
         await self.inflight.admit(scope.owner, clients, loads, timeout)
 
         async def send() -> None:
@@ -280,6 +239,85 @@ class UcxDataServer(UcxPuts):
                 self.inflight.release(scope.owner, clients, loads)
 
         return self._spawn(send())
+
+
+class _Leases:
+    """What a get found in the arena and sends: per key its length and whether it is sent, the
+    pieces it is sent from (leased pages, or the store's bytes), what is hashed and sealed, and
+    the leases UCX reads from (``travelling``)."""
+
+    def __init__(
+        self,
+        arena: DramTier,
+        acquired: Sequence[Leased | bytes | memoryview | None],
+        sizes: list[int],
+    ) -> None:
+        self.acquired = acquired
+        self.lengths = [_acquired_length(item) for item in acquired]
+        self.sent = [n > 0 and (not sizes or sizes[i] == n) for i, n in enumerate(self.lengths)]
+        self.payloads: list[tuple[int, Any]] = []  # what is hashed and sealed, per block
+        self.pieces: dict[int, list[Any]] = {}  # what is sent: UCX reads the leased pages
+        self.travelling: set[int] = set()
+        self.headers: list[bytes] = []
+        self.checksums: list[int] = []
+        for index, item in enumerate(acquired):
+            if item is None or not self.sent[index]:
+                continue
+            if not isinstance(item, Leased):
+                self.payloads.append((index, item))  # bytes the store could not lease
+                self.pieces[index] = [host_piece(item)]
+                continue
+            self.pieces[index] = [arena.range_view(*run) for run in item.lease.ranges]
+            self.travelling.add(item.id)
+            if len(item.lease.ranges) == 1:
+                self.payloads.append((index, self.pieces[index][0]))
+            else:  # hashed (and sealed) as one payload; sent run by run from the pages
+                self.payloads.append((index, gather(arena, item.lease.ranges, self.lengths[index])))
+
+    def unsend(self, index: int) -> None:
+        """Send block ``index`` after all (its lease, if any, comes back with the others)."""
+        self.sent[index] = False
+        item = self.acquired[index]
+        if isinstance(item, Leased):
+            self.travelling.discard(item.id)
+
+    async def seal_or_hash(
+        self, keys: list[bytes], request: ucx_pb.UcxGetRequest, keyring: Keyring
+    ) -> None:
+        """The answer's ``checksums`` (and, sealed, ``headers``); a block changed since its put
+        is not sent."""
+        count = len(keys)
+        self.headers = [b""] * count if request.sealed else []
+        if not (request.sealed and self.payloads):
+            self.checksums = await _checksums(self.payloads, count)
+            return
+        # One thread hop for the seals and the transport checksums both.
+        seals, self.checksums = await asyncio.to_thread(
+            _seal_payloads, keys, request.namespace, self.acquired, self.payloads, keyring
+        )
+        for index, seal in seals.items():
+            if seal is None:  # changed since its put: never signed nor sent
+                self.unsend(index)
+        self.payloads = [(index, payload) for index, payload in self.payloads if self.sent[index]]
+        self.headers = [seals.get(i) or b"" if self.sent[i] else b"" for i in range(count)]
+
+    def plan(self, request: ucx_pb.UcxGetRequest, sizes: list[int]) -> tuple[list[Any], list[int]]:
+        """What to send, message by message, and the plan: the caller's posted plan (each
+        message whole or empty) or this side's."""
+        messages = list(request.messages)
+        if messages:  # the caller posted its receives: its plan, each message whole or empty
+            views, voided = _posted_views(sizes, self.sent, self.pieces, messages)
+            for index in voided:
+                self.unsend(index)
+                self.checksums[index] = 0
+                if self.headers:
+                    self.headers[index] = b""
+            return views, messages
+        if not self.payloads:
+            return [], []
+        sending = [self.pieces[index] for index, _ in self.payloads]
+        layout, messages = _get_plan(request, [i for i, _ in self.payloads], sending)
+        return layout.views(messages), messages
 
 
 def _posted_views(

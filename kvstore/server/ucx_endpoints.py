@@ -56,6 +56,8 @@ class ClientEndpoint:
     endpoint: Any  # ucxx Endpoint
     client_id: bytes
     owner: str | None = None
+    #: Its :class:`~kvstore.server.ucx_control.ControlBinding` once ``UcxBind`` bound it.
+    control: Any = None
 
 
 class InflightLimits:
@@ -254,13 +256,20 @@ class UcxEndpoints:
             raise InvalidRequestError("a UCX lane is named twice in one transfer")
         return [self._client(one, owner) for one in ids]
 
-    def _timeout(self, context: grpc.aio.ServicerContext[Any, Any]) -> float:
+    def _deadline_of(self, context: grpc.aio.ServicerContext[Any, Any]) -> float:
+        """The ``time.monotonic()`` deadline of a gRPC call (``transfer_timeout_s`` from now at
+        most)."""
         remaining = context.time_remaining()
-        return (
+        timeout = (
             self.transfer_timeout_s
             if remaining is None
             else min(remaining, self.transfer_timeout_s)
         )
+        return time.monotonic() + timeout
+
+    def _left(self, deadline: float) -> float:
+        """Seconds a transfer may still take (0 once ``deadline`` passed)."""
+        return max(0.0, min(deadline - time.monotonic(), self.transfer_timeout_s))
 
     # -- transfers -------------------------------------------------------------------------
 

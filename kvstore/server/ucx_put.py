@@ -54,13 +54,27 @@ class UcxPuts(UcxEndpoints):
     async def put(
         self, request: ucx_pb.UcxPutRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.PutResponse:
+        """The ``UcxPut`` gRPC call: :meth:`serve_put` as the calling tenant, by its deadline."""
+        return await self.serve_put(self._scope(), request, self._deadline_of(context))
+
+    async def serve_put(
+        self,
+        scope: UcxScope,
+        request: ucx_pb.UcxPutRequest,
+        deadline: float,
+        *,
+        drop_refused: bool = True,
+    ) -> pb.PutResponse:
         """Receive the batch's payloads over UCX, then store them as ``Put`` does.
 
         With a dram arena, blocks are received straight into reserved pages
         (:meth:`TieredStore.reserve`) and then committed; a block the arena has no room for is
-        received into a buffer of its own and stored like a ``Put``.
+        received into a buffer of its own and stored like a ``Put``. ``deadline``: as
+        :meth:`~kvstore.server.ucx.UcxDataServer.serve_get`. A batch refused before anything
+        is received drops the caller's endpoints (ending its sends at once), unless
+        ``drop_refused`` is false: a control message's refusal must still travel over them (the
+        client drops them on reading it).
         """
-        scope = self._scope()
         clients = self._lanes(request.client_id, request.lanes, scope.owner)
         keys = list(request.keys)
         lengths = list(request.lengths)
@@ -73,12 +87,14 @@ class UcxPuts(UcxEndpoints):
                 raise InvalidRequestError(f"UcxPut plan: {exc}") from exc
         except KVStoreError:
             # The client is already sending; dropping its endpoints fails those sends at once.
-            for client in clients:
+            for client in clients if drop_refused else ():
                 self._drop(client, "refused a put")
             raise
         arena = scope.store.arena
         if arena is None:
-            return await self._put_copies(scope, clients, request, keys, lengths, messages, context)
+            return await self._put_copies(
+                scope, clients, request, keys, lengths, messages, deadline
+            )
         session = scope.sessions.open()
         try:
             try:
@@ -89,12 +105,12 @@ class UcxPuts(UcxEndpoints):
                 reserved = None
             if reserved is not None:
                 return await self._put_reserved(
-                    scope, clients, request, arena, session, reserved, messages, context
+                    scope, clients, request, arena, session, reserved, messages, deadline
                 )
         finally:
             # Committed reservations are closed, so this gives back only what was not committed.
             scope.sessions.close(session)
-        return await self._put_copies(scope, clients, request, keys, lengths, messages, context)
+        return await self._put_copies(scope, clients, request, keys, lengths, messages, deadline)
 
     async def _put_reserved(
         self,
@@ -105,7 +121,7 @@ class UcxPuts(UcxEndpoints):
         session: ArenaSession,
         reserved: list[Reserved | Literal["present"] | None],
         messages: list[int],
-        context: grpc.aio.ServicerContext[Any, Any],
+        deadline: float,
     ) -> pb.PutResponse:
         """Receive into ``session``'s reservations (and buffers for the rest), then commit."""
         keys, lengths = list(request.keys), list(request.lengths)
@@ -126,7 +142,7 @@ class UcxPuts(UcxEndpoints):
                 fallback[index] = np.empty(length, dtype=np.uint8)
                 pieces.append([fallback[index]])
         await self._receive(
-            scope, clients, request.transfer_id, StreamLayout(pieces), messages, context
+            scope, clients, request.transfer_id, StreamLayout(pieces), messages, deadline
         )
         written = [item.id for item in reserved if isinstance(item, Reserved)]
         result = await session.commit(written, request.namespace)
@@ -150,7 +166,7 @@ class UcxPuts(UcxEndpoints):
         keys: list[bytes],
         lengths: list[int],
         messages: list[int],
-        context: grpc.aio.ServicerContext[Any, Any],
+        deadline: float,
     ) -> pb.PutResponse:
         """Receive into one buffer, then ``store.put`` its slices (it copies them in)."""
         # np.empty: no zeroing, every byte is about to be overwritten.
@@ -165,7 +181,7 @@ class UcxPuts(UcxEndpoints):
             request.transfer_id,
             StreamLayout([[b] for b in buffers]),
             messages,
-            context,
+            deadline,
         )
         result = await scope.store.put(keys, buffers, request.namespace)
         return pb.PutResponse(
@@ -179,7 +195,7 @@ class UcxPuts(UcxEndpoints):
         transfer_id: int,
         layout: StreamLayout,
         messages: list[int],
-        context: grpc.aio.ServicerContext[Any, Any],
+        deadline: float,
     ) -> None:
         """Receive the plan's messages into ``layout``; UcxTransportError on failure.
 
@@ -201,7 +217,7 @@ class UcxPuts(UcxEndpoints):
             offset += length
         lane_of = assign_lanes(messages, len(clients))
         loads = lane_loads(messages, lane_of, len(clients))
-        timeout = self._timeout(context)
+        timeout = self._left(deadline)
         try:
             await self.inflight.admit(scope.owner, clients, loads, timeout)
         except UcxTransportError:

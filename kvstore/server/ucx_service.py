@@ -58,6 +58,17 @@ class UcxTransferServicer(ucx_pb_grpc.UcxTransferServicer):  # type: ignore[misc
         with timed("put", "ucx", self.data_server.tenant):
             return await guard(context, call, _ABORTED)
 
+    async def UcxBind(
+        self, request: ucx_pb.UcxBindRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> ucx_pb.UcxBindResponse:
+        """See :meth:`UcxDataServer.bind`."""
+
+        async def call() -> ucx_pb.UcxBindResponse:
+            check_decoded(request)
+            return self.data_server.bind(request)
+
+        return await guard(context, call, _ABORTED)
+
 
 async def add_ucx_to_server(
     server: grpc.aio.Server,

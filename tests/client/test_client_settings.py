@@ -72,3 +72,10 @@ def test_ucx_lanes_are_a_bounded_whole_number() -> None:
             ConfigError, match="KVSTORE_UCX_LANES must be a whole number from 1 to 8"
         ):
             ClientSettings.from_env({"KVSTORE_UCX_LANES": bad})
+
+
+def test_ucx_control_messages_are_a_switch_off_by_default() -> None:
+    assert ClientSettings.from_env({}).ucx_control is False
+    assert ClientSettings.from_env({"KVSTORE_UCX_CONTROL": "1"}).ucx_control is True
+    with pytest.raises(ConfigError, match="KVSTORE_UCX_CONTROL must be 1 or 0"):
+        ClientSettings.from_env({"KVSTORE_UCX_CONTROL": "yes"})

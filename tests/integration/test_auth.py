@@ -251,6 +251,10 @@ def test_ucx_control_calls_carry_the_token_and_need_it(
         stub = ucx_pb_grpc.UcxTransferStub(channel)
         code, details = _code(stub.UcxGet, ucx_pb.UcxGetRequest())  # type: ignore[misc]
         assert code == grpc.StatusCode.UNAUTHENTICATED and "KVSTORE_TOKEN" in details
+        # The bind that gives endpoints their control-message key is checked the same way.
+        bind = ucx_pb.UcxBindRequest(client_ids=[b"x" * 16], versions=[1])
+        code, details = _code(stub.UcxBind, bind)  # type: ignore[misc]
+        assert code == grpc.StatusCode.UNAUTHENTICATED and "KVSTORE_TOKEN" in details
     with server.client(token=TOKEN, data_plane="ucx") as client:
         client.put(KEYS, VALUES)
         assert client.get(KEYS) == VALUES

@@ -284,7 +284,7 @@ def test_a_ucx_endpoint_serves_only_the_tenant_that_first_used_it(
     address = data_plane_of(server, "alice").ucx_address
     keys, values = blocks(7)
     with client(server, "alice", data_plane="grpc") as a, client(server, "bob") as b:
-        ucx = UcxDataClient(a._transport.channel, address, namespace_bytes(NS))
+        ucx = UcxDataClient(a._transport.channel, address, namespace_bytes(NS), ucx_control=True)
         try:
             stored = ucx.put(keys, values)
             assert stored is not None and stored.stored == 4, ucx.last_error
@@ -302,7 +302,13 @@ def test_a_ucx_endpoint_serves_only_the_tenant_that_first_used_it(
             with pytest.raises(grpc.RpcError) as failure:
                 ucx_pb_grpc.UcxTransferStub(b._transport.channel).UcxGet(request, timeout=10)
             assert failure.value.code() == grpc.StatusCode.PERMISSION_DENIED
-            # a's endpoint still serves a.
+            # Nor can it bind a's endpoint to get a control-message key for it.
+            bind = ucx_pb.UcxBindRequest(client_ids=[connection.client_id], versions=[1])
+            with pytest.raises(grpc.RpcError) as failure:
+                ucx_pb_grpc.UcxTransferStub(b._transport.channel).UcxBind(bind, timeout=10)
+            assert failure.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            # a's endpoint still serves a, its control calls over the endpoint itself.
             assert ucx.get(keys) == values
+            assert ucx.counters["control_ucx"] == 3 and ucx.counters["control_grpc"] == 0
         finally:
             ucx.close()

@@ -41,12 +41,17 @@ def data_plane() -> str:
     return "ucx"
 
 
-@pytest.fixture
-def lanes3(kv: KVStoreClient, address: str) -> Iterator[UcxDataClient]:
+@pytest.fixture(params=[False, True], ids=["grpc-control", "ucx-control"])
+def lanes3(
+    kv: KVStoreClient, address: str, request: pytest.FixtureRequest
+) -> Iterator[UcxDataClient]:
+    """Three lanes; control calls over gRPC, or as control messages over the first lane."""
     # Generous: a lane fault costs a second transfer, on 2 cores at load 10 or more.
-    client = ucx_client(kv, address, lanes=3, timeout=30.0)
+    client = ucx_client(kv, address, lanes=3, timeout=30.0, ucx_control=request.param)
     yield client
     client.close()
+    if request.param:  # every control call of the test went over the lanes themselves
+        assert client.counters["control_grpc"] == 0, client.counters
 
 
 class _LaneKiller:

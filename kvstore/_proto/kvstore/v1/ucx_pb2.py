@@ -25,19 +25,23 @@ _sym_db = _symbol_database.Default()
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as kvstore_dot_v1_dot_kvstore__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kvstore/v1/ucx.proto\x12\nkvstore.v1\x1a\x18kvstore/v1/kvstore.proto\"\xbd\x01\n\rUcxGetRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x11\n\tclient_id\x18\x03 \x01(\x0c\x12\x13\n\x0btransfer_id\x18\x04 \x01(\x04\x12\r\n\x05sizes\x18\x05 \x03(\x04\x12\x0e\n\x06sealed\x18\x06 \x01(\x08\x12\r\n\x05lanes\x18\x07 \x03(\x0c\x12\x0e\n\x06joined\x18\x08 \x03(\x08\x12\x13\n\x0breceive_any\x18\t \x01(\x08\x12\x10\n\x08messages\x18\n \x03(\x04\"t\n\x0eUcxGetResponse\x12\x0f\n\x07lengths\x18\x01 \x03(\x04\x12\x0c\n\x04sent\x18\x02 \x03(\x08\x12\r\n\x05tiers\x18\x03 \x03(\t\x12\x11\n\tchecksums\x18\x04 \x03(\x06\x12\x0f\n\x07headers\x18\x05 \x03(\x0c\x12\x10\n\x08messages\x18\x06 \x03(\x04\"\x8a\x01\n\rUcxPutRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x0f\n\x07lengths\x18\x03 \x03(\x04\x12\x11\n\tclient_id\x18\x04 \x01(\x0c\x12\x13\n\x0btransfer_id\x18\x05 \x01(\x04\x12\r\n\x05lanes\x18\x06 \x03(\x0c\x12\x10\n\x08messages\x18\x07 \x03(\x04\x32\x8c\x01\n\x0bUcxTransfer\x12?\n\x06UcxGet\x12\x19.kvstore.v1.UcxGetRequest\x1a\x1a.kvstore.v1.UcxGetResponse\x12<\n\x06UcxPut\x12\x19.kvstore.v1.UcxPutRequest\x1a\x17.kvstore.v1.PutResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kvstore/v1/ucx.proto\x12\nkvstore.v1\x1a\x18kvstore/v1/kvstore.proto\"6\n\x0eUcxBindRequest\x12\x12\n\nclient_ids\x18\x01 \x03(\x0c\x12\x10\n\x08versions\x18\x02 \x03(\r\"J\n\x0fUcxBindResponse\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0f\n\x07version\x18\x02 \x01(\r\x12\x19\n\x11max_message_bytes\x18\x03 \x01(\r\"\xbd\x01\n\rUcxGetRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x11\n\tclient_id\x18\x03 \x01(\x0c\x12\x13\n\x0btransfer_id\x18\x04 \x01(\x04\x12\r\n\x05sizes\x18\x05 \x03(\x04\x12\x0e\n\x06sealed\x18\x06 \x01(\x08\x12\r\n\x05lanes\x18\x07 \x03(\x0c\x12\x0e\n\x06joined\x18\x08 \x03(\x08\x12\x13\n\x0breceive_any\x18\t \x01(\x08\x12\x10\n\x08messages\x18\n \x03(\x04\"t\n\x0eUcxGetResponse\x12\x0f\n\x07lengths\x18\x01 \x03(\x04\x12\x0c\n\x04sent\x18\x02 \x03(\x08\x12\r\n\x05tiers\x18\x03 \x03(\t\x12\x11\n\tchecksums\x18\x04 \x03(\x06\x12\x0f\n\x07headers\x18\x05 \x03(\x0c\x12\x10\n\x08messages\x18\x06 \x03(\x04\"\x8a\x01\n\rUcxPutRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x0f\n\x07lengths\x18\x03 \x03(\x04\x12\x11\n\tclient_id\x18\x04 \x01(\x0c\x12\x13\n\x0btransfer_id\x18\x05 \x01(\x04\x12\r\n\x05lanes\x18\x06 \x03(\x0c\x12\x10\n\x08messages\x18\x07 \x03(\x04\x32\xd0\x01\n\x0bUcxTransfer\x12?\n\x06UcxGet\x12\x19.kvstore.v1.UcxGetRequest\x1a\x1a.kvstore.v1.UcxGetResponse\x12<\n\x06UcxPut\x12\x19.kvstore.v1.UcxPutRequest\x1a\x17.kvstore.v1.PutResponse\x12\x42\n\x07UcxBind\x12\x1a.kvstore.v1.UcxBindRequest\x1a\x1b.kvstore.v1.UcxBindResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvstore.v1.ucx_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_UCXGETREQUEST']._serialized_start=63
-  _globals['_UCXGETREQUEST']._serialized_end=252
-  _globals['_UCXGETRESPONSE']._serialized_start=254
-  _globals['_UCXGETRESPONSE']._serialized_end=370
-  _globals['_UCXPUTREQUEST']._serialized_start=373
-  _globals['_UCXPUTREQUEST']._serialized_end=511
-  _globals['_UCXTRANSFER']._serialized_start=514
-  _globals['_UCXTRANSFER']._serialized_end=654
+  _globals['_UCXBINDREQUEST']._serialized_start=62
+  _globals['_UCXBINDREQUEST']._serialized_end=116
+  _globals['_UCXBINDRESPONSE']._serialized_start=118
+  _globals['_UCXBINDRESPONSE']._serialized_end=192
+  _globals['_UCXGETREQUEST']._serialized_start=195
+  _globals['_UCXGETREQUEST']._serialized_end=384
+  _globals['_UCXGETRESPONSE']._serialized_start=386
+  _globals['_UCXGETRESPONSE']._serialized_end=502
+  _globals['_UCXPUTREQUEST']._serialized_start=505
+  _globals['_UCXPUTREQUEST']._serialized_end=643
+  _globals['_UCXTRANSFER']._serialized_start=646
+  _globals['_UCXTRANSFER']._serialized_end=854
 # @@protoc_insertion_point(module_scope)

@@ -7,6 +7,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class UcxBindRequest(_message.Message):
+    __slots__ = ("client_ids", "versions")
+    CLIENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    client_ids: _containers.RepeatedScalarFieldContainer[bytes]
+    versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, client_ids: _Optional[_Iterable[bytes]] = ..., versions: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class UcxBindResponse(_message.Message):
+    __slots__ = ("key", "version", "max_message_bytes")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    version: int
+    max_message_bytes: int
+    def __init__(self, key: _Optional[bytes] = ..., version: _Optional[int] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+
 class UcxGetRequest(_message.Message):
     __slots__ = ("namespace", "keys", "client_id", "transfer_id", "sizes", "sealed", "lanes", "joined", "receive_any", "messages")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]

@@ -45,6 +45,11 @@ class UcxTransferStub:
                 request_serializer=kvstore_dot_v1_dot_ucx__pb2.UcxPutRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.PutResponse.FromString,
                 _registered_method=True)
+        self.UcxBind = channel.unary_unary(
+                '/kvstore.v1.UcxTransfer/UcxBind',
+                request_serializer=kvstore_dot_v1_dot_ucx__pb2.UcxBindRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_ucx__pb2.UcxBindResponse.FromString,
+                _registered_method=True)
 
 
 class UcxTransferServicer:
@@ -66,6 +71,17 @@ class UcxTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UcxBind(self, request, context):
+        """Bind the caller's endpoints (client ids) to the caller, as its first UcxGet or UcxPut would,
+        and open a control channel over them: the answer carries a fresh key that authenticates
+        control messages sent over those endpoints themselves (kvstore/protocol/ucx_control.py),
+        which then replace UcxGet and UcxPut calls. A server without it answers UNIMPLEMENTED and
+        the client keeps making the gRPC calls.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_UcxTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -78,6 +94,11 @@ def add_UcxTransferServicer_to_server(servicer, server):
                     servicer.UcxPut,
                     request_deserializer=kvstore_dot_v1_dot_ucx__pb2.UcxPutRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.PutResponse.SerializeToString,
+            ),
+            'UcxBind': grpc.unary_unary_rpc_method_handler(
+                    servicer.UcxBind,
+                    request_deserializer=kvstore_dot_v1_dot_ucx__pb2.UcxBindRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_ucx__pb2.UcxBindResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -134,6 +155,33 @@ class UcxTransfer:
             '/kvstore.v1.UcxTransfer/UcxPut',
             kvstore_dot_v1_dot_ucx__pb2.UcxPutRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.PutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UcxBind(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.UcxTransfer/UcxBind',
+            kvstore_dot_v1_dot_ucx__pb2.UcxBindRequest.SerializeToString,
+            kvstore_dot_v1_dot_ucx__pb2.UcxBindResponse.FromString,
             options,
             channel_credentials,
             insecure,
