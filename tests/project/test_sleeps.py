@@ -7,8 +7,11 @@ load 10) when it happens late, and wastes the time on an idle one; ``harness.pol
 own function (a poll, a pacing interval, a workload's step) or carries a marker comment saying
 why a fixed time is the behaviour under test: ``# sleep: <why>`` on the call's line or on a
 comment line right above it. Such a why is one of: time that must pass (a TTL, a window), a
-stand-in's simulated work, a moment at random in a running loop, or a negative window (room for
-something that must not happen; it can only pass wrongly on a loaded machine, never fail).
+stand-in's simulated work, or a moment at random in a running loop. A negative window (room for
+something that must not happen) is not a why: a fixed one can only pass wrongly on a loaded
+machine, so such a test waits for an event the code sets (``Prefetcher.idle()``, its counts of
+batches in flight and waiting, a later change seen in the index) and then asserts that the
+forbidden thing did not happen.
 
 :data:`LEFT_FOLDERS` names the folders not audited yet, each with why.
 """
