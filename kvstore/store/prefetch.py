@@ -20,6 +20,10 @@ Cancellation stops a prefetch from starting further batches. A batch already ins
 of the concurrency bound): interrupting a move half-way (a demotion awaiting nvme under the
 store's lock) is exactly what the store's lock exists to prevent. Blocks a cancelled prefetch
 already moved stay in dram.
+
+For callers that must know that no further batch will start: :meth:`Prefetcher.idle` waits
+until nothing is queued, running or moving, and :meth:`Prefetcher.stats` counts the batches in
+flight and those waiting for a slot (with the batches in flight held, nothing else can start).
 """
 
 from __future__ import annotations
@@ -94,6 +98,10 @@ class Prefetcher:
         self._jobs: dict[int, _Job] = {}
         self._finished: deque[int] = deque()  # ids of finished jobs, oldest first
         self._batches: set[asyncio.Task[None]] = set()  # promote batches in flight
+        self._waiting = 0  # workers waiting for a slot, each to start its job's next batch
+        self._live = 0  # jobs whose task has not finished (queued or running)
+        self._idle = asyncio.Event()  # set while _live == 0 and no batch is in flight
+        self._idle.set()
         self._counters: Counter[str] = Counter()
         self._closed = False
 
@@ -119,6 +127,8 @@ class Prefetcher:
         job = _Job([bytes(key) for key in keys], bytes(namespace), total=len(keys))
         self._queued_keys += job.total
         self._jobs[prefetch_id] = job
+        self._live += 1
+        self._idle.clear()
         job.task = asyncio.get_running_loop().create_task(
             self._run(job), name=f"kvstore-prefetch-{prefetch_id}"
         )
@@ -161,14 +171,26 @@ class Prefetcher:
         # Cancelled jobs start no new batch, so the batches in flight now are the last ones.
         await asyncio.gather(*tasks, *self._batches, return_exceptions=True)
 
+    async def idle(self) -> None:
+        """Return once no prefetch is queued or running and no batch is moving blocks.
+
+        From then on nothing of the prefetcher touches the store until the next :meth:`submit`
+        (a cancelled prefetch counts once its task has stopped and its last batch finished).
+        Returns at once if nothing was ever submitted.
+        """
+        await self._idle.wait()
+
     def stats(self) -> dict[str, int]:
         """Counters: prefetches submitted / cancelled / refused, active now, batches in flight,
-        keys held by unfinished prefetches (``prefetch_queued_keys``), keys by outcome."""
+        batches ready to start but waiting for a slot of ``max_concurrency``
+        (``prefetch_waiting_for_slot``: a prefetch waits with at most ``max_concurrency`` of
+        them), keys held by unfinished prefetches (``prefetch_queued_keys``), keys by outcome."""
         active = sum(not job.state.finished for job in self._jobs.values())
         return {
             **{f"prefetch_{name}": value for name, value in self._counters.items()},
             "prefetch_active": active,
             "prefetch_batches_in_flight": len(self._batches),
+            "prefetch_waiting_for_slot": self._waiting,
             "prefetch_queued_keys": self._queued_keys,
         }
 
@@ -196,7 +218,11 @@ class Prefetcher:
     async def _worker(self, job: _Job) -> None:
         """Take the job's next batch whenever a slot is free, until no batch is left."""
         while job.next_key < len(job.keys):
-            await self._slots.acquire()
+            self._waiting += 1
+            try:
+                await self._slots.acquire()
+            finally:
+                self._waiting -= 1
             # Taken only once a slot is held, so the earliest remaining keys always go next.
             start = job.next_key
             if job.state is PrefetchState.CANCELLED or start >= len(job.keys):
@@ -224,8 +250,16 @@ class Prefetcher:
 
         task = asyncio.get_running_loop().create_task(batch())
         self._batches.add(task)
-        task.add_done_callback(self._batches.discard)
+        task.add_done_callback(self._batch_done)
         return task
+
+    def _batch_done(self, task: asyncio.Task[None]) -> None:
+        self._batches.discard(task)
+        self._check_idle()
+
+    def _check_idle(self) -> None:
+        if self._live == 0 and not self._batches:
+            self._idle.set()
 
     def _finish(self, prefetch_id: int, job: _Job, task: asyncio.Task[None]) -> None:
         """Settle a job's final state; keep the last ``keep_finished`` jobs, forget older ones."""
@@ -242,3 +276,5 @@ class Prefetcher:
         self._finished.append(prefetch_id)
         while len(self._finished) > self.keep_finished:
             self._jobs.pop(self._finished.popleft(), None)
+        self._live -= 1
+        self._check_idle()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 
@@ -77,12 +78,38 @@ def test_a_message_never_exceeds_the_servers_key_limit() -> None:
     sender.close()
 
 
+class NoticedEvent(threading.Event):
+    """A :class:`threading.Event` that says when someone first waits on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waited = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waited.set()
+        return super().wait(timeout)
+
+
+class WindowNoticed(TouchSender):
+    """A TouchSender whose thread says when it waits out its first window (``window_waited``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.window_waited = threading.Event()
+        super().__init__(*args, **kwargs)
+
+    def _run(self) -> None:
+        noticed = NoticedEvent()  # nothing sets the old one before the window is waited on
+        noticed.waited = self.window_waited
+        self._closing = noticed
+        super()._run()
+
+
 def test_close_sends_what_is_pending() -> None:
     recorder = Recorder()
-    sender = TouchSender(recorder, recorder.sync, max_keys=64, window_s=60.0)  # would wait a minute
-    # sleep: lets the thread reach its 60 s wait (if it has not, close() must not wait either)
-    time.sleep(0.05)
-    sender.close()  # before anything was added: nothing to send
+    sender = WindowNoticed(recorder, recorder.sync, max_keys=64, window_s=60.0)  # a minute
+    assert sender.window_waited.wait(10)  # the thread is in (or entering) its 60 s wait
+    sender.close(timeout=30)  # before anything was added: nothing to send
+    assert not sender._thread.is_alive()  # close() woke it, not the 60 s window running out
     assert recorder.sent == []
     sender = TouchSender(recorder, recorder.sync, max_keys=64, window_s=0.5)
     sender.add([key(1)])

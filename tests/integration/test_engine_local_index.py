@@ -153,8 +153,13 @@ def test_engine_chunks_are_local_whole_and_withdrawn(
         with node.client(NS) as client:
             value = np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes()
             assert client.put(keys[:1], [value]).stored == 1
-        time.sleep(0.3)  # sleep: a window for the node's own copy to (wrongly) outrank the engine
+        # Its change, had it been queued for the index, goes out no later than the next one:
+        # withdrawing the probe, and seeing it gone, shows the node published after the put.
+        engine.send([removed(probe, 0)])
+        poll(lambda: tiers(url, probe_keys) == [""], 10.0, "the probe withdrawn after the put")
         assert tiers(url, keys) == ["local", "local", ""]
+        engine.send([stored(probe, 0, 2)])  # back, for the sequence gap below to drop
+        poll(lambda: tiers(url, probe_keys) == ["local"], 10.0, "the probe again")
         # Removing block 2 (the first of chunk 1) withdraws chunk 1; chunk 0 stays.
         engine.send([removed(prompt, 2)])
         poll(lambda: tiers(url, keys) == ["local", "", ""], 10.0, "chunk 1 withdrawn")

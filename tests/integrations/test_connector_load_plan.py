@@ -137,7 +137,7 @@ def store() -> FakeStore:
 def _measure_a_step(side: SchedulerSide) -> None:
     """One engine step through the scheduler half's hooks: 4 chunks' prefill, timed."""
     side.build_connector_meta(stand_in_output([("warm", 0, 4 * CHUNK)]))
-    time.sleep(0.005)  # the step's forward pass
+    time.sleep(0.005)  # sleep: the step's forward pass (a stand-in's work)
     side.update_connector_output(0, [])
 
 

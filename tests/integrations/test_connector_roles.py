@@ -188,7 +188,7 @@ class _SlowPuts:
         self._client, self._delay_s = client, delay_s
 
     def put(self, *args: Any, **kwargs: Any) -> Any:
-        time.sleep(self._delay_s)
+        time.sleep(self._delay_s)  # sleep: the slow store's work, as slow as asked
         return self._client.put(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:

@@ -53,6 +53,13 @@ async def wait_finished(prefetcher: Prefetcher, prefetch_id: int) -> PrefetchPro
     return prefetcher.status(prefetch_id)
 
 
+def parked(prefetcher: Prefetcher) -> int:
+    """Workers holding a batch in flight or waiting for a slot: with the promotes gated, none
+    of them can start another batch until one finishes."""
+    stats = prefetcher.stats()
+    return stats["prefetch_batches_in_flight"] + stats["prefetch_waiting_for_slot"]
+
+
 class GatedPromote:
     """Stands in for ``store.promote``: records each batch, holds it until released, then runs
     the real promote. Tracks how many batches are in flight at once."""
@@ -131,7 +138,10 @@ async def test_concurrency_is_bounded_across_prefetches_and_batches_go_in_order(
     jobs = {n: [key(1000 * n + i) for i in range(22)] for n in range(1, 4)}  # absent: missing
     ids = {n: prefetcher.submit(keys, NS) for n, keys in jobs.items()}
     await gated.wait_calls(3)
-    await asyncio.sleep(0.02)  # sleep: room for a fourth batch to start if the bound leaked
+    # Each prefetch runs min(max_concurrency, its 6 batches) = 3 workers: once all 9 hold a
+    # batch or wait for a slot, nothing more starts until a batch finishes.
+    await apoll(lambda: parked(prefetcher) == 9, 30.0, "every worker holding or waiting")
+    assert prefetcher.stats()["prefetch_batches_in_flight"] == 3
     assert len(gated.calls) == 3
     assert gated.in_flight == 3
     gated.gate.set()
@@ -160,8 +170,8 @@ async def test_cancel_stops_remaining_batches_and_keeps_moved_blocks(
     assert prefetcher.status(prefetch_id).state is PrefetchState.CANCELLED
     # The batch already in promote is not interrupted: it completes, and its blocks stay.
     gated.gate.set()
-    await apoll(lambda: gated.finished == 1, 30.0, "the batch in promote done")
-    await asyncio.sleep(0.02)  # sleep: room for a second batch to start if cancel leaked
+    await asyncio.wait_for(prefetcher.idle(), 30.0)  # a leaked second batch would run first
+    assert gated.finished == 1
     assert len(gated.calls) == 1
     assert prefetcher.status(prefetch_id) == PrefetchProgress(
         PrefetchState.CANCELLED, total=4, ready=2
@@ -183,12 +193,14 @@ async def test_cancel_of_a_queued_prefetch_runs_nothing(
     first = prefetcher.submit([key(1), key(2)], NS)
     await gated.wait_calls(1)
     queued = prefetcher.submit([key(3), key(4)], NS)
-    await asyncio.sleep(0.01)  # sleep: room for the queued one to start if the bound leaked
+    # Once the queued one's worker holds a batch or waits for the only slot, it cannot start.
+    await apoll(lambda: parked(prefetcher) == 2, 30.0, "the queued one's worker waiting")
+    assert prefetcher.stats()["prefetch_waiting_for_slot"] == 1
     assert prefetcher.status(queued).state is PrefetchState.QUEUED
     assert prefetcher.cancel(queued) is True
     gated.gate.set()
     assert (await wait_finished(prefetcher, first)).state is PrefetchState.DONE
-    await asyncio.sleep(0.01)  # sleep: room for the cancelled one to start if cancel leaked
+    await asyncio.wait_for(prefetcher.idle(), 30.0)  # the cancelled one, had it started, too
     assert gated.calls == [[key(1), key(2)]]
     assert prefetcher.status(queued) == PrefetchProgress(PrefetchState.CANCELLED, total=2)
     await prefetcher.close()
@@ -203,7 +215,10 @@ async def test_close_cancels_and_waits_for_batches_in_flight(
     prefetch_id = prefetcher.submit([key(n) for n in range(4)], NS)
     await gated.wait_calls(2)
     closing = asyncio.create_task(prefetcher.close())
-    await asyncio.sleep(0.01)  # sleep: room for close() to return early if it does not wait
+    # Once the cancelled prefetch's task has stopped (its keys given back), only the two
+    # batches are left to wait for: a close() that did not wait for them would be done.
+    stopped = {"prefetch_queued_keys": 0, "prefetch_waiting_for_slot": 0}
+    await apoll(lambda: stopped.items() <= prefetcher.stats().items(), 30.0, "the job stopped")
     assert not closing.done()  # two moves are still in flight
     gated.gate.set()
     await asyncio.wait_for(closing, 5)
@@ -262,11 +277,12 @@ async def test_bad_request_raises_before_anything_is_queued(
     prefetcher = Prefetcher(store, batch_keys=4)
     with pytest.raises(InvalidRequestError, match=message):
         prefetcher.submit(keys, namespace)
-    await asyncio.sleep(0.01)  # sleep: room for a batch to start if one had been queued
+    await asyncio.wait_for(prefetcher.idle(), 30.0)  # a queued batch would have run by then
     assert calls == []
     assert prefetcher.stats() == {
         "prefetch_active": 0,
         "prefetch_batches_in_flight": 0,
+        "prefetch_waiting_for_slot": 0,
         "prefetch_queued_keys": 0,
     }
     # No id was used up: the next good request gets the first one.

@@ -232,7 +232,7 @@ def test_slow_lookup_answers_not_known_yet(
     real = scheduler._client.lookup_tiers
 
     def slow_lookup(keys: Any, timeout: float | None = None) -> Any:
-        time.sleep(max(0.0, release - time.monotonic()))
+        time.sleep(max(0.0, release - time.monotonic()))  # sleep: a store slow to answer
         return real(keys, timeout=timeout)
 
     # The scheduler asks for the tiers too (its load plan weighs where each hit is).

@@ -166,8 +166,13 @@ def test_engine_prefix_cache_is_local_in_the_index(
         def heard() -> bool:
             warm = [rng.randrange(3, 1000) for _ in range(CHUNK + 10)]
             engine.generate(warm)
-            time.sleep(1.0)
-            return "beside-engine" in holders(redis_server.url, hasher.keys(warm))
+            # A second for this prompt's events to reach the index; then the next prompt.
+            give_up = time.monotonic() + 1.0
+            while time.monotonic() < give_up:
+                if "beside-engine" in holders(redis_server.url, hasher.keys(warm)):
+                    return True
+                time.sleep(0.05)
+            return False
 
         wait_for(heard, "the node hearing the engine's events", 120)
 
