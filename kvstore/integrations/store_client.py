@@ -4,7 +4,8 @@ The connector's halves take any object with these calls, not a :class:`~kvstore.
 by name, and call them without probing: a stand-in (the tests' ``FakeStore``) implements every
 one, answering ``None`` from :meth:`StoreClient.lease` and :meth:`StoreClient.reserve` as a
 client that does not reach the store over shared memory does. :class:`~kvstore.KVStoreClient`
-satisfies it (mypy checks that where the connector opens one).
+satisfies it (mypy checks that where the connector opens one), and so do the tests' stand-ins
+(mypy checks ``tests/harness/store_stand_in.py`` and the connector tests that pass them).
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from kvstore.integrations.vllm.common import ConnectorSettings
 from kvstore.integrations.vllm.scheduler import SchedulerSide
 from kvstore.integrations.vllm.worker import WorkerSide
 from kvstore.key_scheme import KeyScheme
+from kvstore.retention import KEEP, Retention
 from kvstore.types import LookupResult, PutResult
 
 __all__ = [
@@ -54,8 +55,9 @@ NUM_BLOCKS = 24
 class FakeStore(StoreStandIn):
     """Stands in for :class:`kvstore.KVStoreClient`: chunks in a dict, calls counted."""
 
-    #: A store whose node names chunks of CHUNK tokens, as the tests' settings do.
-    scheme = KeyScheme(chunk_size=CHUNK)
+    #: A store whose node names chunks of CHUNK tokens, as the tests' settings do (a test's
+    #: stand-in may set ``None``: a store that cannot be reached).
+    scheme: KeyScheme | None = KeyScheme(chunk_size=CHUNK)
 
     def __init__(self) -> None:
         self.chunks: dict[bytes, torch.Tensor] = {}
@@ -88,7 +90,11 @@ class FakeStore(StoreStandIn):
         return LookupResult(hits, tiers)
 
     def get_into(
-        self, keys: Sequence[bytes], buffers: Sequence[torch.Tensor], **_: Any
+        self,
+        keys: Sequence[bytes],
+        buffers: Sequence[torch.Tensor],
+        *,
+        timeout: float | None = None,
     ) -> list[bool]:
         self._check()
         found = []
@@ -99,24 +105,31 @@ class FakeStore(StoreStandIn):
             found.append(chunk is not None)
         return found
 
-    def put(self, keys: Sequence[bytes], values: Sequence[torch.Tensor], **_: Any) -> PutResult:
+    def put(
+        self,
+        keys: Sequence[bytes],
+        values: Sequence[torch.Tensor],
+        *,
+        timeout: float | None = None,
+        retention: Retention = KEEP,
+    ) -> PutResult:
         self._check()
         with self.lock:
             for key, value in zip(keys, values, strict=True):
                 self.chunks[key] = value.clone()
         return PutResult(stored=len(keys))
 
-    def stats(self, **_: Any) -> dict[str, Any]:
+    def stats(self, *, timeout: float | None = None) -> dict[str, Any]:
         self._check()
         return self.stats_answer
 
-    def prefetch(self, keys: Sequence[bytes], **_: Any) -> int:
+    def prefetch(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
         self._check()
         with self.lock:
             self.prefetched.extend(keys)
         return 1
 
-    def open_data_plane(self, **_: Any) -> str:
+    def open_data_plane(self, *, timeout: float | None = None) -> str:
         self._check()
         return "grpc"
 

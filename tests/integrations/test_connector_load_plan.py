@@ -121,7 +121,7 @@ def sides(store: FakeStore) -> Iterator[dict[str, SchedulerSide]]:
             stand_in_vllm_config(),
             stand_in_kv_cache_config(),
             client=store,
-        )  # type: ignore[arg-type]
+        )
         for policy in ("cost", "always", "never")
     }
     yield made

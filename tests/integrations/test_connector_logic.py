@@ -121,12 +121,12 @@ def test_load_plan_writes_only_the_blocks_the_engine_lacks(
     assert answer_when_known(side, request, BLOCK) == 3 * CHUNK - BLOCK
     side.update_state_after_alloc(
         request, StandInBlocks([30, 20, 21, 22, 23, 24, 25]), 3 * CHUNK - BLOCK
-    )  # type: ignore[arg-type]
+    )
     plan = side.build_connector_meta(stand_in_output([]))
     # The load counts the request's 80 new tokens (3 chunks less the block it holds).
     assert plan.loads == [LoadSpec("b", keys, [-1, 20, 21, 22, 23, 24], tokens=3 * CHUNK - BLOCK)]
     assert side.build_connector_meta(stand_in_output([])).loads == []  # handed out once
-    side.update_state_after_alloc(request, StandInBlocks([1]), 0)  # type: ignore[arg-type]
+    side.update_state_after_alloc(request, StandInBlocks([1]), 0)
     assert side.build_connector_meta(stand_in_output([])).loads == []
 
 
@@ -215,7 +215,7 @@ def test_a_slow_first_call_is_not_an_outage(slow: bool) -> None:
     store = FakeStore()
     store.slow, store.down = slow, not slow
     breaker = Breaker(retry_after_s=5.0)
-    warm_up(store, breaker, 0.5)  # type: ignore[arg-type]
+    warm_up(store, breaker, 0.5)
     assert breaker.is_open() is not slow
 
 
@@ -342,7 +342,7 @@ def test_secret_comes_from_the_config_loader_unless_given() -> None:
             stand_in_vllm_config(),
             stand_in_kv_cache_config(),
             FakeStore(),
-        )  # type: ignore[arg-type]
+        )
 
 
 def test_token_and_tls_ca_are_read_and_the_token_is_not_shown() -> None:
@@ -415,7 +415,7 @@ def test_both_connector_halves_resume_as_soon_as_the_store_connects_again() -> N
         stand_in_kv_cache_config(),
         client=scheduler_client,
     )
-    side.bind_kv_cache_manager(StandInManager())  # type: ignore[arg-type]
+    side.bind_kv_cache_manager(StandInManager())
     worker_client = KVStoreClient("unused", namespace=ns, transport=worker_link)
     worker = WorkerSide(
         connector_settings(),

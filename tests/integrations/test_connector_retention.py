@@ -39,9 +39,9 @@ def _side(store: FakeStore | None, **extra: Any) -> tuple[SchedulerSide, StandIn
         stand_in_vllm_config(),
         stand_in_kv_cache_config(),
         client=store,
-    )  # type: ignore[arg-type]
+    )
     manager = StandInManager()
-    side.bind_kv_cache_manager(manager)  # type: ignore[arg-type]
+    side.bind_kv_cache_manager(manager)
     return side, manager
 
 
@@ -146,7 +146,7 @@ def test_a_retained_prompt_saved_by_the_connector_survives_a_flood(
         sides.append(side)
         worker = WorkerSide(
             connector_settings(**settings), stand_in_vllm_config(), stand_in_kv_cache_config()
-        )  # type: ignore[arg-type]
+        )
         try:
             worker.register_kv_caches(random_caches(1))
             prompts = {

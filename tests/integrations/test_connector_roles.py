@@ -48,9 +48,9 @@ def _side(
     config.kv_transfer_config = SimpleNamespace(kv_role=role)
     side = SchedulerSide(
         connector_settings(**extra), config, stand_in_kv_cache_config(), client=store
-    )  # type: ignore[arg-type]
+    )
     manager = StandInManager()
-    side.bind_kv_cache_manager(manager)  # type: ignore[arg-type]
+    side.bind_kv_cache_manager(manager)
     return side, manager
 
 
@@ -122,7 +122,7 @@ def test_a_consumer_loads_and_never_saves(sides: list[SchedulerSide]) -> None:
     store.chunks[keys[0]] = torch.zeros(1)
     assert answer_when_known(side, request, 0) == CHUNK
     manager.blocks["c"] = list(range(7))
-    side.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: ([0, 1],)), CHUNK)  # type: ignore[arg-type]
+    side.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: ([0, 1],)), CHUNK)
     plan = side.build_connector_meta(stand_in_output([("c", 0, len(tokens))]))
     assert [load.keys for load in plan.loads] == [[keys[0]]]
     assert plan.saves == []
@@ -220,7 +220,7 @@ def test_a_consumer_loads_a_producers_chunks_still_being_put_bit_for_bit(
         config.kv_transfer_config = SimpleNamespace(kv_role="kv_producer")
         writer = WorkerSide(
             connector_settings(**settings), config, stand_in_kv_cache_config(), client=slow
-        )  # type: ignore[arg-type]
+        )
         source = random_caches(1)
         writer.register_kv_caches(source)
         tokens = list(range(3 * CHUNK + 5))
@@ -240,12 +240,12 @@ def test_a_consumer_loads_a_producers_chunks_still_being_put_bit_for_bit(
             decode,
             SimpleNamespace(get_block_ids=lambda: ([12, 13, 14, 15, 16, 17, 18],)),
             3 * CHUNK,
-        )  # type: ignore[arg-type]
+        )
         load = consumer.build_connector_meta(stand_in_output([("d", 0, len(tokens))]))
         assert load.saves == []
         reader = WorkerSide(
             connector_settings(**settings), stand_in_vllm_config(), stand_in_kv_cache_config()
-        )  # type: ignore[arg-type]
+        )
         try:
             target = random_caches(2)
             reader.register_kv_caches(target)

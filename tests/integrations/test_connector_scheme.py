@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,7 @@ from kvstore.integrations.vllm.common import ConnectorSettings, LoadSpec, StepPl
 from kvstore.integrations.vllm.scheduler import SchedulerSide
 from kvstore.integrations.vllm.worker import WorkerSide
 from kvstore.key_scheme import KeyScheme, secret_fingerprint
-from kvstore.keys import ChunkHasher
+from kvstore.keys import ChunkHasher, Namespace
 
 SCHEME_LOGGER = "kvstore.integrations.vllm.scheme"
 
@@ -57,19 +58,21 @@ class SchemeStore(FakeStore):
         super().__init__()
         self.scheme = scheme
         self.refusal = refusal
-        self.asked: list[tuple[Any, str]] = []
+        self.asked: list[tuple[Namespace, str]] = []
         self.closed = False
         #: The reconnect watches asked of it, for a test to fire.
-        self.reconnect_callbacks: list[Any] = []
+        self.reconnect_callbacks: list[Callable[[], None]] = []
 
-    def when_reconnected(self, callback: Any) -> None:
+    def when_reconnected(self, callback: Callable[[], None]) -> None:
         self.reconnect_callbacks.append(callback)
 
-    def key_scheme(self, namespace: Any, secret_check: str, **kwargs: Any) -> KeyScheme:
+    def key_scheme(
+        self, namespace: Namespace, secret_check: str, *, timeout: float | None = None
+    ) -> KeyScheme:
         self.asked.append((namespace, secret_check))
         if self.refusal is not None:
             raise self.refusal
-        return super().key_scheme(namespace, secret_check, **kwargs)
+        return super().key_scheme(namespace, secret_check, timeout=timeout)
 
     def close(self) -> None:
         self.closed = True
@@ -98,7 +101,7 @@ def test_both_halves_take_the_stores_chunk_size_and_algorithm_when_the_config_se
         side = _scheduler(_unpinned(), store)
         worker = WorkerSide(
             _unpinned(), stand_in_vllm_config(), stand_in_kv_cache_config(), client=store
-        )  # type: ignore[arg-type]
+        )
     try:
         assert (side._settings.chunk_size, side._settings.hash_algorithm) == (64, "sha256")
         assert (side.layout.blocks_per_chunk(0), worker._blocks_per_chunk) == (4, 4)
@@ -228,7 +231,7 @@ def test_a_store_that_answers_otherwise_after_a_start_without_it_stops_loads_and
     store = SchemeStore(None)
     side = _scheduler(_unpinned(), store)  # the default chunk size, 256 tokens
     manager = StandInManager()
-    side.bind_kv_cache_manager(manager)  # type: ignore[arg-type]
+    side.bind_kv_cache_manager(manager)
     try:
         store.scheme = KeyScheme(chunk_size=CHUNK)
         with caplog.at_level(logging.ERROR, logger=SCHEME_LOGGER):
@@ -253,7 +256,7 @@ def test_a_worker_told_another_chunk_size_by_its_scheduler_stops_with_one_error_
     store = SchemeStore(KeyScheme(chunk_size=CHUNK))
     worker = WorkerSide(
         connector_settings(), stand_in_vllm_config(), stand_in_kv_cache_config(), client=store
-    )  # type: ignore[arg-type]
+    )
     try:
         worker.register_kv_caches(random_caches(1))
         key = b"k" * 16

@@ -188,7 +188,7 @@ def test_only_the_first_rank_reports(
         stand_in_vllm_config(tp_size=2),
         stand_in_kv_cache_config(),
         client=store,
-    )  # type: ignore[arg-type]
+    )
     try:
         side.counters.record_save(CHUNK)
         assert side.take_stats() is None

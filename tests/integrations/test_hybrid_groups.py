@@ -188,12 +188,12 @@ def test_the_cpu_sink_split_warning_names_the_cause_only_where_it_applies(
     monkeypatch.delenv("VLLM_CPU_ATTN_SPLIT_KV", raising=False)
     gpt_oss = {"l0": (128, True), "l1": (-1, True)}  # sliding and full layers, with sinks
     names = list(gpt_oss)
-    warning = sink_split_warning(_engine("cpu", gpt_oss), names)  # type: ignore[arg-type]
+    warning = sink_split_warning(_engine("cpu", gpt_oss), names)
     assert warning is not None and "VLLM_CPU_ATTN_SPLIT_KV=0" in warning
-    assert sink_split_warning(_engine("cuda", gpt_oss), names) is None  # type: ignore[arg-type]
+    assert sink_split_warning(_engine("cuda", gpt_oss), names) is None
     no_sinks = {"l0": (128, False), "l1": (-1, False)}  # Gemma 2 style
-    assert sink_split_warning(_engine("cpu", no_sinks), names) is None  # type: ignore[arg-type]
+    assert sink_split_warning(_engine("cpu", no_sinks), names) is None
     all_sliding = {"l0": (128, True), "l1": (128, True)}  # one window: its own plan is right
-    assert sink_split_warning(_engine("cpu", all_sliding), names) is None  # type: ignore[arg-type]
+    assert sink_split_warning(_engine("cpu", all_sliding), names) is None
     monkeypatch.setenv("VLLM_CPU_ATTN_SPLIT_KV", "0")
-    assert sink_split_warning(_engine("cpu", gpt_oss), names) is None  # type: ignore[arg-type]
+    assert sink_split_warning(_engine("cpu", gpt_oss), names) is None

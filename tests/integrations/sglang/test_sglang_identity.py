@@ -86,7 +86,7 @@ def fingerprint(pool: HostPoolStandIn, conf: SimpleNamespace, chosen: BackendSet
 def test_the_namespace_changes_with_everything_that_decides_a_pages_bytes() -> None:
     pool = HostPoolStandIn("layer_first")
     base = fingerprint(pool, config(), settings())
-    shaped = {
+    shaped: dict[str, dict[str, Any]] = {
         "dtype": {"dtype": torch.float16},
         "layers": {"layers": 4},
         "heads": {"heads": 4},

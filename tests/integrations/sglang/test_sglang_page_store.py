@@ -180,7 +180,8 @@ def test_off_shared_memory_a_call_is_staged_in_bounded_parts(
     reader = opened(store.target, reader_pool, data_plane="grpc", cache_salt="parts")
     # Two pages per part: five pages go as three gets and three puts.
     monkeypatch.setattr(transfer, "MAX_STAGING_BYTES", 2 * writer.shape.page_nbytes + 1)
-    gets, puts = [], []
+    gets: list[int] = []
+    puts: list[int] = []
     for pages, calls in ((reader, gets), (writer, puts)):
         client = pages._client
         name = "get_into" if calls is gets else "put"
