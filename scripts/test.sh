@@ -83,7 +83,9 @@ sglang_suite() {
 # A failing suite fails the run at the end, never stops it: every suite runs.
 suite ruff .venv/bin/ruff check kvstore kernels tests benchmarks scripts
 suite ruff-format .venv/bin/ruff format --check kvstore kernels tests benchmarks scripts
-suite mypy .venv/bin/mypy kvstore kernels tests/harness
+# mypy (strict) on the package, the kernels, the tests' harness and the connector tests: the
+# stand-ins those tests hand the connector are checked against the protocols they stand in for.
+suite mypy .venv/bin/mypy kvstore kernels tests/harness tests/integrations
 suite generated-code generated_code
 # The default suite on KVSTORE_TEST_WORKERS processes (pytest-xdist; 0 runs it in this one): most of
 # its time is spent waiting on servers and subprocesses, so two workers on two cores take about half

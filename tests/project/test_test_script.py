@@ -140,3 +140,13 @@ def test_test_sh_says_what_was_skipped_and_why() -> None:
 
 def test_ci_runs_test_sh() -> None:
     assert "exec bash scripts/test.sh" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_mypy_checks_what_the_operations_guide_says() -> None:
+    # The guide names the type-checked paths; the dry run shows what the suite runs.
+    result = run_test_sh()
+    assert result.returncode == 0, result.stdout + result.stderr
+    scope = "kvstore kernels tests/harness tests/integrations"
+    assert f"--- mypy: would run: .venv/bin/mypy {scope}\n" in result.stdout
+    guide = " ".join((ROOT / "docs" / "operations.md").read_text().split())
+    assert f"mypy (strict, on `{scope}`:" in guide
