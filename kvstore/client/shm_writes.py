@@ -1,13 +1,16 @@
-"""Writes over the shared-memory plane: reserve pages, hand the server the bytes, commit.
+"""Writes over the shared-memory plane: reserve pages, write the bytes, commit.
 
 :class:`ShmWrites` is the writing half of :class:`~kvstore.client.shm.ShmDataPlane` (which
-extends it). A put reserves pages for its blocks (``RESERVE``), puts each block's bytes where the
-server takes them, and commits. Where the server sealed its arena (every current server: the
-arena is then mapped read-only here, :mod:`kvstore.server.shm_window`) the bytes go into this
-client's write window (:mod:`kvstore.client.shm_window`) and ``COMMIT_FROM`` names where they lie;
-the server copies them into the reserved pages. An older server's unsealed arena takes them in
-the reserved pages themselves, and a plain ``COMMIT``. A block the window has no room for right
-now is reported like one the arena has no room for: the caller sends it another way.
+extends it), and it has one write path: :meth:`ShmWrites.reserve` reserves pages for blocks
+(``RESERVE``) and hands out a :class:`~kvstore.client.shm_reserve.ShmReservation`, the caller
+writes each block into it, and the reservation's commit stores them. :meth:`ShmWrites.put` is
+that path with the caller's values: reserve, write each value, commit, within one deadline.
+Where the server sealed its arena (every current server: the arena is then mapped read-only
+here, :mod:`kvstore.server.shm_window`) a reservation's views are runs of this client's write
+window (:mod:`kvstore.client.shm_window`) and ``COMMIT_FROM`` names where they lie; the server
+copies them into the reserved pages. An older server's unsealed arena takes them in the reserved
+pages themselves, and a plain ``COMMIT``. A block the window has no room for right now is
+reported like one the arena has no room for: the caller sends it another way.
 
 A window run is given back once the server has answered the commit (it has copied the bytes by
 then) or the reservation was cancelled; where a commit's answer never came (a timeout), its runs
@@ -19,8 +22,6 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from typing import Any
-
-import numpy as np
 
 from kvstore.buffers import byte_view
 from kvstore.client.shm_attach import ShmAttachment
@@ -45,6 +46,7 @@ from kvstore.types import PutResult
 __all__ = ["ShmWrites"]
 
 _Ranges = list[tuple[int, int]]
+_Runs = dict[int, tuple[int, int]]  # slot id: its window run (offset, length)
 
 
 class ShmWrites(ShmAttachment):
@@ -57,79 +59,25 @@ class ShmWrites(ShmAttachment):
         timeout: float | None = None,
         retention: Retention = KEEP,
     ) -> tuple[PutResult, list[int]]:
-        """Write blocks through the arena, stored with ``retention``.
+        """Write blocks through the arena, stored with ``retention``: a :meth:`reserve`, each
+        value written into its pages, the commit, all within ``timeout``.
 
         Returns the result and the indices of values the arena (or the write window) had no
         room for, which the caller sends another way.
         """
         check_pairs(keys, values, "values")
         views = [byte_view(value) for value in values]
-        present = 0
-        no_room: list[int] = []
         deadline = self._deadline(timeout)
-        taken: list[tuple[int, int]] = []  # window runs: (offset, length)
-        answered = True
-        with self._connection(deadline) as conn:
-            window = self._window_on(conn, deadline) if self.sealed else None
-            asked = pack_reserve(keys, [len(view) for view in views], retention)
-            reply = conn.call(Op.RESERVE, asked, deadline)
-            reserved: list[int] = []
-            refused: list[int] = []  # reserved by the server, but no room in the window
-            try:
-                for index, (view, item) in enumerate(
-                    zip(views, read_reserve_reply(reply, len(keys)), strict=True)
-                ):
-                    if isinstance(item, Lent):
-                        if window is None:
-                            reserved.append(item.id)
-                            self._write(item.ranges, view)
-                        elif (offset := window.take(len(view))) is None:
-                            refused.append(item.id)
-                            no_room.append(index)
-                        else:
-                            reserved.append(item.id)
-                            taken.append((offset, len(view)))
-                            window.write(offset, np.frombuffer(view, dtype=np.uint8))
-                    elif item == ReserveSlot.PRESENT:
-                        present += 1
-                    else:
-                        no_room.append(index)
-                if refused:
-                    conn.send(Op.CANCEL, pack_ids(refused))
-                if not reserved:
-                    return PutResult(0, present, 0), no_room
-                if time.monotonic() > deadline:
-                    conn.send(Op.CANCEL, pack_ids(reserved))
-                    reserved = []
-                    raise DeadlineExceededError("deadline exceeded while writing blocks")
-                answered = False
-                counts = self._commit(conn, reserved, [o for o, _ in taken], retention, deadline)
-                answered = True
-            except BaseException:
-                if reserved and answered:
-                    conn.send(Op.CANCEL, pack_ids(reserved))
-                raise
-            finally:
-                if window is not None and answered:
-                    for offset, length in taken:
-                        window.give(offset, length)
-        stored, already, dropped = counts
-        return PutResult(stored, present + already, dropped), no_room
-
-    def _commit(
-        self,
-        conn: ShmConnection,
-        ids: list[int],
-        offsets: list[int],
-        retention: Retention,
-        deadline: float,
-    ) -> tuple[int, int, int]:
-        """Commit reserved slots ``ids`` (from ``offsets`` in the window where it is used)."""
-        if self.sealed:
-            reply = conn.call(Op.COMMIT_FROM, pack_commit_from(ids, offsets, retention), deadline)
-        else:
-            reply = conn.call(Op.COMMIT, pack_commit(ids, retention), deadline)
-        return read_commit_reply(reply)
+        sizes = [len(view) for view in views]
+        reservation = self._reserve(keys, sizes, deadline, retention, commit_by_deadline=True)
+        with reservation:  # a write that fails cancels the reservation
+            for index, state in enumerate(reservation.states):
+                if state == "reserved":
+                    reservation.write(index, views[index])
+            result = reservation.commit()
+        return result, [
+            index for index, state in enumerate(reservation.states) if state == "no_room"
+        ]
 
     def reserve(
         self,
@@ -147,43 +95,61 @@ class ShmWrites(ShmAttachment):
         if any(size < 0 for size in sizes):
             raise InvalidRequestError("block sizes must be >= 0")
         deadline = self._deadline(timeout)
+        return self._reserve(keys, sizes, deadline, retention, commit_by_deadline=False)
+
+    def _reserve(
+        self,
+        keys: Sequence[bytes],
+        sizes: Sequence[int],
+        deadline: float,
+        retention: Retention,
+        *,
+        commit_by_deadline: bool,
+    ) -> ShmReservation:
+        """:meth:`reserve` before ``deadline``; its commit must start before ``deadline`` too
+        where ``commit_by_deadline`` (a put), else it gets the default timeout when it comes."""
         conn = self._take(deadline)
         states: list[SlotState] = []
         ids: list[int | None] = []
         ranges: list[_Ranges] = []
-        runs: dict[int, tuple[int, int]] = {}  # slot id: its window run
+        runs: _Runs = {}
         window: ClientWindow | None = None
         # A failure closes the socket, and the server then gives back whatever it reserved.
-        with closed_on_failure(conn):
-            window = self._window_on(conn, deadline) if self.sealed else None
-            reply = conn.call(Op.RESERVE, pack_reserve(keys, sizes, retention), deadline)
-            refused: list[int] = []
-            for size, item in zip(sizes, read_reserve_reply(reply, len(keys)), strict=True):
-                if isinstance(item, Lent):
-                    if window is None:
-                        ids.append(item.id)
-                        ranges.append(list(item.ranges))
-                        states.append("reserved")
-                        continue
-                    offset = window.take(size)
-                    if offset is not None:
-                        runs[item.id] = (offset, size)
-                        ids.append(item.id)
-                        ranges.append([(offset, size)])
-                        states.append("reserved")
-                        continue
-                    refused.append(item.id)
-                    item = ReserveSlot.NO_ROOM
-                ids.append(None)
-                ranges.append([])
-                states.append("present" if item == ReserveSlot.PRESENT else "no_room")
-            if refused:
-                conn.send(Op.CANCEL, pack_ids(refused))
+        try:
+            with closed_on_failure(conn):
+                window = self._window_on(conn, deadline) if self.sealed else None
+                reply = conn.call(Op.RESERVE, pack_reserve(keys, sizes, retention), deadline)
+                refused: list[int] = []
+                for size, item in zip(sizes, read_reserve_reply(reply, len(keys)), strict=True):
+                    if isinstance(item, Lent):
+                        offset = None if window is None else window.take(size)
+                        if window is None or offset is not None:
+                            ids.append(item.id)
+                            states.append("reserved")
+                            if offset is None:
+                                ranges.append(list(item.ranges))
+                            else:
+                                runs[item.id] = (offset, size)
+                                ranges.append([(offset, size)])
+                            continue
+                        refused.append(item.id)  # reserved, but no room in the window
+                        item = ReserveSlot.NO_ROOM
+                    ids.append(None)
+                    ranges.append([])
+                    states.append("present" if item == ReserveSlot.PRESENT else "no_room")
+                if refused:
+                    conn.send(Op.CANCEL, pack_ids(refused))
+        except BaseException:
+            _give_back(window, runs, list(runs))  # the server gave the reservations back
+            raise
         with self._lock:
             self._reserving.append(conn)
+        commit_by = deadline if commit_by_deadline else None
 
         def finish(commit: list[int], cancel: list[int]) -> PutResult:
-            return self._finish_reservation(conn, commit, cancel, retention, runs, window)
+            return self._finish_reservation(
+                conn, commit, cancel, retention, runs, window, commit_by
+            )
 
         if window is None:
             return ShmReservation(self._arena, states, ids, ranges, finish, self.registration)
@@ -195,38 +161,52 @@ class ShmWrites(ShmAttachment):
         commit: list[int],
         cancel: list[int],
         retention: Retention,
-        runs: dict[int, tuple[int, int]],
+        runs: _Runs,
         window: ClientWindow | None,
+        commit_by: float | None,
     ) -> PutResult:
-        """Commit and cancel a :meth:`reserve`'s slots, then give its socket back."""
+        """Commit and cancel a reservation's slots, then give its socket back. ``commit_by``:
+        the instant past which nothing is committed (DeadlineExceededError; ``None``: the
+        default timeout from now)."""
         result = PutResult()
         with self._lock:
             if conn in self._reserving:
                 self._reserving.remove(conn)
+        late = commit_by is not None and commit and time.monotonic() > commit_by
+        if late:
+            cancel, commit = cancel + commit, []
         with closed_on_failure(conn):
             if cancel:
                 conn.send(Op.CANCEL, pack_ids(cancel))
                 _give_back(window, runs, cancel)
             if commit:
+                deadline = self._deadline(None) if commit_by is None else commit_by
                 offsets = [runs[slot][0] for slot in commit] if window is not None else []
-                counts = self._commit(conn, commit, offsets, retention, self._deadline(None))
+                counts = self._commit(conn, commit, offsets, retention, deadline)
                 _give_back(window, runs, commit)
                 result = PutResult(*counts)
         self._give_back(conn)
+        if late:
+            raise DeadlineExceededError("deadline exceeded while writing blocks")
         return result
 
-    def _write(self, ranges: Sequence[tuple[int, int]], view: memoryview) -> None:
-        """Copy ``view`` into reserved pages of an arena this client may write (older servers)."""
-        source = np.frombuffer(view, dtype=np.uint8)
-        at = 0
-        for offset, size in ranges:
-            self._arena[offset : offset + size] = source[at : at + size]
-            at += size
+    def _commit(
+        self,
+        conn: ShmConnection,
+        ids: list[int],
+        offsets: list[int],
+        retention: Retention,
+        deadline: float,
+    ) -> tuple[int, int, int]:
+        """Commit reserved slots ``ids`` (from ``offsets`` in the window where it is used)."""
+        if self.sealed:
+            reply = conn.call(Op.COMMIT_FROM, pack_commit_from(ids, offsets, retention), deadline)
+        else:
+            reply = conn.call(Op.COMMIT, pack_commit(ids, retention), deadline)
+        return read_commit_reply(reply)
 
 
-def _give_back(
-    window: ClientWindow | None, runs: dict[int, tuple[int, int]], slots: list[int]
-) -> None:
+def _give_back(window: ClientWindow | None, runs: _Runs, slots: list[int]) -> None:
     """Give back the window runs of ``slots`` (none where no window is used)."""
     if window is None:
         return
