@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kvstore.buffers import byte_view
 from kvstore.client.shm_attach import ShmAttachment
-from kvstore.client.shm_reserve import ShmReservation, SlotState
+from kvstore.client.shm_reserve import ShmReservation, SlotState, write_runs
 from kvstore.client.shm_socket import ShmConnection, closed_on_failure
 from kvstore.client.shm_window import ClientWindow
 from kvstore.errors import DeadlineExceededError, InvalidRequestError
@@ -49,6 +50,25 @@ _Ranges = list[tuple[int, int]]
 _Runs = dict[int, tuple[int, int]]  # slot id: its window run (offset, length)
 
 
+@dataclass(slots=True)
+class _Reserved:
+    """What one ``RESERVE`` exchange gave this client, until its commit or cancel: per key its
+    state, slot id and pages (a window run, or runs of an older server's writable arena), the
+    window runs by slot id, and the socket the slots belong to."""
+
+    conn: ShmConnection
+    window: ClientWindow | None
+    states: list[SlotState]
+    ids: list[int | None]
+    ranges: list[_Ranges]
+    runs: _Runs
+
+    @property
+    def slots(self) -> list[int]:
+        """The slot ids reserved."""
+        return [slot for slot in self.ids if slot is not None]
+
+
 class ShmWrites(ShmAttachment):
     """Puts and in-place reservations over the shared-memory plane (see the module docstring)."""
 
@@ -59,8 +79,8 @@ class ShmWrites(ShmAttachment):
         timeout: float | None = None,
         retention: Retention = KEEP,
     ) -> tuple[PutResult, list[int]]:
-        """Write blocks through the arena, stored with ``retention``: a :meth:`reserve`, each
-        value written into its pages, the commit, all within ``timeout``.
+        """Write blocks through the arena, stored with ``retention``: reserved as by
+        :meth:`reserve`, each value written into its pages, committed, all within ``timeout``.
 
         Returns the result and the indices of values the arena (or the write window) had no
         room for, which the caller sends another way.
@@ -68,16 +88,18 @@ class ShmWrites(ShmAttachment):
         check_pairs(keys, values, "values")
         views = [byte_view(value) for value in values]
         deadline = self._deadline(timeout)
-        sizes = [len(view) for view in views]
-        reservation = self._reserve(keys, sizes, deadline, retention, commit_by_deadline=True)
-        with reservation:  # a write that fails cancels the reservation
-            for index, state in enumerate(reservation.states):
-                if state == "reserved":
-                    reservation.write(index, views[index])
-            result = reservation.commit()
-        return result, [
-            index for index, state in enumerate(reservation.states) if state == "no_room"
-        ]
+        held = self._reserve(keys, [len(view) for view in views], deadline, retention)
+        into = self._arena if held.window is None else held.window.bytes
+        try:
+            for index, slot in enumerate(held.ids):
+                if slot is not None:
+                    write_runs(into, held.ranges[index], views[index])
+        except BaseException:
+            self._finish(held, [], held.slots, retention, None)
+            raise
+        stored, present, dropped = self._finish(held, held.slots, [], retention, deadline)
+        no_room = [index for index, state in enumerate(held.states) if state == "no_room"]
+        return PutResult(stored, present + held.states.count("present"), dropped), no_room
 
     def reserve(
         self,
@@ -94,30 +116,35 @@ class ShmWrites(ShmAttachment):
             raise InvalidRequestError(f"got {len(sizes)} sizes for {len(keys)} keys")
         if any(size < 0 for size in sizes):
             raise InvalidRequestError("block sizes must be >= 0")
-        deadline = self._deadline(timeout)
-        return self._reserve(keys, sizes, deadline, retention, commit_by_deadline=False)
+        held = self._reserve(keys, sizes, self._deadline(timeout), retention)
+        with self._lock:
+            self._reserving.append(held.conn)
+
+        def finish(commit: list[int], cancel: list[int]) -> PutResult:
+            with self._lock:
+                if held.conn in self._reserving:
+                    self._reserving.remove(held.conn)
+            return PutResult(*self._finish(held, commit, cancel, retention, None))
+
+        states, ids, ranges = held.states, held.ids, held.ranges
+        if held.window is None:
+            return ShmReservation(self._arena, states, ids, ranges, finish, self.registration)
+        window, registration = held.window.bytes, self.window_registration
+        return ShmReservation(window, states, ids, ranges, finish, registration)
 
     def _reserve(
-        self,
-        keys: Sequence[bytes],
-        sizes: Sequence[int],
-        deadline: float,
-        retention: Retention,
-        *,
-        commit_by_deadline: bool,
-    ) -> ShmReservation:
-        """:meth:`reserve` before ``deadline``; its commit must start before ``deadline`` too
-        where ``commit_by_deadline`` (a put), else it gets the default timeout when it comes."""
+        self, keys: Sequence[bytes], sizes: Sequence[int], deadline: float, retention: Retention
+    ) -> _Reserved:
+        """Reserve pages for blocks of ``sizes`` bytes (``RESERVE``) before ``deadline``, and a
+        window run for each where the arena is sealed (a slot the window has no room for is
+        cancelled and reported ``"no_room"``); the socket is the caller's until :meth:`_finish`."""
         conn = self._take(deadline)
-        states: list[SlotState] = []
-        ids: list[int | None] = []
-        ranges: list[_Ranges] = []
-        runs: _Runs = {}
-        window: ClientWindow | None = None
+        held = _Reserved(conn, None, [], [], [], {})
+        states, ids, ranges, runs = held.states, held.ids, held.ranges, held.runs
         # A failure closes the socket, and the server then gives back whatever it reserved.
         try:
             with closed_on_failure(conn):
-                window = self._window_on(conn, deadline) if self.sealed else None
+                window = held.window = self._window_on(conn, deadline) if self.sealed else None
                 reply = conn.call(Op.RESERVE, pack_reserve(keys, sizes, retention), deadline)
                 refused: list[int] = []
                 for size, item in zip(sizes, read_reserve_reply(reply, len(keys)), strict=True):
@@ -140,38 +167,23 @@ class ShmWrites(ShmAttachment):
                 if refused:
                     conn.send(Op.CANCEL, pack_ids(refused))
         except BaseException:
-            _give_back(window, runs, list(runs))  # the server gave the reservations back
+            _give_back(held.window, runs, list(runs))  # the server gave the reservations back
             raise
-        with self._lock:
-            self._reserving.append(conn)
-        commit_by = deadline if commit_by_deadline else None
+        return held
 
-        def finish(commit: list[int], cancel: list[int]) -> PutResult:
-            return self._finish_reservation(
-                conn, commit, cancel, retention, runs, window, commit_by
-            )
-
-        if window is None:
-            return ShmReservation(self._arena, states, ids, ranges, finish, self.registration)
-        return ShmReservation(window.bytes, states, ids, ranges, finish, self.window_registration)
-
-    def _finish_reservation(
+    def _finish(
         self,
-        conn: ShmConnection,
+        held: _Reserved,
         commit: list[int],
         cancel: list[int],
         retention: Retention,
-        runs: _Runs,
-        window: ClientWindow | None,
         commit_by: float | None,
-    ) -> PutResult:
-        """Commit and cancel a reservation's slots, then give its socket back. ``commit_by``:
-        the instant past which nothing is committed (DeadlineExceededError; ``None``: the
-        default timeout from now)."""
-        result = PutResult()
-        with self._lock:
-            if conn in self._reserving:
-                self._reserving.remove(conn)
+    ) -> tuple[int, int, int]:
+        """Commit and cancel slots of ``held``, then give its socket back; the commit's
+        (stored, already present, dropped). ``commit_by``: the instant past which nothing is
+        committed (DeadlineExceededError; ``None``: the default timeout from now)."""
+        conn, window, runs = held.conn, held.window, held.runs
+        counts = (0, 0, 0)
         late = commit_by is not None and commit and time.monotonic() > commit_by
         if late:
             cancel, commit = cancel + commit, []
@@ -184,11 +196,10 @@ class ShmWrites(ShmAttachment):
                 offsets = [runs[slot][0] for slot in commit] if window is not None else []
                 counts = self._commit(conn, commit, offsets, retention, deadline)
                 _give_back(window, runs, commit)
-                result = PutResult(*counts)
         self._give_back(conn)
         if late:
             raise DeadlineExceededError("deadline exceeded while writing blocks")
-        return result
+        return counts
 
     def _commit(
         self,

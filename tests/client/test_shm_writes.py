@@ -1,10 +1,11 @@
 """A shared-memory put is a reservation, written and committed: one write path (in-process server).
 
-:meth:`ShmWrites.put` reserves (``RESERVE``), writes each value into its
-:class:`~kvstore.client.shm_reserve.ShmReservation` and commits (``COMMIT_FROM``), so whatever a
-put ends in (stored, a block the window has no room for, a write that fails, a deadline passed
-before the commit) leaves the server, the write window and the socket pool as a reservation
-ending the same way would: nothing held, every window run given back, the socket reused.
+:meth:`ShmWrites.put` reserves as :meth:`ShmWrites.reserve` does (``RESERVE``), writes each value
+into its pages as :meth:`ShmReservation.write` does and commits as a reservation does
+(``COMMIT_FROM``), so whatever a put ends in (stored, a block the window has no room for, a
+write that fails, a deadline passed before the commit) leaves the server, the write window and
+the socket pool as a reservation ending the same way would: nothing held, every window run given
+back, the socket reused.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from harness.polling import apoll
 
 from kvstore.client import shm_writes
 from kvstore.client.shm import ShmDataPlane
-from kvstore.client.shm_reserve import ShmReservation
 from kvstore.errors import DeadlineExceededError
 from kvstore.keys import Namespace
 from kvstore.server.shm import ShmServer
@@ -100,14 +100,16 @@ async def test_a_write_that_fails_cancels_the_whole_put(
     served: tuple[ShmServer, ShmDataPlane], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     server, plane = served
-    write = ShmReservation.write
+    write = shm_writes.write_runs
+    calls = []
 
-    def failing(self: ShmReservation, index: int, value: Any) -> None:
-        if index == 1:
+    def failing(into: Any, ranges: Any, value: memoryview) -> None:
+        calls.append(len(value))
+        if len(calls) == 2:
             raise RuntimeError("the caller's buffer went away")
-        write(self, index, value)
+        write(into, ranges, value)
 
-    monkeypatch.setattr(ShmReservation, "write", failing)
+    monkeypatch.setattr(shm_writes, "write_runs", failing)
     with pytest.raises(RuntimeError, match="went away"):
         await asyncio.to_thread(plane.put, keys(7, 8), [b"a" * PAGE, b"b" * PAGE])
     monkeypatch.undo()
