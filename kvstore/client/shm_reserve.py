@@ -27,7 +27,7 @@ from kvstore.client.arena_registration import ArenaRegistration
 from kvstore.errors import InvalidRequestError
 from kvstore.types import PutResult
 
-__all__ = ["ShmReservation", "SlotState"]
+__all__ = ["ShmReservation", "SlotState", "write_runs"]
 
 #: What the server answered for one key: pages reserved for it, already stored, or no room.
 SlotState = Literal["reserved", "present", "no_room"]
@@ -70,14 +70,10 @@ class ShmReservation:
         ``index``'s pages, wherever they lie."""
         if self.states[index] != "reserved":
             raise InvalidRequestError(f"key {index} has no reserved pages ({self.states[index]})")
-        source = np.frombuffer(byte_view(value), dtype=np.uint8)
         size = sum(length for _, length in self._ranges[index])
-        if len(source) != size:
-            raise InvalidRequestError(f"key {index} reserved {size} bytes, got {len(source)}")
-        at = 0
-        for offset, length in self._ranges[index]:
-            self._arena[offset : offset + length] = source[at : at + length]
-            at += length
+        if len(view := byte_view(value)) != size:
+            raise InvalidRequestError(f"key {index} reserved {size} bytes, got {len(view)}")
+        write_runs(self._arena, self._ranges[index], view)
 
     def commit(self, written: Sequence[int] | None = None) -> PutResult:
         """Store the reserved keys in ``written`` (default: every reserved key) and cancel the
@@ -117,3 +113,19 @@ class ShmReservation:
 
     def __exit__(self, *_: object) -> None:
         self.cancel()
+
+
+def write_runs(
+    into: np.ndarray[Any, np.dtype[np.uint8]], ranges: Sequence[tuple[int, int]], value: memoryview
+) -> None:
+    """Copy ``value`` into the runs ``ranges`` of ``into`` (a write window, or an older server's
+    writable arena), in order: how a put and :meth:`ShmReservation.write` fill reserved pages."""
+    source = np.frombuffer(value, dtype=np.uint8)
+    if len(ranges) == 1:  # always, in a write window: one copy, no slicing of the source
+        offset, length = ranges[0]
+        into[offset : offset + length] = source
+        return
+    at = 0
+    for offset, length in ranges:
+        into[offset : offset + length] = source[at : at + length]
+        at += length

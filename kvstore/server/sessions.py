@@ -33,7 +33,6 @@ from typing import Any, Literal, NamedTuple, TypeVar, overload
 import numpy as np
 
 from kvstore.errors import CapacityError, InvalidRequestError
-from kvstore.protocol.checks import check_keys, check_pairs
 from kvstore.retention import KEEP, Retention
 from kvstore.store import TieredStore
 from kvstore.tiers.dram import DramLease, DramTier, Reservation
@@ -142,15 +141,12 @@ class ArenaSession:
         past the quota of a session that held nothing). Raises :class:`CapacityError`, reserving
         nothing, when a session holding something already would pass its quota.
         """
-        # Checked before anything is reserved (reserving may evict blocks to make room): a
-        # session holding something already is refused outright; one holding nothing gets
-        # NO_ROOM for the keys past its quota (the client sends those over gRPC).
-        # The whole request is checked first, as the store would: past the quota or not, a bad
-        # one is an error, not "no room".
-        check_keys(keys, namespace, self.store.max_keys_per_request)
-        check_pairs(keys, lengths, "lengths")
-        self.store.check_sizes(lengths)
-        self.store.check_retention(retention)
+        # The whole request is checked first, by the store: past the quota or not, a bad one is
+        # an error, not "no room". The quota is checked before anything is reserved (reserving
+        # may evict blocks to make room): a session holding something already is refused
+        # outright; one holding nothing gets NO_ROOM for the keys past its quota (the client
+        # sends those over gRPC).
+        self.store.check_reserve(keys, lengths, namespace, retention)
         asked = list(range(len(keys)))
         if self.max_bytes is not None:
             if self.held_bytes and self.held_bytes + sum(lengths) > self.max_bytes:

@@ -319,12 +319,28 @@ class TieredStore:
         ``None`` (the arena cannot make room; the caller sends that block another way). The whole
         request is checked first; a bad one raises and reserves nothing.
         """
+        self.check_reserve(keys, lengths, namespace, retention)
+        return await self._lender.reserve(keys, lengths, namespace, retention)
+
+    def check_reserve(
+        self,
+        keys: Sequence[bytes],
+        lengths: Sequence[int],
+        namespace: bytes,
+        retention: Retention = KEEP,
+    ) -> None:
+        """Refuse a :meth:`reserve` request this store would refuse (keys, namespace, one length
+        per key, sizes, retention, an arena to reserve in), reserving nothing.
+
+        :meth:`reserve` runs it first; a caller that decides something before reserving (an
+        arena session's quota, which may leave some keys out of the reserve) runs it on the
+        whole request, so that a bad request is an error, never "no room".
+        """
         self._check_keys(keys, namespace)
         self._lender.require()
         check_pairs(keys, lengths, "lengths")
         self.check_sizes(lengths)
         self.check_retention(retention)
-        return await self._lender.reserve(keys, lengths, namespace, retention)
 
     async def commit(
         self,

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from kvstore.errors import CapacityError, InvalidRequestError
+from kvstore.errors import CapacityError, InvalidRequestError, KVStoreError
 from kvstore.keys import Namespace
 from kvstore.server.sessions import ArenaSessions, Leased, Reserved
 from kvstore.store import TieredStore
@@ -74,5 +74,11 @@ async def test_a_session_holding_nothing_gets_the_rest_inline_or_as_no_room(
     # A bad request is an error whatever the quota says.
     with pytest.raises(InvalidRequestError):
         await writer.reserve(new[:1], [0], NS)
+    # Keys past the quota are checked too (the store's check_reserve, on the whole request),
+    # though the store is asked to reserve only those that fit.
+    for lengths in ([PAGE] * 3 + [0], [PAGE] * 3 + [99 * PAGE]):
+        with pytest.raises(KVStoreError):
+            await writer.reserve(new, lengths, NS)
+        assert writer.held_bytes == 0 and dram(sessions)["reserved_bytes"] == 0
     sessions.close(writer)
     assert dram(sessions)["leases"] == 0 and dram(sessions)["reserved_bytes"] == 0

@@ -436,6 +436,8 @@ async def test_bad_reserve_reserves_nothing(tmp_path: Path, case: str) -> None:
         else:
             lengths = [PAGE]
         with pytest.raises(error):
+            store.check_reserve(keys, lengths, NS)  # what reserve checks, and what sessions ask
+        with pytest.raises(error):
             await store.reserve(keys, lengths, NS)
         after = dram_stats(store)
         assert after["reserved_bytes"] == 0
