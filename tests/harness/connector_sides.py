@@ -162,13 +162,21 @@ def connector_settings(**extra: Any) -> ConnectorSettings:
     )
 
 
-def random_caches(seed: int) -> dict[str, torch.Tensor]:
-    """Each layer's KV cache, random (the same for the same ``seed``)."""
+def random_caches(
+    seed: int,
+    *,
+    layers: int = LAYERS,
+    num_blocks: int = NUM_BLOCKS,
+    block: int = BLOCK,
+    width: int = 16,
+) -> dict[str, torch.Tensor]:
+    """Each layer's KV cache, random (the same for the same ``seed``), in vLLM's CPU layout:
+    ``[blocks, kv heads, block size, width]`` with ``width`` = 2 x head size."""
     gen = torch.Generator().manual_seed(seed)
-    shape = (NUM_BLOCKS, 2, BLOCK, 16)  # vLLM CPU: [blocks, kv heads, block size, 2 * head size]
+    shape = (num_blocks, 2, block, width)
     return {
         f"layers.{i}.attn": torch.randn(shape, generator=gen).to(torch.bfloat16)
-        for i in range(LAYERS)
+        for i in range(layers)
     }
 
 

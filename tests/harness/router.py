@@ -25,7 +25,22 @@ from typing import Any, BinaryIO
 
 from harness.serve import without_settings
 
-__all__ = ["RouterProcess", "launch_router"]
+__all__ = ["RouterProcess", "http_exchange", "launch_router"]
+
+
+def http_exchange(
+    host: str, port: int, method: str, path: str, body: Any = None, timeout: float = 30.0
+) -> tuple[int, bytes]:
+    """One plain HTTP request with ``body`` as JSON; the status and the response body."""
+    connection = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        payload = json.dumps(body).encode() if body is not None else None
+        headers = {"Content-Type": "application/json"} if payload else {}
+        connection.request(method, path, payload, headers)
+        response = connection.getresponse()
+        return response.status, response.read()
+    finally:
+        connection.close()
 
 
 def launch_router(
@@ -95,15 +110,7 @@ class RouterProcess:
 
     def call(self, method: str, path: str, body: Any = None) -> tuple[int, bytes]:
         """One request with ``body`` as JSON; the status and the response body."""
-        connection = http.client.HTTPConnection(self.host, self.port, timeout=30)
-        try:
-            payload = json.dumps(body).encode() if body is not None else None
-            headers = {"Content-Type": "application/json"} if payload else {}
-            connection.request(method, path, payload, headers)
-            response = connection.getresponse()
-            return response.status, response.read()
-        finally:
-            connection.close()
+        return http_exchange(self.host, self.port, method, path, body)
 
     def complete(self, prompt: Any, **extra: Any) -> dict[str, Any]:
         """A ``/v1/completions`` of ``prompt`` that must answer 200; its JSON answer."""

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from harness.ports import free_port
 from harness.redis_server import RedisServer
-from harness.router import launch_router
+from harness.router import http_exchange, launch_router
 from harness.serve import ServerProcess, without_settings
 from harness.vllm_api_server import (
     ApiServerProcess,
@@ -231,16 +231,8 @@ class RouterProcess:
         self.proc, self.log, self.host, self.port = launch_router(flags, environ, self.log_path)
 
     def call(self, method: str, path: str, body: Any = None) -> tuple[int, bytes]:
-        """One plain HTTP exchange."""
-        connection = http.client.HTTPConnection(self.host, self.port, timeout=300)
-        try:
-            payload = json.dumps(body).encode() if body is not None else None
-            headers = {"Content-Type": "application/json"} if payload else {}
-            connection.request(method, path, payload, headers)
-            response = connection.getresponse()
-            return response.status, response.read()
-        finally:
-            connection.close()
+        """One plain HTTP exchange (an engine's answer may take minutes on a loaded CPU)."""
+        return http_exchange(self.host, self.port, method, path, body, timeout=300)
 
     def complete(self, model: str, prompt: list[int], max_tokens: int = 2, **extra: Any) -> Reply:
         """A greedy streamed completion of token ids; usage comes in the last event."""

@@ -26,7 +26,6 @@ Every payload read is compared with what was put.
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -37,11 +36,11 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from harness.cluster_nodes import NS, blocks_for, cluster_env, holders
 from harness.polling import poll
+from harness.previous_release import previous_release_checkout
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.block import Keyring, decode_value, encode_header
-from kvstore.formats import PREVIOUS_RELEASE
 
 if TYPE_CHECKING:
     from harness.serve import ServerProcess
@@ -59,27 +58,8 @@ PAYLOAD_PREFIX = b"kvstore:v1:"
 @pytest.fixture(scope="module")
 def previous_release(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A checkout of the previous release: a git worktree of :data:`PREVIOUS_RELEASE`."""
-    if shutil.which("git") is None or not (REPO / ".git").exists():
-        pytest.fail("the mixed-version test needs git and this repository's history")
-    where = tmp_path_factory.mktemp("previous") / "release"
-    made = subprocess.run(
-        ["git", "-C", str(REPO), "worktree", "add", "--detach", str(where), PREVIOUS_RELEASE],
-        capture_output=True,
-        text=True,
-    )
-    if made.returncode != 0:
-        pytest.fail(
-            f"cannot check out the previous release {PREVIOUS_RELEASE} (a shallow clone? "
-            f"`git fetch --unshallow`): {made.stderr.strip()}"
-        )
-    try:
+    with previous_release_checkout(tmp_path_factory.mktemp("previous") / "release") as where:
         yield where
-    finally:
-        subprocess.run(
-            ["git", "-C", str(REPO), "worktree", "remove", "--force", str(where)],
-            check=False,
-            capture_output=True,
-        )
 
 
 def node_env(url: str, node: str, code: Path) -> dict[str, str]:

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,12 +18,12 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import numpy as np
 import pytest
+from harness.previous_release import previous_release_checkout
 
 from kvstore import KVStoreClient, Namespace
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore._proto.kvstore.v1 import ucx_pb2 as ucx_pb
-from kvstore.formats import PREVIOUS_RELEASE
 from kvstore.protocol import ucx_control as ctl
 from kvstore.protocol.messages import namespace_bytes
 from kvstore.protocol.ucx import ucx_unavailable_reason
@@ -46,7 +44,6 @@ from kvstore.client.ucx_lanes import Lane  # noqa: E402
 
 NAMESPACE = Namespace(model="ucx-control-test", num_layers=2, num_kv_heads=2, head_size=64)
 UCX = ("--ucx-listen", "127.0.0.1:0", "--allow-unauthenticated")
-REPO = Path(__file__).resolve().parents[2]
 #: Transfer ids of the forged messages: far from the client's own (which count from 1).
 FORGED_IDS = 1 << 30
 
@@ -197,24 +194,8 @@ def test_forged_replayed_and_misnamed_control_messages_are_refused_and_serving_g
 @pytest.fixture(scope="module")
 def previous_release(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A checkout of :data:`PREVIOUS_RELEASE` (no ``UcxBind``), as a git worktree."""
-    if shutil.which("git") is None or not (REPO / ".git").exists():
-        pytest.fail("this test needs git and this repository's history")
-    where = tmp_path_factory.mktemp("previous") / "release"
-    made = subprocess.run(
-        ["git", "-C", str(REPO), "worktree", "add", "--detach", str(where), PREVIOUS_RELEASE],
-        capture_output=True,
-        text=True,
-    )
-    if made.returncode != 0:
-        pytest.fail(f"cannot check out {PREVIOUS_RELEASE}: {made.stderr.strip()}")
-    try:
+    with previous_release_checkout(tmp_path_factory.mktemp("previous") / "release") as where:
         yield where
-    finally:
-        subprocess.run(
-            ["git", "-C", str(REPO), "worktree", "remove", "--force", str(where)],
-            check=False,
-            capture_output=True,
-        )
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from harness.connector_sides import answer_when_known, random_caches
 from harness.ports import free_port
 from harness.serve import ServerProcess
 from harness.vllm_scheduler import StandInBlocks, StandInManager, stand_in_output, stand_in_request
@@ -62,22 +63,7 @@ def _settings(target: str, **extra: Any) -> ConnectorSettings:
 
 
 def _caches(seed: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    shape = (NUM_BLOCKS, 2, BLOCK, 64)  # vLLM CPU: [blocks, kv heads, block size, 2 * head size]
-    return {
-        f"layers.{i}.attn": torch.randn(shape, generator=gen).to(torch.bfloat16)
-        for i in range(LAYERS)
-    }
-
-
-def _answer(side: SchedulerSide, request: Any, computed: int) -> int | None:
-    """Ask until the lookup has answered (the first call may say "not known yet")."""
-    deadline = time.monotonic() + 5
-    while True:
-        tokens, is_async = side.get_num_new_matched_tokens(request, computed)
-        assert is_async is False
-        if tokens is not None or time.monotonic() > deadline:
-            return tokens
+    return random_caches(seed, layers=LAYERS, num_blocks=NUM_BLOCKS, block=BLOCK, width=64)
 
 
 def _drain(worker: WorkerSide, req_ids: set[str]) -> set[str]:
@@ -146,7 +132,7 @@ def test_save_then_load_round_trips_blocks(
 
     # Replica A: a miss, then the prefill step saves the three whole chunks.
     req_a = stand_in_request("a", tokens)
-    assert _answer(scheduler, req_a, 0) == 0
+    assert answer_when_known(scheduler, req_a, 0) == 0
     manager.blocks["a"] = list(range(7, 7 + 7))
     meta = scheduler.build_connector_meta(stand_in_output([("a", 0, len(tokens))]))
     assert [len(s.keys) for s in meta.saves] == [3]
@@ -161,7 +147,7 @@ def test_save_then_load_round_trips_blocks(
     untouched = {name: t.clone() for name, t in target.items()}
     worker.register_kv_caches(target)
     req_b = stand_in_request("b", [*tokens[: 3 * CHUNK], 1, 2, 3])
-    assert _answer(scheduler, req_b, BLOCK) == 3 * CHUNK - BLOCK
+    assert answer_when_known(scheduler, req_b, BLOCK) == 3 * CHUNK - BLOCK
     b_blocks = [30, 20, 21, 22, 23, 24, 25]
     scheduler.update_state_after_alloc(req_b, StandInBlocks(b_blocks), 3 * CHUNK - BLOCK)  # type: ignore[arg-type]
     manager.blocks["b"] = b_blocks
@@ -218,7 +204,7 @@ def test_dead_store_costs_nothing() -> None:
         started = time.monotonic()
         for i in range(20):
             request = stand_in_request(f"r{i}", list(range(i, i + 4 * CHUNK)))
-            assert _answer(scheduler, request, 0) == 0
+            assert answer_when_known(scheduler, request, 0) == 0
         assert time.monotonic() - started < 3
     finally:
         scheduler.shutdown()
@@ -241,7 +227,7 @@ def test_slow_lookup_answers_not_known_yet(
     started = time.monotonic()
     assert scheduler.get_num_new_matched_tokens(request, 0) == (None, False)
     assert time.monotonic() - started < 0.1  # the scheduler was not held up
-    assert _answer(scheduler, request, 0) == 0
+    assert answer_when_known(scheduler, request, 0) == 0
 
 
 def test_each_rank_stores_under_its_own_keys() -> None:
