@@ -21,24 +21,17 @@ import grpc
 import numpy as np
 import pytest
 
+from harness.ucx_guard import require_ucx
 from kvstore import KVStoreClient, Namespace
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.protocol.messages import namespace_bytes
-from kvstore.protocol.ucx import ucx_unavailable_reason
 
 if TYPE_CHECKING:
     from harness.serve import ServerProcess
     from harness.server_factory import ServerFactory
 
-_REASON = ucx_unavailable_reason()
-if _REASON is not None:
-    if os.environ.get("KVSTORE_SKIP_UCX") == "1":
-        pytest.skip(f"KVSTORE_SKIP_UCX=1: {_REASON}", allow_module_level=True)
-    raise ImportError(
-        f"{_REASON}\nInstall the ucx extra (pip install -e '.[ucx]'), or set KVSTORE_SKIP_UCX=1 "
-        "where UCX is not expected."
-    )
+require_ucx()
 
 from kvstore.client.ucx import UcxDataClient  # noqa: E402
 

@@ -19,23 +19,16 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import pytest
+from harness.ucx_guard import require_ucx
 
 from kvstore import AsyncKVStoreClient, KVStoreClient, Namespace
 from kvstore.errors import InvalidRequestError, StoreUnavailableError
-from kvstore.protocol.ucx import ucx_unavailable_reason
 
 if TYPE_CHECKING:
     from harness.serve import ServerProcess
     from harness.server_factory import ServerFactory
 
-_REASON = ucx_unavailable_reason()
-if _REASON is not None:
-    if os.environ.get("KVSTORE_SKIP_UCX") == "1":
-        pytest.skip(f"KVSTORE_SKIP_UCX=1: {_REASON}", allow_module_level=True)
-    raise ImportError(
-        f"{_REASON}\nInstall the ucx extra (pip install -e '.[ucx]'), or set KVSTORE_SKIP_UCX=1 "
-        "where UCX is not expected."
-    )
+require_ucx()
 
 T = TypeVar("T")
 

@@ -19,6 +19,7 @@ import grpc
 import numpy as np
 import pytest
 from harness.previous_release import previous_release_checkout
+from harness.ucx_guard import require_ucx
 
 from kvstore import KVStoreClient, Namespace
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
@@ -26,18 +27,13 @@ from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore._proto.kvstore.v1 import ucx_pb2 as ucx_pb
 from kvstore.protocol import ucx_control as ctl
 from kvstore.protocol.messages import namespace_bytes
-from kvstore.protocol.ucx import ucx_unavailable_reason
 from kvstore.protocol.ucx_wire import abort_endpoint
 
 if TYPE_CHECKING:
     from harness.serve import ServerProcess
     from harness.server_factory import ServerFactory
 
-_REASON = ucx_unavailable_reason()
-if _REASON is not None:
-    if os.environ.get("KVSTORE_SKIP_UCX") == "1":
-        pytest.skip(f"KVSTORE_SKIP_UCX=1: {_REASON}", allow_module_level=True)
-    raise ImportError(f"{_REASON}\nInstall the ucx extra, or set KVSTORE_SKIP_UCX=1.")
+require_ucx()
 
 from kvstore.client.ucx import UcxDataClient  # noqa: E402
 from kvstore.client.ucx_lanes import Lane  # noqa: E402

@@ -13,7 +13,6 @@ shared-memory cases run).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,13 +22,13 @@ import torch
 from harness import cuda_stand_in
 from harness.gpu_harness import CASES, CHUNK, UCX_FLAGS, Case, round_trip
 from harness.serve import ServerProcess
+from harness.ucx_guard import ucx_expected
 
 from kvstore.client.shm import ShmLease, ShmReservation
 from kvstore.integrations.paged import device_pipeline
 from kvstore.integrations.paged.device_pipeline import LoadPipeline
 from kvstore.integrations.vllm import saves as vllm_saves
 from kvstore.integrations.vllm import worker as vllm_worker
-from kvstore.protocol.ucx import ucx_unavailable_reason
 
 _GPU = [
     pytest.mark.gpu,
@@ -37,13 +36,7 @@ _GPU = [
 ]
 DEVICES = ["cpu", pytest.param("cuda", marks=_GPU)]
 
-_NO_UCX = ucx_unavailable_reason()
-if _NO_UCX is not None and os.environ.get("KVSTORE_SKIP_UCX") != "1":
-    raise ImportError(
-        f"{_NO_UCX}\nInstall the ucx extra (pip install -e '.[ucx]'), or set KVSTORE_SKIP_UCX=1 "
-        "where UCX is not expected."
-    )
-UCX = _NO_UCX is None
+UCX = ucx_expected()
 #: (device, case) pairs loaded over UCX: every layout on CUDA, two on the CPU.
 UCX_RUNS = (
     [
