@@ -9,6 +9,7 @@ tests of the vLLM suite (``tests/vllm/``).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -29,14 +30,24 @@ MAX_TOKENS = 12
 
 class Engine:
     """One ``tests/vllm/engine_runner.py`` subprocess over ``prompts``, with ``args`` added to its
-    command line (the connector's flags, say); :meth:`result` waits for its JSON output."""
+    command line (the connector's flags, say) and ``env`` to its environment; :meth:`result`
+    waits (up to ``timeout_s``) for its JSON output."""
 
     def __init__(
-        self, name: str, workdir: Path, model: Path, prompts: list[list[int]], *args: str
+        self,
+        name: str,
+        workdir: Path,
+        model: Path,
+        prompts: list[list[int]],
+        *args: str,
+        max_tokens: int = MAX_TOKENS,
+        timeout_s: float = ENGINE_TIMEOUT_S,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.name = name
         self.out = workdir / f"{name}.json"
         self.log = workdir / f"{name}.log"
+        self.timeout_s = timeout_s
         prompts_file = workdir / f"{name}.prompts.json"
         prompts_file.write_text(json.dumps(prompts))
         command = [
@@ -49,7 +60,7 @@ class Engine:
             "--out",
             str(self.out),
             "--max-tokens",
-            str(MAX_TOKENS),
+            str(max_tokens),
             "--chunk-size",
             str(CHUNK),
             "--max-model-len",
@@ -58,16 +69,21 @@ class Engine:
         ]
         self.started = time.monotonic()
         with self.log.open("wb") as log:
-            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=None if env is None else {**os.environ, **env},
+            )
 
     def result(self) -> dict[str, Any]:
         """Wait for the engine (bounded) and return its JSON output."""
         try:
-            code = self.proc.wait(timeout=ENGINE_TIMEOUT_S)
+            code = self.proc.wait(timeout=self.timeout_s)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-            pytest.fail(f"engine {self.name} hung for {ENGINE_TIMEOUT_S} s:\n{self._tail()}")
+            pytest.fail(f"engine {self.name} hung for {self.timeout_s:.0f} s:\n{self._tail()}")
         self.elapsed = time.monotonic() - self.started
         if code != 0 or not self.out.exists():
             pytest.fail(f"engine {self.name} exited with {code}:\n{self._tail()}")

@@ -31,20 +31,18 @@ engine start of 20-30 s on an idle machine should bring to some 8-10 minutes for
 
 from __future__ import annotations
 
-import json
-import os
 import random
 import re
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import pytest
 from harness.serve import ServerProcess
 from harness.tiny_families import FAMILIES, WINDOW
+from harness.vllm_engine_runs import Engine as EngineRun
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
@@ -108,8 +106,8 @@ def _prompts() -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
     return a, b, controls
 
 
-class Engine:
-    """One ``engine_runner.py`` subprocess of a family."""
+class Engine(EngineRun):
+    """One ``engine_runner.py`` subprocess of a family (its model, flags and environment)."""
 
     #: Every engine process started, for the fixture that stops those a failed test left.
     running: ClassVar[list[subprocess.Popen[bytes]]] = []
@@ -124,52 +122,19 @@ class Engine:
         env: dict[str, str] | None = None,
     ) -> None:
         spec = FAMILIES[family]
-        self.name = name
-        self.out = workdir / f"{name}.json"
-        self.log = workdir / f"{name}.log"
-        prompts_file = workdir / f"{name}.prompts.json"
-        prompts_file.write_text(json.dumps(prompts))
         flags = [f"--{k.replace('_', '-')}" for k, v in spec.engine.items() if v is True]
-        command = [
-            sys.executable,
-            str(HERE / "engine_runner.py"),
-            "--model",
-            str(workdir / family),
-            "--prompts",
-            str(prompts_file),
-            "--out",
-            str(self.out),
-            "--max-tokens",
-            str(MAX_TOKENS),
-            "--chunk-size",
-            str(CHUNK),
-            "--max-model-len",
-            "2048",
+        super().__init__(
+            name,
+            workdir,
+            workdir / family,
+            prompts,
             *flags,
             *args,
-        ]
-        self.started = time.monotonic()
-        with self.log.open("wb") as log:
-            self.proc = subprocess.Popen(
-                command,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, **spec.env, **(env or {})},
-            )
+            max_tokens=MAX_TOKENS,
+            timeout_s=ENGINE_TIMEOUT_S,
+            env={**spec.env, **(env or {})},
+        )
         Engine.running.append(self.proc)
-
-    def result(self) -> dict[str, Any]:
-        """Wait for the engine (bounded) and return its JSON output."""
-        try:
-            code = self.proc.wait(timeout=ENGINE_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            pytest.fail(f"engine {self.name} hung for {ENGINE_TIMEOUT_S} s:\n{self._tail()}")
-        if code != 0 or not self.out.exists():
-            pytest.fail(f"engine {self.name} exited with {code}:\n{self._tail()}")
-        data: dict[str, Any] = json.loads(self.out.read_text())
-        return data
 
     def kv_cache(self) -> tuple[int, int]:
         """(KV capacity in tokens, number of KV cache groups) from the engine's log."""
@@ -182,9 +147,6 @@ class Engine:
 
     def hybrid_manager_off(self) -> bool:
         return _HMA_OFF in self.log.read_text(errors="replace")
-
-    def _tail(self) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-40:])
 
 
 @pytest.fixture(autouse=True)
