@@ -145,14 +145,20 @@ class UcxDataServer(UcxControl):
             # Only the leases UCX reads from travel with the sends; the others come back now.
             session.release([i for i in session.leases if i not in got.travelling])
             if messages:
-                # The sends are posted before the answer goes. The task's done callback runs
-                # however it ends (even cancelled before it started), so the leases it sends
-                # from always come back.
+                # The sends are posted before the answer goes; an unsealed get's checksums are
+                # hashed from the same leased pages while they travel (not before: that was a
+                # tenth of the call, on its critical path). The session closes once the sends
+                # and the hashing have both ended, however they end (the task's done callback
+                # runs even if it was cancelled before it started; the hashing is shielded
+                # from the call's cancellation), so no page comes back while either reads it.
                 task = await self._send(
                     scope, clients, request.transfer_id, views, messages, deadline
                 )
-                task.add_done_callback(lambda _: scope.sessions.close(session))
+                hashing = got.hash_sent()
+                _when_done(lambda: scope.sessions.close(session), task, hashing)
                 sending = True
+                if hashing is not None:
+                    got.checksums = await asyncio.shield(hashing)
         finally:
             if not sending:
                 scope.sessions.close(session)
@@ -260,6 +266,7 @@ class _Leases:
         self.travelling: set[int] = set()
         self.headers: list[bytes] = []
         self.checksums: list[int] = []
+        self._hash_later = False  # seal_or_hash left the checksums to hash_sent
         for index, item in enumerate(acquired):
             if item is None or not self.sent[index]:
                 continue
@@ -273,6 +280,15 @@ class _Leases:
                 self.payloads.append((index, self.pieces[index][0]))
             else:  # hashed (and sealed) as one payload; sent run by run from the pages
                 self.payloads.append((index, gather(arena, item.lease.ranges, self.lengths[index])))
+
+    def hash_sent(self) -> asyncio.Future[list[int]] | None:
+        """An unsealed get's ``checksums`` of the blocks still sent, hashed off the loop from the
+        pages being sent (the thread starts now); ``None`` where they are known already."""
+        sent = [(index, payload) for index, payload in self.payloads if self.sent[index]]
+        if not (self._hash_later and sent):
+            return None
+        loop = asyncio.get_running_loop()
+        return loop.run_in_executor(None, payload_checksums, sent, len(self.acquired))
 
     def unsend(self, index: int) -> None:
         """Send block ``index`` after all (its lease, if any, comes back with the others)."""
@@ -288,8 +304,12 @@ class _Leases:
         is not sent."""
         count = len(keys)
         self.headers = [b""] * count if request.sealed else []
-        if not (request.sealed and self.payloads):
-            self.checksums = await _checksums(self.payloads, count)
+        if not request.sealed:  # hashed while the bytes travel (hash_sent)
+            self.checksums = [0] * count
+            self._hash_later = True
+            return
+        if not self.payloads:
+            self.checksums = [0] * count
             return
         # One thread hop for the seals and the transport checksums both.
         seals, self.checksums = await asyncio.to_thread(
@@ -445,6 +465,21 @@ def _seal_payloads(
             seals[index] = None
     sealed = [(index, payload) for index, payload in payloads if seals[index] is not None]
     return seals, payload_checksums(sealed, len(keys))
+
+
+def _when_done(callback: Callable[[], None], *futures: asyncio.Future[Any] | None) -> None:
+    """Call ``callback`` once every future given (``None``: none) has ended, however."""
+    pending = [future for future in futures if future is not None]
+    left = len(pending)
+
+    def one(_: asyncio.Future[Any]) -> None:
+        nonlocal left
+        left -= 1
+        if left == 0:
+            callback()
+
+    for future in pending:
+        future.add_done_callback(one)
 
 
 async def _checksums(payloads: list[tuple[int, Any]], count: int) -> list[int]:

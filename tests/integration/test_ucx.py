@@ -15,6 +15,7 @@ dependency must not turn into a quietly skipped suite.
 
 from __future__ import annotations
 
+import itertools
 import socket
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pytest
 from harness.ports import free_port
+from harness.shm_blocks import wait_released
 from harness.ucx_servers import (
     NO_SHM,
     UCX,
@@ -145,6 +147,28 @@ def test_misses_and_size_mismatches_are_false(ucx: UcxDataClient) -> None:
     # The endpoint is still in sync after unsent payloads: the next transfer is exact.
     assert ucx.get_into(keys[:1], buffers[:1]) == [True]
     assert ucx.counters["fallbacks"] == 0
+
+
+def test_a_get_s_leases_come_back_after_its_sends_and_checksums(
+    ucx: UcxDataClient, kv: KVStoreClient
+) -> None:
+    """The server hashes a get's blocks from their leased pages while it sends them: the leases
+    come back once both have ended, for whole gets, gets with a miss and gets of several
+    messages (blocks of one staging array, and blocks over 4 MiB)."""
+    sizes = [1024**2, 1024**2, 5 * 1024**2]
+    keys = keys_of(len(sizes))
+    values = values_of(sizes, seed=7)
+    assert ucx.put(keys, values) is not None, ucx.last_error
+    staging = np.zeros(sum(sizes), dtype=np.uint8)
+    starts = np.cumsum([0, *sizes])
+    views = [staging[a:b] for a, b in itertools.pairwise(starts)]
+    for _ in range(3):
+        assert ucx.get_into(keys, views) == [True] * len(keys)
+        assert np.array_equal(staging, np.concatenate(values))
+        assert ucx.get_into([keys[0], keys_of(1)[0]], views[:2]) == [True, False]
+        assert ucx.get(keys) == as_bytes(values)
+    assert ucx.counters["fallbacks"] == 0
+    assert wait_released(kv)["leases"] == 0
 
 
 def test_ucx_and_grpc_paths_see_the_same_blocks(ucx: UcxDataClient, kv: KVStoreClient) -> None:
