@@ -168,6 +168,12 @@ class StoreCollector(Collector):
                 "Write-throughs Redis refused, waiting to be sent again",
                 ["tenant"],
             ),
+            "resend_bytes": _family(
+                g,
+                "kvstore_shared_write_queue_bytes",
+                "Payload bytes of the write-throughs waiting to be sent again",
+                ["tenant"],
+            ),
             "queue": _family(
                 g, "kvstore_prefetch_queue_keys", "Keys of unfinished prefetches", ["tenant"]
             ),
@@ -237,6 +243,7 @@ class StoreCollector(Collector):
             f["dropped"].add_metric([name], values["write_through_dropped"])
             f["resent"].add_metric([name], values["write_through_resent"])
             f["resend_queue"].add_metric([name], writer.queued_blocks)
+            f["resend_bytes"].add_metric([name], writer.queued_bytes)
             f["reconnects"].add_metric([name], shared.reconnects)
             f["up"].add_metric([name], int(shared.up))
             f["backlog"].add_metric([name], writer.backlog_bytes)
