@@ -3,7 +3,8 @@
 Exact command of the one-hour run (repository root; needs ``redis-server`` and ``redis-cli``;
 not part of any test suite; it stops by itself)::
 
-    nohup .venv/bin/python benchmarks/soak.py --minutes 60 \
+    nohup .venv/bin/python benchmarks/soak.py --minutes 60 --warmup-s 600 \
+        --prefill-blocks 131072 \
         --out benchmarks/results/soak_1h.json > benchmarks/results/soak_1h.log 2>&1 &
 
 The short version runs in the slow suite (``tests/integration/test_soak.py``, ``--minutes 3``).
@@ -14,7 +15,9 @@ serve.py``; a small ``dram`` arena, a small ``nvme`` LMDB and the shared ``redis
 are evicted, demoted and promoted all the time). ``--workers`` load processes per node
 (:mod:`_soak_worker`: half over shared memory, half over gRPC) put and get blocks of a sliding key
 window; a get on one node finds what the other stored through Redis, and every byte it returns is
-checked against what the key says it must be.
+checked against what the key says it must be. ``--prefill-blocks`` first puts that many 1 KiB
+blocks of other keys on node 0, so that its bounded per-key caches start full (:meth:`Soak.
+prefill`); the samples show them at their bound.
 
 Every ``--fault-every-s`` seconds one fault, in turn: a load process SIGKILLed (and started again
 at once); node 1 restarted (SIGTERM, and every other time SIGKILL, on the same LMDB directory and
@@ -23,16 +26,24 @@ a replica). Node 0 and the first load process of node 0 are never restarted: the
 descriptors are what "flat" is judged on.
 
 Every ``--sample-s`` seconds the driver samples RSS (and its anonymous, file and shared-memory
-parts) and open descriptors of both nodes and of that load process, and the LMDB files' size; per
-``--interval-s`` it reports those, the write-through backlog and re-send queue of the nodes'
-``/metrics``, the calls, hits, misses, errors and p50/p99 latency of gets and
-puts, and wrong blocks and bytes (which must be 0), plus the load average. "Flat" compares every
-sample after ``--warmup-s`` with the first one after it: RSS within ``--tolerance`` (10 %), and
-descriptors within the tolerance or 4 descriptors, whichever is more (a few sockets come and go).
+parts) and open descriptors of both nodes and of that load process, the LMDB files' size, and the
+nodes' own account of what holds memory (``Stats``: re-send queue, write-through backlog, caches,
+tasks, glibc's heap and Python's allocated blocks, ``stats.*``, see :data:`STATS_COUNTERS` and
+``kvstore/server/memory.py``); per ``--interval-s`` it reports those, the calls, hits, misses,
+errors and p50/p99 latency of gets and puts, and wrong blocks and bytes (which must be 0), plus
+the load average. "Flat" compares every sample after ``--warmup-s`` with the first one after it:
+RSS within ``--tolerance`` (10 %), and descriptors within the tolerance or 4 descriptors,
+whichever is more (a few sockets come and go); node 0's RSS is judged twice, over every sample
+and over those where its re-send queue and backlog were empty (see :meth:`Soak.flatness`).
 The JSON goes to ``--out`` (``benchmarks/results/soak_*.json``); the exit status is 1 when wrong
 bytes were seen or a watched figure was not flat. A node's Redis re-send queue (what Redis
-refused during a failover, ``redis.resend_queue_bytes``, 256 MiB by default) fills as failovers
-come and stays full: ``--resend-queue-mib`` bounds it, so that it fills within the warm-up.
+refused during a failover, ``redis.resend_queue_bytes``, 256 MiB by default) holds copies of
+blocks while a master fails over and drains when it is back: ``--resend-queue-mib`` bounds it
+lower (the slow test's 8 MiB).
+
+Debugging (not for figures: tracing slows node 0 several times over): ``--debug-tracemalloc DIR``
+makes node 0 trace its allocations and write a snapshot to ``DIR`` every half interval
+(``KVSTORE_DEBUG_TRACEMALLOC``, ``kvstore/server/memory.py``).
 """
 
 from __future__ import annotations
@@ -53,8 +64,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' harness
 from _common import exit_on_sigterm, machine_info, percentile
+from _soak_worker import NAMESPACE
 from harness.redis_cluster import RedisCluster
 from harness.serve import ServerProcess
+
+from kvstore import KVStoreClient, KVStoreError
+from kvstore.server.memory import TRACEMALLOC_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -89,7 +104,11 @@ def lmdb_figures(path: Path) -> dict[str, int]:
 
 
 #: Gauges of a node's /metrics sampled with its RSS: the buffers that may hold memory.
-GAUGES = ("kvstore_shared_write_backlog_bytes", "kvstore_shared_write_queue_blocks")
+GAUGES = (
+    "kvstore_shared_write_backlog_bytes",
+    "kvstore_shared_write_queue_blocks",
+    "kvstore_shared_write_queue_bytes",
+)
 
 
 def metrics_figures(url: str) -> dict[str, float]:
@@ -106,6 +125,49 @@ def metrics_figures(url: str) -> dict[str, float]:
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if name in GAUGES:
             out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+#: Of a node's ``Stats`` counters, those that say what holds its memory (``kvstore/server/
+#: memory.py`` and the store's queues); with each tier's ``used`` and ``blocks``.
+STATS_COUNTERS = (
+    "shared_write_queue_blocks",
+    "shared_write_queue_bytes",
+    "shared_write_backlog_bytes",
+    "shared_write_pending_keys",
+    "background_tasks",
+    "seal_memo_entries",
+    "evicted_keys_remembered",
+    "asyncio_tasks",
+    "malloc_in_use_bytes",
+    "malloc_free_bytes",
+    "malloc_mmapped_bytes",
+    "malloc_trims",
+    "python_allocated_blocks",
+    "shm_connections",
+    "shm_leases",
+    "shm_reservations",
+    "prefetch_queued_keys",
+    "write_through_dropped",
+)
+
+
+def stats_figures(node: ServerProcess) -> dict[str, Any]:
+    """The :data:`STATS_COUNTERS` of ``node``'s ``Stats`` and its tiers' ``used`` / ``blocks``
+    (``stats.*``); empty if it does not answer within 2 s (restarting, or overloaded)."""
+    if not node.target:
+        return {}
+    try:
+        stats = node.stats(timeout=2.0)
+    except Exception:  # a node restarting, or too busy to answer: no figures this time
+        return {}
+    counters = stats.get("counters", {})
+    out: dict[str, Any] = {f"stats.{k}": counters[k] for k in STATS_COUNTERS if k in counters}
+    for tier, values in stats.get("tiers", {}).items():
+        for name in ("used", "blocks"):
+            if name in values:
+                out[f"stats.{tier}_{name}"] = values[name]
+    out["stats.index_blocks"] = stats.get("blocks", 0)
     return out
 
 
@@ -127,20 +189,25 @@ class Soak:
             # The re-send queue holds what Redis refused (a failover) up to this bound: a small
             # one fills during the warm-up, so RSS after it shows leaks, not a filling queue.
             env["KVSTORE_REDIS_RESEND_QUEUE_BYTES"] = str(int(args.resend_queue_mib * 2**20))
+        envs = [dict(env), dict(env)]
+        if args.debug_tracemalloc is not None:  # node 0 only: snapshots on SIGUSR1 (slow)
+            envs[0][TRACEMALLOC_ENV] = str(args.debug_tracemalloc)
         self.nodes = [
-            ServerProcess(workdir / f"node{i}", flags, env, name=f"node{i}") for i in range(2)
+            ServerProcess(workdir / f"node{i}", flags, envs[i], name=f"node{i}") for i in range(2)
         ]
         self.workers: list[dict[str, Any]] = []
         self.faults: list[dict[str, Any]] = []
         self.samples: list[dict[str, Any]] = []
         self.crashes: list[str] = []
         self.restarts = 0
+        self.prefilled: dict[str, Any] = {}
 
     # -- processes ------------------------------------------------------------------------------
 
     def start_all(self) -> None:
         for node in self.nodes:
             node.start()
+        self.prefilled = self.prefill()
         for node_index in range(2):
             for slot in range(self.args.workers):
                 plane = "shm" if slot % 2 == 0 else "grpc"
@@ -175,6 +242,32 @@ class Soak:
     def steady(self) -> dict[str, Any]:
         """The load process that is never killed (node 0's first)."""
         return self.workers[0]
+
+    def prefill(self) -> dict[str, Any]:
+        """Fill node 0's bounded per-key caches before the load starts: ``--prefill-blocks``
+        small blocks of keys the load never uses, put in batches (each sealed for Redis, and
+        the older ones evicted). The seal memo (``kvstore.block.MEMO_ENTRIES``) and the evicted
+        keys it remembers (``kvstore.store.counters._GONE_KEYS``) otherwise fill at the load's
+        20 new keys a second, for most of the hour: a slow rise that is a cache reaching its
+        bound, not a leak. The report shows both at their bound after the warm-up."""
+        count = self.args.prefill_blocks
+        began = time.time()
+        if count <= 0:
+            return {"blocks": 0}
+
+        batch = 256
+        failed = 0
+        with KVStoreClient(
+            self.nodes[0].target, namespace=NAMESPACE, timeout=30, data_plane="grpc"
+        ) as client:
+            for first in range(0, count, batch):
+                # 16-byte keys, none of which a load process uses (theirs are hashes).
+                keys = [b"prefill:%08d" % i for i in range(first, min(first + batch, count))]
+                try:
+                    client.put(keys, [k * 64 for k in keys])  # 1 KiB each
+                except KVStoreError:
+                    failed += 1
+        return {"blocks": count, "failed_batches": failed, "seconds": round(time.time() - began, 1)}
 
     # -- faults ---------------------------------------------------------------------------------
 
@@ -224,12 +317,13 @@ class Soak:
                     proc_figures(node.proc.pid)
                     | lmdb_figures(node.nvme_path)
                     | metrics_figures(node.metrics_url)
+                    | stats_figures(node)
                 )
         row["steady_worker"] = proc_figures(self.steady["proc"].pid)
         self.samples.append(row)
 
     def run(self) -> None:
-        next_sample = next_fault = time.time()
+        next_sample = next_fault = next_snapshot = time.time()
         next_fault += self.args.fault_every_s
         turn = 0
         while time.time() < self.end:
@@ -237,6 +331,11 @@ class Soak:
             if now >= next_sample:
                 self.sample()
                 next_sample = now + self.args.sample_s
+            if self.args.debug_tracemalloc is not None and now >= next_snapshot:
+                node0 = self.nodes[0].proc
+                if node0 is not None:
+                    node0.send_signal(signal.SIGUSR1)  # kvstore/server/memory.py writes one
+                next_snapshot = now + self.args.interval_s / 2
             if now >= next_fault and now < self.end - self.args.fault_every_s / 2:
                 self.fault(FAULTS[turn % len(FAULTS)])
                 turn += 1
@@ -310,6 +409,7 @@ class Soak:
             "ok": totals["wrong_bytes"] == 0
             and totals["wrong_blocks"] == 0
             and all(v["flat"] for v in flat.values()),
+            "prefill": self.prefilled,
             "faults": self.faults,
             "worker_crashes": self.crashes,
             "intervals": intervals,
@@ -317,23 +417,40 @@ class Soak:
         }
 
     def flatness(self) -> dict[str, dict[str, Any]]:
+        """Per watched figure: its first sample after the warm-up, the highest and last after
+        it, and whether all stayed within the tolerance. ``node0.vmrss_kib_queues_empty`` judges
+        node 0's RSS only at samples where its re-send queue and write-through backlog were
+        empty: what it holds between outages (a failover's queue holds up to
+        ``redis.resend_queue_bytes`` of copies for seconds, and is given back once drained)."""
         after = [s for s in self.samples if s["t"] >= self.args.warmup_s]
+        quiet = [
+            s
+            for s in after
+            if s.get("node0", {}).get("stats.shared_write_queue_bytes", 1) == 0
+            and s["node0"].get("stats.shared_write_backlog_bytes", 1) == 0
+        ]
+        watched: list[tuple[str, str, int, list[dict[str, Any]], str]] = [
+            (process, figure, slack, after, f"{process}.{figure}")
+            for process in ("node0", "steady_worker")
+            for figure, slack in (("vmrss_kib", 0), ("fds", 4))
+        ]
+        watched.append(("node0", "vmrss_kib", 0, quiet, "node0.vmrss_kib_queues_empty"))
         out: dict[str, dict[str, Any]] = {}
-        for process in ("node0", "steady_worker"):
-            for figure, slack in (("vmrss_kib", 0), ("fds", 4)):
-                values = [s[process][figure] for s in after if figure in s.get(process, {})]
-                if not values:
-                    out[f"{process}.{figure}"] = {"flat": False, "why": "no samples"}
-                    continue
-                base = values[0]
-                allowed = max(base * self.args.tolerance, slack)
-                out[f"{process}.{figure}"] = {
-                    "baseline": base,
-                    "max": max(values),
-                    "last": values[-1],
-                    "max_ratio": round(max(values) / base, 4) if base else None,
-                    "flat": max(values) <= base + allowed,
-                }
+        for process, figure, slack, samples, name in watched:
+            values = [s[process][figure] for s in samples if figure in s.get(process, {})]
+            if not values:
+                out[name] = {"flat": False, "why": "no samples"}
+                continue
+            base = values[0]
+            allowed = max(base * self.args.tolerance, slack)
+            out[name] = {
+                "baseline": base,
+                "max": max(values),
+                "last": values[-1],
+                "max_ratio": round(max(values) / base, 4) if base else None,
+                "samples": len(values),
+                "flat": max(values) <= base + allowed,
+            }
         return out
 
 
@@ -381,6 +498,18 @@ def main() -> None:
         "--resend-queue-mib", type=float, default=None, help="redis.resend_queue_bytes (MiB)"
     )
     parser.add_argument("--timeout-s", type=float, default=5.0)
+    parser.add_argument(
+        "--prefill-blocks",
+        type=int,
+        default=0,
+        help="1 KiB blocks put on node 0 first, to fill its per-key caches (see Soak.prefill)",
+    )
+    parser.add_argument(
+        "--debug-tracemalloc",
+        type=Path,
+        default=None,
+        help="debugging: node 0 traces allocations, a snapshot here every half interval",
+    )
     parser.add_argument("--tolerance", type=float, default=0.10)
     parser.add_argument("--seed", type=int, default=41)
     parser.add_argument("--out", type=Path, default=None)

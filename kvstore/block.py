@@ -245,6 +245,11 @@ class Keyring:
             while len(self._memo) > MEMO_ENTRIES:
                 self._memo.popitem(last=False)
 
+    @property
+    def remembered_count(self) -> int:
+        """Sealed headers remembered now (at most :data:`MEMO_ENTRIES`)."""
+        return len(self._memo)
+
     def remembered(self, header: BlockHeader) -> bytes | None:
         """The sealed header remembered for the block ``header`` describes, or ``None``: valid
         for a payload that matches ``header``'s checksum (check it first)."""

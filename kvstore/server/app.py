@@ -31,6 +31,7 @@ from kvstore.server.budget import InflightBudget
 from kvstore.server.health import add_health_to_server
 from kvstore.server.integrity import load_keyring
 from kvstore.server.keyring_check import check_shared_keyring
+from kvstore.server.memory import install_tracemalloc_dump, trim_heap_periodically
 from kvstore.server.metrics_http import MetricsServer
 from kvstore.server.peer_gate import PeerGate
 from kvstore.server.planes import start_metrics, start_shm, start_ucx
@@ -355,10 +356,15 @@ async def run_server(
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    install_tracemalloc_dump(loop)  # only with KVSTORE_DEBUG_TRACEMALLOC set (debugging)
+    # Payload buffers freed after a burst (a failover's re-send queue, a load spike) stay in
+    # glibc's heap as free memory, and RSS would keep the burst's high-water mark for good.
+    trimmer = loop.create_task(trim_heap_periodically(), name="kvstore-malloc-trim")
     if on_metrics is not None and running.metrics is not None:
         on_metrics(running.metrics.url)
     if on_ready is not None:
         on_ready(running.address)
     await stop.wait()
     logger.info("shutting down (grace %.1fs)", running.grace_s)
+    trimmer.cancel()
     await running.stop()

@@ -163,6 +163,12 @@ _FAMILIES: dict[str, _Spec] = {
         "Write-throughs Redis refused, waiting to be sent again",
         _TENANT,
     ),
+    "resend_bytes": _Spec(
+        _GAUGE,
+        "kvstore_shared_write_queue_bytes",
+        "Payload bytes of the write-throughs waiting to be sent again",
+        _TENANT,
+    ),
     "queue": _Spec(_GAUGE, "kvstore_prefetch_queue_keys", "Keys of unfinished prefetches", _TENANT),
     "connections": _Spec(
         _GAUGE, "kvstore_shm_connections", "Shared-memory connections open", _TENANT
@@ -289,6 +295,7 @@ def _shared_series(tenant: Tenant, f: dict[str, Any]) -> None:
         f["dropped"].add_metric([name], values["write_through_dropped"])
         f["resent"].add_metric([name], values["write_through_resent"])
         f["resend_queue"].add_metric([name], writer.queued_blocks)
+        f["resend_bytes"].add_metric([name], writer.queued_bytes)
         f["reconnects"].add_metric([name], shared.reconnects)
         f["up"].add_metric([name], int(shared.up))
         f["backlog"].add_metric([name], writer.backlog_bytes)

@@ -37,6 +37,7 @@ from kvstore.retention import KEEP
 from kvstore.server.budget import InflightBudget
 from kvstore.server.durations import DURATIONS, timed
 from kvstore.server.key_scheme_rpc import declare
+from kvstore.server.memory import memory_counters
 from kvstore.server.rpc import check_decoded, guard, service_handler
 from kvstore.server.tenancy import Tenant, Tenants
 from kvstore.store import GetResult, TieredStore
@@ -68,6 +69,15 @@ def _server_counters(tenant: Tenant) -> dict[str, int]:
         "shared_write_backlog_bytes": tenant.store.shared_writer.backlog_bytes,
         "shared_write_queue_blocks": tenant.store.shared_writer.queued_blocks,
         "shared_write_queue_bytes": tenant.store.shared_writer.queued_bytes,
+        # Copies on their way to the shared tier, by key (a delete waits for them).
+        "shared_write_pending_keys": tenant.store.shared_writer.pending_keys,
+        "background_tasks": tenant.store.background_tasks,
+        # Bounded caches (kvstore.block.MEMO_ENTRIES, kvstore.store.counters._GONE_KEYS): they
+        # fill as new keys come, and hold a few hundred bytes an entry.
+        "seal_memo_entries": tenant.store.keyring.remembered_count,
+        "evicted_keys_remembered": tenant.store.counters.evicted_keys_remembered,
+        # Process-wide (every tenant sees the same): allocator figures, event-loop tasks.
+        **memory_counters(),
         # Calls refused for their credentials belong to no tenant: the server's count.
         "miss_denied": DURATIONS.denied,
     }

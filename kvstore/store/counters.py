@@ -84,6 +84,11 @@ class StoreCounters:
             return {RATE_KEY: 0, LATENCY_KEY: 0}
         return {RATE_KEY: int(rate.per_s), LATENCY_KEY: round(rate.latency_s * 1e6)}
 
+    @property
+    def evicted_keys_remembered(self) -> int:
+        """Keys remembered as evicted now (at most :data:`_GONE_KEYS`)."""
+        return len(self._gone)
+
     def left_store(self, key: bytes) -> None:
         """Remember that ``key`` was evicted from the store (a later miss of it is ``evicted``)."""
         gone = self._gone

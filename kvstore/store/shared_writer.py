@@ -88,6 +88,11 @@ class SharedTierWriter:
         """Payload bytes of :attr:`queued_blocks`."""
         return self._queued_bytes
 
+    @property
+    def pending_keys(self) -> int:
+        """Keys whose copy is on its way to the shared tier now (a delete waits for these)."""
+        return len(self._by_key)
+
     def queued(self, key: bytes) -> BlockHeader | None:
         """The header of ``key``'s copy waiting in the re-send queue, if one is."""
         block = self._queue.get(key)

@@ -434,6 +434,11 @@ class TieredStore:
         return self._counters
 
     @property
+    def background_tasks(self) -> int:
+        """Background moves and copies under way now (promotions, demotions, shared copies)."""
+        return len(self._tasks)
+
+    @property
     def shared_writer(self) -> SharedTierWriter:
         """Write-through/back to the shared tier (its backlog, for the metrics endpoint)."""
         return self._shared

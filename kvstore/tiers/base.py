@@ -22,6 +22,8 @@ checksum) the store gives them and hand it back with the block.
 
 from __future__ import annotations
 
+import heapq
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -183,27 +185,68 @@ class SizeLedger:
     """The payload length of every block a tier holds, and the bytes they occupy together.
 
     For tiers that cannot ask their medium how full it is (LMDB, Redis) and count it themselves.
+    A block recorded with a time to live (Redis expires it by itself, and nobody tells this node)
+    is forgotten once that has passed: without it a node writing through to Redis for months
+    would keep a record of every block it ever wrote (issue 41's soak).
     """
 
     def __init__(self, footprint: Callable[[int], int]) -> None:
         self._footprint = footprint
         self._lengths: dict[bytes, int] = {}
-        self.used = 0
+        # (deadline, key) of records with a time to live, soonest first; a key recorded again
+        # since leaves a stale entry here, recognised by its deadline (see _expire).
+        self._deadlines: list[tuple[float, bytes]] = []
+        self._deadline_of: dict[bytes, float] = {}
+        self._used = 0
+
+    @property
+    def used(self) -> int:
+        """Bytes the recorded blocks occupy (the tier's footprint of each)."""
+        self._expire()
+        return self._used
 
     def __contains__(self, key: object) -> bool:
         return key in self._lengths
 
     def __len__(self) -> int:
+        self._expire()
         return len(self._lengths)
 
-    def add(self, key: bytes, length: int) -> None:
-        """Record ``key`` with ``length`` payload bytes, replacing any earlier record."""
+    def add(self, key: bytes, length: int, ttl_s: float | None = None) -> None:
+        """Record ``key`` with ``length`` payload bytes, replacing any earlier record; with
+        ``ttl_s``, only for that long."""
+        self._expire()
         self.discard(key)
         self._lengths[key] = length
-        self.used += self._footprint(length)
+        self._used += self._footprint(length)
+        if ttl_s is not None:
+            deadline = time.monotonic() + ttl_s
+            self._deadline_of[key] = deadline
+            heapq.heappush(self._deadlines, (deadline, key))
+
+    def lengthen(self, key: bytes, ttl_s: float) -> None:
+        """Keep ``key``'s record (if it has a time to live) at least ``ttl_s`` from now."""
+        deadline = time.monotonic() + ttl_s
+        if self._deadline_of.get(key, deadline) < deadline:
+            self._deadline_of[key] = deadline
+            heapq.heappush(self._deadlines, (deadline, key))
 
     def discard(self, key: bytes) -> None:
         """Forget ``key`` if recorded."""
         length = self._lengths.pop(key, None)
         if length is not None:
-            self.used -= self._footprint(length)
+            self._used -= self._footprint(length)
+            self._deadline_of.pop(key, None)
+
+    def _expire(self) -> None:
+        """Forget the records whose time to live has passed."""
+        now = time.monotonic()
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][0] <= now:
+            deadline, key = heapq.heappop(deadlines)
+            if self._deadline_of.get(key) == deadline:
+                self.discard(key)
+        if len(deadlines) > 2 * len(self._deadline_of) + 1024:
+            # Keys recorded again and again (a retained prompt) leave one stale entry each.
+            self._deadlines = [(d, k) for k, d in self._deadline_of.items()]
+            heapq.heapify(self._deadlines)

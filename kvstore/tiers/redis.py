@@ -269,7 +269,8 @@ class RedisTier(SharedTier):
                     refusal = result
                 self.writes_dropped += 1
                 continue
-            self._ledger.add(header.key, header.length)
+            # Redis forgets it after its TTL, and tells no one: so does the ledger.
+            self._ledger.add(header.key, header.length, None if ttl is None else ttl / 1000)
             self.blocks_written += 1
             if ttl_s:
                 self.retained_blocks_written += 1
@@ -368,7 +369,11 @@ class RedisTier(SharedTier):
             "extend", names, lambda pipe, name: pipe.pexpire(name, ttl, gt=True)
         )
         # 1 where lengthened; 0 where absent or already living longer (GT), or Failed.
-        extended = sum(1 for reply in replies if reply is True or reply == 1)
+        extended = 0
+        for key, reply in zip(keys, replies, strict=True):
+            if reply is True or reply == 1:
+                extended += 1
+                self._ledger.lengthen(key, ttl_s)
         self.retained_blocks_extended += extended
         return extended
 

@@ -106,6 +106,11 @@ def test_sync_client_put_lookup_get_delete_stats(shared: ServerProcess) -> None:
         assert counters["hits"] - previous.get("hits", 0) == 8
         dram = stats["tiers"]["dram"]
         assert 0 < dram["used"] <= dram["capacity"]
+        # What holds the node's memory (kvstore.server.memory; the soak samples these).
+        assert counters["background_tasks"] >= 0 and counters["shared_write_pending_keys"] == 0
+        assert counters["asyncio_tasks"] > 0
+        if sys.platform == "linux":  # glibc's heap account
+            assert counters["malloc_in_use_bytes"] > 0 and "malloc_free_bytes" in counters
 
         assert client.delete(keys[:2]) == 2
         assert client.delete(keys[:2]) == 0

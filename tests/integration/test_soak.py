@@ -46,6 +46,10 @@ def test_three_minutes_of_churn_and_faults_leave_no_wrong_byte_and_flat_figures(
     }, result["faults"]
     assert totals["gets"] > 100 and totals["puts"] > 100 and totals["hits"] > 0, totals
     assert result["worker_crashes"] == [], result["worker_crashes"]
+    # Next to RSS, the node's own account of what holds memory (its queues, caches and heap).
+    sampled = [s["node0"] for s in result["samples"] if "stats.asyncio_tasks" in s.get("node0", {})]
+    assert len(sampled) >= len(result["samples"]) // 2, result["samples"][-1]
+    assert all("stats.shared_write_queue_bytes" in s for s in sampled), sampled[-1]
     flat = result["flat"]
     assert flat["node0.fds"]["flat"] and flat["steady_worker.fds"]["flat"], flat
     assert flat["steady_worker.vmrss_kib"]["flat"], flat

@@ -125,6 +125,27 @@ async def test_ttl_is_applied(server: RedisServer) -> None:
         await forever.close()
 
 
+async def test_a_node_forgets_the_blocks_redis_expired(server: RedisServer) -> None:
+    # Redis drops a block after its TTL and tells no one: the node's ledger of what it wrote
+    # must forget it too, or a node writing through for months records every block it ever
+    # wrote (issue 41's soak). A retained block (a longer TTL, or one lengthened) stays.
+    tier = make_tier(server.url, ttl_s=0.3)
+    try:
+        assert await tier.write_many([block(n) for n in range(5)]) == [True] * 5
+        assert await tier.write_many([block(9)], ttl_s=60) == [True]
+        assert await tier.write(*block(8))
+        assert await tier.extend([key(8)], 60) == 1
+        assert tier.stats()["blocks"] == 7
+        deadline = time.monotonic() + 10
+        while tier.stats()["blocks"] > 2:
+            assert time.monotonic() < deadline, tier.stats()
+            await asyncio.sleep(0.05)
+        assert tier.used == 2 * tier.footprint(1000)
+        assert await tier.exists([key(0), key(8), key(9)]) == [False, True, True]
+    finally:
+        await tier.close()
+
+
 async def test_corrupt_values_are_misses_deleted_and_counted(
     tier: RedisTier, server: RedisServer
 ) -> None:
