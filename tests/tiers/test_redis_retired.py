@@ -38,20 +38,35 @@ async def close(client: Redis) -> None:
     await client.aclose()
 
 
-async def straggler(client: Redis, gate: asyncio.Event) -> None:
-    """A call that was already under way when its client was swapped out."""
-    await client.ping()
-    await gate.wait()
-    await client.ping()
+class Straggler:
+    """A call that was already under way when its client was swapped out: it has used the
+    client once (:attr:`arrived` is set then), waits for :attr:`gate`, then uses it again."""
+
+    def __init__(self) -> None:
+        self.arrived = asyncio.Event()
+        self.gate = asyncio.Event()
+
+    async def __call__(self, client: Redis) -> None:
+        await client.ping()
+        self.arrived.set()
+        await self.gate.wait()
+        await client.ping()
+
+
+async def under_way(straggler: Straggler, server: RedisServer) -> None:
+    """Until the straggler's first command has been answered (closing the client before that
+    would fail the command itself, not test what comes after), its connection still open."""
+    await asyncio.wait_for(straggler.arrived.wait(), 10.0)
+    assert connections(server) == 1
 
 
 async def test_a_closed_client_reconnects_for_a_call_still_running(server: RedisServer) -> None:
     # The premise: closing is not enough while a call still runs on the client.
-    client, gate = client_for(server), asyncio.Event()
-    running = asyncio.create_task(straggler(client, gate))
-    await asyncio.to_thread(poll, lambda: connections(server) == 1, 10.0, "the call connected")
+    client, straggler = client_for(server), Straggler()
+    running = asyncio.create_task(straggler(client))
+    await under_way(straggler, server)
     await client.aclose()
-    gate.set()
+    straggler.gate.set()
     await running
     assert connections(server) == 1, "redis-py no longer reconnects a closed client"
     await client.aclose()
@@ -61,12 +76,12 @@ async def test_a_retired_client_is_closed_again_when_its_last_call_ends(
     server: RedisServer,
 ) -> None:
     retired = RetiredClients(close, timeout_s=5.0)
-    client, gate = client_for(server), asyncio.Event()
-    running = asyncio.create_task(retired.run(client, lambda c: straggler(c, gate)))
-    await asyncio.to_thread(poll, lambda: connections(server) == 1, 10.0, "the call connected")
+    client, straggler = client_for(server), Straggler()
+    running = asyncio.create_task(retired.run(client, straggler))
+    await under_way(straggler, server)
     await retired.retire(client)
     assert retired.waiting == 1
-    gate.set()
+    straggler.gate.set()
     await running
     await asyncio.to_thread(
         poll, lambda: connections(server) == 0, 10.0, "the retired client closed again"
@@ -76,17 +91,17 @@ async def test_a_retired_client_is_closed_again_when_its_last_call_ends(
 
 async def test_a_cancelled_call_counts_until_it_has_wound_down(server: RedisServer) -> None:
     retired = RetiredClients(close, timeout_s=5.0)
-    client, gate = client_for(server), asyncio.Event()
+    client, straggler = client_for(server), Straggler()
 
     async def cancelled_late(c: Redis) -> None:
         try:
-            await straggler(c, gate)
+            await straggler(c)
         except asyncio.CancelledError:
             await c.ping()  # winding down still uses the client
             raise
 
     running = asyncio.create_task(retired.run(client, cancelled_late))
-    await asyncio.to_thread(poll, lambda: connections(server) == 1, 10.0, "the call connected")
+    await under_way(straggler, server)
     await retired.retire(client)
     running.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -96,15 +111,15 @@ async def test_a_cancelled_call_counts_until_it_has_wound_down(server: RedisServ
 
 async def test_drain_closes_clients_still_in_use_at_shutdown(server: RedisServer) -> None:
     retired = RetiredClients(close, timeout_s=5.0)
-    client, gate = client_for(server), asyncio.Event()
-    running = asyncio.create_task(retired.run(client, lambda c: straggler(c, gate)))
-    await asyncio.to_thread(poll, lambda: connections(server) == 1, 10.0, "the call connected")
+    client, straggler = client_for(server), Straggler()
+    running = asyncio.create_task(retired.run(client, straggler))
+    await under_way(straggler, server)
     await retired.retire(client)
     await retired.drain()
     assert retired.waiting == 0
     running.cancel()
     await asyncio.gather(running, return_exceptions=True)
-    assert connections(server) == 0
+    await asyncio.to_thread(poll, lambda: connections(server) == 0, 10.0, "drained and closed")
 
 
 async def test_a_client_without_calls_is_closed_once(server: RedisServer) -> None:
@@ -113,4 +128,4 @@ async def test_a_client_without_calls_is_closed_once(server: RedisServer) -> Non
     await retired.run(client, lambda c: c.ping())
     await retired.retire(client)
     assert retired.waiting == 0
-    assert connections(server) == 0
+    await asyncio.to_thread(poll, lambda: connections(server) == 0, 10.0, "the client closed")
