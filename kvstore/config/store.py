@@ -209,6 +209,14 @@ class RedisConfig:
         ),
         kind="size",
     )
+    max_connections: int = setting(
+        4,
+        help=(
+            "connections this node keeps to each Redis server (each cluster primary), opened on "
+            "its first call: also the most calls in flight to one server; more wait their turn "
+            "within their deadline"
+        ),
+    )
     key_prefix: str = setting(
         "kvstore:v1:",
         help="prefix of every Redis key",
@@ -233,6 +241,7 @@ class RedisConfig:
             "redis.op_timeout_max_s", self.op_timeout_max_s, self.op_timeout_s, "redis.op_timeout_s"
         )
         require_positive("redis.min_rate", self.min_rate, "bytes per second, e.g. 4MiB")
+        require_at_least("redis.max_connections", self.max_connections, 1, "1")
         for name in ("resend_queue_bytes", "resend_queue_blocks"):
             require_at_least(
                 f"redis.{name}", getattr(self, name), 0, "0: never re-send a refused write-through"

@@ -96,6 +96,7 @@ def _redis_tier(config: Config) -> Tier | None:
         op_timeout_s=redis.op_timeout_s,
         op_timeout_max_s=redis.op_timeout_max_s,
         min_rate=redis.min_rate,
+        max_connections=redis.max_connections,
         resend_queue_bytes=redis.resend_queue_bytes,
         resend_queue_blocks=redis.resend_queue_blocks,
     )

@@ -117,6 +117,7 @@ class RedisTier(SharedTier):
         resend_queue_blocks: int = DEFAULT_RESEND_QUEUE_BLOCKS,
         op_timeout_max_s: float = DEFAULT_OP_TIMEOUT_MAX_S,
         min_rate: int = DEFAULT_MIN_RATE,
+        max_connections: int = 4,
     ) -> None:
         if capacity < 0:
             raise ValueError(f"capacity must be >= 0, got {capacity}")
@@ -156,7 +157,12 @@ class RedisTier(SharedTier):
                 f"op_timeout_max_s ({op_timeout_max_s}) must be >= op_timeout_s ({op_timeout_s})"
             )
         self._link = RedisLink(
-            url, op_timeout_s, (low, high), max_timeout_s=op_timeout_max_s, min_rate=min_rate
+            url,
+            op_timeout_s,
+            (low, high),
+            max_timeout_s=op_timeout_max_s,
+            min_rate=min_rate,
+            max_connections=max_connections,
         )
         # The size a value read here is expected to have, for the deadline of a read (whose
         # reply sizes are known only once it has arrived): see _saw_values.
@@ -412,6 +418,8 @@ class RedisTier(SharedTier):
             # What deadlines assume (kvstore.tiers.redis_rate): measured, 0 before any.
             "rate_bytes_per_s": round(self._link.rate.measured or 0),
             "slow_calls_timed_out": self._link.rate.misses,
+            # redis.max_connections: calls that found every connection busy until their deadline.
+            "calls_waited_out": self._link.slots.waits_timed_out,
         }
 
     async def close(self) -> None:

@@ -45,6 +45,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from kvstore.deadline import within
 from kvstore.tiers.redis_rate import TransferRate
 from kvstore.tiers.redis_retired import RetiredClients
+from kvstore.tiers.redis_slots import ConnectionSlots
 
 __all__ = ["FAILED", "SKIPPED", "Failed", "RedisLink"]
 
@@ -98,6 +99,7 @@ class RedisLink:
         *,
         max_timeout_s: float | None = None,
         min_rate: float = 4 * 1024**2,
+        max_connections: int = 4,
     ) -> None:
         self.url = url
         self.op_timeout_s = op_timeout_s
@@ -110,7 +112,12 @@ class RedisLink:
         self._cluster_nodes: dict[tuple[str, int], None] = {}
         # Clients swapped out while calls still run on them: closed again once those end.
         self._retired = RetiredClients(_close, op_timeout_s)
+        #: Calls in flight, and so connections open, per Redis server (``redis.max_connections``).
+        self.slots = ConnectionSlots(max_connections)
         self._client = self._make_client()
+        # The client whose connections were last opened up front, and that task.
+        self._filled: _Client | None = None
+        self._filling: asyncio.Task[None] | None = None
         self._up = True
         # Cluster primaries ("host:port") that stopped answering: their keys are skipped.
         self._down_nodes: dict[str, None] = {}
@@ -181,8 +188,15 @@ class RedisLink:
         client = self._client if client is None else client
         started = time.monotonic()
         timeout = self.rate.timeout(size) if deadline is None else deadline - started
+        # Waiting for a slot is this node's own queue, not Redis failing: no outage.
+        if not await self.slots.take(node, timeout):
+            logger.debug("redis %s: no free connection to %r in %.3f s", op, node, timeout)
+            return FAILED
+        task = asyncio.ensure_future(self._retired.run(client, fn))
+        self.slots.hold_until_done(node, task)
+        self._fill_soon(client)
         try:
-            return await within(self._retired.run(client, fn), timeout, self._abandoned)
+            return await within(task, started + timeout - time.monotonic(), self._abandoned)
         except _OUTAGE_ERRORS as exc:
             if isinstance(exc, TimeoutError) and deadline is None:
                 self.rate.missed(size, time.monotonic() - started)
@@ -190,6 +204,46 @@ class RedisLink:
         except RedisError as exc:
             logger.warning("redis %s failed: %s", op, exc)
         return FAILED
+
+    def _fill_soon(self, client: _Client) -> None:
+        """Open ``client``'s connections up front, once per client, in the background."""
+        if client is not self._client or self._closed or self._filled is client:
+            return
+        self._filled = client
+        self._filling = asyncio.get_running_loop().create_task(
+            self._fill(client), name="kvstore-redis-open-connections"
+        )
+
+    async def _fill(self, client: _Client) -> None:
+        """Open every free slot's connection to each server now (a PING each, concurrently).
+
+        Then a node keeps ``max_connections`` sockets per server from its first call on, whatever
+        its load did since: a fixed count an operator can plan for, and a burst does not wait for
+        connection set-ups. A cluster client learns its primaries first. Best effort: a server
+        that does not answer is found by the calls themselves."""
+        servers: list[tuple[str, Any]] = [("", None)]
+        if isinstance(client, RedisCluster):
+            if client._initialize:
+                deadline = time.monotonic() + self.op_timeout_s
+                ready = await self.call(
+                    "connect", lambda c: c.initialize(), client=client, deadline=deadline
+                )
+                if isinstance(ready, Failed):
+                    return
+            servers = [(primary.name, primary) for primary in client.get_primaries()]
+        pings: list[asyncio.Future[Any]] = []
+        for name, server in servers:
+            while await self.slots.take_free(name):
+                task = asyncio.ensure_future(self._retired.run(client, _pinger(server)))
+                self.slots.hold_until_done(name, task)
+                pings.append(task)
+        outcomes = await asyncio.gather(
+            *(within(task, self.op_timeout_s, self._abandoned) for task in pings),
+            return_exceptions=True,
+        )
+        failed = [o for o in outcomes if isinstance(o, BaseException)]
+        if failed:
+            logger.debug("opening redis connections: %d of %d failed", len(failed), len(pings))
 
     def _mark_down(self, client: _Client, op: str, exc: BaseException, node: str = "") -> None:
         # A call still in flight on a client the reconnect loop already replaced must not take
@@ -388,10 +442,11 @@ class RedisLink:
     async def close(self) -> None:
         """Stop reconnecting and close the client's connections."""
         self._closed = True
-        task, self._reconnect_task = self._reconnect_task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        for task in (self._reconnect_task, self._filling):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._reconnect_task = self._filling = None
         if self._abandoned:
             await asyncio.wait(set(self._abandoned), timeout=self.op_timeout_s)
         await self._discard(self._client)
@@ -414,6 +469,13 @@ async def _close(client: _Client) -> None:
     if isinstance(client, RedisCluster):
         await client.nodes_manager.aclose()
         await client.nodes_manager.aclose("startup_nodes")
+
+
+def _pinger(server: ClusterNode | None) -> Callable[[Any], Awaitable[Any]]:
+    """A call that PINGs ``server`` (a cluster primary), or the one server (``None``)."""
+    if server is None:
+        return lambda client: client.ping()
+    return lambda client: client.ping(target_nodes=server)
 
 
 def _replicated_primary(client: _Client, name: bytes) -> ClusterNode | None:
