@@ -26,7 +26,9 @@ a replica). Node 0 and the first load process of node 0 are never restarted: the
 descriptors are what "flat" is judged on.
 
 Every ``--sample-s`` seconds the driver samples RSS (and its anonymous, file and shared-memory
-parts) and open descriptors of both nodes and of that load process, the LMDB files' size, and the
+parts) and open descriptors of both nodes and of that load process (for the nodes also what they
+point to, ``fds.*``: Redis connections, accepted clients, sockets, arenas, files; see
+:mod:`_proc_figures`), the LMDB files' size, and the
 nodes' own account of what holds memory (``Stats``: re-send queue, write-through backlog, caches,
 tasks, glibc's heap and Python's allocated blocks, ``stats.*``, see :data:`STATS_COUNTERS` and
 ``kvstore/server/memory.py``); per ``--interval-s`` it reports those, the calls, hits, misses,
@@ -57,13 +59,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' harness
 from _common import exit_on_sigterm, machine_info, percentile
+from _proc_figures import fd_kinds, lmdb_figures, metrics_figures, proc_figures
 from _soak_worker import NAMESPACE
 from harness.redis_cluster import RedisCluster
 from harness.serve import ServerProcess
@@ -75,57 +77,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 WORKER = ROOT / "benchmarks" / "_soak_worker.py"
 FAULTS = ("client_kill", "store_restart", "redis_failover")
-
-
-def proc_figures(pid: int) -> dict[str, int]:
-    """RSS and its parts (KiB) and open descriptors of process ``pid`` (empty once it is gone)."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-        fds = len(os.listdir(f"/proc/{pid}/fd"))
-    except OSError:
-        return {}
-    out = {"fds": fds}
-    for line in status.splitlines():
-        name, _, value = line.partition(":")
-        if name in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
-            out[name.lower() + "_kib"] = int(value.split()[0])
-    return out
-
-
-def lmdb_figures(path: Path) -> dict[str, int]:
-    """Apparent and allocated bytes of the files in an LMDB directory."""
-    size = allocated = 0
-    for entry in path.glob("**/*"):
-        if entry.is_file():
-            info = entry.stat()
-            size += info.st_size
-            allocated += info.st_blocks * 512
-    return {"lmdb_bytes": size, "lmdb_allocated_bytes": allocated}
-
-
-#: Gauges of a node's /metrics sampled with its RSS: the buffers that may hold memory.
-GAUGES = (
-    "kvstore_shared_write_backlog_bytes",
-    "kvstore_shared_write_queue_blocks",
-    "kvstore_shared_write_queue_bytes",
-)
-
-
-def metrics_figures(url: str) -> dict[str, float]:
-    """The :data:`GAUGES` of a node (summed over tenants); empty if it does not answer."""
-    if not url:
-        return {}
-    try:
-        with urllib.request.urlopen(url, timeout=2) as reply:
-            text = reply.read().decode()
-    except OSError:
-        return {}
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in GAUGES:
-            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
 
 
 #: Of a node's ``Stats`` counters, those that say what holds its memory (``kvstore/server/
@@ -195,6 +146,7 @@ class Soak:
         self.nodes = [
             ServerProcess(workdir / f"node{i}", flags, envs[i], name=f"node{i}") for i in range(2)
         ]
+        self.redis_ports = {server.port for server in cluster.nodes}
         self.workers: list[dict[str, Any]] = []
         self.faults: list[dict[str, Any]] = []
         self.samples: list[dict[str, Any]] = []
@@ -315,6 +267,7 @@ class Soak:
             if node.proc is not None:
                 row[f"node{index}"] = (
                     proc_figures(node.proc.pid)
+                    | fd_kinds(node.proc.pid, self.redis_ports, _ports(node))
                     | lmdb_figures(node.nvme_path)
                     | metrics_figures(node.metrics_url)
                     | stats_figures(node)
@@ -452,6 +405,15 @@ class Soak:
                 "flat": max(values) <= base + allowed,
             }
         return out
+
+
+def _ports(node: ServerProcess) -> set[int]:
+    """The ports ``node`` accepts connections on: its gRPC target and its /metrics."""
+    ports = set()
+    for address in (node.target, node.metrics_url.split("//", 1)[-1].split("/", 1)[0]):
+        if address.rpartition(":")[2].isdigit():
+            ports.add(int(address.rpartition(":")[2]))
+    return ports
 
 
 def _interval(
