@@ -84,7 +84,8 @@ def fd_kinds(
 ) -> dict[str, int]:
     """``pid``'s open descriptors by what they point to (``fds.*``): ``redis`` (connections to
     one of ``redis_ports``), ``clients`` (accepted on one of ``listen_ports``), ``listening``,
-    ``tcp_other``, ``unix`` sockets, ``memfd`` (arenas), ``files`` (LMDB, logs) and ``other``
+    ``tcp_other``, ``unix`` sockets, ``memfd`` (arenas), ``shm`` (``/dev/shm`` files), ``files``
+    (LMDB, logs) and ``other``
     (pipes, eventfds, epoll). Where a count moves, this says which kind moved."""
     try:
         names = os.listdir(f"/proc/{pid}/fd")
@@ -111,6 +112,8 @@ def fd_kinds(
                 kinds["tcp_other"] += 1
         elif link.startswith("/memfd:"):
             kinds["memfd"] += 1
+        elif link.startswith("/dev/shm/"):
+            kinds["shm"] += 1
         elif link.startswith("/") and not link.startswith("/dev/"):
             kinds["files"] += 1
         else:

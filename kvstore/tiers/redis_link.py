@@ -189,14 +189,22 @@ class RedisLink:
         started = time.monotonic()
         timeout = self.rate.timeout(size) if deadline is None else deadline - started
         # Waiting for a slot is this node's own queue, not Redis failing: no outage.
-        if not await self.slots.take(node, timeout):
+        took = await self.slots.take(node, timeout)
+        left = started + timeout - time.monotonic()
+        if took and left <= 0:
+            # The slot came free just as the deadline ran out: nothing was sent, so this is a
+            # wait that timed out too, not an outage (``within`` would call it one).
+            self.slots.give_back(node)
+            self.slots.waits_timed_out += 1
+            took = False
+        if not took:
             logger.debug("redis %s: no free connection to %r in %.3f s", op, node, timeout)
             return FAILED
         task = asyncio.ensure_future(self._retired.run(client, fn))
         self.slots.hold_until_done(node, task)
         self._fill_soon(client)
         try:
-            return await within(task, started + timeout - time.monotonic(), self._abandoned)
+            return await within(task, left, self._abandoned)
         except _OUTAGE_ERRORS as exc:
             if isinstance(exc, TimeoutError) and deadline is None:
                 self.rate.missed(size, time.monotonic() - started)
@@ -223,13 +231,8 @@ class RedisLink:
         that does not answer is found by the calls themselves."""
         servers: list[tuple[str, Any]] = [("", None)]
         if isinstance(client, RedisCluster):
-            if client._initialize:
-                deadline = time.monotonic() + self.op_timeout_s
-                ready = await self.call(
-                    "connect", lambda c: c.initialize(), client=client, deadline=deadline
-                )
-                if isinstance(ready, Failed):
-                    return
+            if not await self._learn_slots(client, time.monotonic() + self.op_timeout_s):
+                return
             servers = [(primary.name, primary) for primary in client.get_primaries()]
         pings: list[asyncio.Future[Any]] = []
         for name, server in servers:
@@ -348,18 +351,25 @@ class RedisLink:
             self._remember_nodes(client)
         await self._retired.retire(client)
 
+    async def _learn_slots(self, client: RedisCluster, deadline: float) -> bool:
+        """Have ``client`` know which primary serves each slot; False if Redis did not say in
+        time. Only a client that has not learnt the slots yet (or that redis-py marked for a
+        refresh) needs the round trip."""
+        if not client._initialize:
+            return True
+        ready = await self.call(
+            "connect", lambda c: c.initialize(), client=client, deadline=deadline
+        )
+        return not isinstance(ready, Failed)
+
     async def _split(self, names: Sequence[bytes], deadline: float) -> _Groups | Failed:
         """The client to use and the positions of ``names`` by the primary serving them (one
         group, ``""``, for a single server)."""
         client = self._client
         if not isinstance(client, RedisCluster):
             return client, {"": list(range(len(names)))}
-        # Only a client that has not learnt the slots yet (or redis-py marked for a refresh)
-        # needs a round trip before its keys can be grouped.
-        if client._initialize:
-            ready = await self.call("connect", lambda c: c.initialize(), deadline=deadline)
-            if isinstance(ready, Failed):
-                return FAILED
+        if not await self._learn_slots(client, deadline):
+            return FAILED
         groups: dict[str, list[int]] = {}
         for position, name in enumerate(names):
             try:

@@ -85,6 +85,29 @@ async def test_a_call_that_finds_no_free_connection_in_time_fails_alone(
         await link.close()
 
 
+class LateSlots(ConnectionSlots):
+    """Stand-in for a race that real timing hits only now and then: the slot comes free just
+    as the caller's deadline runs out (``take`` answers True after the time is spent)."""
+
+    async def take(self, node: str, timeout_s: float) -> bool:
+        await asyncio.sleep(timeout_s + 0.01)  # sleep: spend the whole wait, as the race does
+        return await self.take_free(node)
+
+
+async def test_a_slot_that_comes_free_at_the_deadline_is_a_wait_that_timed_out(
+    server: RedisServer,
+) -> None:
+    link = RedisLink(server.url, 5.0, (0.1, 1.0), max_connections=1)
+    link.slots = LateSlots(1)
+    try:
+        late = await link.call("late", lambda c: c.ping(), deadline=time.monotonic() + 0.05)
+        assert late is FAILED
+        assert link.slots.waits_timed_out == 1 and link.slots.in_use("") == 0
+        assert link.up and link.outages == 0, "nothing was sent: Redis did not fail"
+    finally:
+        await link.close()
+
+
 async def test_each_cluster_primary_gets_max_connections(tmp_path: Path) -> None:
     with RedisCluster(tmp_path / "cluster", masters=3, replicas=0) as cluster:
         inspectors = [node.client() for node in cluster.nodes]
