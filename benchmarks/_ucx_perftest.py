@@ -5,6 +5,13 @@ The binary ships in the ``libucx`` wheel that ucxx depends on, and runs only wit
 ``ucx_perftest -t tag_bw`` between two processes over loopback with the UCX settings the Python path
 uses (``kvstore.protocol.ucx.UCX_ENV_DEFAULTS``) and one ``UCX_TLS``. It reports MB/s with
 MB = 2**20; this module converts to GB = 10**9 bytes like every other figure.
+
+``error_handling`` (perftest's ``-e``) is the mode every kvstore and ucxx endpoint runs in (peer
+failure detection: a dead peer fails its operations instead of hanging them). It changes what UCX
+can do over TCP: with it UCX 1.21 sends large messages as multi-fragment eager copies on one
+interface; without it, as rendezvous zero-copy writes, also over a second interface ("rails"),
+about twice as fast here. So the ``-e`` figure is the ceiling for the same transport in the same
+mode; the other shows what dropping peer-failure detection would be worth.
 """
 
 from __future__ import annotations
@@ -42,8 +49,17 @@ def perftest_binary() -> tuple[Path, dict[str, str]] | None:
     return binary, {"LD_LIBRARY_PATH": library_path, **settings}
 
 
-def perftest(binary: Path, env: dict[str, str], tls: str, size: int, iters: int) -> float:
-    """``ucx_perftest -t tag_bw`` between two processes over loopback; GB/s (10**9), overall."""
+def perftest(
+    binary: Path,
+    env: dict[str, str],
+    tls: str,
+    size: int,
+    iters: int,
+    *,
+    error_handling: bool = True,
+) -> float:
+    """``ucx_perftest -t tag_bw`` between two processes over loopback; GB/s (10**9), overall.
+    ``error_handling``: endpoints with peer-failure detection (``-e``), as kvstore's."""
     port = free_port()
     run_env = {**os.environ, **env, "UCX_TLS": tls}
     server = subprocess.Popen(
@@ -56,7 +72,7 @@ def perftest(binary: Path, env: dict[str, str], tls: str, size: int, iters: int)
         time.sleep(0.3)  # the server binds its out-of-band socket
         client = [str(binary), "127.0.0.1", "-p", str(port), "-t", "tag_bw"]
         result = subprocess.run(
-            [*client, "-s", str(size), "-n", str(iters)],
+            [*client, "-s", str(size), "-n", str(iters), *(["-e"] if error_handling else [])],
             env=run_env,
             capture_output=True,
             text=True,

@@ -24,8 +24,9 @@ go through every path.
 * ``gRPC get_into`` / ``gRPC put``: the same client calls held to ``data_plane="grpc"``;
 * ``redis-py GET`` / ``redis-py SET``: one pipeline of GET / SET commands (redis-py + hiredis).
 
-The ceiling of the UCX path, in the same run: ``ucx_perftest -t tag_bw`` (UCX's C benchmark)
-between two processes with ``UCX_TLS=tcp`` and, for reference, ``UCX_TLS=posix``; and the same
+The ceiling of the UCX path, in the same run: ``ucx_perftest -t tag_bw -e`` (UCX's C benchmark,
+with peer-failure detection like kvstore's endpoints; :mod:`_ucx_perftest`) between two processes
+with ``UCX_TLS=tcp`` and, for reference, ``UCX_TLS=posix``; and the same
 batches sent from Python by ucxx alone, with the data path's UCX settings but no control call and
 no store (:mod:`_ucxx_alone`): what the binding itself manages.
 
@@ -495,7 +496,7 @@ def bench_ucxx_alone(args: argparse.Namespace) -> tuple[dict[str, list[float]], 
 def ceiling_table(ceiling: dict[str, dict[str, float]], alone: dict[str, float]) -> str:
     """GB/s of ``ucx_perftest -t tag_bw`` per transport, and of ucxx alone, per block size."""
     rows = [
-        [f"`ucx_perftest -t tag_bw`, `UCX_TLS={tls}`", *ceiling[tls].values()] for tls in ceiling
+        [f"`ucx_perftest -t tag_bw -e`, `UCX_TLS={tls}`", *ceiling[tls].values()] for tls in ceiling
     ]
     rows.append(["ucxx from Python: tagged sends + 1-byte ack, no control call", *alone.values()])
     table = markdown_table(

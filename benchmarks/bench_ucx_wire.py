@@ -20,13 +20,17 @@ engine's staging buffer) and the store, and these cases run interleaved, round-r
   a get posted before its control call; and ``get, server plan``: the same get with its receives
   posted only after the answer (``post_early=False``), to show what the overlap is worth; and
   ``1 lane, gRPC control``: the same get and put with their control calls over gRPC
-  (``ucx_control=False``, the path before control messages over UCX);
+  (``ucx_control=False``, the path before control messages over UCX); and ``1 lane, 2 calls in
+  flight``: two threads each getting the batch into its own array at once through the one client
+  (seconds per batch: the pair's time halved), to show whether calls in flight add throughput;
 * ``redis-py GET`` / ``SET``: one pipeline of the batch (redis-py + hiredis; GET returns new bytes
   objects, which is the client's receive).
 
 Then, in child processes, the same batches through: ``ucx_perftest -t tag_bw`` with
-``UCX_TLS=tcp`` (UCX's C benchmark: the transport kvstore's endpoints use, with error handling,
-on this machine), ucxx alone (:mod:`_ucxx_alone`: one tagged message per block from Python, no
+``UCX_TLS=tcp`` (UCX's C benchmark on the transport kvstore's endpoints use), once with ``-e``
+(peer-failure detection, the mode of every kvstore and ucxx endpoint: the ceiling the ratios use)
+and once without (UCX may then use rendezvous zero-copy over two interfaces; see
+:mod:`_ucx_perftest`), ucxx alone (:mod:`_ucxx_alone`: one tagged message per block from Python, no
 control call, no store), and Mooncake Store over its TCP transport between two processes
 (:mod:`_mooncake_store`: ``batch_put_from`` / ``batch_get_into`` from registered buffers; needs
 ``--mooncake-python``, an interpreter with ``mooncake-transfer-engine-non-cuda``, and
@@ -40,6 +44,7 @@ one run only: the machine is shared.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import datetime
 import json
@@ -86,6 +91,10 @@ LANES = (1, 2)
 SERVER_PLAN = 0
 #: The key of the client whose control calls stay on gRPC (``ucx_control=False``): the before.
 GRPC_CONTROL = -1
+#: Gets in flight at once in the concurrency row.
+IN_FLIGHT = 2
+#: The ceiling rows: ``ucx_perftest`` with and without error handling (``-e``).
+PERFTEST = {True: "ucx_perftest tcp -e", False: "ucx_perftest tcp, no -e"}
 
 
 def batch_and_reps(args: argparse.Namespace, label: str) -> tuple[int, int]:
@@ -133,6 +142,23 @@ def _cases(
 
         return case
 
+    pool = concurrent.futures.ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="bench-get")
+    targets = [np.zeros_like(staging) for _ in range(IN_FLIGHT)]
+    split = [[t[i * size : (i + 1) * size] for i in range(len(blocks))] for t in targets]
+
+    def gets_in_flight(client: UcxDataClient) -> Callable[[], float]:
+        def one(into: list[np.ndarray[Any, Any]]) -> list[bool] | None:
+            return client.get_into(keys, into, timeout=CALL_TIMEOUT_S)
+
+        def case() -> float:
+            started = time.perf_counter()
+            filled = list(pool.map(one, split))
+            seconds = time.perf_counter() - started
+            check(all(f == [True] * len(keys) for f in filled), f"{filled} {client.last_error}")
+            return seconds / IN_FLIGHT
+
+        return case
+
     def put(client: UcxDataClient) -> Callable[[], float]:
         def case() -> float:
             new = fresh.take(len(blocks))
@@ -177,6 +203,8 @@ def _cases(
             cases["kvstore UCX put, 1 lane, gRPC control"] = put(client)
             continue
         cases[f"kvstore UCX get, {lanes} lane{'s' if lanes > 1 else ''}"] = get(client)
+        if lanes == 1:
+            cases[f"kvstore UCX get, 1 lane, {IN_FLIGHT} calls in flight"] = gets_in_flight(client)
         cases[f"kvstore UCX put, {lanes} lane{'s' if lanes > 1 else ''}"] = put(client)
     cases["redis-py GET"] = redis_get
     cases["redis-py SET"] = redis_set
@@ -276,15 +304,19 @@ def bench_children(
         for label in args.sizes:
             size = SIZES[label]
             iters = max(100, min(2000, (2048 * MiB) // size))
-            rates = []
+            rates: dict[bool, list[float]] = {True: [], False: []}
             for _ in range(args.perftest_runs):
-                before = os.getloadavg()[0]
-                rates.append(perftest(binary, env, "tcp", size, iters))
-                load.samples.setdefault(f"{label}/ucx_perftest tcp", []).append(before)
+                for errors, name in PERFTEST.items():  # the two modes alternate
+                    before = os.getloadavg()[0]
+                    rates[errors].append(
+                        perftest(binary, env, "tcp", size, iters, error_handling=errors)
+                    )
+                    load.samples.setdefault(f"{label}/{name}", []).append(before)
             # Stored as "seconds per batch" of the same batch, so every row reads alike.
             batch, _ = batch_and_reps(args, label)
-            out[label]["ucx_perftest tcp"] = [size * batch / (rate * GB) for rate in rates]
-            print(f"  ucx_perftest {label}: {[round(r, 2) for r in rates]} GB/s", flush=True)
+            for errors, name in PERFTEST.items():
+                out[label][name] = [size * batch / (rate * GB) for rate in rates[errors]]
+                print(f"  {name} {label}: {[round(r, 2) for r in rates[errors]]} GB/s")
     cases = {label: (SIZES[label], *batch_and_reps(args, label)) for label in args.sizes}
     before = os.getloadavg()[0]
     for label, seconds in ucxx_alone(cases).items():
@@ -306,9 +338,11 @@ def bench_children(
 
 
 ORDER = (
-    "ucx_perftest tcp",
+    PERFTEST[True],
+    PERFTEST[False],
     "ucxx alone",
     "kvstore UCX get, 1 lane",
+    f"kvstore UCX get, 1 lane, {IN_FLIGHT} calls in flight",
     "kvstore UCX get, 1 lane, gRPC control",
     "kvstore UCX get, 2 lanes",
     "kvstore UCX get, 1 lane, server plan",
@@ -352,7 +386,7 @@ def ratios(medians: dict[str, dict[str, float]]) -> str:
     """Issue 40's done-when, as ratios within this run."""
     lines = []
     for label, paths in medians.items():
-        ceiling = paths.get("ucx_perftest tcp")
+        ceiling, unchecked = paths.get(PERFTEST[True]), paths.get(PERFTEST[False])
         for op, mooncake in (("get", "Mooncake Store get"), ("put", "Mooncake Store put")):
             best = max(
                 (v for k, v in paths.items() if k.startswith(f"kvstore UCX {op}")), default=None
@@ -361,7 +395,9 @@ def ratios(medians: dict[str, dict[str, float]]) -> str:
                 continue
             parts = [f"{label} {op}: best kvstore UCX {best:.2f} GB/s"]
             if ceiling:
-                parts.append(f"{best / ceiling:.2f}x ucx_perftest (target 0.7)")
+                parts.append(f"{best / ceiling:.2f}x ucx_perftest -e (target 0.7)")
+            if unchecked:
+                parts.append(f"{best / unchecked:.2f}x ucx_perftest without -e")
             if paths.get(mooncake):
                 parts.append(f"{best / paths[mooncake]:.2f}x Mooncake Store (target 2)")
             redis_name = "redis-py GET" if op == "get" else "redis-py SET"
