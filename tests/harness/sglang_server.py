@@ -11,12 +11,9 @@ detokenizer) are this module's. Test support only.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -25,6 +22,8 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from harness.stop_process import stop_group
 
 __all__ = [
     "CPU_FLAGS",
@@ -170,17 +169,7 @@ class SGLangServer:
 
     def stop(self) -> None:
         """SIGTERM to the whole group, SIGKILL after 30 s."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        else:
-            # The launcher gone, a spawned child may linger in the group.
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
+        stop_group(self.proc)
 
 
 def wait_all_healthy(servers: Sequence[SGLangServer], timeout: float = START_TIMEOUT_S) -> float:

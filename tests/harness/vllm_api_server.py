@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -21,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from harness.stop_process import stop_group
 
 __all__ = [
     "START_TIMEOUT_S",
@@ -83,13 +84,7 @@ class GroupProcess:
 
     def stop(self) -> None:
         """SIGTERM to the whole group, SIGKILL after 30 s."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_group(self.proc)
 
 
 class ApiServerProcess(GroupProcess):
