@@ -61,36 +61,28 @@ def _pool(
     from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
     if mla:
-        device = MLATokenToKVPool(
+        device: Any = MLATokenToKVPool(
             tokens, page_size, dtype, head_dim - 2, 2, layers, "cpu", False, **common
         )
-        pool = MLATokenToKVPoolHost(
-            device.get_device_pool_infos()[0].buffer_info,
-            2.0,
-            0,
-            page_size,
-            layout,
-            pin_memory=False,
-            device="cpu",
-            device_capacity_tokens=device.size,
-            target_layer_num=layers,
-            **common,
-        )
+        host, extra = MLATokenToKVPoolHost, {"target_layer_num": layers}
     else:
         device = MHATokenToKVPool(
             tokens, page_size, dtype, heads, head_dim, layers, "cpu", False, **common
         )
-        pool = MHATokenToKVPoolHost(
-            device.get_device_pool_infos()[0].buffer_info,
-            2.0,
-            0,
-            page_size,
-            layout,
-            pin_memory=False,
-            device="cpu",
-            device_capacity_tokens=device.size,
-            **common,
-        )
+        host, extra = MHATokenToKVPoolHost, {}
+    # The host pools take the same arguments (the MLA one also how many layers it serves).
+    pool = host(
+        device.get_device_pool_infos()[0].buffer_info,
+        2.0,  # host-to-device size ratio
+        0,  # host size override (0: by the ratio)
+        page_size,
+        layout,
+        pin_memory=False,
+        device="cpu",
+        device_capacity_tokens=device.size,
+        **extra,
+        **common,
+    )
     return pool
 
 
