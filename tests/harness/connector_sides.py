@@ -134,10 +134,16 @@ class FakeStore(StoreStandIn):
         return "grpc"
 
 
-def stand_in_vllm_config(tp_size: int = 1, pp_size: int = 1) -> Any:
+def stand_in_vllm_config(
+    tp_size: int = 1,
+    pp_size: int = 1,
+    *,
+    model: str = "test-model",
+    max_model_len: int = 4 * CHUNK,
+) -> Any:
     """Stands in for ``VllmConfig``: model, parallelism, a CPU device, the default layout."""
     return SimpleNamespace(
-        model_config=SimpleNamespace(model="test-model", revision=None, max_model_len=4 * CHUNK),
+        model_config=SimpleNamespace(model=model, revision=None, max_model_len=max_model_len),
         parallel_config=SimpleNamespace(
             tensor_parallel_size=tp_size, pipeline_parallel_size=pp_size
         ),
@@ -146,13 +152,17 @@ def stand_in_vllm_config(tp_size: int = 1, pp_size: int = 1) -> Any:
     )
 
 
-def stand_in_kv_cache_config() -> Any:
-    """Stands in for ``KVCacheConfig``: one group of :data:`LAYERS` layers, bfloat16 blocks."""
-    spec = SimpleNamespace(block_size=BLOCK, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
-    group = SimpleNamespace(
-        layer_names=[f"layers.{i}.attn" for i in range(LAYERS)], kv_cache_spec=spec
+def stand_in_kv_cache_config(
+    *, block: int = BLOCK, layers: int = LAYERS, num_blocks: int = NUM_BLOCKS, head_size: int = 8
+) -> Any:
+    """Stands in for ``KVCacheConfig``: one group of ``layers`` layers, bfloat16 blocks."""
+    spec = SimpleNamespace(
+        block_size=block, num_kv_heads=2, head_size=head_size, dtype=torch.bfloat16
     )
-    return SimpleNamespace(num_blocks=NUM_BLOCKS, kv_cache_groups=[group])
+    group = SimpleNamespace(
+        layer_names=[f"layers.{i}.attn" for i in range(layers)], kv_cache_spec=spec
+    )
+    return SimpleNamespace(num_blocks=num_blocks, kv_cache_groups=[group])
 
 
 def connector_settings(**extra: Any) -> ConnectorSettings:

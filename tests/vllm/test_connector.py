@@ -11,12 +11,16 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Iterator
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
-from harness.connector_sides import answer_when_known, random_caches
+from harness.connector_sides import (
+    answer_when_known,
+    random_caches,
+    stand_in_kv_cache_config,
+    stand_in_vllm_config,
+)
 from harness.ports import free_port
 from harness.serve import ServerProcess
 from harness.vllm_scheduler import StandInBlocks, StandInManager, stand_in_output, stand_in_request
@@ -42,20 +46,11 @@ NUM_BLOCKS = 40
 
 
 def _vllm_config(model: str = "test-model") -> Any:
-    return SimpleNamespace(
-        model_config=SimpleNamespace(model=model, revision=None),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
-        device_config=SimpleNamespace(device_type="cpu"),
-        cache_config=SimpleNamespace(kv_cache_layout=None, cache_dtype="auto"),
-    )
+    return stand_in_vllm_config(model=model, max_model_len=4 * CHUNK)
 
 
 def _kv_cache_config() -> Any:
-    spec = SimpleNamespace(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.bfloat16)
-    group = SimpleNamespace(
-        layer_names=[f"layers.{i}.attn" for i in range(LAYERS)], kv_cache_spec=spec
-    )
-    return SimpleNamespace(num_blocks=NUM_BLOCKS, kv_cache_groups=[group])
+    return stand_in_kv_cache_config(block=BLOCK, layers=LAYERS, num_blocks=NUM_BLOCKS, head_size=32)
 
 
 def _settings(target: str, **extra: Any) -> ConnectorSettings:
