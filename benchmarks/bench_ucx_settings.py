@@ -5,7 +5,10 @@ ucxx loads, so variants cannot share a process. Here each variant gets a worker 
 script with ``--worker``) with its settings in the environment; the worker starts its own
 ``kvstore serve --ucx-listen 127.0.0.1:0`` (which inherits them) and one
 :class:`~kvstore.client.ucx.UcxDataClient`, and the calls run interleaved: a round of ``--per``
-calls on one variant, then the next, ``--rounds`` times, for each case. Then ``ucx_perftest -t
+calls on one variant, then the next, ``--rounds`` times, for each case. A worker and its server
+are stopped (SIGSTOP to their process group) while other variants run: a variant that
+busy-polls (``UCXPY_PROGRESS_MODE=thread-polling``) would otherwise spin through every other
+variant's turn and slow it. Then ``ucx_perftest -t
 tag_bw -e`` (the error-handling mode of kvstore's endpoints) runs once per variant and size with
 the same settings, to show what the C layer does with them. Exact command (repository root,
 about 4 minutes on 2 shared cores)::
@@ -25,6 +28,7 @@ import contextlib
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -133,13 +137,21 @@ def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
 
 
 def _ask(proc: subprocess.Popen[str], command: dict[str, Any]) -> list[float]:
+    """Run ``command`` on a stopped worker: continue its group, wait for the answer, stop it."""
     stdin, stdout = proc.stdin, proc.stdout
     assert stdin is not None and stdout is not None
+    os.killpg(proc.pid, signal.SIGCONT)
     stdin.write(json.dumps(command) + "\n")
     stdin.flush()
     answer = stdout.readline()
     check(bool(answer), "a worker died; its output is above")
+    os.killpg(proc.pid, signal.SIGSTOP)
     return list(json.loads(answer))
+
+
+def _resume(proc: subprocess.Popen[str]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGCONT)
 
 
 def main() -> int:
@@ -170,13 +182,16 @@ def main() -> int:
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 text=True,
+                start_new_session=True,  # its server with it: one group to stop and continue
             )
             stack.callback(proc.wait, 60)
             stack.callback(_close, proc.stdin)
+            stack.callback(_resume, proc)
             workers[name] = proc
         for name, proc in workers.items():
             assert proc.stdout is not None
             check(proc.stdout.readline().strip() == "ready", f"worker {name} did not start")
+            os.killpg(proc.pid, signal.SIGSTOP)
         for op in ("get", "put"):
             for size, batch in CASES:
                 for _ in range(args.rounds):
