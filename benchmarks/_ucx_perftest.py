@@ -10,7 +10,7 @@ MB = 2**20; this module converts to GB = 10**9 bytes like every other figure.
 failure detection: a dead peer fails its operations instead of hanging them). It changes what UCX
 can do over TCP: with it UCX 1.21 sends large messages as multi-fragment eager copies on one
 interface; without it, as rendezvous zero-copy writes, also over a second interface ("rails"),
-about twice as fast here. So the ``-e`` figure is the ceiling for the same transport in the same
+1.6-2.6x as fast here. So the ``-e`` figure is the ceiling for the same transport in the same
 mode; the other shows what dropping peer-failure detection would be worth.
 """
 
