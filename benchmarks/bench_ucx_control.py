@@ -23,10 +23,9 @@ import time
 
 import numpy as np
 from _common import kvstore_server
+from _ucx_listener import ucx_listener
 
 from kvstore import KVStoreClient, Namespace
-from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
-from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.client.ucx import UcxDataClient
 from kvstore.protocol.messages import namespace_bytes
 
@@ -46,9 +45,7 @@ def main() -> int:
         kv = stack.enter_context(
             KVStoreClient(server.target, namespace=NAMESPACE, data_plane="grpc")
         )
-        channel = kv._transport.channel  # type: ignore[attr-defined]
-        stub = pb_grpc.KVStoreStub(channel)
-        address = str(stub.DataPlane(pb.DataPlaneRequest(), timeout=10).ucx_address)
+        channel, address = ucx_listener(kv)
         clients = {
             name: UcxDataClient(
                 channel, address, namespace_bytes(NAMESPACE), timeout=30, ucx_control=over

@@ -46,11 +46,10 @@ from _common import (
     markdown_table,
     percentile,
 )
+from _ucx_listener import ucx_listener
 from _ucx_perftest import perftest, perftest_binary
 
 from kvstore import KVStoreClient, Namespace
-from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
-from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.client.ucx import UcxDataClient
 from kvstore.protocol.messages import namespace_bytes
 
@@ -81,9 +80,7 @@ def worker() -> None:
         grpc_client = stack.enter_context(
             KVStoreClient(server.target, namespace=NAMESPACE, timeout=CALL_TIMEOUT_S)
         )
-        channel = grpc_client._transport.channel  # type: ignore[attr-defined]
-        stub = pb_grpc.KVStoreStub(channel)
-        address = str(stub.DataPlane(pb.DataPlaneRequest(), timeout=10).ucx_address)
+        channel, address = ucx_listener(grpc_client)
         client = UcxDataClient(channel, address, namespace_bytes(NAMESPACE), timeout=60.0)
         stack.callback(client.close)
         fresh = KeySource(seed=os.getpid())

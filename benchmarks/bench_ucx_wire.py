@@ -71,12 +71,11 @@ from _common import (
     run_interleaved,
 )
 from _mooncake_store import mooncake_store
+from _ucx_listener import ucx_listener
 from _ucx_perftest import perftest, perftest_binary
 from _ucxx_alone import ucxx_alone
 
 from kvstore import KVStoreClient, Namespace
-from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
-from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.client.ucx import UcxDataClient
 from kvstore.protocol.messages import namespace_bytes
 
@@ -127,6 +126,7 @@ def _cases(
     ucx: dict[int, UcxDataClient],
     grpc_client: KVStoreClient,
     rds: redis.Redis,
+    pool: concurrent.futures.Executor,
 ) -> dict[str, Callable[[], float]]:
     size = blocks[0].nbytes
     target = np.zeros_like(staging)
@@ -142,7 +142,6 @@ def _cases(
 
         return case
 
-    pool = concurrent.futures.ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="bench-get")
     targets = [np.zeros_like(staging) for _ in range(IN_FLIGHT)]
     split = [[t[i * size : (i + 1) * size] for i in range(len(blocks))] for t in targets]
 
@@ -237,10 +236,7 @@ def bench_store_paths(
                 server.target, namespace=NAMESPACE, timeout=CALL_TIMEOUT_S, data_plane="grpc"
             )
         )
-        channel = grpc_client._transport.channel
-        dataplane = pb_grpc.KVStoreStub(channel).DataPlane(pb.DataPlaneRequest(), timeout=10)
-        address = str(dataplane.ucx_address)
-        check(bool(address), "the server has no UCX listener")
+        channel, address = ucx_listener(grpc_client)
         ucx = {
             lanes: UcxDataClient(
                 channel,
@@ -258,6 +254,10 @@ def bench_store_paths(
         rds = stack.enter_context(
             redis.Redis(host=redis_proc.host, port=redis_proc.port, socket_timeout=CALL_TIMEOUT_S)
         )
+        # The threads of the calls-in-flight row, one per get in flight, for every size.
+        pool = stack.enter_context(
+            concurrent.futures.ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="bench-get")
+        )
         rng = np.random.default_rng(0)
         fresh = KeySource(seed=1)
         for label in args.sizes:
@@ -274,7 +274,7 @@ def bench_store_paths(
                 back = client.get(keys, timeout=CALL_TIMEOUT_S)
                 check(back == [block.tobytes() for block in blocks], "UCX get differs")
             check(rds.mget(keys) == [block.tobytes() for block in blocks], "redis differs")
-            cases = _cases(staging, blocks, keys, fresh, ucx, grpc_client, rds)
+            cases = _cases(staging, blocks, keys, fresh, ucx, grpc_client, rds, pool)
             cases = {name: load.wrap(f"{label}/{name}", case) for name, case in cases.items()}
             results[label] = run_interleaved(cases, reps, warmup=2)
             grpc_client.delete(keys)
@@ -316,7 +316,8 @@ def bench_children(
             batch, _ = batch_and_reps(args, label)
             for errors, name in PERFTEST.items():
                 out[label][name] = [size * batch / (rate * GB) for rate in rates[errors]]
-                print(f"  {name} {label}: {[round(r, 2) for r in rates[errors]]} GB/s")
+                rounded = [round(r, 2) for r in rates[errors]]
+                print(f"  {name} {label}: {rounded} GB/s", flush=True)
     cases = {label: (SIZES[label], *batch_and_reps(args, label)) for label in args.sizes}
     before = os.getloadavg()[0]
     for label, seconds in ucxx_alone(cases).items():
