@@ -12,6 +12,9 @@ can do over TCP: with it UCX 1.21 sends large messages as multi-fragment eager c
 interface; without it, as rendezvous zero-copy writes, also over a second interface ("rails"),
 1.6-2.6x as fast here. So the ``-e`` figure is the ceiling for the same transport in the same
 mode; the other shows what dropping peer-failure detection would be worth.
+
+``hosts`` runs the two sides on two "hosts" (``tests/harness/netns_hosts.py``: network namespaces
+on a bridge), the server on the first, the client on the second, over the bridge.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import re
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 from _common import GB, free_port, reap
 
@@ -57,12 +61,18 @@ def perftest(
     iters: int,
     *,
     error_handling: bool = True,
+    hosts: tuple[Any, Any] | None = None,
 ) -> float:
     """``ucx_perftest -t tag_bw`` between two processes over loopback; GB/s (10**9), overall.
-    ``error_handling``: endpoints with peer-failure detection (``-e``), as kvstore's."""
+    ``error_handling``: endpoints with peer-failure detection (``-e``), as kvstore's. ``hosts``:
+    ``(server's, client's)``, each with ``popen``, ``run`` and ``address`` (a
+    ``harness.netns_hosts.Host``), instead of this host's loopback."""
     port = free_port()
     run_env = {**os.environ, **env, "UCX_TLS": tls}
-    server = subprocess.Popen(
+    popen, run, address = subprocess.Popen, subprocess.run, "127.0.0.1"
+    if hosts is not None:
+        popen, run, address = hosts[0].popen, hosts[1].run, hosts[0].address
+    server = popen(
         [str(binary), "-p", str(port)],
         env=run_env,
         stdout=subprocess.DEVNULL,
@@ -70,8 +80,8 @@ def perftest(
     )
     try:
         time.sleep(0.3)  # the server binds its out-of-band socket
-        client = [str(binary), "127.0.0.1", "-p", str(port), "-t", "tag_bw"]
-        result = subprocess.run(
+        client = [str(binary), address, "-p", str(port), "-t", "tag_bw"]
+        result = run(
             [*client, "-s", str(size), "-n", str(iters), *(["-e"] if error_handling else [])],
             env=run_env,
             capture_output=True,

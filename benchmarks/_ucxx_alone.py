@@ -4,7 +4,8 @@
 it: ucxx's Python binding (a request object, a future and a wake-up per message) and kvstore's own
 work (the gRPC control call, leases or reservations, checksums at commit). This module measures the
 first alone, between two processes over loopback, with the settings and endpoint options the data
-path uses (``kvstore.protocol.ucx``: error handling on, so TCP):
+path uses (``kvstore.protocol.ucx``: error handling on, so TCP), or between two network
+namespaces (``hosts``):
 
 * the receiver posts one receive per block of the next batch, then waits for them;
 * the sender sends the batch as one tagged message per block, then waits for a one-byte
@@ -46,14 +47,21 @@ _START_TIMEOUT_S = 30.0
 _BATCH_TIMEOUT_S = 1.0
 
 
-def ucxx_alone(cases: dict[str, tuple[int, int, int]]) -> dict[str, list[float]]:
-    """Seconds per batch for each ``label: (block bytes, blocks per batch, batches timed)``."""
+def ucxx_alone(
+    cases: dict[str, tuple[int, int, int]], hosts: tuple[Any, Any] | None = None
+) -> dict[str, list[float]]:
+    """Seconds per batch for each ``label: (block bytes, blocks per batch, batches timed)``;
+    ``hosts``: ``(receiver's, sender's)``, each with ``popen``, ``run`` and ``address`` (a
+    ``harness.netns_hosts.Host``), instead of this host's loopback."""
     script = str(Path(__file__).resolve())
-    spec = {"cases": cases, "port": free_port()}
+    popen, run, address = subprocess.Popen, subprocess.run, "127.0.0.1"
+    if hosts is not None:
+        popen, run, address = hosts[0].popen, hosts[1].run, hosts[0].address
+    spec = {"cases": cases, "port": free_port(), "address": address}
     timeout = _time_limit(spec)
     argument = json.dumps(spec)
     with tempfile.TemporaryFile("w+") as receiver_log:
-        receiver = subprocess.Popen(
+        receiver = popen(
             [sys.executable, script, "receive", argument],
             stdout=subprocess.PIPE,
             stderr=receiver_log,
@@ -61,7 +69,7 @@ def ucxx_alone(cases: dict[str, tuple[int, int, int]]) -> dict[str, list[float]]
         )
         try:
             _wait_for_ready(receiver, receiver_log)
-            sender = subprocess.run(
+            sender = run(
                 [sys.executable, script, "send", argument],
                 capture_output=True,
                 text=True,
@@ -146,7 +154,7 @@ async def _receive(spec: dict[str, Any]) -> None:
 async def _send(spec: dict[str, Any]) -> dict[str, list[float]]:
     ucxx = load_ucxx()
     endpoint = await ucxx.create_endpoint(
-        "127.0.0.1", spec["port"], endpoint_error_handling=True, connect_timeout=10.0
+        spec["address"], spec["port"], endpoint_error_handling=True, connect_timeout=10.0
     )
     rng = np.random.default_rng(0)
     payloads = {

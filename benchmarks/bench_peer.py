@@ -35,6 +35,13 @@ paths alike but is a larger share of the faster one. Reported:
 bytes/s per round (median, and the slow tail: the 10th percentile of the per-round rates) and
 the ratio of each path's median to Redis's. Every payload's digest is checked. The node-side
 counters confirm the path each reader took. Done-when of issue 16: peer get >= 1.5x Redis.
+
+**The wire between the same two hosts** (issue 40), after the reads, with the nodes idle:
+``ucx_perftest -t tag_bw -e`` over TCP (UCX's C benchmark in the endpoints' error-handling mode)
+and ucxx alone (``_ucxx_alone``: the batch as one tagged message per block from Python, no control
+call, no store), both sending from host A to host B as a peer read moves its blocks, the same
+block sizes and bytes per batch (``--wire-batches`` batches; 0 skips them). The peer reads'
+figures are then read against what UCX, and its Python binding alone, move over that bridge.
 """
 
 from __future__ import annotations
@@ -56,7 +63,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import harness.serve as servers  # the tests' one launcher of a real `kvstore serve`
-from _common import machine_info, markdown_table, percentile
+from _common import GB, machine_info, markdown_table, percentile
+from _ucx_perftest import perftest, perftest_binary
+from _ucxx_alone import ucxx_alone
 from harness.netns_hosts import Hosts
 from harness.redis_server import RedisServer
 
@@ -152,6 +161,13 @@ def main() -> None:
         "is page-locked for CUDA or was filled before: no page fault on a block's first write",
     )
     parser.add_argument(
+        "--wire-batches",
+        type=int,
+        default=30,
+        help="batches per block size of ucxx alone (and 8x as many ucx_perftest messages) "
+        "between the two hosts after the reads; 0: skip them",
+    )
+    parser.add_argument(
         "--ucx-lanes",
         default="1",
         help="ucx.lanes of the UCX peer reader, comma-separated: one reader per value (the "
@@ -190,6 +206,9 @@ def main() -> None:
                 started.extend(readers.values())
                 load_before = os.getloadavg()[0]
                 result = measure(args, sizes, one, readers, b, url, redis)
+                if args.wire_batches > 0:
+                    # From A (the holder's host) to B (the readers'), as the peer reads move.
+                    result["wire"] = measure_wire(args, sizes, (b, a))
                 # The machine is shared: how busy it was says how far to trust the figures.
                 result["load_average_1min"] = [load_before, os.getloadavg()[0]]
             finally:
@@ -305,6 +324,70 @@ def measure(
     }
 
 
+def measure_wire(
+    args: argparse.Namespace, sizes: list[int], hosts: tuple[Any, Any]
+) -> dict[str, Any]:
+    """GB/s between ``hosts`` (receiver's, sender's) per block size: ``ucx_perftest -e`` (one
+    figure per size) and ucxx alone (one per batch of ``--batch-mib``)."""
+    wire: dict[str, Any] = {"perftest": {}, "ucxx": {}, "load": [os.getloadavg()[0]]}
+    found = perftest_binary()
+    cases = {}
+    for size in sizes:
+        label = f"{size // MiB}MiB"
+        batch = max(1, args.batch_mib * MiB // size)
+        cases[label] = (size, batch, args.wire_batches)
+        if found is not None:
+            binary, env = found
+            iters = 8 * batch * args.wire_batches
+            wire["perftest"][label] = perftest(binary, env, "tcp", size, iters, hosts=hosts)
+    for label, seconds in ucxx_alone(cases, hosts).items():
+        size, batch, _ = cases[label]
+        wire["ucxx"][label] = [size * batch / s / GB for s in seconds]
+    wire["load"].append(os.getloadavg()[0])
+    return wire
+
+
+def wire_report(result: dict[str, Any]) -> list[str]:
+    """The wire table: UCX and ucxx alone between the hosts, and the peer reads against them."""
+    wire, timings = result["wire"], result["timings"]
+    rows = []
+    for size in result["sizes"]:
+        label = f"{size // MiB}MiB"
+        name = f"peer-ucx/{label}"
+        peer = percentile(
+            [n / s for n, s in zip(timings["bytes"][name], timings["seconds"][name], strict=True)],
+            50,
+        )
+        ucxx = wire["ucxx"][label]
+        alone = percentile(ucxx, 50)
+        ceiling = wire["perftest"].get(label)
+        rows.append(
+            [
+                label,
+                "-" if ceiling is None else f"{ceiling:.2f}",
+                f"{alone:.2f} ({percentile(ucxx, 10):.2f}-{percentile(ucxx, 90):.2f})",
+                f"{peer / 1e9:.3f}",
+                f"{peer / 1e9 / alone:.2f}x",
+                "-" if ceiling is None else f"{peer / 1e9 / ceiling:.2f}x",
+            ]
+        )
+    headers = [
+        "block",
+        "`ucx_perftest -e` GB/s",
+        "ucxx alone GB/s (p10-p90)",
+        "peer-ucx GB/s",
+        "peer-ucx / ucxx alone",
+        "peer-ucx / perftest",
+    ]
+    return [
+        "",
+        "The wire from host A to host B, after the reads (nodes idle; 1-minute load "
+        f"{wire['load'][0]:.1f} / {wire['load'][1]:.1f}):",
+        "",
+        markdown_table(headers, rows),
+    ]
+
+
 def report(result: dict[str, Any]) -> str:
     timings = result["timings"]
     paths = result.get("paths", PATHS)
@@ -357,6 +440,8 @@ def report(result: dict[str, Any]) -> str:
             for path, c in used.items()
         ),
     ]
+    if "wire" in result:
+        lines += wire_report(result)
     return "\n".join(lines)
 
 
