@@ -418,7 +418,8 @@ class RedisTier(SharedTier):
             # What deadlines assume (kvstore.tiers.redis_rate): measured, 0 before any.
             "rate_bytes_per_s": round(self._link.rate.measured or 0),
             "slow_calls_timed_out": self._link.rate.misses,
-            # redis.max_connections: calls that found every connection busy until their deadline.
+            # redis.max_connections: calls that found every connection busy until their deadline
+            # (or until under MIN_CALL_S of it was left): not sent, and Redis not marked down.
             "calls_waited_out": self._link.slots.waits_timed_out,
         }
 

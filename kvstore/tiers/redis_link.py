@@ -188,16 +188,10 @@ class RedisLink:
         client = self._client if client is None else client
         started = time.monotonic()
         timeout = self.rate.timeout(size) if deadline is None else deadline - started
-        # Waiting for a slot is this node's own queue, not Redis failing: no outage.
-        took = await self.slots.take(node, timeout)
-        left = started + timeout - time.monotonic()
-        if took and left <= 0:
-            # The slot came free just as the deadline ran out: nothing was sent, so this is a
-            # wait that timed out too, not an outage (``within`` would call it one).
-            self.slots.give_back(node)
-            self.slots.waits_timed_out += 1
-            took = False
-        if not took:
+        # Waiting for a slot is this node's own queue, not Redis failing: no outage, also where
+        # the slot comes free with (next to) no time left (``within`` would call that one).
+        left = await self.slots.take_until(node, started + timeout)
+        if left is None:
             logger.debug("redis %s: no free connection to %r in %.3f s", op, node, timeout)
             return FAILED
         task = asyncio.ensure_future(self._retired.run(client, fn))

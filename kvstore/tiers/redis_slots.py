@@ -14,9 +14,15 @@ deadline (:meth:`RedisLink.call <kvstore.tiers.redis_link.RedisLink.call>`).
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
-__all__ = ["ConnectionSlots"]
+__all__ = ["MIN_CALL_S", "ConnectionSlots"]
+
+#: The least time a call must have left once it holds its slot to be sent at all. A call that
+#: waited nearly all of its deadline in this node's own queue would time out at Redis for no
+#: fault of Redis's, and a timeout there marks the server down.
+MIN_CALL_S = 0.005
 
 
 class ConnectionSlots:
@@ -53,6 +59,20 @@ class ConnectionSlots:
             return False
         self._taken[node] = self._taken.get(node, 0) + 1
         return True
+
+    async def take_until(self, node: str, deadline: float) -> float | None:
+        """Take a slot of ``node`` by ``deadline`` (``time.monotonic()``) and return the seconds
+        left for the call; ``None`` (a wait that timed out: nothing taken) if none came free
+        with at least :data:`MIN_CALL_S` to spare."""
+        if not await self.take(node, deadline - time.monotonic()):
+            return None
+        left = deadline - time.monotonic()
+        if left < MIN_CALL_S:
+            # The slot came free just as the deadline ran out: nothing is sent.
+            self.give_back(node)
+            self.waits_timed_out += 1
+            return None
+        return left
 
     async def take_free(self, node: str) -> bool:
         """Take a slot of ``node`` only if one is free now (never waits)."""

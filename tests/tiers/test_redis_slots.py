@@ -17,7 +17,7 @@ from harness.redis_cluster import RedisCluster
 from harness.redis_server import RedisServer
 
 from kvstore.tiers.redis_link import FAILED, RedisLink
-from kvstore.tiers.redis_slots import ConnectionSlots
+from kvstore.tiers.redis_slots import MIN_CALL_S, ConnectionSlots
 
 
 @pytest.fixture
@@ -86,24 +86,41 @@ async def test_a_call_that_finds_no_free_connection_in_time_fails_alone(
 
 
 class LateSlots(ConnectionSlots):
-    """Stand-in for a race that real timing hits only now and then: the slot comes free just
-    as the caller's deadline runs out (``take`` answers True after the time is spent)."""
+    """Stand-in for a race that real timing hits only now and then: the slot comes free
+    ``spare`` seconds before the caller's deadline (below 0: after it), so ``take`` answers True
+    with (next to) no time left."""
+
+    def __init__(self, per_node: int, spare: float) -> None:
+        super().__init__(per_node)
+        self.spare = spare
 
     async def take(self, node: str, timeout_s: float) -> bool:
-        await asyncio.sleep(timeout_s + 0.01)  # sleep: spend the whole wait, as the race does
+        # sleep: spend the wait up to the moment the slot comes free, as the race does
+        await asyncio.sleep(max(0.0, timeout_s - self.spare))
         return await self.take_free(node)
 
 
+@pytest.mark.parametrize("spare", [-0.01, MIN_CALL_S / 2], ids=["after", "just-before"])
 async def test_a_slot_that_comes_free_at_the_deadline_is_a_wait_that_timed_out(
-    server: RedisServer,
+    server: RedisServer, spare: float
 ) -> None:
     link = RedisLink(server.url, 5.0, (0.1, 1.0), max_connections=1)
-    link.slots = LateSlots(1)
+    link.slots = LateSlots(1, spare)
     try:
         late = await link.call("late", lambda c: c.ping(), deadline=time.monotonic() + 0.05)
         assert late is FAILED
         assert link.slots.waits_timed_out == 1 and link.slots.in_use("") == 0
         assert link.up and link.outages == 0, "nothing was sent: Redis did not fail"
+    finally:
+        await link.close()
+
+
+async def test_a_slot_that_comes_free_in_time_is_used(server: RedisServer) -> None:
+    link = RedisLink(server.url, 5.0, (0.1, 1.0), max_connections=1)
+    link.slots = LateSlots(1, spare=2.0)  # free 2 s before the deadline: time for the call
+    try:
+        assert await link.call("ping", lambda c: c.ping(), deadline=time.monotonic() + 2.5) is True
+        assert link.slots.waits_timed_out == 0 and link.slots.in_use("") == 0
     finally:
         await link.close()
 
