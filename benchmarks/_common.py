@@ -13,7 +13,7 @@ path side by side with its baseline in the same run, interleaved, and report dis
   context managers above) run when a benchmark is terminated.
 * :func:`run_interleaved` times several cases round-robin, rotating their order every round.
 * :func:`run_engine` (and :func:`engine_or_exit`) runs one vLLM engine process over a set of
-  prompts (``tests/vllm/engine_runner.py``), for the TTFT benchmarks.
+  prompts (``tests/vllm_engine/engine_runner.py``), for the TTFT benchmarks.
 * :func:`reap` waits for a child that ends by itself (a benchmark's peer process), or kills it.
 * :class:`KeySource` hands out fresh keys; :func:`timed` times one call; :func:`check` raises
   :class:`BenchmarkError` when a path returned wrong data (its timings would mean nothing);
@@ -74,7 +74,7 @@ __all__ = [
 GB = 1e9
 
 #: The vLLM engine process the TTFT benchmarks run, one per configuration measured.
-ENGINE_RUNNER = Path(__file__).resolve().parents[1] / "tests" / "vllm" / "engine_runner.py"
+ENGINE_RUNNER = Path(__file__).resolve().parents[1] / "tests" / "vllm_engine" / "engine_runner.py"
 
 _READY_TIMEOUT_S = 60.0
 _STOP_TIMEOUT_S = 10.0

@@ -70,32 +70,35 @@ generated_code() {
 
 vllm_suite() {
     bash scripts/setup-vllm.sh &&
-        KVSTORE_REQUIRE_VLLM=1 .venv-vllm/bin/python -m pytest tests/vllm -q -p no:cacheprovider
+        KVSTORE_REQUIRE_VLLM=1 .venv-vllm/bin/python -m pytest tests/vllm_engine -q -p no:cacheprovider
 }
 
 # .venv-sglang: SGLang 0.5.23 on the CPU torch (about 4 minutes the first time), then the contract
 # tier and the engine tier (two SGLang engines on the CPU with kvstore as HiCache storage).
 sglang_suite() {
     bash scripts/setup-sglang.sh &&
-        KVSTORE_REQUIRE_SGLANG=1 .venv-sglang/bin/python -m pytest tests/sglang -q -p no:cacheprovider
+        KVSTORE_REQUIRE_SGLANG=1 .venv-sglang/bin/python -m pytest tests/sglang_engine -q -p no:cacheprovider
 }
 
 # A failing suite fails the run at the end, never stops it: every suite runs.
 suite ruff .venv/bin/ruff check kvstore kernels tests benchmarks scripts
 suite ruff-format .venv/bin/ruff format --check kvstore kernels tests benchmarks scripts
-# mypy (strict) on the package, the kernels, the tests' harness and the connector tests: the
-# stand-ins those tests hand the connector are checked against the protocols they stand in for.
-suite mypy .venv/bin/mypy kvstore kernels tests/harness tests/integrations
+# mypy (strict) on the package, the kernels, the tests' harness, the connector tests and the two
+# engines' suites: the stand-ins those tests hand the connector are checked against the protocols
+# they stand in for. (The engines' folders are not named vllm and sglang: mypy would take them
+# for the engines themselves.)
+suite mypy .venv/bin/mypy kvstore kernels tests/harness tests/integrations tests/vllm_engine \
+    tests/sglang_engine
 suite generated-code generated_code
 # The default suite on KVSTORE_TEST_WORKERS processes (pytest-xdist; 0 runs it in this one): most of
 # its time is spent waiting on servers and subprocesses, so two workers on two cores take about half
 # as long. A file stays on one worker (--dist loadfile), so its module fixtures are set up once.
 suite pytest $PY -m pytest -m "not vllm and not slow" -q -p no:cacheprovider \
-    -n "${KVSTORE_TEST_WORKERS:-2}" --dist loadfile --ignore=tests/vllm --ignore=tests/sglang
+    -n "${KVSTORE_TEST_WORKERS:-2}" --dist loadfile --ignore=tests/vllm_engine --ignore=tests/sglang_engine
 if [ "${KVSTORE_SKIP_SLOW:-0}" = "1" ]; then
     skip slow "KVSTORE_SKIP_SLOW=1: the longer fuzz runs left out"
 else
-    suite slow $PY -m pytest -m "slow" -q -p no:cacheprovider --ignore=tests/vllm --ignore=tests/sglang
+    suite slow $PY -m pytest -m "slow" -q -p no:cacheprovider --ignore=tests/vllm_engine --ignore=tests/sglang_engine
 fi
 if [ "${KVSTORE_SKIP_VLLM:-0}" = "1" ]; then
     skip vllm "KVSTORE_SKIP_VLLM=1: the real-vLLM suite left out"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build the tiny random-weight Llama the vLLM tests use (tests/vllm/tiny_model.py), in DIR
+# Build the tiny random-weight Llama the vLLM tests use (tests/vllm_engine/tiny_model.py), in DIR
 # (default: ./tiny-llama), with .venv-vllm's python (scripts/setup-vllm.sh builds it). It needs
 # no download: a fixed seed makes the weights, a WordLevel tokenizer of words t0 ... t1023 the
 # vocabulary. A directory already built the same way is reused. Then it prints how to serve it.
@@ -15,6 +15,6 @@ out="${1:-tiny-llama}"
     exit 1
 }
 echo "--- building the tiny Llama in $out (about a minute, most of it importing torch)"
-HF_HUB_OFFLINE=1 "$VENV/bin/python" "$root/tests/vllm/tiny_model.py" "$out"
+HF_HUB_OFFLINE=1 "$VENV/bin/python" "$root/tests/vllm_engine/tiny_model.py" "$out"
 out="$(cd "$out" && pwd)"
 echo "tiny-model.sh: built $out; serve it with the README's vLLM command, --model $out"

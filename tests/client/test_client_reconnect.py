@@ -171,7 +171,7 @@ def test_the_async_clients_when_reconnected_fires_on_its_loop_after_serving_on(
 
 def test_closing_a_client_that_still_waits_leaves_no_failing_grpc_thread() -> None:
     # gRPC's connectivity thread dies with "Channel closed!" if it polls a channel closed under
-    # it (seen once in tests/vllm at shutdown with the store down); close() cancels pending
+    # it (seen once in tests/vllm_engine at shutdown with the store down); close() cancels pending
     # watches and lets that thread see them go first. The race is narrow: this checks the path,
     # it does not force the race.
     failures: list[BaseException | None] = []

@@ -35,7 +35,7 @@ runs and their configuration (:mod:`.vllm_api_server`, :mod:`.vllm_fleet`,
 :mod:`.vllm_engine_config`), the tiny models (:mod:`.tiny_model`, :mod:`.tiny_families`);
 SGLang's contract parts and servers (:mod:`.sglang_contract`, :mod:`.sglang_server`, guarded by
 :mod:`.sglang_guard`). The scripts the tests run by path (``tests/gpu_harness.py``,
-``tests/vllm/engine_runner.py``, ...) are thin: their code is here.
+``tests/vllm_engine/engine_runner.py``, ...) are thin: their code is here.
 
 The in-memory store that answers a real client through :class:`kvstore.MockTransport` is
 shipped, for users' tests as for ours: :mod:`kvstore.testing` (:mod:`.memory_store` re-exports

@@ -6,6 +6,7 @@ and what a router would learn from the index.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -61,7 +62,7 @@ def cluster_env(url: str, node: str, lease_ttl_s: float | None = LEASE_TTL_S) ->
     return env
 
 
-def holders(url: str, keys: list[bytes]) -> dict[str, Holding]:
+def holders(url: str, keys: Sequence[bytes]) -> dict[str, Holding]:
     """What a router would learn from the index about ``keys``."""
 
     async def ask() -> dict[str, Holding]:

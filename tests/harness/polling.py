@@ -34,10 +34,12 @@ async def apoll(
         await asyncio.sleep(every)
 
 
-def poll_value(check: Callable[[], T], what: str, within: float = 30.0, every: float = 0.5) -> T:
-    """Return the first true value of ``check()`` (a dict of figures, say); fail the test naming
-    ``what`` after ``within`` s. For conditions slow to come true (an engine's next step), hence
-    the longer default interval."""
+def poll_value(
+    check: Callable[[], T | None], what: str, within: float = 30.0, every: float = 0.5
+) -> T:
+    """Return the first true value of ``check()`` (a dict of figures, say: ``None`` until it is
+    there); fail the test naming ``what`` after ``within`` s. For conditions slow to come true (an
+    engine's next step), hence the longer default interval."""
     deadline = time.monotonic() + within
     while True:
         value = check()

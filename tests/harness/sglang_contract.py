@@ -1,8 +1,8 @@
 """The contract tier's parts: SGLang's real host pools over CPU device pools, its storage
 config, its storage factory making the kvstore backend, page hashes like SGLang's.
 
-Nothing here imports SGLang until called (``tests/sglang/conftest.py`` imports this module where
-SGLang may be missing, and installs the CPU stand-ins before anything here runs).
+Nothing here imports SGLang until called (``tests/sglang_engine/conftest.py`` imports this module
+where SGLang may be missing, and installs the CPU stand-ins before anything here runs).
 """
 
 from __future__ import annotations

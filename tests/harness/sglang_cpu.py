@@ -26,9 +26,9 @@ and one limit is lowered:
 
 SGLang spawns its scheduler and detokenizer (``multiprocessing`` start method ``spawn``), so
 :func:`install` must run at the top level of the module that launches it
-(``tests/sglang/launch_cpu_server.py`` does): a spawned child re-imports that module first.
-``tests/sglang/test_standins_guard.py`` fails, naming what changed, when a new SGLang no longer
-fits these stand-ins.
+(``tests/sglang_engine/launch_cpu_server.py`` does): a spawned child re-imports that module first.
+``tests/sglang_engine/test_standins_guard.py`` fails, naming what changed, when a new SGLang no
+longer fits these stand-ins.
 """
 
 from __future__ import annotations

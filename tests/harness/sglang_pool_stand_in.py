@@ -4,8 +4,8 @@ It has the attributes the backend reads (``layout``, ``layer_num``, ``page_size`
 ``kv_buffer``, ...) and allocates ``kv_buffer`` with the dimensions SGLang 0.5.23's
 ``MHATokenToKVPoolHost.init_kv_buffer`` and ``MLATokenToKVPoolHost.init_kv_buffer`` use;
 :meth:`HostPoolStandIn.data_page` is their ``get_data_page(index, flat=True)``. The contract tier
-(``tests/sglang/test_contract*.py``) checks the backend against SGLang's real pools, so a drift
-of this stand-in from SGLang shows there.
+(``tests/sglang_engine/test_contract*.py``) checks the backend against SGLang's real pools, so a
+drift of this stand-in from SGLang shows there.
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
 The command is ``docs/sglang.md``'s (the fenced block after ``<!-- tested: sglang-server -->``),
 run as written but for what a CPU test must change: ``python -m sglang.launch_server`` becomes
-``python tests/sglang/launch_cpu_server.py`` (the same launcher with the CPU stand-ins installed
-in every process, :mod:`harness.sglang_cpu`), the model, port and store address are the test's,
-and :data:`CPU_FLAGS` are appended. Starting it in its own process group, waiting for
+``python tests/sglang_engine/launch_cpu_server.py`` (the same launcher with the CPU stand-ins
+installed in every process, :mod:`harness.sglang_cpu`), the model, port and store address are the
+test's, and :data:`CPU_FLAGS` are appended. Starting it in its own process group, waiting for
 ``/health``, one ``/generate`` and stopping the whole group (SGLang spawns a scheduler and a
 detokenizer) are this module's. Test support only.
 """
@@ -40,7 +40,7 @@ __all__ = [
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "sglang.md"
-LAUNCHER = ROOT / "tests" / "sglang" / "launch_cpu_server.py"
+LAUNCHER = ROOT / "tests" / "sglang_engine" / "launch_cpu_server.py"
 DOC_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 DOC_PORT = "30000"
 DOC_TARGET = "127.0.0.1:50051"

@@ -10,8 +10,8 @@ window would show in the outputs.
 
 Usage::
 
-    python tests/vllm/tiny_families.py gpt_oss /tmp/tiny-gpt-oss
-    python tests/vllm/tiny_families.py --list
+    python tests/vllm_engine/tiny_families.py gpt_oss /tmp/tiny-gpt-oss
+    python tests/vllm_engine/tiny_families.py --list
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ seed gives.
 
 Usage::
 
-    python tests/vllm/tiny_model.py /tmp/tiny-llama            # defaults below
-    python tests/vllm/tiny_model.py /tmp/big --hidden 1024 --layers 8
+    python tests/vllm_engine/tiny_model.py /tmp/tiny-llama            # defaults below
+    python tests/vllm_engine/tiny_model.py /tmp/big --hidden 1024 --layers 8
 """
 
 from __future__ import annotations

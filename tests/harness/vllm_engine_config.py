@@ -1,6 +1,6 @@
 """How the vLLM suite's engine scripts configure an engine: the ``kv_transfer_config`` of the
 chosen connector, and a logging config that makes every engine process print the connector's
-lines. Shared by ``tests/vllm/engine_runner.py`` and ``tests/vllm/events_engine.py``.
+lines. Shared by ``tests/vllm_engine/engine_runner.py`` and ``tests/vllm_engine/events_engine.py``.
 """
 
 from __future__ import annotations

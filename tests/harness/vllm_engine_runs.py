@@ -1,9 +1,9 @@
-"""Real vLLM engines, each in its own process: ``tests/vllm/engine_runner.py`` over a prompts file,
-its results read back as JSON.
+"""Real vLLM engines, each in its own process: ``tests/vllm_engine/engine_runner.py`` over a
+prompts file, its results read back as JSON.
 
 Every engine is its own subprocess, as separate replicas would be; greedy sampling with
 ``ignore_eos`` keeps outputs deterministic and :data:`MAX_TOKENS` long. Used by the end-to-end
-tests of the vLLM suite (``tests/vllm/``).
+tests of the vLLM suite (``tests/vllm_engine/``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import pytest
 __all__ = ["CHUNK", "ENGINE_TIMEOUT_S", "MAX_TOKENS", "RUNNER", "Engine"]
 
 #: The script each engine runs.
-RUNNER = Path(__file__).resolve().parents[1] / "vllm" / "engine_runner.py"
+RUNNER = Path(__file__).resolve().parents[1] / "vllm_engine" / "engine_runner.py"
 #: Tokens per chunk, as the engines' connectors are told.
 CHUNK = 256
 ENGINE_TIMEOUT_S = 240
@@ -29,9 +29,9 @@ MAX_TOKENS = 12
 
 
 class Engine:
-    """One ``tests/vllm/engine_runner.py`` subprocess over ``prompts``, with ``args`` added to its
-    command line (the connector's flags, say) and ``env`` to its environment; :meth:`result`
-    waits (up to ``timeout_s``) for its JSON output."""
+    """One ``tests/vllm_engine/engine_runner.py`` subprocess over ``prompts``, with ``args`` added
+    to its command line (the connector's flags, say) and ``env`` to its environment;
+    :meth:`result` waits (up to ``timeout_s``) for its JSON output."""
 
     def __init__(
         self,

@@ -2,8 +2,8 @@
 connector pointed at its own ``kvstore serve`` node (cluster index on, distinct node ids, one
 real redis-server), and ``kvstore router`` subprocesses in front of them.
 
-Used by ``tests/vllm/test_router_fleet.py`` and ``benchmarks/bench_route_replay.py``. Start-up
-cost is the two API servers (they start side by side); everything else takes a second.
+Used by ``tests/vllm_engine/test_router_fleet.py`` and ``benchmarks/bench_route_replay.py``.
+Start-up cost is the two API servers (they start side by side); everything else takes a second.
 
 The chunk size is set in one place, as a deployment should: the nodes' ``keys.chunk_size``. The
 connectors set none (they ask their node), and the routers have no key settings (they read the
@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 #: The vLLM suite's folder, where the tiny model's script lives.
-VLLM_TESTS = Path(__file__).resolve().parents[1] / "vllm"
+VLLM_TESTS = Path(__file__).resolve().parents[1] / "vllm_engine"
 #: Tokens per chunk: the nodes' ``keys.chunk_size`` (not the default 256, so that a part of
 #: the fleet that fell back to the default would show).
 CHUNK = 128

@@ -1,8 +1,8 @@
-"""The guard of the real-vLLM suite (``tests/vllm``): where vLLM's CPU build is not installed its
-test modules are left out, with one line in pytest's header saying so, except under
+"""The guard of the real-vLLM suite (``tests/vllm_engine``): where vLLM's CPU build is not
+installed its test modules are left out, with one line in pytest's header saying so, except under
 ``KVSTORE_REQUIRE_VLLM=1`` (the test command sets it), where they are collected and a missing
-vLLM fails them. The modules themselves carry no guard: ``tests/vllm/conftest.py`` applies this
-one before any of them is imported."""
+vLLM fails them. The modules themselves carry no guard: ``tests/vllm_engine/conftest.py``
+applies this one before any of them is imported."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def vllm_missing() -> str | None:
     if os.environ.get("KVSTORE_REQUIRE_VLLM") == "1":
         return None
     spec = importlib.util.find_spec("vllm")
-    # ``tests/vllm`` itself is a namespace package named ``vllm`` where ``tests`` is on the
+    # ``tests/vllm_engine`` itself is a namespace package named ``vllm`` where ``tests`` is on the
     # path: only a package with an ``__init__`` (an origin) is vLLM.
     if spec is None or spec.origin is None:
         return "vLLM's CPU build is not installed (KVSTORE_REQUIRE_VLLM=1 makes that a failure)"

@@ -5,7 +5,7 @@ cannot drift apart.
 Only its placeholders are replaced: the model name by the suite's tiny local model, ``--port
 8000`` by a free port and the ``target`` by the test's store; a few flags that keep the run short
 on this CPU are appended (:data:`TEST_FLAGS`). Used by the vLLM suite's server tests
-(``tests/vllm/test_openai_server.py`` and the tests of metrics and store restarts beside it).
+(``tests/vllm_engine/test_openai_server.py`` and the tests of metrics and store restarts beside it).
 """
 
 from __future__ import annotations

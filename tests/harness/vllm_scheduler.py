@@ -1,5 +1,6 @@
 """STAND-INS for vLLM's scheduler-side objects, for the tests that drive the connector's halves
-without vLLM (``tests/integrations/``, the GPU harness) or beside a real engine (``tests/vllm/``).
+without vLLM (``tests/integrations/``, the GPU harness) or beside a real engine
+(``tests/vllm_engine/``).
 
 Each is a plain object carrying only the fields the connector reads -- written once, here, so
 that a field the connector starts to read is added in one place:
@@ -10,7 +11,7 @@ that a field the connector starts to read is added in one place:
 * :func:`stand_in_output` for ``SchedulerOutput`` (new and running requests, none preempted).
 
 None of them is vLLM's: a test that passes here says nothing of a field vLLM renames. The real
-engines' suite (``tests/vllm/``) is what catches that.
+engines' suite (``tests/vllm_engine/``) is what catches that.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ redis-server and a real ZMQ PUB socket.
 The PUB socket stands in for vLLM's ``ZmqEventPublisher``: this test builds batches in its wire
 format (``[topic, seq, payload]``, ``payload`` the msgpack ``KVEventBatch`` array ``[ts, events,
 dp_rank]`` whose events are maps tagged ``type``), the way ``msgspec`` encodes vLLM 0.32's
-structs; ``tests/vllm/test_engine_events.py`` checks the real publisher of a real engine.
+structs; ``tests/vllm_engine/test_engine_events.py`` checks the real publisher of a real engine.
 
 What it shows, with vLLM's blocks of 16 tokens and kvstore chunks of 32: the whole chunks an
 engine holds appear in the index as tier ``local`` of the node beside it, named as the connector

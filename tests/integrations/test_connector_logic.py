@@ -6,7 +6,8 @@ fields the connector reads (:mod:`harness.vllm_scheduler`: the request, ``KVCach
 ``KVCacheConfig``). The store is :class:`~harness.connector_sides.FakeStore`, an in-memory
 stand-in for :class:`kvstore.KVStoreClient` (the breaker's resumption runs real clients instead,
 over :class:`kvstore.MockTransport`); the KV caches are real CPU tensors in vLLM's CPU layout.
-The same halves against a real store and a real engine are tested in tests/vllm (the vLLM suite).
+The same halves against a real store and a real engine are tested in tests/vllm_engine (the vLLM
+suite).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The halves run as in test_connector_logic.py (its stand-ins for vLLM's objects and its in-memory
 :class:`FakeStore`); the same figures from a real engine into vLLM's ``/metrics`` are tested in
-tests/vllm/test_engine_metrics.py.
+tests/vllm_engine/test_engine_metrics.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The hit rule per KV cache group kind, group keys, and the per-group load and save plans.
 
 Engine-free: groups are :class:`~kvstore.integrations.paged.groups.GroupSpec` values and block
-tables plain lists (vLLM's own objects drive the same code in tests/vllm/test_hma_groups.py).
+tables plain lists (vLLM's own objects drive the same code in tests/vllm_engine/test_hma_groups.py).
 """
 
 from __future__ import annotations

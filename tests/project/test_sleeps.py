@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parents[2]
 TESTS = ROOT / "tests"
 
 #: Folders (from the repository root) whose sleeps are not checked yet, and why. None now:
-#: tests/vllm, tests/sglang and tests/integrations were audited too (tests/vllm only collected,
-#: its changes kept to markers and bounded polls).
+#: tests/vllm_engine, tests/sglang_engine and tests/integrations were audited too (tests/vllm_engine
+#: only collected, its changes kept to markers and bounded polls).
 LEFT_FOLDERS: dict[str, str] = {}
 
 _MARKER = re.compile(r"#\s*sleep:\s*\S")

@@ -146,7 +146,7 @@ def test_mypy_checks_what_the_operations_guide_says() -> None:
     # The guide names the type-checked paths; the dry run shows what the suite runs.
     result = run_test_sh()
     assert result.returncode == 0, result.stdout + result.stderr
-    scope = "kvstore kernels tests/harness tests/integrations"
+    scope = "kvstore kernels tests/harness tests/integrations tests/vllm_engine tests/sglang_engine"
     assert f"--- mypy: would run: .venv/bin/mypy {scope}\n" in result.stdout
     guide = " ".join((ROOT / "docs" / "operations.md").read_text().split())
     assert f"mypy (strict, on `{scope}`:" in guide

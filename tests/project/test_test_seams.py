@@ -11,8 +11,8 @@ An import of a test module is one of:
   folder is importable from any other);
 * a relative import, or one of ``tests.`` itself.
 
-The engines' folders (``tests/vllm/``, ``tests/sglang/``) are checked like any other; only their
-names are not test modules' (``import vllm`` is vLLM's).
+The engines' folders (``tests/vllm_engine/``, ``tests/sglang_engine/``) are checked like any
+other; the engines' own names are not test modules' (``import vllm`` is vLLM's).
 """
 
 from __future__ import annotations

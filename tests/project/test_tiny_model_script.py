@@ -2,7 +2,7 @@
 
 The environment is a stand-in (``KVSTORE_VLLM_VENV``) whose ``python`` records its arguments and
 writes the model directory's marker, so the test checks the wiring without torch; the vLLM tests
-build the real model through the same ``tests/vllm/tiny_model.py``.
+build the real model through the same ``tests/vllm_engine/tiny_model.py``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def test_builds_with_the_recipe_the_tests_use_and_says_how_to_serve_it(tmp_path:
     done = _run(tmp_path, "models/tiny", venv=venv)
     assert done.returncode == 0, done.stdout + done.stderr
     assert (tmp_path / "args").read_text().split() == [
-        str(ROOT / "tests" / "vllm" / "tiny_model.py"),
+        str(ROOT / "tests" / "vllm_engine" / "tiny_model.py"),
         "models/tiny",
     ]
     built = tmp_path / "models" / "tiny"

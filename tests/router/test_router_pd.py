@@ -4,7 +4,7 @@
 The router runs for real (``run_router`` on a real port, its settings through ``load_config``);
 the engines are :class:`Engine`, test doubles in the style of tests/harness/fake_engine.py:
 real HTTP servers answering OpenAI-shaped JSON, that log every request in one shared list so a
-test can tell the order. Real vLLM engines doing the hand-off: tests/vllm/test_pd_handoff.py.
+test can tell the order. Real vLLM engines doing the hand-off: tests/vllm_engine/test_pd_handoff.py.
 """
 
 from __future__ import annotations

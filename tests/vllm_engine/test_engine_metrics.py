@@ -43,6 +43,12 @@ def kvstore_metrics(server: ReadmeApiServer) -> dict[str, float]:
     return samples
 
 
+def showing(server: ReadmeApiServer, name: str) -> dict[str, float] | None:
+    """The server's kvstore samples once ``name`` is above 0 in them (``None`` before)."""
+    samples = kvstore_metrics(server)
+    return samples if samples.get(name) else None
+
+
 def failed(samples: dict[str, float], kind: str) -> dict[str, float]:
     """The nonzero ``vllm:kvstore_{kind}_failed_tokens_total`` samples by reason."""
     prefix = f"vllm:kvstore_{kind}_failed_tokens_total["
@@ -65,7 +71,7 @@ def test_each_engine_reports_the_prompt_tokens_kvstore_saved_it(
         poll_value(lambda: store.stats()["blocks"] >= prompt_tokens // CHUNK, "chunks stored")
         first.complete(model, "a short prompt")  # one more step reports the finished puts
         one = poll_value(
-            lambda: (m := kvstore_metrics(first)).get("vllm:kvstore_saved_tokens_total") and m,
+            lambda: showing(first, "vllm:kvstore_saved_tokens_total"),
             "server 1's /metrics shows saved tokens",
         )
     finally:
@@ -81,7 +87,7 @@ def test_each_engine_reports_the_prompt_tokens_kvstore_saved_it(
     try:
         second.complete(model, prompt)
         two = poll_value(
-            lambda: (m := kvstore_metrics(second)).get("vllm:kvstore_loaded_tokens_total") and m,
+            lambda: showing(second, "vllm:kvstore_loaded_tokens_total"),
             "server 2's /metrics shows loaded tokens",
         )
     finally:

@@ -1,12 +1,12 @@
 """One vLLM engine with the kvstore connector and KV events on, driven line by line.
 
-    python tests/vllm/events_engine.py --model DIR --target HOST:PORT --events tcp://*:PORT \\
-        [--chunk-size N]
+    python tests/vllm_engine/events_engine.py --model DIR --target HOST:PORT \\
+        --events tcp://*:PORT [--chunk-size N]
 
 After start-up it prints ``READY``; then for each line of token ids (JSON) on stdin it generates
 one token and prints ``RESULT {"num_cached_tokens": N}``. The connector's scheduler logs its
 namespace on the same stdout (``namespace Namespace(...)``), which a test reads to name chunks
-as the connector does. Used by ``tests/vllm/test_engine_events.py``.
+as the connector does. Used by ``tests/vllm_engine/test_engine_events.py``.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ The cache layout is vLLM's (``KVCacheConfig`` of several ``KVCacheGroupSpec``: f
 sliding window, Mamba, one group of mixed page sizes), and so are the block tables: a real
 ``KVCacheManager`` allocates the requests' blocks, with the null blocks it puts where a sliding
 window skipped tokens. The store is a real ``kvstore serve``; the KV caches are real CPU tensors
-in vLLM's CPU layout. The model's forward pass is not run (tests/vllm/test_vllm_e2e.py and the
-family tests run real engines): the caches' contents stand for what it would have written.
+in vLLM's CPU layout. The model's forward pass is not run (tests/vllm_engine/test_vllm_e2e.py and
+the family tests run real engines): the caches' contents stand for what it would have written.
 """
 
 from __future__ import annotations

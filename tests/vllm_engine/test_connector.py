@@ -100,7 +100,7 @@ def pair(store: ServerProcess) -> Iterator[tuple[SchedulerSide, WorkerSide, Stan
     scheduler = SchedulerSide(settings, _vllm_config(), _kv_cache_config())
     worker = WorkerSide(settings, _vllm_config(), _kv_cache_config())
     manager = StandInManager()
-    scheduler.bind_kv_cache_manager(manager)  # type: ignore[arg-type]
+    scheduler.bind_kv_cache_manager(manager)
     yield scheduler, worker, manager
     worker.shutdown()
     scheduler.shutdown()
@@ -144,7 +144,7 @@ def test_save_then_load_round_trips_blocks(
     req_b = stand_in_request("b", [*tokens[: 3 * CHUNK], 1, 2, 3])
     assert answer_when_known(scheduler, req_b, BLOCK) == 3 * CHUNK - BLOCK
     b_blocks = [30, 20, 21, 22, 23, 24, 25]
-    scheduler.update_state_after_alloc(req_b, StandInBlocks(b_blocks), 3 * CHUNK - BLOCK)  # type: ignore[arg-type]
+    scheduler.update_state_after_alloc(req_b, StandInBlocks(b_blocks), 3 * CHUNK - BLOCK)
     manager.blocks["b"] = b_blocks
     meta = scheduler.build_connector_meta(stand_in_output([("b", 3 * CHUNK, 3)]))
     assert meta.saves == []  # everything B could save is in the store already

@@ -3,7 +3,7 @@
 Tests and benchmarks start this script as a subprocess so that every engine is its own process,
 as separate replicas would be::
 
-    python tests/vllm/engine_runner.py --model DIR --prompts IN.json --out OUT.json \\
+    python tests/vllm_engine/engine_runner.py --model DIR --prompts IN.json --out OUT.json \\
         [--connector none|kvstore|example] [--target HOST:PORT] [--storage-path DIR] \\
         [--chunk-size N] [--max-tokens N] [--sequential] [--kv-transfer-params PARAMS.json]
         [--load-policy cost|always|never] [--dtype D] [--no-prefix-caching]

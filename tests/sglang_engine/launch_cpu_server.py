@@ -2,7 +2,7 @@
 
 Run it exactly as SGLang's launcher (same flags)::
 
-    python tests/sglang/launch_cpu_server.py --model-path DIR --device cpu ...
+    python tests/sglang_engine/launch_cpu_server.py --model-path DIR --device cpu ...
 
 The stand-ins (:mod:`harness.sglang_cpu`) are installed at this module's top level, before
 SGLang is imported: SGLang starts its scheduler and detokenizer with the ``spawn`` start method,
@@ -18,8 +18,8 @@ import sys
 _TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
-# This file's own folder (tests/sglang) comes first on sys.path when it is run by path; it holds
-# no SGLang, but drop it anyway so ``import sglang`` can only find the installed package.
+# This file's own folder (tests/sglang_engine) comes first on sys.path when it is run by path; it
+# holds no SGLang, but drop it anyway so ``import sglang`` can only find the installed package.
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 

@@ -25,16 +25,14 @@ from pathlib import Path
 from typing import IO
 
 import pytest
+from harness.cluster_nodes import holders
 from harness.ports import free_port
+from harness.redis_server import RedisServer
+from harness.serve import ServerProcess
 from harness.vllm_fleet import build_model
 
 from kvstore import Namespace
 from kvstore.integrations.vllm.common import ConnectorSettings, make_hasher
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
-from harness.cluster_nodes import holders
-from harness.redis_server import RedisServer
-from harness.serve import ServerProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 

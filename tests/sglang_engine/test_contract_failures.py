@@ -127,7 +127,11 @@ def test_sglangs_random_failures_are_misses_never_wrong_bytes(
             stored = reader.batch_set_v1(fresh, page_indices(reader_pool, 2))
             assert stored in ([True, True], [False, False])
             if stored[0]:
-                poll(lambda fresh=fresh: reader.batch_exists(fresh) == 2, 10.0, "a stored page")
+
+                def present(fresh: list[str] = fresh) -> bool:
+                    return bool(reader.batch_exists(fresh) == 2)
+
+                poll(present, 10.0, "a stored page")
     finally:
         reader.close()
 
@@ -152,7 +156,9 @@ def test_a_forged_block_is_a_miss_and_never_reaches_the_host_pool(tmp_path: Path
                 raw = redis_server.client()
                 poll(lambda: None not in raw.mget(names), 10.0, "the write-through to redis")
                 # Someone with write access to Redis flips bits of the middle page's payload.
-                value = bytearray(raw.get(names[1]))
+                stored = raw.get(names[1])
+                assert isinstance(stored, bytes), stored
+                value = bytearray(stored)
                 value[-100:] = bytes(b ^ 0xFF for b in value[-100:])
                 raw.set(names[1], bytes(value))
 

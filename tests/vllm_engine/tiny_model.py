@@ -1,7 +1,7 @@
 """Build the suite's tiny random-weight Llama on local disk::
 
-    python tests/vllm/tiny_model.py /tmp/tiny-llama            # defaults below
-    python tests/vllm/tiny_model.py /tmp/big --hidden 1024 --layers 8
+    python tests/vllm_engine/tiny_model.py /tmp/tiny-llama            # defaults below
+    python tests/vllm_engine/tiny_model.py /tmp/big --hidden 1024 --layers 8
 
 The builder is :mod:`harness.tiny_model`; this script puts ``tests/`` on the path (run by
 path, only its own folder is there) and calls it, in a child process of the tests that need the

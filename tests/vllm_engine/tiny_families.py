@@ -1,7 +1,7 @@
 """Build the tiny models of the families vLLM groups into several KV cache groups on local disk::
 
-    python tests/vllm/tiny_families.py gpt_oss /tmp/tiny-gpt-oss
-    python tests/vllm/tiny_families.py --list
+    python tests/vllm_engine/tiny_families.py gpt_oss /tmp/tiny-gpt-oss
+    python tests/vllm_engine/tiny_families.py --list
 
 The builder is :mod:`harness.tiny_families`; this script puts ``tests/`` on the path (run by
 path, only its own folder is there) and calls it, in a child process of the tests that need the

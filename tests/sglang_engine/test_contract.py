@@ -47,7 +47,8 @@ def page_bytes(pool: Any, index: int) -> torch.Tensor:
         page = page.permute(0, 2, 1, 3, 4)
     elif pool.layout == "page_first_direct":
         page = page[:, 0]
-    return page.contiguous().view(torch.uint8)
+    flat: torch.Tensor = page.contiguous().view(torch.uint8)
+    return flat
 
 
 def assert_same_pages(source: Any, source_at: Any, target: Any, target_at: Any) -> None:
