@@ -21,7 +21,9 @@ Bit-exactness here is the reference's, not a prefix-cache hit's: on this CPU bui
 families' numerics depend on where the prompt was split (B's prefill starts at token 512, the
 reference's at 0, and their outputs agree). Families the connector does not store yet are
 marked ``xfail(strict=True)`` with the reason, and the load assertion comes last, so everything
-else they claim is still checked and the mark flips when the connector learns them.
+else they claim is still checked and the mark flips when the connector learns them. Where vLLM
+itself cannot run a family on this CPU (the reference engine, with no connector, fails: the MLA
+model on vLLM's AVX-512-bf16 build), the case is an expected failure saying so.
 
 Needs vLLM's CPU build; skipped without it unless ``KVSTORE_REQUIRE_VLLM=1``. Runtime: three
 engine start-ups per family (the reference beside engine A) and two for the gpt-oss reproduction;
@@ -37,7 +39,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pytest
 from harness.serve import ServerProcess
@@ -181,6 +183,29 @@ def _group_bytes(counters: dict[str, float]) -> dict[str, float]:
     return {k[len(prefix) : -1]: v for k, v in counters.items() if k.startswith(prefix)}
 
 
+#: vLLM 0.32's CPU MLA decode kernel where it has no kernel for the tiny model's 320-wide latent
+#: row: its AVX-512-bf16 build (``vllm._C``) compiles only DeepSeek's 576, and says so as a block
+#: size. Its AVX2 build runs the row.
+_NO_MLA_KERNEL = "Unsupported block size: 16"
+
+
+def _reference_results(reference: Engine, *beside: Engine) -> list[dict[str, Any]]:
+    """The reference engine's results; an expected failure (the engines beside it stopped) where
+    vLLM itself, with no connector, cannot run the model on this CPU."""
+    try:
+        return list(reference.result()["results"])
+    except pytest.fail.Exception as exc:
+        if _NO_MLA_KERNEL not in str(exc):
+            raise
+        for engine in beside:
+            engine.proc.kill()
+            engine.proc.wait()
+        pytest.xfail(
+            "vLLM's own engine, without kvstore, cannot run the tiny MLA model on this CPU: its "
+            f"CPU MLA decode kernel (the AVX-512-bf16 build) fails with {_NO_MLA_KERNEL!r}"
+        )
+
+
 @pytest.mark.parametrize("family", FAMILY_PARAMS)
 def test_family_loads_from_kvstore_with_the_hybrid_manager_on(
     family: str, workdir: Path, store: ServerProcess
@@ -190,10 +215,10 @@ def test_family_loads_from_kvstore_with_the_hybrid_manager_on(
     connector = ["--connector", "kvstore", "--target", store.target, "--stats"]
     reference = Engine(f"{family}-reference", workdir, family, b_prompts + controls)
     engine_a = Engine(f"{family}-a", workdir, family, a_prompts, *connector)
+    want = _reference_results(reference, engine_a)
     engine_a.result()
     engine_b = Engine(f"{family}-b", workdir, family, b_prompts, *connector)
     got = engine_b.result()
-    want = reference.result()["results"]
 
     # The reference's outputs depend on the loaded range: a wrong chunk would show. The tiny
     # MLA model's outputs ignore tokens 384-511 (they follow tokens 0-255), and the all-sliding
