@@ -59,6 +59,7 @@ __all__ = [
     "exit_on_sigterm",
     "free_port",
     "kvstore_server",
+    "launchers",
     "machine_info",
     "markdown_table",
     "percentile",
@@ -86,6 +87,14 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def launchers(hosts: tuple[Any, Any] | None) -> tuple[Any, Any, str]:
+    """``(popen, run, address)`` of a two-process benchmark: its listening side at ``address``,
+    here or in ``hosts[0]`` (a ``harness.netns_hosts.Host``), the other here or in ``hosts[1]``."""
+    if hosts is None:
+        return subprocess.Popen, subprocess.run, "127.0.0.1"
+    return hosts[0].popen, hosts[1].run, hosts[0].address
 
 
 def exit_on_sigterm() -> None:

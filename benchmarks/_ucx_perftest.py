@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import GB, free_port, reap
+from _common import GB, free_port, launchers, reap
 
 from kvstore.protocol.ucx import UCX_ENV_DEFAULTS
 
@@ -69,9 +69,7 @@ def perftest(
     ``harness.netns_hosts.Host``), instead of this host's loopback."""
     port = free_port()
     run_env = {**os.environ, **env, "UCX_TLS": tls}
-    popen, run, address = subprocess.Popen, subprocess.run, "127.0.0.1"
-    if hosts is not None:
-        popen, run, address = hosts[0].popen, hosts[1].run, hosts[0].address
+    popen, run, address = launchers(hosts)
     server = popen(
         [str(binary), "-p", str(port)],
         env=run_env,

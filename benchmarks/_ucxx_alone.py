@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
-from _common import free_port, reap
+from _common import free_port, launchers, reap
 
 from kvstore.protocol.ucx import load_ucxx, transfer_tag
 
@@ -54,9 +54,7 @@ def ucxx_alone(
     ``hosts``: ``(receiver's, sender's)``, each with ``popen``, ``run`` and ``address`` (a
     ``harness.netns_hosts.Host``), instead of this host's loopback."""
     script = str(Path(__file__).resolve())
-    popen, run, address = subprocess.Popen, subprocess.run, "127.0.0.1"
-    if hosts is not None:
-        popen, run, address = hosts[0].popen, hosts[1].run, hosts[0].address
+    popen, run, address = launchers(hosts)
     spec = {"cases": cases, "port": free_port(), "address": address}
     timeout = _time_limit(spec)
     argument = json.dumps(spec)

@@ -347,17 +347,18 @@ def measure_wire(
     return wire
 
 
+def _rates(timings: dict[str, Any], name: str) -> list[float]:
+    """Bytes/s of each round of case ``name`` (``"PATH/SIZE"``) in the reader's timings."""
+    return [n / s for n, s in zip(timings["bytes"][name], timings["seconds"][name], strict=True)]
+
+
 def wire_report(result: dict[str, Any]) -> list[str]:
     """The wire table: UCX and ucxx alone between the hosts, and the peer reads against them."""
     wire, timings = result["wire"], result["timings"]
     rows = []
     for size in result["sizes"]:
         label = f"{size // MiB}MiB"
-        name = f"peer-ucx/{label}"
-        peer = percentile(
-            [n / s for n, s in zip(timings["bytes"][name], timings["seconds"][name], strict=True)],
-            50,
-        )
+        peer = percentile(_rates(timings, f"peer-ucx/{label}"), 50)
         ucxx = wire["ucxx"][label]
         alone = percentile(ucxx, 50)
         ceiling = wire["perftest"].get(label)
@@ -398,9 +399,7 @@ def report(result: dict[str, Any]) -> str:
         rates: dict[str, list[float]] = {}
         for path in shown:
             name = f"{path}/{label}"
-            rates[path] = [
-                n / s for n, s in zip(timings["bytes"][name], timings["seconds"][name], strict=True)
-            ]
+            rates[path] = _rates(timings, name)
         base = percentile(rates["redis"], 50)
         for path in shown:
             median = percentile(rates[path], 50)
